@@ -1,0 +1,165 @@
+"""Context directory packaging: what goes into a trial's working directory.
+
+The context is snapshotted (a tar.gz plus a content hash) into the experiment dir at create
+time, so later edits to the user's directory never change queued or restarted trials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pathspec
+
+from detslurm.errors import ContextError
+
+MAX_CONTEXT_BYTES = 95 * 1024 * 1024
+ALWAYS_IGNORED = ["__pycache__/", "*.pyc", "*.pyo", ".git/"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    rel: str
+    kind: str  # "file" | "dir" | "link"
+    size: int = 0
+    mode: int = 0o644
+    target: str = ""
+
+
+@dataclass(frozen=True)
+class ContextBundle:
+    root: Path
+    entries: tuple[Entry, ...]
+    total_bytes: int
+    sha256: str
+
+
+def _spec(root: Path) -> pathspec.PathSpec:
+    lines = list(ALWAYS_IGNORED)
+    ignore = root / ".detignore"
+    if ignore.is_file():
+        lines += ignore.read_text().splitlines()
+    return pathspec.GitIgnoreSpec.from_lines(lines)
+
+
+def _link_entry(root: Path, path: Path, rel: str) -> Entry:
+    target = os.readlink(path)
+    resolved = (path.parent / target).resolve() if not os.path.isabs(target) else Path(target).resolve()
+    root_r = root.resolve()
+    if resolved != root_r and root_r not in resolved.parents:
+        raise ContextError(
+            f"context directory {root}: symbolic link {rel} -> {target} points outside the "
+            "context directory; copy the file in or add the link to .detignore"
+        )
+    rel_target = os.path.relpath(resolved, (root_r / rel).parent)
+    return Entry(rel=rel, kind="link", target=rel_target)
+
+
+def scan(root: Path) -> list[Entry]:
+    spec = _spec(root)
+    entries: list[Entry] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        base = Path(dirpath)
+        rel_dir = base.relative_to(root).as_posix()
+        keep = []
+        for d in sorted(dirnames):
+            rel = d if rel_dir == "." else f"{rel_dir}/{d}"
+            if spec.match_file(rel + "/"):
+                continue
+            if (base / d).is_symlink():
+                entries.append(_link_entry(root, base / d, rel))
+                continue
+            keep.append(d)
+            entries.append(Entry(rel=rel, kind="dir", mode=0o755))
+        dirnames[:] = keep
+        for name in sorted(filenames):
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if spec.match_file(rel):
+                continue
+            path = base / name
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                entries.append(_link_entry(root, path, rel))
+            elif stat.S_ISREG(st.st_mode):
+                entries.append(Entry(rel=rel, kind="file", size=st.st_size, mode=st.st_mode & 0o777))
+    return entries
+
+
+def _too_big(root: Path, entries: list[Entry], total: int) -> ContextError:
+    largest = sorted((e for e in entries if e.kind == "file"), key=lambda e: -e.size)[:5]
+    listing = "\n".join(f"  {e.size / 2**20:8.1f} MiB  {e.rel}" for e in largest)
+    return ContextError(
+        f"context directory {root} is {total / 2**20:.1f} MiB, over the "
+        f"{MAX_CONTEXT_BYTES // 2**20} MiB limit. Largest files:\n{listing}\n"
+        "Add large files (data sets, checkpoints, binaries) to .detignore and load data from "
+        "a shared filesystem instead."
+    )
+
+
+def package(root: Path) -> ContextBundle:
+    root = Path(root)
+    if not root.is_dir():
+        raise ContextError(f"context directory {root} does not exist or is not a directory")
+    entries = scan(root)
+    total = sum(e.size for e in entries)
+    if total > MAX_CONTEXT_BYTES:
+        raise _too_big(root, entries, total)
+    h = hashlib.sha256()
+    for e in entries:
+        h.update(f"{e.kind}\0{e.rel}\0{e.mode:o}\0{e.target}\0".encode())
+        if e.kind == "file":
+            with open(root / e.rel, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+    return ContextBundle(root=root, entries=tuple(entries), total_bytes=total, sha256=h.hexdigest())
+
+
+def write_tarball(bundle: ContextBundle, dest: Path) -> None:
+    """Write the bundle as tar.gz to ``dest`` atomically (temp name, then rename)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for e in bundle.entries:
+            info = tarfile.TarInfo(e.rel)
+            info.mode = e.mode
+            info.mtime = 0  # reproducible bytes for the same content
+            if e.kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif e.kind == "link":
+                info.type = tarfile.SYMTYPE
+                info.linkname = e.target
+                tar.addfile(info)
+            else:
+                data = (bundle.root / e.rel).read_bytes()
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, dest)
+
+
+def _safe_member(m: tarfile.TarInfo, dest: Path) -> None:
+    p = PurePosixPath(m.name)
+    if p.is_absolute() or ".." in p.parts:
+        raise ContextError(f"refusing to extract {m.name!r}: path escapes the destination")
+    if not (m.isfile() or m.isdir() or m.issym()):
+        raise ContextError(f"refusing to extract {m.name!r}: only files, dirs and links are allowed")
+    if m.issym():
+        target = (dest / p.parent / m.linkname).resolve()
+        root = dest.resolve()
+        if PurePosixPath(m.linkname).is_absolute() or (target != root and root not in target.parents):
+            raise ContextError(f"refusing to extract link {m.name!r} -> {m.linkname!r}: it escapes the destination")
+
+
+def extract(tarball: Path, dest: Path) -> None:
+    """Extract a context tarball, refusing traversal, absolute paths and escaping links."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball, "r:*") as tar:
+        members = tar.getmembers()
+        for m in members:
+            _safe_member(m, dest)
+        tar.extractall(dest, members=members, filter="data")

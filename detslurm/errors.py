@@ -1,0 +1,53 @@
+"""One small exception hierarchy. Each error builds its message from fields it keeps."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class DetSlurmError(Exception):
+    """Base of every error the CLI turns into a clean message and an exit code."""
+
+    exit_code = 1
+
+
+class ConfigError(DetSlurmError):
+    """An experiment or site config is invalid; ``errors`` holds one line per problem."""
+
+    def __init__(self, errors: Sequence[str], source: str = "experiment configuration") -> None:
+        self.errors = list(errors)
+        self.source = source
+        body = "\n".join(f"  {e}" for e in self.errors)
+        super().__init__(f"invalid {source}:\n{body}")
+
+
+class ContextError(DetSlurmError):
+    """The context directory cannot be packaged or extracted safely."""
+
+
+class StoreError(DetSlurmError):
+    """The state store cannot be opened or is inconsistent."""
+
+
+class NotFoundError(DetSlurmError):
+    def __init__(self, kind: str, ident: object) -> None:
+        self.kind = kind
+        self.ident = ident
+        super().__init__(f"{kind} {ident} not found")
+
+
+class StateError(DetSlurmError):
+    """An operation is not valid in the object's current state."""
+
+
+class CheckpointNotFound(DetSlurmError):
+    def __init__(self, uuid: str, where: str) -> None:
+        self.uuid = uuid
+        super().__init__(f"checkpoint {uuid} not found in {where}")
+
+
+class InvalidHP(Exception):
+    """Raised by user code to tell the searcher that these hyperparameters are unusable.
+
+    Not a DetSlurmError: it is a signal from the trial, handled by ``core.init().__exit__``.
+    """

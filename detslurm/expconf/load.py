@@ -1,0 +1,330 @@
+"""Parse, override and validate an experiment config; errors come one per line with a path.
+
+Error lines follow Determined's shape, ``<config>.searcher.metric: ...``, sorted, so the user
+sees every problem at once instead of fixing them one submit at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence, get_args
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from detslurm.errors import ConfigError
+from detslurm.expconf import schema as s
+from detslurm.expconf.hparams import check_hyperparameters, normalize_hyperparameters
+
+ROOT = "<config>"
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``); users write
+    learning rates that way and would otherwise get a confusing "not a number" error."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str, where: str = ROOT) -> dict[str, Any]:
+    if not text.strip():
+        raise ConfigError([f"{where}: the file is empty; an experiment config is a YAML mapping"])
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        pos = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError([f"{where}: invalid YAML{pos}: {problem}"]) from None
+    if data is None:
+        raise ConfigError([f"{where}: the file is empty; an experiment config is a YAML mapping"])
+    if not isinstance(data, dict):
+        raise ConfigError([f"{where}: must be a mapping of keys to values, got {_kind(data)}"])
+    return data
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply ``--config key.sub=value`` overrides (value parsed as YAML; ``a,b`` is a list)."""
+    out = json.loads(json.dumps(config))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError([f"--config {item!r}: expected key.sub=value"])
+        if "," in text and not text.strip().startswith(("[", "{")):
+            value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]  # noqa: S506
+        else:
+            try:
+                value = yaml.load(text, Loader=_Loader) if text else ""  # noqa: S506
+            except yaml.YAMLError:
+                raise ConfigError([f"--config {item!r}: value is not valid YAML"]) from None
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if not isinstance(nxt, dict):
+                nxt = {}
+                node[p] = nxt
+            node = nxt
+        node[parts[-1]] = value
+    return out
+
+
+def _loc(prefix: str, loc: Sequence[int | str]) -> str:
+    out = prefix
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _valid_keys(model: type[BaseModel], loc: Sequence[int | str]) -> list[str]:
+    """The field names of the model found at ``loc`` (for "unknown key" messages)."""
+    cls: Any = model
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        fld = cls.model_fields.get(part)
+        if fld is None:
+            return []
+        cls = _inner_model(fld.annotation)
+        if cls is None:
+            return []
+    return sorted(cls.model_fields)
+
+
+def _inner_model(ann: Any) -> Any:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return ann
+    for arg in get_args(ann):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _pydantic_errors(exc: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+        msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if err["type"] == "extra_forbidden" and loc:
+            bad = loc.pop()
+            msg = f"unknown key {bad!r}; valid keys: {', '.join(_valid_keys(model, loc))}"
+        elif err["type"] == "missing":
+            field_name = loc.pop() if loc else "value"
+            msg = f"{field_name} is a required property"
+        elif "input" in err and err["type"] not in ("value_error", "assertion_error") and not isinstance(
+            err["input"], (dict, list)
+        ):
+            msg = f"{msg}, got {err['input']!r}"
+        lines.append(f"{_loc(prefix, loc)}: {msg}")
+    return lines
+
+
+def _model(cls: type[BaseModel], data: Any, prefix: str, errors: list[str]) -> Any:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        errors.extend(_pydantic_errors(e, prefix, cls))
+        return None
+
+
+@dataclass
+class ExperimentConfig:
+    """A validated config with defaults filled. ``as_dict()`` is what trials see."""
+
+    top: s.TopLevel
+    searcher: Any
+    storage: Any
+    hyperparameters: dict[str, Any]
+    _dict: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self._dict))
+
+    @property
+    def name(self) -> str:
+        return self.top.name or "Experiment"
+
+    @property
+    def entrypoint(self) -> str | list[str]:
+        ep = self.top.entrypoint
+        assert ep is not None
+        return ep
+
+    @property
+    def legacy_max_length(self) -> s.Length | None:
+        ml: s.Length | None = self.searcher.max_length
+        return ml
+
+
+_FORBIDDEN_LONG = {
+    "--ntasks-per-node", "--gpus", "--nodes", "--ntasks", "--chdir", "--error", "--output",
+    "--partition", "--no-requeue", "--requeue",
+}
+# Set by detslurm itself: trial identity (contract 4), arrays, logs and the signal contract.
+_OURS_LONG = {"--job-name", "--comment", "--array", "--wrap", "--open-mode", "--export", "--signal", "--parsable"}
+_FORBIDDEN_SHORT = {"G", "N", "n", "D", "e", "o", "p", "J", "a"}
+
+
+def check_sbatch_args(args: Sequence[str], prefix: str) -> list[str]:
+    errors = []
+    for i, arg in enumerate(args):
+        where = f"{prefix}[{i}]"
+        if any(ch in arg for ch in "\n\r\0"):
+            errors.append(f"{where}: control characters are not allowed in sbatch arguments")
+            continue
+        if arg.startswith("--"):
+            name, _, value = arg.partition("=")
+            if name in _FORBIDDEN_LONG:
+                errors.append(f"{where}: slurm option {name} is not configurable")
+            elif name in _OURS_LONG:
+                errors.append(f"{where}: slurm option {name} is set by detslurm and is not configurable")
+            elif name == "--gres":
+                val = value or (args[i + 1] if i + 1 < len(args) else "")
+                if val.startswith("gpu"):
+                    errors.append(f"{where}: slurm option --gres may not be used to configure GPU resources")
+        elif arg.startswith("-") and len(arg) >= 2 and arg[1] in _FORBIDDEN_SHORT:
+            errors.append(f"{where}: slurm option -{arg[1]} is not configurable")
+    return errors
+
+
+def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any:
+    where = f"{ROOT}.searcher"
+    if raw is None:
+        errors.append(f"{ROOT}: searcher is a required property")
+        return None
+    if not isinstance(raw, dict):
+        errors.append(f"{where}: must be a mapping, got {_kind(raw)}")
+        return None
+    name = raw.get("name")
+    if name in s.REMOVED_SEARCHERS:
+        errors.append(f"{where}.name: the '{name}' searcher has been removed and is not valid for new experiments")
+        return None
+    cls = s.SEARCHERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        valid = ", ".join(repr(n) for n in s.SEARCHERS)
+        errors.append(f"{where}.name: must be one of {valid}, got {name!r}")
+        return None
+    sc = _model(cls, raw, where, errors)
+    if sc is None:
+        return None
+    if not sc.metric:
+        errors.append(f"{where}: metric is a required property")
+    if name in ("random", "adaptive_asha") and sc.max_trials is None:
+        errors.append(f"{where}: max_trials is a required property")
+    if name == "adaptive_asha" and sc.max_length is None and (sc.max_time is None or not sc.time_metric):
+        errors.append(f"{where}: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set")
+    if name == "grid":
+        errors.extend(check_hyperparameters(hparams, f"{ROOT}.hyperparameters", grid=True, only_grid=True))
+    return sc
+
+
+def _check_storage(raw: Any, default: Mapping[str, Any] | None, errors: list[str]) -> Any:
+    where = f"{ROOT}.checkpoint_storage"
+    if raw is None:
+        raw = dict(default) if default else None
+    if raw is None:
+        errors.append(f"{ROOT}: checkpoint_storage is a required property")
+        return None
+    if isinstance(raw, str):
+        raw = {"type": "shared_fs", "host_path": raw}
+    if not isinstance(raw, dict):
+        errors.append(f"{where}: must be a mapping, got {_kind(raw)}")
+        return None
+    typ = raw.get("type")
+    if typ in ("s3", "gcs", "azure"):
+        errors.append(f"{where}.type: {typ} storage is not supported by detslurm; use shared_fs or directory")
+        return None
+    cls = s.STORAGES.get(typ) if isinstance(typ, str) else None
+    if cls is None:
+        errors.append(f"{where}.type: must be one of 'shared_fs', 'directory', got {typ!r}")
+        return None
+    st = _model(cls, raw, where, errors)
+    if st is not None and typ == "shared_fs" and not st.host_path:
+        errors.append(f"{where}: host_path is a required property")
+    return st
+
+
+def _check_top(top: s.TopLevel, errors: list[str]) -> None:
+    if top.entrypoint is None or top.entrypoint == "" or top.entrypoint == []:
+        errors.append(f"{ROOT}: entrypoint is a required property (managed experiments require entrypoint)")
+    errors.extend(check_sbatch_args(top.slurm.sbatch_args, f"{ROOT}.slurm.sbatch_args"))
+    env = top.environment
+    kinds = env.environment_variables if isinstance(env.environment_variables, dict) else {"": env.environment_variables}
+    for kind, items in kinds.items():
+        base = f"{ROOT}.environment.environment_variables" + (f".{kind}" if kind else "")
+        for i, item in enumerate(items):
+            key, sep, _ = item.partition("=")
+            if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                errors.append(f"{base}[{i}]: expected NAME=VALUE with a valid variable name, got {item!r}")
+
+
+_PET_A = ["brave", "calm", "eager", "fancy", "gentle", "happy", "jolly", "kind", "lively", "proud", "quick", "witty"]
+_PET_B = ["otter", "falcon", "badger", "heron", "lynx", "marten", "osprey", "panda", "raven", "tapir", "wombat", "yak"]
+
+
+def validate(
+    raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None = None
+) -> ExperimentConfig:
+    errors: list[str] = []
+    top = _model(s.TopLevel, dict(raw), ROOT, errors)
+    hp_raw = raw.get("hyperparameters", {}) if isinstance(raw, Mapping) else {}
+    hparams: dict[str, Any] = {}
+    if hp_raw is None:
+        hp_raw = {}
+    if not isinstance(hp_raw, dict):
+        errors.append(f"{ROOT}.hyperparameters: must be a mapping, got {_kind(hp_raw)}")
+    else:
+        hp_errors = check_hyperparameters(hp_raw, f"{ROOT}.hyperparameters")
+        errors.extend(hp_errors)
+        if not hp_errors:
+            hparams = normalize_hyperparameters(hp_raw)
+    searcher = _check_searcher(raw.get("searcher"), hp_raw if not errors else {}, errors)
+    storage = _check_storage(raw.get("checkpoint_storage"), default_storage, errors)
+    if top is not None:
+        _check_top(top, errors)
+    if errors:
+        raise ConfigError(sorted(set(errors)))
+    assert top is not None
+    if top.name is None:
+        rng = random.Random()
+        top.name = f"Experiment ({rng.choice(_PET_A)}-{rng.choice(_PET_B)})"
+    full = top.model_dump(mode="json")
+    full["searcher"] = searcher.model_dump(mode="json", exclude_none=False)
+    if searcher.max_length is not None:
+        full["searcher"]["max_length"] = searcher.max_length.to_json()
+    full["checkpoint_storage"] = storage.model_dump(mode="json")
+    full["hyperparameters"] = hparams
+    for key in ("min_validation_period", "min_checkpoint_period"):
+        full[key] = getattr(top, key).to_json()
+    return ExperimentConfig(top=top, searcher=searcher, storage=storage, hyperparameters=hparams, _dict=full)
+
+
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    default_storage: Mapping[str, Any] | None = None,
+) -> tuple[ExperimentConfig, str]:
+    """Read, override and validate a config file; returns it and the original YAML text."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read the experiment config: {e.strerror}"]) from None
+    raw = apply_overrides(parse_yaml(text), overrides)
+    return validate(raw, default_storage), text

@@ -1,0 +1,242 @@
+"""Typed models for expconf v0. Field names and defaults follow Determined's schema.
+
+Every model forbids unknown keys and names the valid ones, and is strict about types (a string
+is not an int), because a typo in a config should fail on the login node, not after hours in
+the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class Length(Strict):
+    """A training length: exactly one of batches, records or epochs."""
+
+    batches: Optional[int] = Field(default=None, ge=0)
+    records: Optional[int] = Field(default=None, ge=0)
+    epochs: Optional[int] = Field(default=None, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_any(cls, data: Any) -> Any:
+        if isinstance(data, int) and not isinstance(data, bool):
+            return {"batches": data}
+        if isinstance(data, dict) and len(data) != 1:
+            raise ValueError('a length object must have one attribute named "batches", "records", or "epochs"')
+        return data
+
+    @property
+    def unit(self) -> str:
+        for u in ("batches", "records", "epochs"):
+            if getattr(self, u) is not None:
+                return u
+        return "batches"
+
+    @property
+    def value(self) -> int:
+        v = getattr(self, self.unit)
+        return int(v) if v is not None else 0
+
+    def to_json(self) -> dict[str, int]:
+        return {self.unit: self.value}
+
+
+class SearcherCommon(Strict):
+    metric: Optional[str] = None
+    smaller_is_better: bool = True
+    source_trial_id: Optional[int] = None
+    source_checkpoint_uuid: Optional[str] = None
+    max_length: Optional[Length] = None
+
+
+class SingleSearcher(SearcherCommon):
+    name: Literal["single"] = "single"
+
+
+class RandomSearcher(SearcherCommon):
+    name: Literal["random"] = "random"
+    max_trials: Optional[int] = Field(default=None, ge=1)
+    max_concurrent_trials: int = Field(default=16, ge=0)
+
+
+class GridSearcher(SearcherCommon):
+    name: Literal["grid"] = "grid"
+    max_concurrent_trials: int = Field(default=16, ge=0)
+
+
+class AdaptiveASHASearcher(SearcherCommon):
+    name: Literal["adaptive_asha"] = "adaptive_asha"
+    max_trials: Optional[int] = Field(default=None, ge=1)
+    mode: Literal["aggressive", "standard", "conservative"] = "standard"
+    divisor: float = Field(default=4.0, gt=1)
+    max_rungs: int = Field(default=5, ge=1)
+    max_concurrent_trials: int = Field(default=16, ge=0)
+    bracket_rungs: list[int] = Field(default_factory=list)
+    time_metric: Optional[str] = None
+    max_time: Optional[int] = Field(default=None, ge=1)
+    stop_once: bool = False
+
+
+SearcherConfig = Union[SingleSearcher, RandomSearcher, GridSearcher, AdaptiveASHASearcher]
+SEARCHERS: dict[str, type[Strict]] = {
+    "single": SingleSearcher,
+    "random": RandomSearcher,
+    "grid": GridSearcher,
+    "adaptive_asha": AdaptiveASHASearcher,
+}
+REMOVED_SEARCHERS = ("custom", "adaptive", "adaptive_simple", "sync_halving", "async_halving")
+
+
+class Resources(Strict):
+    slots_per_trial: int = Field(default=1, ge=0)
+    resource_pool: str = ""
+    priority: Optional[int] = Field(default=None, ge=1, le=99)
+    weight: float = Field(default=1.0, ge=0)
+    max_slots: Optional[int] = Field(default=None, ge=0)
+    is_single_node: Optional[bool] = None
+    shm_size: Optional[Union[int, str]] = None
+    devices: list[Any] = Field(default_factory=list)
+    native_parallel: bool = False
+    agent_label: Optional[str] = None
+
+
+class GCPolicy(Strict):
+    save_experiment_best: int = Field(default=0, ge=0)
+    save_trial_best: int = Field(default=1, ge=0)
+    save_trial_latest: int = Field(default=1, ge=0)
+
+
+class SharedFSStorage(GCPolicy):
+    type: Literal["shared_fs"] = "shared_fs"
+    host_path: Optional[str] = None
+    storage_path: Optional[str] = None
+    propagation: str = "rprivate"
+    container_path: Optional[str] = None
+    checkpoint_path: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _paths(self) -> "SharedFSStorage":
+        if self.host_path is not None and not os.path.isabs(self.host_path):
+            raise ValueError("host_path must be an absolute path")
+        if self.storage_path and self.host_path and os.path.isabs(self.storage_path):
+            if os.path.commonpath([self.storage_path, self.host_path]) != os.path.normpath(self.host_path):
+                raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
+        if self.storage_path and not os.path.isabs(self.storage_path):
+            if ".." in self.storage_path.split("/"):
+                raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
+        return self
+
+    def base_path(self) -> str:
+        assert self.host_path is not None
+        if not self.storage_path:
+            return self.host_path
+        return os.path.join(self.host_path, self.storage_path)
+
+
+class DirectoryStorage(GCPolicy):
+    type: Literal["directory"] = "directory"
+    container_path: str
+
+    @model_validator(mode="after")
+    def _abs(self) -> "DirectoryStorage":
+        if not os.path.isabs(self.container_path):
+            raise ValueError("container_path must be an absolute path")
+        return self
+
+    def base_path(self) -> str:
+        return self.container_path
+
+
+StorageConfig = Union[SharedFSStorage, DirectoryStorage]
+STORAGES: dict[str, type[Strict]] = {"shared_fs": SharedFSStorage, "directory": DirectoryStorage}
+
+
+class Environment(Strict):
+    image: Optional[Union[str, dict[str, str]]] = None
+    environment_variables: Union[list[str], dict[str, list[str]]] = Field(default_factory=list)
+    force_pull_image: bool = False
+    registry_auth: Optional[dict[str, Any]] = None
+    ports: dict[str, int] = Field(default_factory=dict)
+    proxy_ports: list[Any] = Field(default_factory=list)
+    add_capabilities: list[str] = Field(default_factory=list)
+    drop_capabilities: list[str] = Field(default_factory=list)
+    pod_spec: Optional[dict[str, Any]] = None
+
+    def variables(self, kind: str = "cpu") -> list[str]:
+        ev = self.environment_variables
+        if isinstance(ev, dict):
+            return list(ev.get(kind, []))
+        return list(ev)
+
+
+class BindMount(Strict):
+    host_path: str
+    container_path: str
+    read_only: bool = False
+    propagation: str = "rprivate"
+
+    @model_validator(mode="after")
+    def _check(self) -> "BindMount":
+        if not self.host_path.startswith("/"):
+            raise ValueError("host_path must be an absolute path")
+        if self.container_path == ".":
+            raise ValueError('container_path must not be "."')
+        return self
+
+
+class SlurmSection(Strict):
+    sbatch_args: list[str] = Field(default_factory=list)
+    gpu_type: Optional[str] = None
+    slots_per_node: Optional[int] = Field(default=None, ge=1)
+
+
+class PBSSection(Strict):
+    pbsbatch_args: list[str] = Field(default_factory=list)
+    slots_per_node: Optional[int] = Field(default=None, ge=1)
+
+
+class Reproducibility(Strict):
+    experiment_seed: int = Field(default_factory=lambda: int(time.time()) % (2**31), ge=0)
+
+
+class TopLevel(Strict):
+    """Everything but `searcher`, `hyperparameters` and `checkpoint_storage`, which are unions
+    or recursive and get their own validation (so their errors carry precise paths)."""
+
+    bind_mounts: list[BindMount] = Field(default_factory=list)
+    checkpoint_policy: Literal["best", "all", "none"] = "best"
+    checkpoint_storage: Any = None
+    data: dict[str, Any] = Field(default_factory=dict)
+    debug: bool = False
+    description: Optional[str] = None
+    entrypoint: Optional[Union[str, list[str]]] = None
+    environment: Environment = Field(default_factory=Environment)
+    hyperparameters: Any = Field(default_factory=dict)
+    labels: list[str] = Field(default_factory=list)
+    log_policies: list[Any] = Field(default_factory=list)
+    max_restarts: int = Field(default=5, ge=0)
+    min_checkpoint_period: Length = Field(default_factory=lambda: Length(batches=0))
+    min_validation_period: Length = Field(default_factory=lambda: Length(batches=0))
+    name: Optional[str] = None
+    optimizations: dict[str, Any] = Field(default_factory=dict)
+    pbs: PBSSection = Field(default_factory=PBSSection)
+    perform_initial_validation: bool = False
+    preemption_timeout: Optional[int] = Field(default=None, ge=0)
+    profiling: dict[str, Any] = Field(default_factory=dict)
+    project: str = ""
+    records_per_epoch: int = Field(default=0, ge=0)
+    reproducibility: Reproducibility = Field(default_factory=Reproducibility)
+    resources: Resources = Field(default_factory=Resources)
+    scheduling_unit: int = Field(default=100, ge=1)
+    searcher: Any = None
+    slurm: SlurmSection = Field(default_factory=SlurmSection)
+    workspace: str = ""

@@ -1,0 +1,95 @@
+"""single, random and grid search."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from detslurm.searcher.base import EXIT_INVALID_HP, Action, SearchMethod
+from detslurm.searcher.hparams import grid, sample
+
+
+class RandomSearch(SearchMethod):
+    name = "random"
+
+    def __init__(self, hparams: dict[str, Any], seed: int, max_trials: int, max_concurrent: int,
+                 ops: tuple[int, ...] = ()) -> None:
+        super().__init__(seed)
+        self.spec = hparams
+        self.max_trials = max_trials
+        self.max_concurrent = max_concurrent
+        self.ops = ops
+        self.created = 0
+
+    def _create(self) -> Action:
+        self.created += 1
+        return self.new_request(sample(self.spec, self.rng), self.ops)
+
+    def initial_trials(self) -> list[Action]:
+        n = self.max_trials if self.max_concurrent == 0 else min(self.max_trials, self.max_concurrent)
+        return [self._create() for _ in range(n)]
+
+    def trial_exited_early(self, request_id: str, reason: str) -> list[Action]:
+        super().trial_exited_early(request_id, reason)
+        if reason == EXIT_INVALID_HP:
+            self.created -= 1  # replaced when the trial exits
+        return []
+
+    def trial_exited(self, request_id: str) -> list[Action]:
+        if request_id in self.book.closed:
+            return []
+        self.book.closed.append(request_id)
+        actions: list[Action] = []
+        if self.created < self.max_trials:
+            actions.append(self._create())
+        return actions + self.maybe_shutdown()
+
+    def wants_more(self) -> bool:
+        return self.created < self.max_trials
+
+    def progress(self) -> float:
+        return min(1.0, len(self.book.closed) / max(1, self.max_trials))
+
+    def method_state(self) -> dict[str, Any]:
+        return {"created": self.created}
+
+    def load_method_state(self, state: dict[str, Any]) -> None:
+        self.created = state["created"]
+
+
+class GridSearch(SearchMethod):
+    name = "grid"
+
+    def __init__(self, hparams: dict[str, Any], seed: int, max_concurrent: int, ops: tuple[int, ...] = ()) -> None:
+        super().__init__(seed)
+        # Trials are taken from the end of the grid, as Determined does.
+        self.remaining = grid(hparams)
+        self.total = len(self.remaining)
+        self.max_concurrent = max_concurrent
+        self.ops = ops
+
+    def _create(self) -> Action:
+        return self.new_request(self.remaining.pop(), self.ops)
+
+    def initial_trials(self) -> list[Action]:
+        n = len(self.remaining) if self.max_concurrent == 0 else min(len(self.remaining), self.max_concurrent)
+        return [self._create() for _ in range(n)]
+
+    def trial_exited(self, request_id: str) -> list[Action]:
+        if request_id in self.book.closed:
+            return []
+        self.book.closed.append(request_id)
+        actions: list[Action] = [self._create()] if self.remaining else []
+        return actions + self.maybe_shutdown()
+
+    def wants_more(self) -> bool:
+        return bool(self.remaining)
+
+    def progress(self) -> float:
+        return min(1.0, len(self.book.closed) / max(1, self.total))
+
+    def method_state(self) -> dict[str, Any]:
+        return {"remaining": self.remaining, "total": self.total}
+
+    def load_method_state(self, state: dict[str, Any]) -> None:
+        self.remaining = state["remaining"]
+        self.total = state["total"]

@@ -1,0 +1,91 @@
+"""Where detslurm keeps things: the store (local disk) and experiment dirs (shared filesystem).
+
+Precedence: environment variables > the user's config file > defaults. The SQLite store must
+live on a local disk: SQLite's locking is unreliable on NFS/Lustre (Optuna's "database disk
+image is malformed" history), so the default data dir is platformdirs' per-user *local* dir.
+Experiment dirs must be on a filesystem every compute node sees (home or scratch).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+import yaml
+
+from detslurm.errors import ConfigError
+
+_KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    db_url: str
+    experiments_dir: Path
+    checkpoint_dir: Path
+    max_local_trials: int
+    poll_interval_s: float
+
+    @property
+    def user_config_path(self) -> Path:
+        return config_path()
+
+
+def config_path() -> Path:
+    env = os.environ.get("DETSLURM_CONFIG")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_config_dir("detslurm")) / "config.yaml"
+
+
+def _read_user_config() -> dict[str, Any]:
+    path = config_path()
+    if not path.exists():
+        return {}
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: {e}"], source="detslurm user config") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: must be a mapping"], source="detslurm user config")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(
+            [f"{path}: unknown key {k!r}; valid keys: {', '.join(sorted(_KEYS))}" for k in unknown],
+            source="detslurm user config",
+        )
+    return raw
+
+
+def load() -> Settings:
+    cfg = _read_user_config()
+
+    def pick(key: str, default: Any) -> Any:
+        env = os.environ.get(f"DETSLURM_{key.upper()}")
+        if env:
+            return env
+        return cfg.get(key, default)
+
+    data_dir = Path(pick("data_dir", platformdirs.user_data_dir("detslurm"))).expanduser()
+    exp_dir = Path(pick("experiments_dir", Path.home() / "detslurm" / "experiments")).expanduser()
+    ckpt_dir = Path(pick("checkpoint_dir", exp_dir.parent / "checkpoints")).expanduser()
+    db_url = str(pick("db_url", f"sqlite:///{data_dir / 'detslurm.db'}"))
+    try:
+        max_local = int(pick("max_local_trials", 2))
+        poll = float(pick("poll_interval_s", 0.5))
+    except ValueError as e:
+        raise ConfigError([f"detslurm settings: {e}"], source="detslurm user config") from None
+    return Settings(
+        data_dir=data_dir,
+        db_url=db_url,
+        experiments_dir=exp_dir,
+        checkpoint_dir=ckpt_dir,
+        max_local_trials=max(1, max_local),
+        poll_interval_s=max(0.05, poll),
+    )

@@ -1,0 +1,106 @@
+"""Opening the store: engine, sessions, migrations, and SQLite settings for many processes.
+
+Several CLI processes and the controller may write at once. SQLite in WAL mode with a busy
+timeout serialises writers safely; every write goes through ``Store.tx()``, one transaction
+that commits or rolls back as a whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import filelock
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from detslurm.errors import StoreError
+
+_MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def _alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    return cfg
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.is_sqlite = url.startswith("sqlite")
+        if self.is_sqlite:
+            path = url.split("///", 1)[-1]
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._lock_path: str | None = path + ".migrate.lock" if path else None
+            self.engine: Engine = create_engine(
+                url, connect_args={"timeout": 30, "isolation_level": None}
+            )
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+
+            # pysqlite's own transaction handling defers BEGIN; issue BEGIN IMMEDIATE ourselves
+            # so two writers never both read and then fail to upgrade their lock.
+            @event.listens_for(self.engine, "begin")
+            def _begin(conn: Any) -> None:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+        else:
+            self._lock_path = None
+            self.engine = create_engine(url, pool_pre_ping=True)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def migrate(self) -> None:
+        """Bring the schema to head (a no-op when it already is)."""
+        head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
+        lock: contextlib.AbstractContextManager[Any] = (
+            filelock.FileLock(self._lock_path) if self._lock_path else contextlib.nullcontext()
+        )
+        try:
+            with self.engine.connect() as conn:
+                if MigrationContext.configure(conn).get_current_revision() == head:
+                    return
+            with lock, self.engine.begin() as conn:
+                cfg = _alembic_config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        except OperationalError as e:
+            raise StoreError(f"cannot open the detslurm store at {self.url}: {e.orig}") from None
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[Session]:
+        """One transaction: commit on success, roll back on any error."""
+        with self._sessions() as session, session.begin():
+            yield session
+
+    def session(self) -> Session:
+        return self._sessions()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def open_store(url: str) -> Store:
+    store = Store(url)
+    store.migrate()
+    if store.is_sqlite:
+        path = url.split("///", 1)[-1]
+        if path and os.path.exists(path):
+            os.chmod(path, 0o600)
+    return store

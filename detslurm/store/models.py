@@ -1,0 +1,196 @@
+"""SQLAlchemy 2 models. The schema is owned by the Alembic migrations next to this file;
+a change here needs a new revision there (tests compare the two)."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import Index, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class ExperimentState(str, enum.Enum):
+    ACTIVE = "ACTIVE"
+    PAUSED = "PAUSED"
+    STOPPING_CANCELED = "STOPPING_CANCELED"
+    STOPPING_KILLED = "STOPPING_KILLED"
+    STOPPING_COMPLETED = "STOPPING_COMPLETED"
+    STOPPING_ERROR = "STOPPING_ERROR"
+    CANCELED = "CANCELED"
+    COMPLETED = "COMPLETED"
+    ERROR = "ERROR"
+    DELETING = "DELETING"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (ExperimentState.CANCELED, ExperimentState.COMPLETED, ExperimentState.ERROR)
+
+    @property
+    def is_stopping(self) -> bool:
+        return self.value.startswith("STOPPING_")
+
+
+class TrialState(str, enum.Enum):
+    ACTIVE = "ACTIVE"
+    PAUSED = "PAUSED"
+    STOPPING_CANCELED = "STOPPING_CANCELED"
+    STOPPING_KILLED = "STOPPING_KILLED"
+    STOPPING_COMPLETED = "STOPPING_COMPLETED"
+    STOPPING_ERROR = "STOPPING_ERROR"
+    CANCELED = "CANCELED"
+    COMPLETED = "COMPLETED"
+    ERROR = "ERROR"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (TrialState.CANCELED, TrialState.COMPLETED, TrialState.ERROR)
+
+
+class RunState(str, enum.Enum):
+    """A trial run (one attempt = one local process or one Slurm job)."""
+
+    PENDING = "PENDING"  # recorded, not yet handed to the executor
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"  # exit code known, decision taken
+    LOST = "LOST"  # the executor no longer knows it and no exit record exists
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (RunState.EXITED, RunState.LOST)
+
+
+class Experiment(Base):
+    __tablename__ = "experiments"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(512))
+    owner: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(32), default=ExperimentState.ACTIVE.value)
+    description: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    original_config: Mapped[str] = mapped_column(Text)
+    context_sha256: Mapped[str] = mapped_column(String(64))
+    exp_dir: Mapped[str] = mapped_column(Text)
+    executor: Mapped[str] = mapped_column(String(16), default="local")
+    resource_pool: Mapped[str] = mapped_column(String(128), default="")
+    searcher_state: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON, nullable=True)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    parent_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    archived: Mapped[bool] = mapped_column(Boolean, default=False)
+    test_mode: Mapped[bool] = mapped_column(Boolean, default=False)
+    error_message: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    trials: Mapped[list["Trial"]] = relationship(back_populates="experiment", order_by="Trial.id")
+
+
+class Trial(Base):
+    __tablename__ = "trials"
+    __table_args__ = (UniqueConstraint("experiment_id", "request_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    request_id: Mapped[str] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(32), default=TrialState.ACTIVE.value)
+    hparams: Mapped[dict[str, Any]] = mapped_column(JSON)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    run_count: Mapped[int] = mapped_column(Integer, default=0)
+    latest_checkpoint: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    steps_completed: Mapped[int] = mapped_column(BigInteger, default=0)
+    warm_start_checkpoint: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    searcher_metric: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    runner_state: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    # The searcher said "stop" (early stop / done); the next exit completes the trial.
+    early_stopped: Mapped[bool] = mapped_column(Boolean, default=False)
+    # 0.37-style searcher operations: absolute lengths handed to the trial so far.
+    searcher_ops: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    ops_closed: Mapped[bool] = mapped_column(Boolean, default=False)
+    ops_idle: Mapped[bool] = mapped_column(Boolean, default=False)
+    exit_reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    experiment: Mapped[Experiment] = relationship(back_populates="trials")
+    runs: Mapped[list["TrialRun"]] = relationship(back_populates="trial", order_by="TrialRun.run_id")
+
+
+class TrialRun(Base):
+    __tablename__ = "trial_runs"
+    __table_args__ = (UniqueConstraint("trial_id", "run_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default=RunState.PENDING.value)
+    executor: Mapped[str] = mapped_column(String(16))
+    job_id: Mapped[Optional[str]] = mapped_column(String(128), nullable=True)
+    run_dir: Mapped[str] = mapped_column(Text)
+    log_path: Mapped[str] = mapped_column(Text)
+    exit_code: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    exit_reason: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    preempt_acked: Mapped[bool] = mapped_column(Boolean, default=False)
+    restart_count_seen: Mapped[int] = mapped_column(Integer, default=0)
+    submit_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    start_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    trial: Mapped[Trial] = relationship(back_populates="runs")
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_trial_group_steps", "trial_id", "group", "steps_completed"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(Integer)
+    group: Mapped[str] = mapped_column(String(64))
+    steps_completed: Mapped[int] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    batch_metrics: Mapped[Optional[list[Any]]] = mapped_column(JSON, nullable=True)
+    report_time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Rows past the checkpoint a restart resumed from are archived, not deleted: no step is
+    # counted twice, and nothing reported is lost.
+    archived: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    uuid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(Integer)
+    steps_completed: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default="COMPLETED")
+    storage_path: Mapped[str] = mapped_column(Text)
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", JSON)
+    resources: Mapped[dict[str, Any]] = mapped_column(JSON)
+    size: Mapped[int] = mapped_column(BigInteger, default=0)
+    report_time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class IngestOffset(Base):
+    """Byte offset of each events file, committed with the rows it produced (contract 2)."""
+
+    __tablename__ = "ingest_offsets"
+    trial_run_pk: Mapped[int] = mapped_column(ForeignKey("trial_runs.id", ondelete="CASCADE"), primary_key=True)
+    file: Mapped[str] = mapped_column(String(256), primary_key=True)
+    offset: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class LogEntry(Base):
+    """Controller messages shown with the trial's logs (restarts, exits, searcher decisions)."""
+
+    __tablename__ = "trial_log_entries"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"), index=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    level: Mapped[str] = mapped_column(String(16), default="INFO")
+    message: Mapped[str] = mapped_column(Text)
