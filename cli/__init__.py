@@ -1,0 +1,1 @@
+"""The `det` / `detslurm` command line (installed as detslurm.cli)."""

@@ -92,7 +92,8 @@ class Experiment(Base):
     error_message: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
     start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
-    trials: Mapped[list["Trial"]] = relationship(back_populates="experiment", order_by="Trial.id")
+    trials: Mapped[list["Trial"]] = relationship(
+        back_populates="experiment", order_by="Trial.id", cascade="all, delete-orphan", passive_deletes=True)
 
 
 class Trial(Base):
@@ -116,13 +117,15 @@ class Trial(Base):
     early_stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     # 0.37-style searcher operations: absolute lengths handed to the trial so far.
     searcher_ops: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    ops_completed: Mapped[int] = mapped_column(Integer, default=0)
     ops_closed: Mapped[bool] = mapped_column(Boolean, default=False)
     ops_idle: Mapped[bool] = mapped_column(Boolean, default=False)
     exit_reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
     start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
     experiment: Mapped[Experiment] = relationship(back_populates="trials")
-    runs: Mapped[list["TrialRun"]] = relationship(back_populates="trial", order_by="TrialRun.run_id")
+    runs: Mapped[list["TrialRun"]] = relationship(
+        back_populates="trial", order_by="TrialRun.run_id", cascade="all, delete-orphan", passive_deletes=True)
 
 
 class TrialRun(Base):

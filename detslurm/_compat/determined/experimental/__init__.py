@@ -1,0 +1,1 @@
+from detslurm import client  # noqa: F401

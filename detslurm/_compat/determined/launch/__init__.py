@@ -1,0 +1,1 @@
+"""`python3 -m determined.launch.X` maps to detslurm.launch.X (added with the launchers)."""

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-22 01:34:55.642022
+Create Date: 2026-11-22 01:39:39.911559
 """
 from alembic import op
 import sqlalchemy as sa
@@ -55,6 +55,7 @@ def upgrade() -> None:
     sa.Column('runner_state', sa.String(length=64), nullable=True),
     sa.Column('early_stopped', sa.Boolean(), nullable=False),
     sa.Column('searcher_ops', sa.JSON(), nullable=False),
+    sa.Column('ops_completed', sa.Integer(), nullable=False),
     sa.Column('ops_closed', sa.Boolean(), nullable=False),
     sa.Column('ops_idle', sa.Boolean(), nullable=False),
     sa.Column('exit_reason', sa.Text(), nullable=True),

@@ -1,0 +1,27 @@
+"""The object every command receives: settings, and the store opened on first use."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from detslurm import settings as settings_mod
+from detslurm.settings import Settings
+from detslurm.store import Store, open_store
+
+
+class App:
+    def __init__(self, as_json: bool = False) -> None:
+        self.settings: Settings = settings_mod.load()
+        self._store: Optional[Store] = None
+        self.as_json = as_json
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(self.settings.db_url)
+        return self._store
+
+
+pass_app = click.make_pass_decorator(App)

@@ -1,0 +1,273 @@
+"""`det experiment` (alias `det e`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import click
+import yaml
+from sqlalchemy import select
+
+from detslurm import views
+from detslurm.cli import local, logs as logs_mod
+from detslurm.cli.app import App, pass_app
+from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
+from detslurm.controller import ops
+from detslurm.controller.create import execute_create, plan_create
+from detslurm.errors import DetSlurmError
+from detslurm.store.models import Experiment, ExperimentState
+
+
+@click.group(name="experiment")
+def experiment() -> None:
+    """Create, inspect and control experiments."""
+
+
+def _test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
+    with app.store.tx() as s:
+        exp = views.get_experiment(s, exp_id)
+        trial = exp.trials[0] if exp.trials else None
+        tested = trial is not None and trial.runner_state == "test_done"
+        tid = trial.id if trial else None
+    if state == ExperimentState.COMPLETED and tested:
+        click.echo("Model definition test succeeded! 🎉")
+        return 0
+    click.echo("Model definition test failed: the trial must report training metrics, validation metrics and "
+               "a checkpoint, then exit 0. Trial logs:", err=True)
+    if tid is not None:
+        for line in list(logs_mod.lines(app, tid))[-40:]:
+            click.echo(line, err=True)
+    return 1
+
+
+@experiment.command("create")
+@click.argument("config_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("context_dir", type=click.Path(file_okay=False, path_type=Path), default=".", required=False)
+@click.option("--local", "run_local", is_flag=True, help="Run every trial as a local process, in the foreground.")
+@click.option("-t", "--test-mode", is_flag=True, help="One trial, one batch: a quick check of the model code.")
+@click.option("-f", "--follow-first-trial", "follow", is_flag=True, help="Stream the first trial's logs.")
+@click.option("--paused", is_flag=True, help="Create the experiment without starting it.")
+@click.option("--config", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; create nothing.")
+@pass_app
+def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test_mode: bool,
+           follow: bool, paused: bool, overrides: tuple[str, ...], dry_run: bool) -> None:
+    """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
+    plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
+    if dry_run:
+        click.echo(plan.describe())
+        click.echo("dry run: nothing was created")
+        return
+    if not run_local:
+        raise DetSlurmError("submitting to Slurm needs the detslurm daemon, which this version does not ship yet; "
+                            "run the experiment with --local")
+    exp_id = execute_create(app.store, app.settings, plan, executor="local")
+    click.echo(f"Created experiment {exp_id}")
+    if paused:
+        return
+    if test_mode:
+        click.echo("Testing training, validation and checkpointing")
+    state = local.drive(app, exp_id, follow=follow, quiet=test_mode)
+    if test_mode:
+        raise click.exceptions.Exit(_test_mode_report(app, exp_id, state))
+    click.echo(f"Experiment {exp_id} {state.value}")
+    if state not in (ExperimentState.COMPLETED, ExperimentState.PAUSED):
+        raise click.exceptions.Exit(1)
+
+
+def _exp_rows(app: App, show_all: bool) -> list[dict[str, object]]:
+    with app.store.tx() as s:
+        q = select(Experiment).order_by(Experiment.id)
+        if not show_all:
+            q = q.where(Experiment.archived.is_(False))
+        return [views.experiment_dict(e) for e in s.scalars(q)]
+
+
+@experiment.command("list")
+@click.option("-a", "--all", "show_all", is_flag=True, help="Include archived experiments.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_(app: App, show_all: bool, as_json: bool) -> None:
+    """List experiments."""
+    rows = _exp_rows(app, show_all)
+    if as_json:
+        dump_json(rows)
+        return
+    table(["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
+          [[r["id"], r["owner"], r["name"], r["parent_id"] or "", r["state"], fmt_pct(float(r["progress"])),  # type: ignore[arg-type]
+            fmt_time(r["start_time"]), fmt_time(r["end_time"]), r["resource_pool"]] for r in rows])  # type: ignore[arg-type]
+
+
+experiment.add_command(list_, "ls")
+
+
+@experiment.command("describe")
+@click.argument("exp_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def describe(app: App, exp_id: int, as_json: bool) -> None:
+    """Show an experiment, its trials and their workloads."""
+    with app.store.tx() as s:
+        exp = views.get_experiment(s, exp_id)
+        e = views.experiment_dict(exp)
+        trials = [views.trial_dict(s, t) for t in exp.trials]
+        metric = exp.config["searcher"]["metric"]
+        work = [(t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
+                for t in trials for m in views.metrics(s, int(t["id"]))]  # type: ignore[call-overload]
+    if as_json:
+        dump_json([{"experiment": e, "trials": trials}])
+        return
+    click.echo("Experiment:")
+    table(["Experiment ID", "State", "Progress", "Started", "Ended", "Name", "Description", "Archived",
+           "Resource Pool", "Labels"],
+          [[e["id"], e["state"], fmt_pct(float(e["progress"])), fmt_time(e["start_time"]), fmt_time(e["end_time"]),  # type: ignore[arg-type]
+            e["name"], e["description"] or "", e["archived"], e["resource_pool"], ", ".join(e["labels"])]])  # type: ignore[arg-type]
+    click.echo("\nTrials:")
+    table(["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
+          [[t["id"], t["experiment_id"], t["state"], fmt_time(t["start_time"]), fmt_time(t["end_time"]),  # type: ignore[arg-type]
+            json.dumps(t["hparams"], indent=2)] for t in trials])
+    click.echo("\nWorkloads:")
+    table(["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
+          [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work])
+
+
+@experiment.command("config")
+@click.argument("exp_id", type=int)
+@pass_app
+def config(app: App, exp_id: int) -> None:
+    """Print the experiment's config with defaults filled."""
+    with app.store.tx() as s:
+        click.echo(yaml.safe_dump(views.get_experiment(s, exp_id).config, sort_keys=False), nl=False)
+
+
+@experiment.command("list-trials")
+@click.argument("exp_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_trials(app: App, exp_id: int, as_json: bool) -> None:
+    """List an experiment's trials."""
+    with app.store.tx() as s:
+        trials = [views.trial_dict(s, t) for t in views.get_experiment(s, exp_id).trials]
+    if as_json:
+        dump_json(trials)
+        return
+    table(["Trial ID", "State", "H-Params", "Started", "Ended", "# of Batches"],
+          [[t["id"], t["state"], json.dumps(t["hparams"], sort_keys=True), fmt_time(t["start_time"]),  # type: ignore[arg-type]
+            fmt_time(t["end_time"]), t["batches"]] for t in trials])  # type: ignore[arg-type]
+
+
+experiment.add_command(list_trials, "lt")
+
+
+@experiment.command("list-checkpoints")
+@click.argument("exp_id", type=int)
+@click.option("--best", type=int, default=None, help="Only the N best by the searcher metric.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_checkpoints(app: App, exp_id: int, best: Optional[int], as_json: bool) -> None:
+    """List an experiment's checkpoints."""
+    with app.store.tx() as s:
+        exp = views.get_experiment(s, exp_id)
+        sib = exp.config["searcher"]["smaller_is_better"]
+        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id)]
+    if best is not None:
+        scored = [c for c in cks if c["validation_metric"] is not None and c["state"] == "COMPLETED"]
+        scored.sort(key=lambda c: float(c["validation_metric"]) * (1 if sib else -1))  # type: ignore[arg-type]
+        cks = scored[:best]
+    if as_json:
+        dump_json(cks)
+        return
+    table(["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
+          [[c["trial_id"], c["steps_completed"], c["state"], c["validation_metric"] if c["validation_metric"] is not None else "",
+            c["uuid"], len(c["resources"]), f"{int(c['size']) / 1024:.1f} KiB"] for c in cks])  # type: ignore[arg-type,call-overload]
+
+
+experiment.add_command(list_checkpoints, "lc")
+
+
+@experiment.command("logs")
+@click.argument("exp_id", type=int)
+@pass_app
+def logs(app: App, exp_id: int) -> None:
+    """Show the first trial's logs."""
+    with app.store.tx() as s:
+        exp = views.get_experiment(s, exp_id)
+        if not exp.trials:
+            raise DetSlurmError(f"experiment {exp_id} has no trials yet")
+        tid = exp.trials[0].id
+    for line in logs_mod.lines(app, tid):
+        click.echo(line)
+
+
+def _state_change(verb: str, past: str, fn: object) -> click.Command:
+    @click.command(verb, help=f"{verb.capitalize()} an experiment.")
+    @click.argument("exp_id", type=int)
+    @pass_app
+    def cmd(app: App, exp_id: int) -> None:
+        fn(app.store, exp_id)  # type: ignore[operator]
+        click.echo(f"{past} experiment {exp_id}")
+
+    return cmd
+
+
+experiment.add_command(_state_change("pause", "Paused", ops.pause))
+experiment.add_command(_state_change("cancel", "Canceled", ops.cancel))
+experiment.add_command(_state_change("kill", "Killed", ops.kill))
+
+
+@experiment.command("activate")
+@click.argument("exp_id", type=int)
+@click.option("--detach", is_flag=True, help="Only mark it active; do not run it in this process.")
+@pass_app
+def activate(app: App, exp_id: int, detach: bool) -> None:
+    """Activate (resume) a paused experiment; local experiments run in the foreground."""
+    ops.activate(app.store, exp_id)
+    click.echo(f"Activated experiment {exp_id}")
+    with app.store.tx() as s:
+        kind = views.get_experiment(s, exp_id).executor
+    if kind == "local" and not detach:
+        state = local.drive(app, exp_id)
+        click.echo(f"Experiment {exp_id} {state.value}")
+
+
+experiment.add_command(activate, "unpause")
+
+
+@experiment.command("wait")
+@click.argument("exp_id", type=int)
+@pass_app
+def wait(app: App, exp_id: int) -> None:
+    """Wait for an experiment to end; exit 1 unless it COMPLETED."""
+    with app.store.tx() as s:
+        kind = views.get_experiment(s, exp_id).executor
+    import time
+
+    while True:
+        with app.store.tx() as s:
+            state = ExperimentState(views.get_experiment(s, exp_id).state)
+        if state.is_terminal:
+            break
+        if kind == "local" and state != ExperimentState.PAUSED:
+            try:
+                state = local.drive(app, exp_id, quiet=True)
+                continue
+            except DetSlurmError:
+                pass  # another process drives it: poll the store
+        time.sleep(app.settings.poll_interval_s)
+    click.echo(f"Experiment {exp_id} {state.value}")
+    if state != ExperimentState.COMPLETED:
+        raise click.exceptions.Exit(1)
+
+
+@experiment.command("delete")
+@click.argument("exp_id", type=int)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_app
+def delete(app: App, exp_id: int, yes: bool) -> None:
+    """Delete an ended experiment, its files and checkpoints."""
+    if not yes:
+        click.confirm(f"Delete experiment {exp_id}, its files and all its checkpoints?", abort=True)
+    ops.delete(app.store, exp_id)
+    click.echo(f"Deleted experiment {exp_id}")

@@ -1,0 +1,88 @@
+"""`det trial` (alias `det t`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import click
+
+from detslurm import views
+from detslurm.cli import logs as logs_mod
+from detslurm.cli.app import App, pass_app
+from detslurm.cli.render import dump_json, fmt_time, table
+from detslurm.controller import ops
+from detslurm.store.models import TrialState
+
+
+@click.group(name="trial")
+def trial() -> None:
+    """Inspect and control trials."""
+
+
+@trial.command("describe")
+@click.argument("trial_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--metrics", is_flag=True, help="Also list every reported metric.")
+@pass_app
+def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
+    """Show a trial, its runs and (optionally) its metrics."""
+    with app.store.tx() as s:
+        t = views.get_trial(s, trial_id)
+        d = views.trial_dict(s, t)
+        runs = [{"run_id": r.run_id, "state": r.state, "job_id": r.job_id, "exit_code": r.exit_code,
+                 "exit_reason": r.exit_reason, "preempt_acked": r.preempt_acked, "log": r.log_path,
+                 "start_time": r.start_time, "end_time": r.end_time} for r in views.runs(s, trial_id)]
+        rows = [{"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics,
+                 "report_time": m.report_time} for m in views.metrics(s, trial_id)]
+    if as_json:
+        dump_json({"trial": d, "runs": runs, "metrics": rows if metrics else None})
+        return
+    table(["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric",
+           "H-Params"],
+          [[d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "",
+            d["searcher_metric"] if d["searcher_metric"] is not None else "", json.dumps(d["hparams"], sort_keys=True)]])
+    click.echo("\nRuns:")
+    table(["Run", "State", "Job ID", "Exit Code", "Exit Reason", "Started", "Ended"],
+          [[r["run_id"], r["state"], r["job_id"] or "", "" if r["exit_code"] is None else r["exit_code"],
+            r["exit_reason"] or "", fmt_time(r["start_time"]), fmt_time(r["end_time"])] for r in runs])  # type: ignore[arg-type]
+    if metrics:
+        click.echo("\nMetrics:")
+        table(["Group", "Steps", "Report Time", "Metrics"],
+              [[m["group"], m["steps_completed"], fmt_time(m["report_time"]), json.dumps(m["metrics"], sort_keys=True)]  # type: ignore[arg-type]
+               for m in rows])
+
+
+@trial.command("logs")
+@click.argument("trial_id", type=int)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the trial ends.")
+@click.option("--head", type=int, default=None, help="Only the first N lines.")
+@click.option("--tail", type=int, default=None, help="Only the last N lines.")
+@click.option("--rank-id", "ranks", type=int, multiple=True, help="Only lines of these ranks ([rank=N] prefix).")
+@pass_app
+def logs(app: App, trial_id: int, follow: bool, head: Optional[int], tail: Optional[int], ranks: tuple[int, ...]) -> None:
+    """Show a trial's logs (all of its runs)."""
+    if head is not None and tail is not None:
+        raise click.UsageError("use at most one of --head and --tail")
+    if follow:
+        f = logs_mod.Follower(app, trial_id, ranks)
+        while True:
+            f.pump()
+            with app.store.tx() as s:
+                done = TrialState(views.get_trial(s, trial_id).state).is_terminal
+            if done:
+                f.pump()
+                return
+            time.sleep(app.settings.poll_interval_s)
+    for line in logs_mod.select_lines(list(logs_mod.lines(app, trial_id, ranks)), head, tail):
+        click.echo(line)
+
+
+@trial.command("kill")
+@click.argument("trial_id", type=int)
+@pass_app
+def kill(app: App, trial_id: int) -> None:
+    """Kill a trial (the searcher treats it as canceled)."""
+    ops.kill_trial(app.store, trial_id)
+    click.echo(f"Killed trial {trial_id}")

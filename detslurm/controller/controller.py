@@ -1,0 +1,341 @@
+"""The controller: one reconcile step ("tick") per experiment, executor-agnostic.
+
+A tick: one batched status query, event ingest (exactly once), exit decisions, experiment
+transitions, control/ops files, submissions. All truth is in the store, the experiment dirs
+and the executor, so a controller killed at any point resumes where it was.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+from sqlalchemy import select, update
+
+from detslurm.controller.apply import ingest_run, note
+from detslurm.controller.decide import decide_exit, finish_trial
+from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec
+from detslurm.controller.gc import collect_garbage
+from detslurm.controller.layout import ExpLayout, control_file, log_file
+from detslurm.core._info import trial_env
+from detslurm.searcher import SearcherError, SearchMethod, build
+from detslurm.store import Store
+from detslurm.store.models import Experiment, ExperimentState, Metric, RunState, Trial, TrialRun, TrialState
+from detslurm.util import atomic_write_json, read_json
+
+log = logging.getLogger("detslurm.controller")
+ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
+
+
+def load_searcher(exp: Experiment) -> SearchMethod:
+    s = build(exp.config)
+    if exp.searcher_state:
+        # A deep copy: mutating the ORM's loaded value in place would make the later
+        # assignment compare equal to it, and SQLAlchemy would skip the UPDATE.
+        s.load_state_dict(json.loads(json.dumps(exp.searcher_state)))
+    return s
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Controller:
+    def __init__(self, store: Store, executor: Executor) -> None:
+        self.store = store
+        self.executor = executor
+
+    # -- the tick -------------------------------------------------------------------------
+    def active_experiment_ids(self) -> list[int]:
+        with self.store.tx() as s:
+            q = select(Experiment.id).where(Experiment.executor == self.executor.kind).where(
+                Experiment.state.not_in([st.value for st in ExperimentState if st.is_terminal]))
+            return list(s.scalars(q))
+
+    def tick(self, exp_ids: Optional[list[int]] = None) -> None:
+        for exp_id in exp_ids if exp_ids is not None else self.active_experiment_ids():
+            self.tick_experiment(exp_id)
+
+    def tick_experiment(self, exp_id: int) -> None:
+        runs = self._active_runs(exp_id)
+        statuses = self.executor.poll([j for _, j in runs if j])
+        for run_pk, job_id in runs:
+            status = statuses.get(job_id) if job_id else self._recover(run_pk)
+            self._reconcile_run(exp_id, run_pk, status)
+        self._kill_stopping(exp_id)
+        self._transitions(exp_id)
+        self._sync_files(exp_id)
+        self._submit(exp_id)
+
+    def _active_runs(self, exp_id: int) -> list[tuple[int, Optional[str]]]:
+        with self.store.tx() as s:
+            q = (select(TrialRun.id, TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
+                 .where(TrialRun.state.in_(ACTIVE_RUN)))
+            return [(pk, job) for pk, job in s.execute(q)]
+
+    def _recover(self, run_pk: int) -> Optional[JobStatus]:
+        """A run recorded without a job id: the controller died around the submit."""
+        with self.store.tx() as s:
+            run = s.get(TrialRun, run_pk)
+            assert run is not None
+            job_id = (Path(run.run_dir) / "job_id").read_text().strip() if (Path(run.run_dir) / "job_id").exists() else None
+            if job_id:
+                run.job_id = job_id
+                run.state = RunState.QUEUED.value
+                return self.executor.poll([job_id]).get(job_id)
+        return JobStatus(JobState.UNKNOWN, None, "never started")
+
+    def _reconcile_run(self, exp_id: int, run_pk: int, status: Optional[JobStatus]) -> None:
+        with self.store.tx() as s:
+            run = s.get(TrialRun, run_pk)
+            assert run is not None
+            trial = run.trial
+            exp = trial.experiment
+            searcher = load_searcher(exp)
+            try:
+                ingest_run(s, exp, trial, run, searcher)
+                if status is not None and status.state in (JobState.EXITED, JobState.UNKNOWN):
+                    decide_exit(s, exp, trial, run, status, searcher)
+                elif status is not None and status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
+                    run.state = RunState.RUNNING.value
+                    run.start_time = _now()
+                if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
+                    trial.runner_state = "test_done"
+            except SearcherError as e:
+                exp.state = ExperimentState.STOPPING_ERROR.value
+                exp.error_message = f"encountered error: {e}"
+                note(s, trial.id, f"searcher error: {e}", "ERROR")
+            exp.searcher_state = searcher.state_dict()
+            exp.progress = searcher.progress()
+
+    # -- experiment-level state -----------------------------------------------------------
+    def _kill_stopping(self, exp_id: int) -> None:
+        with self.store.tx() as s:
+            q = (select(TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
+                 .where(TrialRun.state.in_(ACTIVE_RUN)).where(Trial.state == TrialState.STOPPING_KILLED.value))
+            jobs = [j for j in s.scalars(q) if j]
+        for job in jobs:
+            self.executor.kill(job)
+
+    def _transitions(self, exp_id: int) -> None:
+        with self.store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            searcher = load_searcher(exp)
+            state = ExperimentState(exp.state)
+            busy = {r.trial_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
+            for t in exp.trials:
+                self._trial_transition(s, exp, state, t, t.id in busy, searcher)
+            if all(TrialState(t.state).is_terminal for t in exp.trials) and not busy:
+                final = {
+                    ExperimentState.STOPPING_CANCELED: ExperimentState.CANCELED,
+                    ExperimentState.STOPPING_KILLED: ExperimentState.CANCELED,
+                    ExperimentState.STOPPING_COMPLETED: ExperimentState.COMPLETED,
+                    ExperimentState.STOPPING_ERROR: ExperimentState.ERROR,
+                }.get(state)
+                if final is None and state == ExperimentState.ACTIVE and searcher.book.shut_down:
+                    final = ExperimentState.COMPLETED
+                if final is not None:
+                    exp.state = final.value
+                    exp.end_time = _now()
+                    exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
+            exp.searcher_state = searcher.state_dict()
+        with self.store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            if ExperimentState(exp.state).is_terminal:
+                collect_garbage(s, exp)
+
+    def _trial_transition(self, s: object, exp: Experiment, state: ExperimentState, t: Trial, busy: bool,
+                          searcher: SearchMethod) -> None:
+        from sqlalchemy.orm import Session
+
+        assert isinstance(s, Session)
+        ts = TrialState(t.state)
+        if ts.is_terminal:
+            return
+        if state in (ExperimentState.STOPPING_CANCELED, ExperimentState.STOPPING_KILLED,
+                     ExperimentState.STOPPING_ERROR, ExperimentState.STOPPING_COMPLETED):
+            target = {ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
+                      ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR}.get(state, TrialState.STOPPING_CANCELED)
+            if busy:
+                if ts not in (TrialState.STOPPING_KILLED,):
+                    t.state = target.value
+            else:
+                final = TrialState.ERROR if target == TrialState.STOPPING_ERROR else TrialState.CANCELED
+                finish_trial(s, exp, t, final, searcher, "USER_CANCELED")
+        elif ts in (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED) and not busy:
+            finish_trial(s, exp, t, TrialState.CANCELED, searcher, "USER_CANCELED", "trial killed")
+        elif state == ExperimentState.PAUSED and ts == TrialState.ACTIVE and not busy:
+            t.state = TrialState.PAUSED.value
+        elif state == ExperimentState.ACTIVE and ts == TrialState.PAUSED:
+            t.state = TrialState.ACTIVE.value
+        elif not busy and t.searcher_ops and t.ops_closed and t.ops_completed >= len(t.searcher_ops):
+            finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
+        elif not busy and t.early_stopped:
+            finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
+
+    # -- files the trials read ------------------------------------------------------------
+    def _sync_files(self, exp_id: int) -> None:
+        with self.store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            layout = ExpLayout(Path(exp.exp_dir))
+            state = ExperimentState(exp.state)
+            best: Optional[float] = None
+            sib = exp.config["searcher"]["smaller_is_better"]
+            for t in exp.trials:
+                if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
+                    best = t.searcher_metric
+                if t.searcher_ops:
+                    want = {"ops": t.searcher_ops, "completed": t.ops_completed, "closed": t.ops_closed,
+                            "idle_after": t.ops_completed if t.ops_idle else -1}
+                    if read_json(layout.ops_file(t.id)) != want:
+                        atomic_write_json(layout.ops_file(t.id), want)
+                reason = self._stop_reason(exp, state, t)
+                for r in t.runs:
+                    if r.state in ACTIVE_RUN and reason and not control_file(Path(r.run_dir)).exists():
+                        atomic_write_json(control_file(Path(r.run_dir)), {"preempt": True, "reason": reason})
+            if best is not None and read_json(layout.best_validation, {}).get("value") != best:
+                atomic_write_json(layout.best_validation, {"value": best})
+
+    @staticmethod
+    def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> Optional[str]:
+        if t.early_stopped:
+            return "early_stop"
+        if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
+            return "cancel"
+        if state == ExperimentState.PAUSED:
+            return "pause"
+        if exp.test_mode and t.runner_state == "test_done":
+            return "test_mode"
+        return None
+
+    # -- submissions ----------------------------------------------------------------------
+    def _needs_run(self, t: Trial, busy: set[int]) -> bool:
+        if t.state != TrialState.ACTIVE.value or t.id in busy or t.early_stopped:
+            return False
+        if t.searcher_ops and t.ops_completed >= len(t.searcher_ops):
+            return False  # waiting for a promotion (or closing)
+        return True
+
+    def _submit(self, exp_id: int) -> None:
+        cap = self.executor.capacity()
+        specs: list[tuple[int, RunSpec]] = []
+        with self.store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            if exp.state != ExperimentState.ACTIVE.value:
+                return
+            busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
+            for t in exp.trials:
+                if cap is not None and len(specs) >= cap:
+                    break
+                if self._needs_run(t, busy):
+                    run = self._new_run(s, exp, t)
+                    specs.append((run.id, self._spec(exp, t, run)))
+        for run_pk, spec in specs:
+            self._start(run_pk, spec)
+
+    def _new_run(self, s: object, exp: Experiment, t: Trial) -> TrialRun:
+        from sqlalchemy.orm import Session
+
+        assert isinstance(s, Session)
+        t.run_count += 1
+        run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
+        run = TrialRun(trial_id=t.id, run_id=t.run_count, state=RunState.PENDING.value, executor=self.executor.kind,
+                       run_dir=str(run_dir), log_path=str(log_file(run_dir)), preempt_acked=False, restart_count_seen=0)
+        s.add(run)
+        t.runs.append(run)
+        # Rows past the checkpoint we resume from would be reported again: archive them so
+        # no step is counted twice.
+        resume_at = t.steps_completed if t.latest_checkpoint else 0
+        s.execute(update(Metric).where(Metric.trial_id == t.id).where(Metric.steps_completed > resume_at)
+                  .values(archived=True))
+        s.flush()
+        return run
+
+    def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
+        layout = ExpLayout(Path(exp.exp_dir))
+        storage = exp.config["checkpoint_storage"]
+        base = storage.get("container_path") if storage["type"] == "directory" else os.path.join(
+            storage["host_path"], storage.get("storage_path") or "")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
+        for item in exp.config["environment"]["environment_variables"] if isinstance(
+                exp.config["environment"]["environment_variables"], list) else exp.config["environment"]["environment_variables"].get("cpu", []):
+            k, _, v = item.partition("=")
+            env[k] = v
+        latest = t.latest_checkpoint or t.warm_start_checkpoint
+        env.update(trial_env(
+            experiment_id=exp.id, trial_id=t.id, run_id=run.run_id, seed=t.seed, hparams=t.hparams,
+            config=exp.config, latest_checkpoint=latest, steps_completed=t.steps_completed if t.latest_checkpoint else 0,
+            run_dir=Path(run.run_dir), trial_dir=layout.trial_dir(t.id), exp_dir=layout.root, checkpoint_base=base,
+            resources_type=f"{self.executor.kind}-process" if self.executor.kind == "local" else "slurm-job",
+            slot_ids=list(range(max(1, int(exp.config["resources"]["slots_per_trial"])))),
+            container_addrs=["127.0.0.1"], user=exp.owner,
+        ))
+        if exp.test_mode:
+            env["DET_TEST_MODE"] = "1"
+        return RunSpec(name=f"det-e{exp.id}-t{t.id}-r{run.run_id}", argv=[sys.executable, "-m", "detslurm.exec.launch"],
+                       env=env, run_dir=Path(run.run_dir), log_path=Path(run.log_path),
+                       slots=int(exp.config["resources"]["slots_per_trial"]))
+
+    def _start(self, run_pk: int, spec: RunSpec) -> None:
+        try:
+            job_id = self.executor.submit(spec)
+            (spec.run_dir / "job_id").write_text(job_id)
+        except Exception as e:  # noqa: BLE001 - any submit failure is recorded on the run
+            with self.store.tx() as s:
+                run = s.get(TrialRun, run_pk)
+                assert run is not None
+                run.exit_reason = "submit failed"
+                note(s, run.trial_id, f"could not start trial run {run.run_id}: {e}", "ERROR")
+            self._reconcile_run(0, run_pk, JobStatus(JobState.UNKNOWN, None, "submit failed"))
+            return
+        with self.store.tx() as s:
+            run = s.get(TrialRun, run_pk)
+            assert run is not None
+            run.job_id = job_id
+            run.state = RunState.QUEUED.value
+
+    # -- driving an experiment in the foreground -------------------------------------------
+    def run_until_done(self, exp_id: int, poll_s: float = 0.5,
+                       on_tick: Optional[Callable[[], None]] = None) -> ExperimentState:
+        while True:
+            self.tick_experiment(exp_id)
+            if on_tick is not None:
+                on_tick()
+            with self.store.tx() as s:
+                exp = s.get(Experiment, exp_id)
+                assert exp is not None
+                state = ExperimentState(exp.state)
+            if state.is_terminal:
+                return state
+            time.sleep(poll_s)
+
+
+def _tested_everything(s: object, trial: Trial) -> bool:
+    """Test mode: one training report, one validation and one checkpoint were seen."""
+    from sqlalchemy import func
+    from sqlalchemy.orm import Session
+
+    from detslurm.store.models import Checkpoint
+
+    assert isinstance(s, Session)
+    groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
+    cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial.id))
+    return {"training", "validation"} <= groups and bool(cks)
+
+
+def current_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())

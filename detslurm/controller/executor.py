@@ -1,0 +1,52 @@
+"""What the controller needs from whatever runs trial runs: local processes or Slurm jobs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Protocol, Sequence
+
+
+class JobState(enum.Enum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    EXITED = "EXITED"
+    UNKNOWN = "UNKNOWN"  # the executor has no record of the job
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: JobState
+    exit_code: Optional[int] = None
+    reason: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything needed to start one trial run (pure data: the plan)."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    run_dir: Path
+    log_path: Path
+    slots: int = 1
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    kind: str
+
+    def capacity(self) -> Optional[int]:
+        """How many more runs may start now (None: no local limit, the scheduler decides)."""
+
+    def submit(self, spec: RunSpec) -> str:
+        """Start the run; returns its job id."""
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        """One batched status query for all the given jobs."""
+
+    def kill(self, job_id: str) -> None: ...
+
+    def signal(self, job_id: str, signum: int) -> None: ...

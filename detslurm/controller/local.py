@@ -1,0 +1,99 @@
+"""Run trial runs as local processes (``det e create --local``), with bounded concurrency."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Optional, Sequence
+
+import psutil
+
+from detslurm.controller.executor import JobState, JobStatus, RunSpec
+from detslurm.controller.layout import exit_file
+from detslurm.util import read_json
+
+
+class LocalExecutor:
+    kind = "local"
+
+    def __init__(self, max_parallel: int) -> None:
+        self.max_parallel = max_parallel
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._dirs: dict[str, str] = {}
+
+    def capacity(self) -> Optional[int]:
+        running = sum(1 for p in self._procs.values() if p.poll() is None)
+        return max(0, self.max_parallel - running)
+
+    def submit(self, spec: RunSpec) -> str:
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as log:
+            proc = subprocess.Popen(spec.argv, env=spec.env, cwd=spec.run_dir, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        create = psutil.Process(proc.pid).create_time()
+        job_id = f"{proc.pid}@{create:.3f}@{spec.run_dir}"
+        self._procs[job_id] = proc
+        return job_id
+
+    @staticmethod
+    def _parse(job_id: str) -> tuple[int, float, str]:
+        pid, create, run_dir = job_id.split("@", 2)
+        return int(pid), float(create), run_dir
+
+    def _alive(self, job_id: str) -> bool:
+        pid, create, _ = self._parse(job_id)
+        try:
+            p = psutil.Process(pid)
+            return abs(p.create_time() - create) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+        out = {}
+        for jid in job_ids:
+            proc = self._procs.get(jid)
+            code = proc.poll() if proc is not None else None
+            if proc is not None and code is None:
+                out[jid] = JobStatus(JobState.RUNNING)
+                continue
+            if proc is None and self._alive(jid):
+                out[jid] = JobStatus(JobState.RUNNING)
+                continue
+            record = read_json(exit_file(Path(self._parse(jid)[2])), None)
+            if record is not None:
+                out[jid] = JobStatus(JobState.EXITED, int(record["code"]))
+            elif code is not None:
+                out[jid] = JobStatus(JobState.EXITED, code, "killed before recording its exit")
+            else:
+                out[jid] = JobStatus(JobState.UNKNOWN, None, "process gone without an exit record")
+            self._procs.pop(jid, None)
+        return out
+
+    def signal(self, job_id: str, signum: int) -> None:
+        """Signal the run's launcher, which forwards to the entrypoint's process group."""
+        if not self._alive(job_id):
+            return
+        pid, _, _ = self._parse(job_id)
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self, job_id: str) -> None:
+        """SIGKILL the whole tree: the entrypoint runs in its own session, so a process-group
+        kill of the launcher would miss it."""
+        if not self._alive(job_id):
+            return
+        pid, _, _ = self._parse(job_id)
+        try:
+            root = psutil.Process(pid)
+            procs = root.children(recursive=True) + [root]
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass

@@ -1,0 +1,161 @@
+"""``core.init()``: the Core API entry point, on a trial and off-cluster alike."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional, Union
+
+import platformdirs
+
+from detslurm.core._checkpoint import CheckpointContext
+from detslurm.core._distributed import DistributedContext, DummyDistributedContext
+from detslurm.core._events import EventWriter, NullWriter
+from detslurm.core._info import ClusterInfo, get_cluster_info
+from detslurm.core._preempt import DummyPreemptContext, PreemptContext, PreemptMode
+from detslurm.core._searcher import SearcherContext, SearcherContextMissing, Unit
+from detslurm.core._train import EarlyExitReason, TrainContext, Writer
+from detslurm.errors import InvalidHP
+
+log = logging.getLogger("detslurm.core")
+
+
+class TensorboardMode(enum.Enum):
+    AUTO = "AUTO"
+    MANUAL = "MANUAL"
+
+
+class _Experimental:
+    pass
+
+
+class _Profiler:
+    def __init__(self) -> None:
+        self.on = False
+
+    def on_(self) -> None:
+        self.on = True
+
+    def off(self) -> None:
+        self.on = False
+
+
+class Context:
+    def __init__(self, *, distributed: DistributedContext, train: TrainContext, checkpoint: CheckpointContext,
+                 preempt: PreemptContext, searcher: SearcherContext, info: Optional[ClusterInfo],
+                 writer: Writer) -> None:
+        self.distributed = distributed
+        self.train = train
+        self.checkpoint = checkpoint
+        self.preempt = preempt
+        self.searcher = searcher
+        self.info = info
+        self.experimental = _Experimental()
+        self.profiler = _Profiler()
+        self._writer = writer
+
+    def start(self) -> None:
+        self.preempt.start()
+
+    def close(self, exc: Optional[BaseException] = None) -> None:
+        self.preempt.close()
+        try:
+            self._writer.flush()
+        finally:
+            close = getattr(self._writer, "close", None)
+            if close:
+                close()
+            self.distributed.close()
+
+    def __enter__(self) -> "Context":
+        self.start()
+        return self
+
+    def __exit__(self, typ: Optional[type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if isinstance(exc, InvalidHP):
+            self.train.report_early_exit(EarlyExitReason.INVALID_HP)
+            self.close(exc)
+            log.info("InvalidHP raised: reported to the searcher, exiting 0")
+            raise SystemExit(0)
+        self.close(exc)
+
+    def alert(self, title: str = "", description: str = "", level: str = "warn") -> None:
+        if self.info is None:
+            raise ValueError("alerts are only available when running as a trial")
+        self._writer.emit({"type": "alert", "title": title, "description": description, "level": level})
+
+
+def _units(config: dict[str, Any]) -> Optional[Unit]:
+    ml = (config.get("searcher") or {}).get("max_length")
+    if not isinstance(ml, dict) or not ml:
+        return None
+    return {"batches": Unit.BATCHES, "records": Unit.RECORDS, "epochs": Unit.EPOCHS}[next(iter(ml))]
+
+
+def _storage_base(checkpoint_storage: Union[str, dict[str, Any], None], default: Path) -> Path:
+    if checkpoint_storage is None:
+        return default
+    if isinstance(checkpoint_storage, str):
+        return Path(checkpoint_storage.removeprefix("file://"))
+    if checkpoint_storage.get("type") == "shared_fs":
+        raise ValueError("checkpoint_storage of type shared_fs is not accepted in dict form; pass a path string")
+    if checkpoint_storage.get("type") == "directory":
+        return Path(checkpoint_storage["container_path"])
+    raise ValueError(f"unsupported checkpoint_storage {checkpoint_storage!r}")
+
+
+def _dummy_init(distributed: Optional[DistributedContext], checkpoint_storage: Union[str, dict[str, Any], None],
+                preempt_mode: PreemptMode) -> Context:
+    dist = distributed or DummyDistributedContext()
+    writer = NullWriter()
+    base = _storage_base(checkpoint_storage, Path(platformdirs.user_data_dir("detslurm")) / "checkpoints")
+    base.mkdir(parents=True, exist_ok=True)
+    log.info("off-cluster: checkpoints go to %s", base)
+    return Context(
+        distributed=dist, train=TrainContext(writer, 0), writer=writer, info=None,
+        checkpoint=CheckpointContext(dist, base, writer.emit, require_steps=False),
+        preempt=DummyPreemptContext(dist, preempt_mode),
+        searcher=SearcherContext(dist, writer, None, Unit.EPOCHS, lambda: False, lambda: None),
+    )
+
+
+def init(*, distributed: Optional[DistributedContext] = None,
+         checkpoint_storage: Union[str, dict[str, Any], None] = None,
+         preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
+         tensorboard_mode: TensorboardMode = TensorboardMode.AUTO) -> Context:
+    # Keyword-only, as in Determined: positional calls would silently bind the wrong context.
+    info = get_cluster_info()
+    if info is None or info.task_type != "TRIAL":
+        return _dummy_init(distributed, checkpoint_storage, preempt_mode)
+    if distributed is None and (len(info.container_addrs) > 1 or len(info.slot_ids) > 1):
+        raise ValueError("you must provide a valid DistributedContext for a multi-slot task")
+    dist = distributed or DummyDistributedContext()
+    run_dir = info.run_dir
+    if dist.rank == 0:
+        writer: Writer = EventWriter(run_dir / "events" / "rank-0.jsonl")
+    else:
+        writer = EventWriter(run_dir / "events" / f"rank-{dist.rank}.jsonl")
+
+    def ack() -> None:
+        writer.emit({"type": "preempt_ack"})
+        writer.flush()
+
+    preempt = PreemptContext(dist, run_dir / "control.json", ack, preempt_mode)
+    config = info.trial._config
+    base = _storage_base(checkpoint_storage, info.checkpoint_base)
+    units = _units(config)
+    searcher: SearcherContext = (
+        SearcherContext(dist, writer, info.trial_dir / "searcher_ops.json", units,
+                        preempt._local_answer, ack)
+        if units is not None else SearcherContextMissing()
+    )
+    return Context(
+        distributed=dist, writer=writer, info=info, searcher=searcher, preempt=preempt,
+        train=TrainContext(writer, info.trial._trial_run_id, info.exp_dir, run_dir),
+        checkpoint=CheckpointContext(dist, base, lambda ev: (writer.emit(ev), writer.flush()) and None,
+                                     require_steps=True),
+    )
+

@@ -1,0 +1,117 @@
+"""Append-only JSON-lines event files in the trial run's dir (ARCHITECTURE.md, contract 2).
+
+Reports are queued and written by one background thread so that a training loop never waits
+on a shared filesystem; ``flush()`` makes everything queued so far durable (used before a
+checkpoint report returns, on preemption acks and at exit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _default(o: Any) -> Any:
+    # numpy / torch scalars and 0-d tensors
+    item = getattr(o, "item", None)
+    if callable(item):
+        return item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"metric value of type {type(o).__name__} is not JSON serializable")
+
+
+class EventWriter:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._q: "queue.SimpleQueue[Optional[tuple[dict[str, Any], Optional[threading.Event]]]]" = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="detslurm-events", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing trial events to {self.path} failed: {err}") from err
+        event.setdefault("time", time.time())
+        self._q.put((event, None))
+
+    def flush(self) -> None:
+        done = threading.Event()
+        self._q.put(({}, done))
+        while not done.wait(1.0):
+            if not self._thread.is_alive():
+                raise RuntimeError("the trial event writer thread died")
+        if self._error is not None:
+            raise RuntimeError(f"writing trial events to {self.path} failed: {self._error}")
+
+    def _run(self) -> None:
+        with open(self.path, "a", buffering=1 << 16) as f:
+            while True:
+                item = self._q.get()
+                if item is None:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    return
+                batch = [item]
+                while True:
+                    try:
+                        nxt = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        self._q.put(None)
+                        break
+                    batch.append(nxt)
+                self._write(f, batch)
+
+    def _write(self, f: Any, batch: list[tuple[dict[str, Any], Optional[threading.Event]]]) -> None:
+        waiters = []
+        for event, done in batch:
+            if done is not None:
+                waiters.append(done)
+                continue
+            try:
+                f.write(json.dumps(event, default=_default, allow_nan=True) + "\n")
+            except (TypeError, ValueError) as e:
+                self._error = e
+        if waiters:
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                self._error = e
+            for w in waiters:
+                w.set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout=60)
+
+
+class NullWriter:
+    """Off-cluster twin: events are only logged."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,128 @@
+"""Preemption: the control file (contract 3) and Slurm's signals feed one latched flag.
+
+A signal handler only sets an Event (no I/O in handlers). A watcher thread on the chief stats
+the run's control file; ``should_preempt()`` gives every rank the chief's answer.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, Optional, Union
+
+from detslurm.core._distributed import DistributedContext
+from detslurm.util import read_json
+
+log = logging.getLogger("detslurm.core")
+POLL_S = 0.5
+
+
+class PreemptMode(enum.Enum):
+    WorkersAskChief = "WORKERS_ASK_CHIEF"
+    ChiefOnly = "CHIEF_ONLY"
+    WorkersAskMaster = "WORKERS_ASK_MASTER"
+
+
+def preempt_signals() -> list[signal.Signals]:
+    """SIGTERM (Slurm's preemption / time limit / scancel) plus the site's warning signal.
+    USR1 is never the default: NCCL installs its own USR1 handler."""
+    sigs = [signal.SIGTERM]
+    name = os.environ.get("DETSLURM_PREEMPT_SIGNAL", "SIGUSR2")
+    if name:
+        try:
+            sigs.append(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
+        except KeyError:
+            log.warning("ignoring unknown DETSLURM_PREEMPT_SIGNAL=%s", name)
+    return sigs
+
+
+Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+
+class PreemptContext:
+    def __init__(self, dist: DistributedContext, control_path: Optional[Path], ack: Callable[[], None],
+                 mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+        self._dist = dist
+        self._control = control_path
+        self._ack = ack
+        self.mode = mode
+        self._flag = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._old: dict[int, Handler] = {}
+        self._hits: dict[int, int] = {}
+        self._acked = False
+        self._started = False
+        self.reason: Optional[str] = None
+
+    def start(self) -> None:
+        self._started = True
+        if self._control is None:
+            return
+        watch = self._dist.rank == 0 or self.mode == PreemptMode.WorkersAskMaster
+        if watch:
+            self._thread = threading.Thread(target=self._watch, name="detslurm-preempt", daemon=True)
+            self._thread.start()
+        if threading.current_thread() is threading.main_thread():
+            for sig in preempt_signals():
+                self._old[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        self._hits[signum] = self._hits.get(signum, 0) + 1
+        if signum == signal.SIGTERM and self._hits[signum] > 1:
+            # A second SIGTERM means "really stop now": behave as if we had no handler.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._flag.set()
+
+    def _watch(self) -> None:
+        assert self._control is not None
+        while not self._stop.wait(POLL_S):
+            if self._control.exists():
+                data = read_json(self._control, {})
+                if data.get("preempt"):
+                    self.reason = str(data.get("reason", "preempt"))
+                    self._flag.set()
+                    return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sig, old in self._old.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        self._old.clear()
+
+    def _local_answer(self) -> bool:
+        return self._flag.is_set()
+
+    def should_preempt(self, auto_ack: bool = True) -> bool:
+        if not self._started:
+            raise RuntimeError("should_preempt() must be called inside `with core.init() as ctx:`")
+        if self.mode == PreemptMode.ChiefOnly and self._dist.rank != 0:
+            raise RuntimeError("should_preempt() in ChiefOnly mode may only be called by the chief")
+        if self.mode == PreemptMode.WorkersAskChief:
+            answer = bool(self._dist.broadcast(self._local_answer()))
+        else:
+            answer = self._local_answer()
+        if answer and auto_ack and self._dist.rank == 0:
+            self.acknowledge_preemption_signal()
+        return answer
+
+    def acknowledge_preemption_signal(self) -> None:
+        if not self._acked:
+            self._acked = True
+            self._ack()
+
+
+class DummyPreemptContext(PreemptContext):
+    """Off-cluster twin: never preempted, but keeps the collective in step across ranks."""
+
+    def __init__(self, dist: DistributedContext, mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+        super().__init__(dist, None, lambda: None, mode)

@@ -1,0 +1,132 @@
+"""SearcherContext for 0.37-style scripts: ``for op in ctx.searcher.operations(): ...``.
+
+Operations come from the trial's ``searcher_ops.json``, written by the controller: a list of
+absolute lengths, how many are completed, and whether more may come. Out of operations, the
+trial acknowledges "preemption" and exits; the controller resumes it if it is promoted later.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from detslurm.core._distributed import DistributedContext
+from detslurm.core._train import Writer
+from detslurm.util import read_json
+
+POLL_S = 0.25
+
+
+class Unit(enum.Enum):
+    EPOCHS = "UNIT_EPOCHS"
+    RECORDS = "UNIT_RECORDS"
+    BATCHES = "UNIT_BATCHES"
+
+
+class SearcherMode(enum.Enum):
+    WorkersAskChief = "WORKERS_ASK_CHIEF"
+    ChiefOnly = "CHIEF_ONLY"
+
+
+class SearcherOperation:
+    def __init__(self, ctx: "SearcherContext", index: int, length: int, is_chief: bool) -> None:
+        self._ctx = ctx
+        self._index = index
+        self._length = length
+        self._is_chief = is_chief
+        self._completed = False
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def report_progress(self, length: float) -> None:
+        if not self._is_chief:
+            raise RuntimeError("you must only call op.report_progress() from the chief worker")
+        if self._completed:
+            raise RuntimeError("you must not call op.report_progress() after op.report_completed()")
+        frac = max(0.0, min(1.0, float(length) / self._length)) if self._length else 1.0
+        self._ctx._writer.emit({"type": "progress", "progress": frac, "raw": float(length)})
+
+    def report_completed(self, searcher_metric: Any) -> None:
+        if not self._is_chief:
+            raise RuntimeError("you must only call op.report_completed() from the chief worker")
+        if self._completed:
+            raise RuntimeError("you may only call op.report_completed() once")
+        self._completed = True
+        self._ctx._writer.emit({"type": "op_completed", "index": self._index, "length": self._length,
+                                "metric": float(searcher_metric)})
+        self._ctx._writer.flush()
+
+
+class SearcherContext:
+    def __init__(self, dist: DistributedContext, writer: Writer, ops_path: Optional[Path], units: Optional[Unit],
+                 should_stop: Callable[[], bool], on_out_of_ops: Callable[[], None]) -> None:
+        self._dist = dist
+        self._writer = writer
+        self._ops_path = ops_path
+        self._units = units
+        self._should_stop = should_stop
+        self._on_out_of_ops = on_out_of_ops
+
+    def _next(self, index: int) -> Optional[int]:
+        """The chief waits for operation ``index``; None once there is none (for now)."""
+        if self._ops_path is None:
+            return 1 if index == 0 else None
+        while True:
+            state: dict[str, Any] = read_json(self._ops_path, {})
+            ops = state.get("ops", [])
+            if index < len(ops):
+                return int(ops[index])
+            if state.get("closed") or state.get("idle_after", -1) >= index or self._should_stop():
+                return None
+            time.sleep(POLL_S)
+
+    def operations(self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief,
+                   auto_ack: bool = True) -> Iterator[SearcherOperation]:
+        chief = self._dist.rank == 0
+        start = 0
+        if self._ops_path is not None:
+            start = int(read_json(self._ops_path, {}).get("completed", 0))
+        index = start
+        while True:
+            length = self._next(index) if chief else None
+            if searcher_mode == SearcherMode.WorkersAskChief:
+                length = self._dist.broadcast(length)
+            if length is None:
+                break
+            op = SearcherOperation(self, index, length, chief)
+            yield op
+            if chief and not op._completed:
+                raise RuntimeError("you must call op.report_completed() on each operation before requesting the next one")
+            index += 1
+        if chief and auto_ack:
+            self.acknowledge_out_of_ops()
+
+    def acknowledge_out_of_ops(self) -> None:
+        self._on_out_of_ops()
+
+    def get_configured_units(self) -> Optional[Unit]:
+        return self._units
+
+
+class SearcherContextMissing(SearcherContext):
+    """0.38 configs (no ``searcher.max_length``) have no operations to hand out."""
+
+    def __init__(self) -> None:
+        pass
+
+    def operations(self, *args: Any, **kwargs: Any) -> Iterator[SearcherOperation]:
+        raise ValueError("searcher operations need `searcher.max_length` in the experiment config; "
+                         "0.38-style scripts choose their own length and call train.report_progress()")
+
+    def get_configured_units(self) -> Optional[Unit]:
+        raise ValueError("the experiment config has no searcher.max_length")
+
+
+def deprecated_operations_warning() -> None:
+    warnings.warn("searcher operations are deprecated; choose the training length in your script",
+                  FutureWarning, stacklevel=3)

@@ -1,0 +1,135 @@
+"""What every trial run executes first (locally or as the Slurm job step).
+
+1. extract the experiment's context snapshot into the run's working dir;
+2. run ``startup-hook.sh`` if the context has one;
+3. run the entrypoint (legacy ``model_def:Trial`` -> torch_distributed --trial; a string -> sh -c;
+   a list as is), forwarding signals to its process group;
+4. write ``exit.json`` atomically, so the controller learns the exit code even when it was not
+   the parent (a restarted controller, or a Slurm job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional, Sequence
+
+from detslurm.context import extract
+from detslurm.errors import ContextError
+from detslurm.util import atomic_write_json
+
+LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
+
+
+def entrypoint_argv(entrypoint: str | Sequence[str], python: str = sys.executable) -> list[str]:
+    """Pure: the argv for an expconf entrypoint."""
+    if isinstance(entrypoint, str):
+        if LEGACY_TRIAL.match(entrypoint):
+            return [python, "-m", "detslurm.launch.torch_distributed", "--", "--trial", entrypoint]
+        return ["sh", "-c", entrypoint]
+    return list(entrypoint)
+
+
+def _has_real_determined() -> bool:
+    """A real `determined` package installed wins over our compatibility shim."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("determined")
+    return spec is not None and spec.origin is not None and str(COMPAT_DIR) not in spec.origin
+
+
+def child_env(env: dict[str, str], workdir: Path) -> dict[str, str]:
+    out = dict(env)
+    bindir = str(Path(sys.executable).parent)
+    # `python3` in an entrypoint must be this interpreter (the one that has detslurm).
+    out["PATH"] = bindir + os.pathsep + out.get("PATH", os.defpath)
+    paths = [str(workdir)]
+    if not _has_real_determined():
+        paths.append(str(COMPAT_DIR))
+    if out.get("PYTHONPATH"):
+        paths.append(out["PYTHONPATH"])
+    out["PYTHONPATH"] = os.pathsep.join(paths)
+    out["DET_WORKDIR"] = str(workdir)
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    return out
+
+
+def _run_hook(workdir: Path, env: dict[str, str]) -> int:
+    hook = workdir / "startup-hook.sh"
+    if not hook.exists():
+        return 0
+    print(f"detslurm: running {hook.name}", flush=True)
+    # The hook may export variables for the entrypoint, so source it and dump the environment.
+    script = f"set -e; . ./startup-hook.sh; env -0 > {shlex.quote(str(workdir / '.hook-env'))}"
+    rc = subprocess.call(["bash", "-c", script], cwd=workdir, env=env)
+    if rc == 0:
+        data = (workdir / ".hook-env").read_bytes().split(b"\0")
+        for item in data:
+            k, sep, v = item.decode(errors="replace").partition("=")
+            if sep and k not in ("PWD", "SHLVL", "_", "OLDPWD"):
+                env[k] = v
+    return rc
+
+
+def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
+    proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
+    old: dict[int, Any] = {}
+
+    def forward(signum: int, _frame: Optional[FrameType]) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        old[sig] = signal.signal(sig, forward)
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except InterruptedError:  # pragma: no cover - PEP 475 retries already
+                continue
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    env = dict(os.environ)
+    run_dir = Path(env["DET_RUN_DIR"])
+    exp_dir = Path(env["DETSLURM_EXP_DIR"])
+    workdir = Path(env.get("DETSLURM_WORKDIR") or run_dir / "workdir")
+    config = json.loads(env["DET_EXPERIMENT_CONFIG"])
+    started = time.time()
+    rc = 1
+    try:
+        extract(exp_dir / "context.tar.gz", workdir)
+        cenv = child_env(env, workdir)
+        rc = _run_hook(workdir, cenv)
+        if rc != 0:
+            print(f"detslurm: startup-hook.sh failed with exit code {rc}", file=sys.stderr, flush=True)
+        else:
+            rc = _run(entrypoint_argv(config["entrypoint"]), workdir, cenv)
+    except ContextError as e:
+        print(f"detslurm: {e}", file=sys.stderr, flush=True)
+        rc = 1
+    except FileNotFoundError as e:
+        print(f"detslurm: cannot run the entrypoint: {e}", file=sys.stderr, flush=True)
+        rc = 127
+    finally:
+        atomic_write_json(run_dir / "exit.json", {"code": rc, "start": started, "end": time.time()})
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
