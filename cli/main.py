@@ -44,8 +44,9 @@ _register()
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
-        cli.main(args=list(argv) if argv is not None else None, prog_name="det", standalone_mode=False)
-        return 0
+        # With standalone_mode=False click returns the code of a raised Exit instead of exiting.
+        rv = cli.main(args=list(argv) if argv is not None else None, prog_name="det", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return int(e.exit_code)
     except click.ClickException as e:

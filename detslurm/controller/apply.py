@@ -62,8 +62,16 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
             t = trials[a.request_id]
             t.ops_closed = True
         elif isinstance(a, Shutdown):
-            exp.error_message = "hp search failed: every trial errored" if a.failure else None
-            exp.state = (ExperimentState.STOPPING_ERROR if a.failure else ExperimentState.STOPPING_COMPLETED).value
+            current = ExperimentState(exp.state)
+            if current.is_stopping or current.is_terminal:
+                continue  # a user's cancel/kill already decides how the experiment ends
+            if a.failure:
+                exp.error_message = "hp search failed: every trial errored"
+                exp.state = ExperimentState.STOPPING_ERROR.value
+            elif a.cancel:
+                exp.state = ExperimentState.STOPPING_CANCELED.value
+            else:
+                exp.state = ExperimentState.STOPPING_COMPLETED.value
 
 
 def searcher_is_promotion(searcher: SearchMethod) -> bool:

@@ -108,6 +108,7 @@ class Controller:
                     run.start_time = _now()
                 if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
                     trial.runner_state = "test_done"
+                    trial.early_stopped = True  # test mode has seen enough: stop the trial
             except SearcherError as e:
                 exp.state = ExperimentState.STOPPING_ERROR.value
                 exp.error_message = f"encountered error: {e}"
@@ -214,8 +215,6 @@ class Controller:
             return "cancel"
         if state == ExperimentState.PAUSED:
             return "pause"
-        if exp.test_mode and t.runner_state == "test_done":
-            return "test_mode"
         return None
 
     # -- submissions ----------------------------------------------------------------------

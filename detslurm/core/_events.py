@@ -84,6 +84,12 @@ class EventWriter:
                 f.write(json.dumps(event, default=_default, allow_nan=True) + "\n")
             except (TypeError, ValueError) as e:
                 self._error = e
+        # Hand every batch to the OS: a process that crashes (or os._exit()s) right after a
+        # report loses nothing; fsync is reserved for flush(), where durability is asked for.
+        try:
+            f.flush()
+        except OSError as e:
+            self._error = e
         if waiters:
             try:
                 f.flush()

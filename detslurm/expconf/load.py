@@ -263,7 +263,6 @@ def _check_storage(raw: Any, default: Mapping[str, Any] | None, errors: list[str
 def _check_top(top: s.TopLevel, errors: list[str]) -> None:
     if top.entrypoint is None or top.entrypoint == "" or top.entrypoint == []:
         errors.append(f"{ROOT}: entrypoint is a required property (managed experiments require entrypoint)")
-    errors.extend(check_sbatch_args(top.slurm.sbatch_args, f"{ROOT}.slurm.sbatch_args"))
     env = top.environment
     kinds = env.environment_variables if isinstance(env.environment_variables, dict) else {"": env.environment_variables}
     for kind, items in kinds.items():
@@ -298,6 +297,10 @@ def validate(
     storage = _check_storage(raw.get("checkpoint_storage"), default_storage, errors)
     if top is not None:
         _check_top(top, errors)
+    slurm = raw.get("slurm") if isinstance(raw, Mapping) else None
+    sargs = slurm.get("sbatch_args") if isinstance(slurm, dict) else None
+    if isinstance(sargs, list) and all(isinstance(a, str) for a in sargs):
+        errors.extend(check_sbatch_args(sargs, f"{ROOT}.slurm.sbatch_args"))
     if errors:
         raise ConfigError(sorted(set(errors)))
     assert top is not None

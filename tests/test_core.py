@@ -1,0 +1,242 @@
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from detslurm.controller.ingest import read_new
+from detslurm.core import DistributedContext, PreemptMode, get_cluster_info, init, merge_metadata
+from detslurm.core._checkpoint import CheckpointContext
+from detslurm.core._events import EventWriter
+from detslurm.core._info import from_env, trial_env
+from detslurm.core._preempt import PreemptContext
+from detslurm.errors import CheckpointNotFound
+
+_port = [23000 + os.getpid() % 2000 * 10]
+
+
+def next_port() -> int:
+    _port[0] += 7
+    return _port[0]
+
+
+def run_ranks(size: int, local_size: int, fn: Callable[[DistributedContext], Any], force_tcp: bool = False) -> list[Any]:
+    """One thread per rank, each with a real DistributedContext (Determined's parallel.Execution)."""
+    port = next_port()
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def worker(rank: int) -> None:
+        try:
+            ctx = DistributedContext(rank=rank, size=size, local_rank=rank % local_size, local_size=local_size,
+                                     cross_rank=rank // local_size, cross_size=size // local_size,
+                                     chief_ip="127.0.0.1", port=port, force_tcp=force_tcp)
+            try:
+                results[rank] = fn(ctx)
+            finally:
+                ctx.close()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("cross,local", [(1, 1), (1, 4), (4, 1), (2, 2)])
+@pytest.mark.parametrize("force_tcp", [False, True])
+def test_collectives(cross: int, local: int, force_tcp: bool) -> None:
+    size = cross * local
+
+    def body(d: DistributedContext) -> dict[str, Any]:
+        return {
+            "bcast": d.broadcast(d.rank * 10),
+            "bcast_local": d.broadcast_local(d.rank),
+            "gather": d.gather(d.rank),
+            "gather_local": d.gather_local(d.rank),
+            "allgather": d.allgather(d.rank),
+            "allgather_local": d.allgather_local(d.rank),
+        }
+
+    res = run_ranks(size, local, body, force_tcp)
+    for rank, r in enumerate(res):
+        assert r["bcast"] == 0
+        assert r["bcast_local"] == rank - rank % local
+        assert r["gather"] == (list(range(size)) if rank == 0 else None)
+        node = list(range(rank - rank % local, rank - rank % local + local))
+        assert r["gather_local"] == (node if rank % local == 0 else None)
+        assert r["allgather"] == list(range(size))
+        assert r["allgather_local"] == node
+
+
+def test_from_torch_distributed_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+           "GROUP_WORLD_SIZE": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    d = DistributedContext.from_torch_distributed()
+    assert (d.rank, d.size, d.cross_size, d.get_num_agents()) == (0, 1, 1, 1)
+    with pytest.raises(ValueError, match="chief_ip is required"):
+        DistributedContext(rank=0, size=4, local_rank=0, local_size=2, cross_rank=0, cross_size=2)
+
+
+def test_checkpoint_atomic_and_failure_keeps_previous(tmp_path: Path) -> None:
+    reports: list[dict[str, Any]] = []
+    with init() as core:
+        ck = CheckpointContext(core.distributed, tmp_path, reports.append, require_steps=True)
+        with ck.store_path({"steps_completed": 5}) as (path, first):
+            (path / "w.txt").write_text("five")
+        with pytest.raises(RuntimeError, match="disk full"):
+            with ck.store_path({"steps_completed": 10}) as (path, second):
+                (path / "w.txt").write_text("half")
+                raise RuntimeError("disk full")
+        assert [r["uuid"] for r in reports] == [first]  # the failed one was never reported
+        assert not (tmp_path / second).exists()  # and never appears under its final name
+        with ck.restore_path(first) as p:
+            assert (p / "w.txt").read_text() == "five"
+        assert ck.get_metadata(first) == {"steps_completed": 5}
+        assert reports[0]["resources"] == {"w.txt": 4, "metadata.json": reports[0]["resources"]["metadata.json"]}
+        with pytest.raises(ValueError, match="steps_completed"):
+            with ck.store_path({}):
+                pass
+        with pytest.raises(CheckpointNotFound):
+            with ck.restore_path("no-such-uuid"):
+                pass
+        ck.download(first, tmp_path / "dl")
+        assert (tmp_path / "dl/w.txt").read_text() == "five"
+        ck.delete(first)
+        assert not (tmp_path / first).exists() and reports[-1] == {"type": "checkpoint_deleted", "uuid": first}
+
+
+def test_sharded_checkpoint_across_ranks(tmp_path: Path) -> None:
+    reports: list[dict[str, Any]] = []
+
+    def body(d: DistributedContext) -> str:
+        ck = CheckpointContext(d, tmp_path, reports.append, require_steps=True)
+        with ck.store_path({"steps_completed": 3, f"rank{d.rank}": True}, shard=True) as (path, uuid):
+            (path / f"shard-{d.rank}.bin").write_text(str(d.rank))
+        return uuid
+
+    uuids = run_ranks(4, 2, body)
+    assert len(set(uuids)) == 1
+    assert len(reports) == 1
+    assert sorted(k for k in reports[0]["resources"] if k.startswith("shard")) == [f"shard-{r}.bin" for r in range(4)]
+    assert reports[0]["metadata"] == {"steps_completed": 3, "rank0": True, "rank1": True, "rank2": True, "rank3": True}
+    with pytest.raises(RuntimeError, match="metadata conflicts"):
+        merge_metadata([{"a": 1}, {"a": 2}])
+    assert merge_metadata([{"a": {"b": 1}}, {"a": {"c": 2}}, {"a": {"b": 1}}]) == {"a": {"b": 1, "c": 2}}
+
+
+def test_non_chief_store_path_refused() -> None:
+    def body(d: DistributedContext) -> str:
+        ck = CheckpointContext(d, Path("/nonexistent"), lambda e: None, require_steps=False)
+        if d.rank == 1:
+            with pytest.raises(RuntimeError, match="non-chief"):
+                with ck.store_path({}):
+                    pass
+        return "ok"
+
+    assert run_ranks(2, 2, body) == ["ok", "ok"]
+
+
+def test_preempt_from_control_file_reaches_all_ranks(tmp_path: Path) -> None:
+    control = tmp_path / "control.json"
+    acks: list[int] = []
+
+    def body(d: DistributedContext) -> list[bool]:
+        p = PreemptContext(d, control, lambda: acks.append(d.rank), PreemptMode.WorkersAskChief)
+        p.start()
+        try:
+            seen = [p.should_preempt()]
+            if d.rank == 0:
+                control.write_text(json.dumps({"preempt": True, "reason": "pause"}))
+            deadline = time.time() + 10
+            while time.time() < deadline:
+                ans = p.should_preempt()
+                if ans:
+                    seen.append(ans)
+                    break
+                time.sleep(0.05)
+            return seen
+        finally:
+            p.close()
+
+    assert run_ranks(3, 3, body) == [[False, True]] * 3
+    assert acks == [0]  # only the chief acknowledges
+
+
+def test_should_preempt_outside_init_refused() -> None:
+    d = DistributedContext(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1)
+    with pytest.raises(RuntimeError, match="inside"):
+        PreemptContext(d, None, lambda: None).should_preempt()
+
+
+def test_events_exactly_once_and_torn_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    w = EventWriter(path)
+    for i in range(100):
+        w.emit({"type": "metrics", "i": i})
+    w.flush()
+    events, off = read_new(path, 0)
+    assert [e["i"] for e in events] == list(range(100))
+    with open(path, "a") as f:
+        f.write('{"type": "metrics", "i": 100}\n{"type": "met')  # a writer killed mid-line
+    more, off2 = read_new(path, off)
+    assert [e["i"] for e in more] == [100]
+    assert read_new(path, off2) == ([], off2)
+    with open(path, "a") as f:
+        f.write('rics", "i": 101}\n')
+    last, _ = read_new(path, off2)
+    assert [e["i"] for e in last] == [101]
+    w.close()
+
+
+def test_cluster_info_off_and_on_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("DET_"):
+            monkeypatch.delenv(k)
+    assert get_cluster_info() is None
+    env = trial_env(experiment_id=3, trial_id=7, run_id=2, seed=42, hparams={"lr": 0.1}, config={"data": {"x": 1}},
+                    latest_checkpoint="abc", steps_completed=50, run_dir=tmp_path / "r", trial_dir=tmp_path,
+                    exp_dir=tmp_path, checkpoint_base=str(tmp_path / "ck"), resources_type="slurm-job",
+                    slot_ids=[0, 1], container_addrs=["10.0.0.1", "10.0.0.2"], user="alice")
+    info = from_env(env)
+    assert info is not None
+    assert (info.trial.trial_id, info.trial.experiment_id, info.trial.hparams) == (7, 3, {"lr": 0.1})
+    assert (info.latest_checkpoint, info.trial._steps_completed, info.trial._trial_run_id) == ("abc", 50, 2)
+    assert info.slot_ids == [0, 1] and info.container_addrs == ["10.0.0.1", "10.0.0.2"]
+    assert info.user_data == {"x": 1} and info.allocation_id == "exp-3-trial-7-run-2"
+
+
+def test_off_cluster_context_works(tmp_path: Path) -> None:
+    with init(checkpoint_storage=str(tmp_path)) as core:
+        core.train.report_training_metrics(1, {"loss": 1.0})
+        core.train.report_validation_metrics(1, {"loss": 1.0})
+        with pytest.raises(ValueError):
+            core.train.report_metrics("bad.group", 1, {})
+        with pytest.raises(ValueError):
+            core.train.report_progress(1.5)
+        with core.checkpoint.store_path({}) as (path, uuid):
+            (path / "x").write_text("1")
+        assert (tmp_path / uuid / "x").exists()
+        assert core.preempt.should_preempt() is False
+        assert [op.length for op in _complete(core.searcher.operations())] == [1]
+        assert core.info is None
+
+
+def _complete(ops: Any) -> list[Any]:
+    out = []
+    for op in ops:
+        op.report_completed(0.0)
+        out.append(op)
+    return out

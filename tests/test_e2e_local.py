@@ -1,0 +1,226 @@
+"""End to end: real trial processes driven by the real controller through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from conftest import EXAMPLES, ROOT, write
+from detslurm import settings
+from detslurm.store import Metric, Trial, TrialRun, open_store
+
+pytestmark = pytest.mark.e2e
+CORE = EXAMPLES / "core_api"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def store() -> Any:
+    return open_store(settings.load().db_url)
+
+
+def metrics(trial_id: int, group: str) -> list[tuple[int, int]]:
+    with store().tx() as s:
+        q = (select(Metric.steps_completed, Metric.run_id).where(Metric.trial_id == trial_id)
+             .where(Metric.group == group).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        return [(a, b) for a, b in s.execute(q)]
+
+
+def trials(exp_id: int) -> list[Trial]:
+    with store().tx() as s:
+        return list(s.scalars(select(Trial).where(Trial.experiment_id == exp_id).order_by(Trial.id)))
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "<config>: the file is empty"),
+    ("[1, 2]", "<config>: must be a mapping of keys to values, got a list"),
+    ("entrypoint: x\nmax_restarts: many\nsearcher: {name: single, metric: m}", "<config>.max_restarts: Input should be a valid integer, got 'many'"),
+    ("entrypoint: x\nbogus: 1\nsearcher: {name: single, metric: m}", "<config>: unknown key 'bogus'; valid keys: bind_mounts"),
+    ("entrypoint: x\nsearcher: {name: single}", "<config>.searcher: metric is a required property"),
+])
+def test_bad_configs_one_clear_error(det: Any, tmp_path: Path, text: str, needle: str) -> None:
+    cfg = write(tmp_path / "bad.yaml", text)
+    code, out, err = det("e", "create", "--local", cfg, CORE)
+    assert code == 1
+    assert needle in err and "Traceback" not in err + out
+    assert err.count("<config>") == 1
+    assert det("e", "list", "--json")[1].strip() == "[]"  # nothing was created
+
+
+def test_missing_context_and_config(det: Any, tmp_path: Path) -> None:
+    code, _, err = det("e", "create", "--local", tmp_path / "nope.yaml", CORE)
+    assert code == 1 and "cannot read the experiment config" in err
+    code, _, err = det("e", "create", "--local", CORE / "const.yaml", tmp_path / "nodir")
+    assert code == 1 and "does not exist" in err
+    code, _, err = det("e", "describe", "99")
+    assert code == 1 and "experiment 99 not found" in err
+
+
+def test_dry_run_creates_nothing(det: Any) -> None:
+    code, out, _ = det("e", "create", "--dry-run", CORE / "adaptive.yaml", CORE)
+    assert code == 0 and "adaptive_asha" in out and "nothing was created" in out
+    assert det("e", "list", "--json")[1].strip() == "[]"
+
+
+def test_adaptive_asha_search_early_stops_and_completes(det: Any) -> None:
+    code, out, err = det("e", "create", "--local", CORE / "adaptive.yaml", CORE)
+    assert code == 0, err
+    assert "Created experiment 1" in out and "Experiment 1 COMPLETED" in out
+    ts = trials(1)
+    assert len(ts) >= 8
+    assert all(t.state == "COMPLETED" for t in ts)
+    lengths = [max(s for s, _ in metrics(t.id, "training")) for t in ts]
+    assert any(n < 40 for n in lengths), lengths  # some trials were stopped early
+    assert any(t.early_stopped for t in ts)
+    code, out, _ = det("e", "list-checkpoints", "1")
+    assert code == 0 and "COMPLETED" in out and "DELETED" in out  # GC kept only best/latest
+
+
+def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> None:
+    code, out, err = det("e", "create", "--local", CORE / "const.yaml", CORE,
+                         "--config", "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=13]",
+                         "--config", "hyperparameters.sleep=0.01")
+    assert code == 0, err
+    (t,) = trials(1)
+    assert t.state == "COMPLETED" and t.restarts == 1 and t.run_count == 2
+    train = metrics(t.id, "training")
+    assert [s for s, _ in train] == list(range(1, 41))  # every step exactly once
+    assert [r for s, r in train if s <= 10] == [1] * 10 and all(r == 2 for s, r in train if s > 10)
+    with store().tx() as s:
+        archived = s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
+                             .where(Metric.archived.is_(True))).all()
+    assert sorted(archived) == [11, 12, 13]  # run 1's steps past the checkpoint, kept but not counted
+    code, out, _ = det("t", "logs", str(t.id))
+    assert "simulated crash at batch 13" in out and "trial failed with exit code 3 (restart 1/3)" in out
+
+
+def test_max_restarts_exceeded_is_an_error(det: Any, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/failing.py", (FIXTURES / "failing.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 failing.py\nmax_restarts: 1\nsearcher: {name: single, metric: m}\n")
+    code, out, _ = det("e", "create", "--local", cfg, tmp_path / "ctx")
+    assert code == 1 and "Experiment 1 ERROR" in out
+    (t,) = trials(1)
+    assert t.state == "ERROR" and t.restarts == 2 and "exceeded max restarts" in (t.exit_reason or "")
+
+
+def test_test_mode_success_and_failure(det: Any, tmp_path: Path) -> None:
+    code, out, err = det("e", "create", "--local", "--test-mode", CORE / "adaptive.yaml", CORE)
+    assert code == 0, err + out
+    assert "Model definition test succeeded! 🎉" in out
+    (t,) = trials(1)
+    assert t.state == "COMPLETED" and max(s for s, _ in metrics(t.id, "training")) < 40  # stopped early
+    write(tmp_path / "ctx/failing.py", (FIXTURES / "failing.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 failing.py\nsearcher: {name: single, metric: m}\n")
+    code, out, err = det("e", "create", "--local", "-t", cfg, tmp_path / "ctx")
+    assert code == 1 and "Model definition test failed" in err and "about to fail" in err
+
+
+def test_invalid_hp_trials_are_replaced(det: Any, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/invalid_hp.py", (FIXTURES / "invalid_hp.py").read_text())
+    cfg = write(tmp_path / "c.yaml", """
+entrypoint: python3 invalid_hp.py
+hyperparameters: {x: {type: int, minval: 0, maxval: 9}}
+searcher: {name: random, metric: loss, max_trials: 4, max_concurrent_trials: 2}
+reproducibility: {experiment_seed: 5}
+""")
+    code, out, err = det("e", "create", "--local", cfg, tmp_path / "ctx")
+    assert code == 0, err
+    ts = trials(1)
+    valid = [t for t in ts if t.hparams["x"] % 2 == 0]
+    assert len(valid) == 4 and len(ts) == 4 + sum(1 for t in ts if t.hparams["x"] % 2)
+
+
+def test_037_operations_with_promotion(det: Any, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/ops_037.py", (FIXTURES / "ops_037.py").read_text())
+    cfg = write(tmp_path / "c.yaml", """
+entrypoint: python3 ops_037.py
+hyperparameters: {lr: {type: double, minval: 0.01, maxval: 0.5}}
+searcher: {name: adaptive_asha, metric: loss, max_trials: 6, max_length: {batches: 16}, divisor: 2,
+           max_rungs: 3, mode: aggressive, max_concurrent_trials: 3}
+""")
+    code, out, err = det("e", "create", "--local", cfg, tmp_path / "ctx")
+    assert code == 0, err + out
+    ts = trials(1)
+    assert len(ts) == 6 and all(t.state == "COMPLETED" for t in ts)
+    ops = sorted(len(t.searcher_ops) for t in ts)
+    assert ops[0] == 1 and ops[-1] >= 2  # some stopped at the first rung, some were promoted
+    promoted = [t for t in ts if len(t.searcher_ops) > 1]
+    for t in promoted:  # a promoted trial resumed from its checkpoint: each step once
+        assert [s for s, _ in metrics(t.id, "training")] == list(range(1, max(t.searcher_ops) + 1))
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "detslurm.cli.main", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def _wait_for(pred: Any, timeout: float = 60) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached")
+
+
+def test_pause_then_activate_resumes_from_checkpoint(det: Any) -> None:
+    proc = _spawn("e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.1")
+    _wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
+    code, out, _ = det("e", "pause", "1")
+    assert code == 0 and "Paused experiment 1" in out
+    stdout, _ = proc.communicate(timeout=60)
+    assert "Experiment 1 PAUSED" in stdout
+    (t,) = trials(1)
+    assert t.state == "PAUSED" and t.restarts == 0
+    paused_at = t.steps_completed
+    assert 0 < paused_at < 40
+    code, out, err = det("e", "activate", "1")
+    assert code == 0 and "Activated experiment 1" in out and "Experiment 1 COMPLETED" in out, err
+    (t,) = trials(1)
+    assert t.run_count == 2 and t.state == "COMPLETED"
+    train = metrics(t.id, "training")
+    assert [s for s, _ in train] == list(range(1, 41))
+    assert min(s for s, r in train if r == 2) == paused_at + 1
+
+
+def test_kill_and_cancel(det: Any) -> None:
+    proc = _spawn("e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.2")
+    _wait_for(lambda: bool(trials(1)) and bool(metrics(trials(1)[0].id, "training")))
+    assert det("e", "kill", "1")[0] == 0
+    stdout, _ = proc.communicate(timeout=60)
+    assert "Experiment 1 CANCELED" in stdout
+    assert trials(1)[0].state == "CANCELED"
+    assert det("e", "pause", "1")[2].strip().endswith("experiment 1 is in incompatible state CANCELED")
+    code, out, _ = det("e", "create", "--local", "--paused", CORE / "const.yaml", CORE)
+    assert code == 0 and "Created experiment 2" in out
+    assert det("e", "cancel", "2")[0] == 0
+    assert det("e", "wait", "2")[0] == 1
+    assert trials(2)[0].state == "CANCELED"
+
+
+def test_reads_and_checkpoint_download(det: Any, tmp_path: Path) -> None:
+    assert det("e", "create", "--local", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")[0] == 0
+    code, out, _ = det("e", "describe", "1")
+    assert code == 0 and "Experiment:" in out and "Trials:" in out and "Workloads:" in out
+    code, out, _ = det("e", "list")
+    assert "core-api-const" in out and "COMPLETED" in out
+    code, out, _ = det("e", "config", "1")
+    assert "max_restarts: 3" in out
+    (t,) = trials(1)
+    code, out, _ = det("checkpoint", "download", t.latest_checkpoint, "-o", tmp_path / "dl")
+    assert code == 0 and "Local checkpoint path:" in out
+    assert (tmp_path / "dl/state.json").exists() and (tmp_path / "dl/metadata.json").exists()
+    from detslurm import client
+
+    ck = client.Client(store()).get_checkpoint(t.latest_checkpoint)
+    assert ck.metadata["steps_completed"] == 40
+    code, out, _ = det("t", "logs", str(t.id), "--tail", "1")
+    assert code == 0 and len(out.strip().splitlines()) == 1
+    assert det("e", "delete", "1", "--yes")[0] == 0
+    assert not Path(settings.load().experiments_dir, "exp-1").exists()
