@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import click
 
 from detslurm import settings as settings_mod
@@ -14,7 +12,7 @@ from detslurm.store import Store, open_store
 class App:
     def __init__(self, as_json: bool = False) -> None:
         self.settings: Settings = settings_mod.load()
-        self._store: Optional[Store] = None
+        self._store: Store | None = None
         self.as_json = as_json
 
     @property

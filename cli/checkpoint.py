@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import click
 
@@ -60,7 +60,7 @@ def describe(app: App, uuid: str, as_json: bool) -> None:
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("-q", "--quiet", is_flag=True, help="Only print the path.")
 @pass_app
-def download(app: App, uuid: str, output_dir: Optional[Path], quiet: bool) -> None:
+def download(app: App, uuid: str, output_dir: Path | None, quiet: bool) -> None:
     """Copy a checkpoint to a local directory (default checkpoints/<uuid>)."""
     ck = client.Client(app.store).get_checkpoint(uuid)
     path = ck.download(output_dir)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import click
 import yaml
 from sqlalchemy import select
 
 from detslurm import views
-from detslurm.cli import local, logs as logs_mod
+from detslurm.cli import local
+from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
@@ -77,7 +79,7 @@ def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test
         raise click.exceptions.Exit(1)
 
 
-def _exp_rows(app: App, show_all: bool) -> list[dict[str, object]]:
+def _exp_rows(app: App, show_all: bool) -> list[dict[str, Any]]:
     with app.store.tx() as s:
         q = select(Experiment).order_by(Experiment.id)
         if not show_all:
@@ -96,8 +98,8 @@ def list_(app: App, show_all: bool, as_json: bool) -> None:
         dump_json(rows)
         return
     table(["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
-          [[r["id"], r["owner"], r["name"], r["parent_id"] or "", r["state"], fmt_pct(float(r["progress"])),  # type: ignore[arg-type]
-            fmt_time(r["start_time"]), fmt_time(r["end_time"]), r["resource_pool"]] for r in rows])  # type: ignore[arg-type]
+          [[r["id"], r["owner"], r["name"], r["parent_id"] or "", r["state"], fmt_pct(float(r["progress"])),
+            fmt_time(r["start_time"]), fmt_time(r["end_time"]), r["resource_pool"]] for r in rows])
 
 
 experiment.add_command(list_, "ls")
@@ -115,18 +117,18 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         trials = [views.trial_dict(s, t) for t in exp.trials]
         metric = exp.config["searcher"]["metric"]
         work = [(t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
-                for t in trials for m in views.metrics(s, int(t["id"]))]  # type: ignore[call-overload]
+                for t in trials for m in views.metrics(s, int(t["id"]))]
     if as_json:
         dump_json([{"experiment": e, "trials": trials}])
         return
     click.echo("Experiment:")
     table(["Experiment ID", "State", "Progress", "Started", "Ended", "Name", "Description", "Archived",
            "Resource Pool", "Labels"],
-          [[e["id"], e["state"], fmt_pct(float(e["progress"])), fmt_time(e["start_time"]), fmt_time(e["end_time"]),  # type: ignore[arg-type]
-            e["name"], e["description"] or "", e["archived"], e["resource_pool"], ", ".join(e["labels"])]])  # type: ignore[arg-type]
+          [[e["id"], e["state"], fmt_pct(float(e["progress"])), fmt_time(e["start_time"]), fmt_time(e["end_time"]),
+            e["name"], e["description"] or "", e["archived"], e["resource_pool"], ", ".join(e["labels"])]])
     click.echo("\nTrials:")
     table(["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
-          [[t["id"], t["experiment_id"], t["state"], fmt_time(t["start_time"]), fmt_time(t["end_time"]),  # type: ignore[arg-type]
+          [[t["id"], t["experiment_id"], t["state"], fmt_time(t["start_time"]), fmt_time(t["end_time"]),
             json.dumps(t["hparams"], indent=2)] for t in trials])
     click.echo("\nWorkloads:")
     table(["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
@@ -154,8 +156,8 @@ def list_trials(app: App, exp_id: int, as_json: bool) -> None:
         dump_json(trials)
         return
     table(["Trial ID", "State", "H-Params", "Started", "Ended", "# of Batches"],
-          [[t["id"], t["state"], json.dumps(t["hparams"], sort_keys=True), fmt_time(t["start_time"]),  # type: ignore[arg-type]
-            fmt_time(t["end_time"]), t["batches"]] for t in trials])  # type: ignore[arg-type]
+          [[t["id"], t["state"], json.dumps(t["hparams"], sort_keys=True), fmt_time(t["start_time"]),
+            fmt_time(t["end_time"]), t["batches"]] for t in trials])
 
 
 experiment.add_command(list_trials, "lt")
@@ -166,7 +168,7 @@ experiment.add_command(list_trials, "lt")
 @click.option("--best", type=int, default=None, help="Only the N best by the searcher metric.")
 @click.option("--json", "as_json", is_flag=True)
 @pass_app
-def list_checkpoints(app: App, exp_id: int, best: Optional[int], as_json: bool) -> None:
+def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> None:
     """List an experiment's checkpoints."""
     with app.store.tx() as s:
         exp = views.get_experiment(s, exp_id)
@@ -174,14 +176,18 @@ def list_checkpoints(app: App, exp_id: int, best: Optional[int], as_json: bool) 
         cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id)]
     if best is not None:
         scored = [c for c in cks if c["validation_metric"] is not None and c["state"] == "COMPLETED"]
-        scored.sort(key=lambda c: float(c["validation_metric"]) * (1 if sib else -1))  # type: ignore[arg-type]
+        scored.sort(key=lambda c: float(c["validation_metric"]) * (1 if sib else -1))
         cks = scored[:best]
     if as_json:
         dump_json(cks)
         return
     table(["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
-          [[c["trial_id"], c["steps_completed"], c["state"], c["validation_metric"] if c["validation_metric"] is not None else "",
-            c["uuid"], len(c["resources"]), f"{int(c['size']) / 1024:.1f} KiB"] for c in cks])  # type: ignore[arg-type,call-overload]
+          [[c["trial_id"], c["steps_completed"], c["state"], _blank_none(c["validation_metric"]),
+            c["uuid"], len(c["resources"]), f"{int(c['size']) / 1024:.1f} KiB"] for c in cks])
+
+
+def _blank_none(v: object) -> object:
+    return "" if v is None else v
 
 
 experiment.add_command(list_checkpoints, "lc")
@@ -201,12 +207,12 @@ def logs(app: App, exp_id: int) -> None:
         click.echo(line)
 
 
-def _state_change(verb: str, past: str, fn: object) -> click.Command:
+def _state_change(verb: str, past: str, fn: Callable[[Any, int], None]) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
     @pass_app
     def cmd(app: App, exp_id: int) -> None:
-        fn(app.store, exp_id)  # type: ignore[operator]
+        fn(app.store, exp_id)
         click.echo(f"{past} experiment {exp_id}")
 
     return cmd

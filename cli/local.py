@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
 
 import click
 import filelock
 
+from detslurm.cli import logs as logs_mod
+from detslurm.cli.app import App
 from detslurm.controller.controller import ACTIVE_RUN, Controller
 from detslurm.controller.local import LocalExecutor
 from detslurm.errors import StateError
 from detslurm.store.models import Experiment, ExperimentState, TrialRun
-from detslurm.cli.app import App
-from detslurm.cli import logs as logs_mod
 
 
 def _snapshot(app: App, exp_id: int) -> tuple[ExperimentState, dict[int, str], bool]:
@@ -44,7 +43,7 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
 def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
     ctl = Controller(app.store, LocalExecutor(app.settings.max_local_trials))
     seen: dict[int, str] = {}
-    follower: Optional[logs_mod.Follower] = None
+    follower: logs_mod.Follower | None = None
     interrupted = 0
     while True:
         try:
@@ -63,7 +62,8 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
             if state.is_terminal or (state == ExperimentState.PAUSED and not busy):
                 if follower is not None:
                     follower.pump()
-                    click.echo(f"Trial log stream ended. To reopen log stream, run: det trial logs -f {follower.trial_id}")
+                    click.echo("Trial log stream ended. To reopen log stream, run: "
+                               f"det trial logs -f {follower.trial_id}")
                 return state
             time.sleep(app.settings.poll_interval_s)
         except KeyboardInterrupt:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
 
 import click
 
@@ -66,7 +66,7 @@ class Follower:
                 click.echo(line)
 
 
-def select_lines(all_lines: list[str], head: Optional[int], tail: Optional[int]) -> list[str]:
+def select_lines(all_lines: list[str], head: int | None, tail: int | None) -> list[str]:
     if head is not None:
         return all_lines[:head]
     if tail is not None:

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 import traceback
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import click
 
@@ -41,7 +41,7 @@ def _register() -> None:
 _register()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         # With standalone_mode=False click returns the code of a raised Exit instead of exiting.
@@ -61,7 +61,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         click.echo("Interrupted.", err=True)
         return 130
-    except Exception as e:  # noqa: BLE001 - the one boundary: no traceback for users
+    except Exception as e:
         if os.environ.get("DETSLURM_DEBUG"):
             traceback.print_exc()
         click.echo(f"Error: internal error ({type(e).__name__}: {e}); set DETSLURM_DEBUG=1 for details", err=True)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import click
 from tabulate import tabulate
 
 
-def fmt_time(t: Optional[datetime]) -> str:
+def fmt_time(t: datetime | None) -> str:
     if t is None:
         return ""
     if t.tzinfo is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from detslurm import settings, views
 from detslurm.errors import NotFoundError, StateError
@@ -24,7 +24,7 @@ class Checkpoint:
         self.metadata: dict[str, Any] = info["metadata"]
         self.state: str = info["state"]
 
-    def download(self, path: Optional[Path] = None) -> Path:
+    def download(self, path: Path | None = None) -> Path:
         if self.state != "COMPLETED":
             raise StateError(f"checkpoint {self.uuid} is {self.state}; only COMPLETED checkpoints can be downloaded")
         dst = Path(path) if path is not None else Path("checkpoints") / self.uuid
@@ -36,7 +36,7 @@ class Checkpoint:
 
 
 class Trial:
-    def __init__(self, client: "Client", info: dict[str, Any]) -> None:
+    def __init__(self, client: Client, info: dict[str, Any]) -> None:
         self._client = client
         self.info = info
         self.id: int = info["id"]
@@ -48,13 +48,13 @@ class Trial:
                 CheckpointRow.steps_completed).all()
             return [Checkpoint(views.checkpoint_dict(s, r)) for r in rows]
 
-    def latest_checkpoint(self) -> Optional[Checkpoint]:
+    def latest_checkpoint(self) -> Checkpoint | None:
         done = [c for c in self.list_checkpoints() if c.state == "COMPLETED"]
         return done[-1] if done else None
 
 
 class Client:
-    def __init__(self, store: Optional[Store] = None) -> None:
+    def __init__(self, store: Store | None = None) -> None:
         self.store = store or open_store(settings.load().db_url)
 
     def get_checkpoint(self, uuid: str) -> Checkpoint:
@@ -73,7 +73,7 @@ class Client:
             return [Trial(self, views.trial_dict(s, t)) for t in views.get_experiment(s, exp_id).trials]
 
 
-_default: Optional[Client] = None
+_default: Client | None = None
 
 
 def _client() -> Client:

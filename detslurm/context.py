@@ -39,7 +39,7 @@ class ContextBundle:
     sha256: str
 
 
-def _spec(root: Path) -> pathspec.PathSpec:
+def _spec(root: Path) -> pathspec.GitIgnoreSpec:
     lines = list(ALWAYS_IGNORED)
     ignore = root / ".detignore"
     if ignore.is_file():

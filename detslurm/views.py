@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -51,7 +51,7 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
     }
 
 
-def validation_metric(s: Session, ck: Checkpoint, metric: str) -> Optional[float]:
+def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
     q = (select(Metric.metrics).where(Metric.trial_id == ck.trial_id).where(Metric.group == "validation")
          .where(Metric.steps_completed == ck.steps_completed).where(Metric.archived.is_(False)))
     for m in s.scalars(q):
@@ -78,7 +78,7 @@ def checkpoints(s: Session, exp_id: int) -> list[Checkpoint]:
     return list(s.scalars(q))
 
 
-def metrics(s: Session, trial_id: int, group: Optional[str] = None) -> list[Metric]:
+def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]:
     q = select(Metric).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
     if group:
         q = q.where(Metric.group == group)

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -26,7 +26,7 @@ def det_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def det(det_env: Path, capsys: pytest.CaptureFixture[str]) -> Iterator["Det"]:
+def det(det_env: Path, capsys: pytest.CaptureFixture[str]) -> Iterator[Det]:
     yield Det(capsys)
 
 

@@ -6,8 +6,8 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from conftest import write
+
 from detslurm.context import MAX_CONTEXT_BYTES, extract, package, write_tarball
 from detslurm.errors import ContextError
 

@@ -4,8 +4,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def run_ranks(size: int, local_size: int, fn: Callable[[DistributedContext], Any
                 results[rank] = fn(ctx)
             finally:
                 ctx.close()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(size)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -10,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import EXAMPLES, ROOT, write
 from sqlalchemy import select
 
-from conftest import EXAMPLES, ROOT, write
 from detslurm import settings
-from detslurm.store import Metric, Trial, TrialRun, open_store
+from detslurm.store import Metric, Trial, open_store
 
 pytestmark = pytest.mark.e2e
 CORE = EXAMPLES / "core_api"
@@ -95,7 +94,9 @@ def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> No
     with store().tx() as s:
         archived = s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
                              .where(Metric.archived.is_(True))).all()
-    assert sorted(archived) == [11, 12, 13]  # run 1's steps past the checkpoint, kept but not counted
+    # Run 1's steps past the checkpoint are kept but not counted. The report made just before
+    # the hard exit may not have reached the file (reports are written asynchronously).
+    assert sorted(archived) == list(range(11, 11 + len(archived))) and 1 <= len(archived) <= 3
     code, out, _ = det("t", "logs", str(t.id))
     assert "simulated crash at batch 13" in out and "trial failed with exit code 3 (restart 1/3)" in out
 

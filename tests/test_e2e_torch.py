@@ -3,9 +3,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from conftest import EXAMPLES
 from sqlalchemy import select
 
-from conftest import EXAMPLES
 from detslurm import settings
 from detslurm.store import Metric, Trial, open_store
 

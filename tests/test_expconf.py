@@ -3,8 +3,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import write
+
 from detslurm.errors import ConfigError
 from detslurm.expconf import apply_overrides, parse_yaml, validate
 from detslurm.expconf.load import check_sbatch_args

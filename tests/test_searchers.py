@@ -5,8 +5,19 @@ from typing import Any
 
 import pytest
 
-from detslurm.searcher import AdaptiveASHA, Close, Create, GridSearch, Idle, RandomSearch, SearcherError, Shutdown
-from detslurm.searcher import Stop, ValidateAfter, build
+from detslurm.searcher import (
+    AdaptiveASHA,
+    Close,
+    Create,
+    GridSearch,
+    Idle,
+    RandomSearch,
+    SearcherError,
+    Shutdown,
+    Stop,
+    ValidateAfter,
+    build,
+)
 from detslurm.searcher.asha import bracket_max_concurrent, bracket_max_trials, bracket_rungs, max_rungs, rung_units
 from detslurm.searcher.hparams import go_round, grid, sample
 

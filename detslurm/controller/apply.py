@@ -7,17 +7,27 @@ searcher's new state and the trials it creates commit together or not at all (co
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.ingest import event_files, read_new
 from detslurm.searcher import Action, Close, Create, Idle, SearchMethod, Shutdown, Stop, ValidateAfter
-from detslurm.store.models import Checkpoint, Experiment, ExperimentState, IngestOffset, LogEntry, Metric
-from detslurm.store.models import Trial, TrialRun, TrialState
+from detslurm.store.models import (
+    Checkpoint,
+    Experiment,
+    ExperimentState,
+    IngestOffset,
+    LogEntry,
+    Metric,
+    Trial,
+    TrialRun,
+    TrialState,
+)
 
 log = logging.getLogger("detslurm.controller")
 

@@ -13,14 +13,15 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any
 
 from sqlalchemy import select, update
 
 from detslurm.controller.apply import ingest_run, note
-from detslurm.controller.decide import decide_exit, finish_trial
+from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec
 from detslurm.controller.gc import collect_garbage
 from detslurm.controller.layout import ExpLayout, control_file, log_file
@@ -59,7 +60,7 @@ class Controller:
                 Experiment.state.not_in([st.value for st in ExperimentState if st.is_terminal]))
             return list(s.scalars(q))
 
-    def tick(self, exp_ids: Optional[list[int]] = None) -> None:
+    def tick(self, exp_ids: list[int] | None = None) -> None:
         for exp_id in exp_ids if exp_ids is not None else self.active_experiment_ids():
             self.tick_experiment(exp_id)
 
@@ -74,25 +75,26 @@ class Controller:
         self._sync_files(exp_id)
         self._submit(exp_id)
 
-    def _active_runs(self, exp_id: int) -> list[tuple[int, Optional[str]]]:
+    def _active_runs(self, exp_id: int) -> list[tuple[int, str | None]]:
         with self.store.tx() as s:
             q = (select(TrialRun.id, TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
                  .where(TrialRun.state.in_(ACTIVE_RUN)))
             return [(pk, job) for pk, job in s.execute(q)]
 
-    def _recover(self, run_pk: int) -> Optional[JobStatus]:
+    def _recover(self, run_pk: int) -> JobStatus | None:
         """A run recorded without a job id: the controller died around the submit."""
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            job_id = (Path(run.run_dir) / "job_id").read_text().strip() if (Path(run.run_dir) / "job_id").exists() else None
+            marker = Path(run.run_dir) / "job_id"
+            job_id = marker.read_text().strip() if marker.exists() else None
             if job_id:
                 run.job_id = job_id
                 run.state = RunState.QUEUED.value
                 return self.executor.poll([job_id]).get(job_id)
         return JobStatus(JobState.UNKNOWN, None, "never started")
 
-    def _reconcile_run(self, exp_id: int, run_pk: int, status: Optional[JobStatus]) -> None:
+    def _reconcile_run(self, exp_id: int, run_pk: int, status: JobStatus | None) -> None:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
@@ -164,8 +166,10 @@ class Controller:
             return
         if state in (ExperimentState.STOPPING_CANCELED, ExperimentState.STOPPING_KILLED,
                      ExperimentState.STOPPING_ERROR, ExperimentState.STOPPING_COMPLETED):
-            target = {ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
-                      ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR}.get(state, TrialState.STOPPING_CANCELED)
+            target = {
+                ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
+                ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR,
+            }.get(state, TrialState.STOPPING_CANCELED)
             if busy:
                 if ts not in (TrialState.STOPPING_KILLED,):
                     t.state = target.value
@@ -178,9 +182,7 @@ class Controller:
             t.state = TrialState.PAUSED.value
         elif state == ExperimentState.ACTIVE and ts == TrialState.PAUSED:
             t.state = TrialState.ACTIVE.value
-        elif not busy and t.searcher_ops and t.ops_closed and t.ops_completed >= len(t.searcher_ops):
-            finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
-        elif not busy and t.early_stopped:
+        elif not busy and (ops_done(t) or t.early_stopped):
             finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
 
     # -- files the trials read ------------------------------------------------------------
@@ -190,7 +192,7 @@ class Controller:
             assert exp is not None
             layout = ExpLayout(Path(exp.exp_dir))
             state = ExperimentState(exp.state)
-            best: Optional[float] = None
+            best: float | None = None
             sib = exp.config["searcher"]["smaller_is_better"]
             for t in exp.trials:
                 if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
@@ -208,7 +210,7 @@ class Controller:
                 atomic_write_json(layout.best_validation, {"value": best})
 
     @staticmethod
-    def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> Optional[str]:
+    def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> str | None:
         if t.early_stopped:
             return "early_stop"
         if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
@@ -221,9 +223,8 @@ class Controller:
     def _needs_run(self, t: Trial, busy: set[int]) -> bool:
         if t.state != TrialState.ACTIVE.value or t.id in busy or t.early_stopped:
             return False
-        if t.searcher_ops and t.ops_completed >= len(t.searcher_ops):
-            return False  # waiting for a promotion (or closing)
-        return True
+        # With 0.37-style ops, a trial whose ops are all done waits for a promotion (or closing).
+        return not (t.searcher_ops and t.ops_completed >= len(t.searcher_ops))
 
     def _submit(self, exp_id: int) -> None:
         cap = self.executor.capacity()
@@ -263,18 +264,14 @@ class Controller:
 
     def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
         layout = ExpLayout(Path(exp.exp_dir))
-        storage = exp.config["checkpoint_storage"]
-        base = storage.get("container_path") if storage["type"] == "directory" else os.path.join(
-            storage["host_path"], storage.get("storage_path") or "")
+        base = storage_base(exp.config)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
-        for item in exp.config["environment"]["environment_variables"] if isinstance(
-                exp.config["environment"]["environment_variables"], list) else exp.config["environment"]["environment_variables"].get("cpu", []):
-            k, _, v = item.partition("=")
-            env[k] = v
+        env.update(config_env(exp.config))
         latest = t.latest_checkpoint or t.warm_start_checkpoint
+        steps = t.steps_completed if t.latest_checkpoint else 0
         env.update(trial_env(
             experiment_id=exp.id, trial_id=t.id, run_id=run.run_id, seed=t.seed, hparams=t.hparams,
-            config=exp.config, latest_checkpoint=latest, steps_completed=t.steps_completed if t.latest_checkpoint else 0,
+            config=exp.config, latest_checkpoint=latest, steps_completed=steps,
             run_dir=Path(run.run_dir), trial_dir=layout.trial_dir(t.id), exp_dir=layout.root, checkpoint_base=base,
             resources_type=f"{self.executor.kind}-process" if self.executor.kind == "local" else "slurm-job",
             slot_ids=list(range(max(1, int(exp.config["resources"]["slots_per_trial"])))),
@@ -290,7 +287,7 @@ class Controller:
         try:
             job_id = self.executor.submit(spec)
             (spec.run_dir / "job_id").write_text(job_id)
-        except Exception as e:  # noqa: BLE001 - any submit failure is recorded on the run
+        except Exception as e:
             with self.store.tx() as s:
                 run = s.get(TrialRun, run_pk)
                 assert run is not None
@@ -306,7 +303,7 @@ class Controller:
 
     # -- driving an experiment in the foreground -------------------------------------------
     def run_until_done(self, exp_id: int, poll_s: float = 0.5,
-                       on_tick: Optional[Callable[[], None]] = None) -> ExperimentState:
+                       on_tick: Callable[[], None] | None = None) -> ExperimentState:
         while True:
             self.tick_experiment(exp_id)
             if on_tick is not None:
@@ -318,6 +315,21 @@ class Controller:
             if state.is_terminal:
                 return state
             time.sleep(poll_s)
+
+
+def storage_base(config: dict[str, Any]) -> str:
+    storage = config["checkpoint_storage"]
+    if storage["type"] == "directory":
+        return str(storage["container_path"])
+    return os.path.join(storage["host_path"], storage.get("storage_path") or "")
+
+
+def config_env(config: dict[str, Any]) -> dict[str, str]:
+    """The expconf's environment_variables (a list, or per-device lists: cpu on our nodes)."""
+    items = config["environment"]["environment_variables"]
+    if isinstance(items, dict):
+        items = items.get("cpu", [])
+    return dict(item.partition("=")[::2] for item in items)
 
 
 def _tested_everything(s: object, trial: Trial) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 
@@ -54,10 +55,12 @@ def default_storage(settings: Settings) -> dict[str, Any]:
 
 def test_mode_config(raw: dict[str, Any], seed: int) -> dict[str, Any]:
     """Determined's test mode: one trial, one batch, no restarts, hparams fixed to a sample."""
-    out = json.loads(json.dumps(raw))
-    sc = out.get("searcher") if isinstance(out.get("searcher"), dict) else {}
-    out["searcher"] = {"name": "single", "metric": sc.get("metric"), "smaller_is_better": sc.get("smaller_is_better", True),
-                       "max_length": {"batches": 1}}
+    out: dict[str, Any] = json.loads(json.dumps(raw))
+    sc: dict[str, Any] = out["searcher"] if isinstance(out.get("searcher"), dict) else {}
+    out["searcher"] = {
+        "name": "single", "metric": sc.get("metric"), "smaller_is_better": sc.get("smaller_is_better", True),
+        "max_length": {"batches": 1},
+    }
     out["max_restarts"] = 0
     out["min_validation_period"] = {"batches": 1}
     out["scheduling_unit"] = 1

@@ -33,13 +33,13 @@ def finish_trial(session: Session, exp: Experiment, trial: Trial, state: TrialSt
     apply_actions(session, exp, searcher, actions)
 
 
-def _ops_done(trial: Trial) -> bool:
+def ops_done(trial: Trial) -> bool:
     return bool(trial.searcher_ops) and trial.ops_closed and trial.ops_completed >= len(trial.searcher_ops)
 
 
 def _after_ack(session: Session, exp: Experiment, trial: Trial, searcher: SearchMethod) -> None:
     """A zero exit after an acknowledged stop request: preempted, paused, or out of ops."""
-    if _ops_done(trial):
+    if ops_done(trial):
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
     elif exp.state == ExperimentState.PAUSED.value or trial.state == TrialState.PAUSED.value:
         trial.state = TrialState.PAUSED.value
@@ -83,9 +83,7 @@ def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, 
     elif run.exit_reason == "INVALID_HP":
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP,
                      "trial reported invalid hyperparameters")
-    elif trial.early_stopped and (ok or run.preempt_acked):
-        finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
-    elif ok and not run.preempt_acked:
+    elif trial.early_stopped and (ok or run.preempt_acked) or ok and not run.preempt_acked:
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
     elif ok:
         _after_ack(session, exp, trial, searcher)

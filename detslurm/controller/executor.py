@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Protocol
 
 
 class JobState(enum.Enum):
@@ -18,8 +19,8 @@ class JobState(enum.Enum):
 @dataclass(frozen=True)
 class JobStatus:
     state: JobState
-    exit_code: Optional[int] = None
-    reason: Optional[str] = None
+    exit_code: int | None = None
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class RunSpec:
 class Executor(Protocol):
     kind: str
 
-    def capacity(self) -> Optional[int]:
+    def capacity(self) -> int | None:
         """How many more runs may start now (None: no local limit, the scheduler decides)."""
 
     def submit(self, spec: RunSpec) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -17,7 +16,7 @@ from sqlalchemy.orm import Session
 from detslurm.store.models import Checkpoint, Experiment, Metric, Trial
 
 
-def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> Optional[float]:
+def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float | None:
     q = (select(Metric.metrics).where(Metric.trial_id == ck.trial_id).where(Metric.group == "validation")
          .where(Metric.steps_completed == ck.steps_completed).where(Metric.archived.is_(False)))
     for row in session.scalars(q):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import psutil
 
@@ -23,7 +24,7 @@ class LocalExecutor:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._dirs: dict[str, str] = {}
 
-    def capacity(self) -> Optional[int]:
+    def capacity(self) -> int | None:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.max_parallel - running)
 
@@ -76,10 +77,8 @@ class LocalExecutor:
         if not self._alive(job_id):
             return
         pid, _, _ = self._parse(job_id)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
     def kill(self, job_id: str) -> None:
         """SIGKILL the whole tree: the entrypoint runs in its own session, so a process-group
@@ -93,7 +92,5 @@ class LocalExecutor:
         except psutil.NoSuchProcess:
             return
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass

@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import uuid as uuidlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.errors import CheckpointNotFound
@@ -65,7 +66,7 @@ class CheckpointContext:
         self._require_steps = require_steps
 
     # -- writing ---------------------------------------------------------------------------
-    def _check_metadata(self, metadata: Optional[dict[str, Any]]) -> dict[str, Any]:
+    def _check_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
         md = dict(metadata or {})
         if self._require_steps and "steps_completed" not in md:
             raise ValueError("checkpoint metadata must include 'steps_completed' when running as a trial")
@@ -83,7 +84,7 @@ class CheckpointContext:
         })
 
     @contextlib.contextmanager
-    def store_path(self, metadata: Optional[dict[str, Any]] = None, *, shard: bool = False) -> Iterator[tuple[Path, str]]:
+    def store_path(self, metadata: dict[str, Any] | None = None, *, shard: bool = False) -> Iterator[tuple[Path, str]]:
         if not shard and self._dist.rank != 0:
             raise RuntimeError("cannot call CheckpointContext.store_path(shard=False) from non-chief worker")
         md = self._check_metadata(metadata) if (self._dist.rank == 0 or shard) else {}
@@ -104,8 +105,8 @@ class CheckpointContext:
         else:
             self._finish(partial, storage_id, md)
 
-    def upload(self, ckpt_dir: Optional[os.PathLike[str] | str], metadata: Optional[dict[str, Any]] = None, *,
-               shard: bool = False, selector: Optional[Callable[[str], bool]] = None) -> str:
+    def upload(self, ckpt_dir: os.PathLike[str] | str | None, metadata: dict[str, Any] | None = None, *,
+               shard: bool = False, selector: Callable[[str], bool] | None = None) -> str:
         if not shard and self._dist.rank != 0:
             raise RuntimeError("cannot call .upload(shard=False) from non-chief worker")
         if shard and not any(self._dist.allgather(ckpt_dir is not None)):
@@ -131,13 +132,13 @@ class CheckpointContext:
 
     @contextlib.contextmanager
     def restore_path(self, storage_id: str, download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
-                     *, selector: Optional[Callable[[str], bool]] = None) -> Iterator[Path]:
+                     *, selector: Callable[[str], bool] | None = None) -> Iterator[Path]:
         # Shared filesystem: every rank reads the checkpoint where it lies.
         yield self._path(storage_id)
 
     def download(self, storage_id: str, ckpt_dir: os.PathLike[str] | str,
                  download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload, *,
-                 selector: Optional[Callable[[str], bool]] = None) -> None:
+                 selector: Callable[[str], bool] | None = None) -> None:
         src = self._path(storage_id)
         dst = Path(ckpt_dir)
         dst.mkdir(parents=True, exist_ok=True)

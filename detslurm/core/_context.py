@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any
 
 import platformdirs
 
@@ -44,7 +45,7 @@ class _Profiler:
 
 class Context:
     def __init__(self, *, distributed: DistributedContext, train: TrainContext, checkpoint: CheckpointContext,
-                 preempt: PreemptContext, searcher: SearcherContext, info: Optional[ClusterInfo],
+                 preempt: PreemptContext, searcher: SearcherContext, info: ClusterInfo | None,
                  writer: Writer) -> None:
         self.distributed = distributed
         self.train = train
@@ -59,7 +60,7 @@ class Context:
     def start(self) -> None:
         self.preempt.start()
 
-    def close(self, exc: Optional[BaseException] = None) -> None:
+    def close(self, exc: BaseException | None = None) -> None:
         self.preempt.close()
         try:
             self._writer.flush()
@@ -69,12 +70,12 @@ class Context:
                 close()
             self.distributed.close()
 
-    def __enter__(self) -> "Context":
+    def __enter__(self) -> Context:
         self.start()
         return self
 
-    def __exit__(self, typ: Optional[type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> None:
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if isinstance(exc, InvalidHP):
             self.train.report_early_exit(EarlyExitReason.INVALID_HP)
             self.close(exc)
@@ -88,14 +89,14 @@ class Context:
         self._writer.emit({"type": "alert", "title": title, "description": description, "level": level})
 
 
-def _units(config: dict[str, Any]) -> Optional[Unit]:
+def _units(config: dict[str, Any]) -> Unit | None:
     ml = (config.get("searcher") or {}).get("max_length")
     if not isinstance(ml, dict) or not ml:
         return None
     return {"batches": Unit.BATCHES, "records": Unit.RECORDS, "epochs": Unit.EPOCHS}[next(iter(ml))]
 
 
-def _storage_base(checkpoint_storage: Union[str, dict[str, Any], None], default: Path) -> Path:
+def _storage_base(checkpoint_storage: str | dict[str, Any] | None, default: Path) -> Path:
     if checkpoint_storage is None:
         return default
     if isinstance(checkpoint_storage, str):
@@ -107,7 +108,18 @@ def _storage_base(checkpoint_storage: Union[str, dict[str, Any], None], default:
     raise ValueError(f"unsupported checkpoint_storage {checkpoint_storage!r}")
 
 
-def _dummy_init(distributed: Optional[DistributedContext], checkpoint_storage: Union[str, dict[str, Any], None],
+def _durable(writer: Writer) -> Callable[[dict[str, Any]], None]:
+    """Checkpoint reports are flushed before store_path() returns: a trial that is killed
+    right after a checkpoint still has that checkpoint recorded for its restart."""
+
+    def report(event: dict[str, Any]) -> None:
+        writer.emit(event)
+        writer.flush()
+
+    return report
+
+
+def _dummy_init(distributed: DistributedContext | None, checkpoint_storage: str | dict[str, Any] | None,
                 preempt_mode: PreemptMode) -> Context:
     dist = distributed or DummyDistributedContext()
     writer = NullWriter()
@@ -122,8 +134,8 @@ def _dummy_init(distributed: Optional[DistributedContext], checkpoint_storage: U
     )
 
 
-def init(*, distributed: Optional[DistributedContext] = None,
-         checkpoint_storage: Union[str, dict[str, Any], None] = None,
+def init(*, distributed: DistributedContext | None = None,
+         checkpoint_storage: str | dict[str, Any] | None = None,
          preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
          tensorboard_mode: TensorboardMode = TensorboardMode.AUTO) -> Context:
     # Keyword-only, as in Determined: positional calls would silently bind the wrong context.
@@ -155,7 +167,6 @@ def init(*, distributed: Optional[DistributedContext] = None,
     return Context(
         distributed=dist, writer=writer, info=info, searcher=searcher, preempt=preempt,
         train=TrainContext(writer, info.trial._trial_run_id, info.exp_dir, run_dir),
-        checkpoint=CheckpointContext(dist, base, lambda ev: (writer.emit(ev), writer.flush()) and None,
-                                     require_steps=True),
+        checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )
 

@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Optional
+from typing import Any
 
 DEFAULT_PORT = 12360
 CONNECT_TIMEOUT_S = 120.0
@@ -32,8 +32,8 @@ class _Group:
         self.rank = rank
         self.size = size
         self.peers: list[Connection] = []
-        self.conn: Optional[Connection] = None
-        self.listener: Optional[Listener] = None
+        self.conn: Connection | None = None
+        self.listener: Listener | None = None
         if size <= 1:
             return
         key = _authkey()
@@ -86,8 +86,8 @@ class DistributedContext:
 
     def __init__(
         self, *, rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
-        cross_size: int, chief_ip: Optional[str] = None, port: Optional[int] = None,
-        pub_port: Optional[int] = None, pull_port: Optional[int] = None, port_offset: int = 0,
+        cross_size: int, chief_ip: str | None = None, port: int | None = None,
+        pub_port: int | None = None, pull_port: int | None = None, port_offset: int = 0,
         force_tcp: bool = False,
     ) -> None:
         self.rank, self.size = rank, size
@@ -125,8 +125,8 @@ class DistributedContext:
         result: list[Any] = self._global.exchange(stuff, "allgather")
         return result
 
-    def gather(self, stuff: Any) -> Optional[list[Any]]:
-        result: Optional[list[Any]] = self._global.exchange(stuff, "gather")
+    def gather(self, stuff: Any) -> list[Any] | None:
+        result: list[Any] | None = self._global.exchange(stuff, "gather")
         return result
 
     def broadcast(self, stuff: Any = None) -> Any:
@@ -136,8 +136,8 @@ class DistributedContext:
         result: list[Any] = self._local.exchange(stuff, "allgather")
         return result
 
-    def gather_local(self, stuff: Any) -> Optional[list[Any]]:
-        result: Optional[list[Any]] = self._local.exchange(stuff, "gather")
+    def gather_local(self, stuff: Any) -> list[Any] | None:
+        result: list[Any] | None = self._local.exchange(stuff, "gather")
         return result
 
     def broadcast_local(self, stuff: Any = None) -> Any:
@@ -149,7 +149,7 @@ class DistributedContext:
 
     # -- constructors from the frameworks' environments -----------------------------------
     @classmethod
-    def from_torch_distributed(cls, chief_ip: Optional[str] = None) -> "DistributedContext":
+    def from_torch_distributed(cls, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
         return cls(
             rank=int(e["RANK"]), size=int(e["WORLD_SIZE"]),
@@ -159,7 +159,7 @@ class DistributedContext:
         )
 
     @classmethod
-    def from_deepspeed(cls, chief_ip: Optional[str] = None) -> "DistributedContext":
+    def from_deepspeed(cls, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
         return cls(
             rank=int(e["RANK"]), size=int(e["WORLD_SIZE"]),
@@ -169,7 +169,7 @@ class DistributedContext:
         )
 
     @classmethod
-    def from_horovod(cls, hvd: Any, chief_ip: Optional[str] = None) -> "DistributedContext":
+    def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
 
         def cross(name: str, env: str) -> int:

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 
 def _default(o: Any) -> Any:
@@ -32,8 +32,8 @@ class EventWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._q: "queue.SimpleQueue[Optional[tuple[dict[str, Any], Optional[threading.Event]]]]" = queue.SimpleQueue()
-        self._error: Optional[BaseException] = None
+        self._q: queue.SimpleQueue[tuple[dict[str, Any], threading.Event | None] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="detslurm-events", daemon=True)
         self._closed = False
         self._thread.start()
@@ -74,7 +74,7 @@ class EventWriter:
                     batch.append(nxt)
                 self._write(f, batch)
 
-    def _write(self, f: Any, batch: list[tuple[dict[str, Any], Optional[threading.Event]]]) -> None:
+    def _write(self, f: Any, batch: list[tuple[dict[str, Any], threading.Event | None]]) -> None:
         waiters = []
         for event, done in batch:
             if done is not None:

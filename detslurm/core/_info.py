@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class TrialInfo:
     _steps_completed: int = 0
     _trial_run_id: int = 1
     _debug: bool = False
-    _inter_node_network_interface: Optional[str] = None
+    _inter_node_network_interface: str | None = None
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ClusterInfo:
     allocation_id: str
     session_token: str
     task_type: str
-    latest_checkpoint: Optional[str]
+    latest_checkpoint: str | None
     container_addrs: list[str]
     container_rank: int
     trial: TrialInfo
@@ -45,8 +46,8 @@ class ClusterInfo:
     exp_dir: Path
     checkpoint_base: Path
     resources_type: str = "local-process"
-    master_cert_name: Optional[str] = None
-    master_cert_file: Optional[str] = None
+    master_cert_name: str | None = None
+    master_cert_file: str | None = None
     gpu_uuids: list[str] = field(default_factory=list)
 
     @property
@@ -61,7 +62,7 @@ class ClusterInfo:
 
 def trial_env(
     *, experiment_id: int, trial_id: int, run_id: int, seed: int, hparams: dict[str, Any],
-    config: dict[str, Any], latest_checkpoint: Optional[str], steps_completed: int,
+    config: dict[str, Any], latest_checkpoint: str | None, steps_completed: int,
     run_dir: Path, trial_dir: Path, exp_dir: Path, checkpoint_base: str, resources_type: str,
     slot_ids: list[int], container_addrs: list[str], user: str,
 ) -> dict[str, str]:
@@ -103,7 +104,7 @@ def _slot_ids(env: Mapping[str, str]) -> list[int]:
     return [0]
 
 
-def from_env(env: Mapping[str, str]) -> Optional[ClusterInfo]:
+def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
     if not env.get("DET_TRIAL_ID"):
         return None
     config = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}")
@@ -141,10 +142,10 @@ def from_env(env: Mapping[str, str]) -> Optional[ClusterInfo]:
     )
 
 
-_cached: dict[str, Optional[ClusterInfo]] = {}
+_cached: dict[str, ClusterInfo | None] = {}
 
 
-def get_cluster_info() -> Optional[ClusterInfo]:
+def get_cluster_info() -> ClusterInfo | None:
     """The running trial's info, or ``None`` off-cluster. Read once per process."""
     key = os.environ.get("DET_ALLOCATION_ID", "") + os.environ.get("DET_TRIAL_ID", "")
     if key not in _cached:

@@ -11,9 +11,10 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.util import read_json
@@ -41,11 +42,11 @@ def preempt_signals() -> list[signal.Signals]:
     return sigs
 
 
-Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+Handler = Union[Callable[[int, FrameType | None], Any], int, None]
 
 
 class PreemptContext:
-    def __init__(self, dist: DistributedContext, control_path: Optional[Path], ack: Callable[[], None],
+    def __init__(self, dist: DistributedContext, control_path: Path | None, ack: Callable[[], None],
                  mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
         self._dist = dist
         self._control = control_path
@@ -53,12 +54,12 @@ class PreemptContext:
         self.mode = mode
         self._flag = threading.Event()
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._old: dict[int, Handler] = {}
         self._hits: dict[int, int] = {}
         self._acked = False
         self._started = False
-        self.reason: Optional[str] = None
+        self.reason: str | None = None
 
     def start(self) -> None:
         self._started = True
@@ -72,7 +73,7 @@ class PreemptContext:
             for sig in preempt_signals():
                 self._old[sig] = signal.signal(sig, self._on_signal)
 
-    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._hits[signum] = self._hits.get(signum, 0) + 1
         if signum == signal.SIGTERM and self._hits[signum] > 1:
             # A second SIGTERM means "really stop now": behave as if we had no handler.

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.core._train import Writer
@@ -32,7 +33,7 @@ class SearcherMode(enum.Enum):
 
 
 class SearcherOperation:
-    def __init__(self, ctx: "SearcherContext", index: int, length: int, is_chief: bool) -> None:
+    def __init__(self, ctx: SearcherContext, index: int, length: int, is_chief: bool) -> None:
         self._ctx = ctx
         self._index = index
         self._length = length
@@ -63,7 +64,7 @@ class SearcherOperation:
 
 
 class SearcherContext:
-    def __init__(self, dist: DistributedContext, writer: Writer, ops_path: Optional[Path], units: Optional[Unit],
+    def __init__(self, dist: DistributedContext, writer: Writer, ops_path: Path | None, units: Unit | None,
                  should_stop: Callable[[], bool], on_out_of_ops: Callable[[], None]) -> None:
         self._dist = dist
         self._writer = writer
@@ -72,7 +73,7 @@ class SearcherContext:
         self._should_stop = should_stop
         self._on_out_of_ops = on_out_of_ops
 
-    def _next(self, index: int) -> Optional[int]:
+    def _next(self, index: int) -> int | None:
         """The chief waits for operation ``index``; None once there is none (for now)."""
         if self._ops_path is None:
             return 1 if index == 0 else None
@@ -101,7 +102,8 @@ class SearcherContext:
             op = SearcherOperation(self, index, length, chief)
             yield op
             if chief and not op._completed:
-                raise RuntimeError("you must call op.report_completed() on each operation before requesting the next one")
+                raise RuntimeError(
+                    "you must call op.report_completed() on each operation before requesting the next one")
             index += 1
         if chief and auto_ack:
             self.acknowledge_out_of_ops()
@@ -109,7 +111,7 @@ class SearcherContext:
     def acknowledge_out_of_ops(self) -> None:
         self._on_out_of_ops()
 
-    def get_configured_units(self) -> Optional[Unit]:
+    def get_configured_units(self) -> Unit | None:
         return self._units
 
 
@@ -123,7 +125,7 @@ class SearcherContextMissing(SearcherContext):
         raise ValueError("searcher operations need `searcher.max_length` in the experiment config; "
                          "0.38-style scripts choose their own length and call train.report_progress()")
 
-    def get_configured_units(self) -> Optional[Unit]:
+    def get_configured_units(self) -> Unit | None:
         raise ValueError("the experiment config has no searcher.max_length")
 
 

@@ -8,7 +8,7 @@ import logging
 import math
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from detslurm.util import atomic_write_json, read_json
 
@@ -26,15 +26,15 @@ class EarlyExitReason(enum.Enum):
 
 
 class TrainContext:
-    def __init__(self, writer: Writer, run_id: int, exp_dir: Optional[Path] = None,
-                 run_dir: Optional[Path] = None) -> None:
+    def __init__(self, writer: Writer, run_id: int, exp_dir: Path | None = None,
+                 run_dir: Path | None = None) -> None:
         self._w = writer
         self._run_id = run_id
         self._exp_dir = exp_dir
         self._run_dir = run_dir
 
     def _metrics(self, group: str, steps_completed: int, metrics: dict[str, Any],
-                 batch_metrics: Optional[list[dict[str, Any]]] = None) -> None:
+                 batch_metrics: list[dict[str, Any]] | None = None) -> None:
         if not group or "." in group:
             raise ValueError(f"metric group {group!r} must be non-empty and contain no '.'")
         ev: dict[str, Any] = {"type": "metrics", "group": group, "steps_completed": int(steps_completed),
@@ -44,7 +44,7 @@ class TrainContext:
         self._w.emit(ev)
 
     def report_training_metrics(self, steps_completed: int, metrics: dict[str, Any],
-                                batch_metrics: Optional[list[dict[str, Any]]] = None) -> None:
+                                batch_metrics: list[dict[str, Any]] | None = None) -> None:
         self._metrics("training", steps_completed, metrics, batch_metrics)
 
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
@@ -73,7 +73,7 @@ class TrainContext:
     def set_status(self, status: str) -> None:
         self._w.emit({"type": "status", "state": str(status)})
 
-    def get_experiment_best_validation(self) -> Optional[float]:
+    def get_experiment_best_validation(self) -> float | None:
         if self._exp_dir is None:
             return None
         best = read_json(self._exp_dir / "best_validation.json", {})
@@ -86,10 +86,10 @@ class TrainContext:
             atomic_write_json(self._run_dir.parent / "metadata.json", metadata)
         self._w.emit({"type": "run_metadata", "metadata": metadata})
 
-    def get_metadata(self) -> Optional[dict[str, Any]]:
+    def get_metadata(self) -> dict[str, Any] | None:
         if self._run_dir is None:
             return None
-        md: Optional[dict[str, Any]] = read_json(self._run_dir.parent / "metadata.json", None)
+        md: dict[str, Any] | None = read_json(self._run_dir.parent / "metadata.json", None)
         return md
 
     def get_tensorboard_path(self) -> Path:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,9 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
@@ -83,13 +85,11 @@ def _run_hook(workdir: Path, env: dict[str, str]) -> int:
 
 def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
     proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
-    old: dict[int, Any] = {}
+    old: dict[signal.Signals, Any] = {}
 
-    def forward(signum: int, _frame: Optional[FrameType]) -> None:
-        try:
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
 
     for sig in FORWARDED:
         old[sig] = signal.signal(sig, forward)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence, get_args
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -39,7 +40,7 @@ def parse_yaml(text: str, where: str = ROOT) -> dict[str, Any]:
     if not text.strip():
         raise ConfigError([f"{where}: the file is empty; an experiment config is a YAML mapping"])
     try:
-        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         pos = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -66,10 +67,10 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[st
         if not sep or not key or any(not p for p in key.split(".")):
             raise ConfigError([f"--config {item!r}: expected key.sub=value"])
         if "," in text and not text.strip().startswith(("[", "{")):
-            value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]  # noqa: S506
+            value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]
         else:
             try:
-                value = yaml.load(text, Loader=_Loader) if text else ""  # noqa: S506
+                value = yaml.load(text, Loader=_Loader) if text else ""
             except yaml.YAMLError:
                 raise ConfigError([f"--config {item!r}: value is not valid YAML"]) from None
         node = out
@@ -81,7 +82,7 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[st
                 node[p] = nxt
             node = nxt
         node[parts[-1]] = value
-    return out
+    return out  # type: ignore[no-any-return]  # json round trip of a dict
 
 
 def _loc(prefix: str, loc: Sequence[int | str]) -> str:
@@ -154,7 +155,8 @@ class ExperimentConfig:
     _dict: dict[str, Any] = field(repr=False, default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._dict))
+        copy: dict[str, Any] = json.loads(json.dumps(self._dict))
+        return copy
 
     @property
     def name(self) -> str:
@@ -264,7 +266,8 @@ def _check_top(top: s.TopLevel, errors: list[str]) -> None:
     if top.entrypoint is None or top.entrypoint == "" or top.entrypoint == []:
         errors.append(f"{ROOT}: entrypoint is a required property (managed experiments require entrypoint)")
     env = top.environment
-    kinds = env.environment_variables if isinstance(env.environment_variables, dict) else {"": env.environment_variables}
+    ev = env.environment_variables
+    kinds = ev if isinstance(ev, dict) else {"": ev}
     for kind, items in kinds.items():
         base = f"{ROOT}.environment.environment_variables" + (f".{kind}" if kind else "")
         for i, item in enumerate(items):

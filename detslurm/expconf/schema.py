@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,9 +21,9 @@ class Strict(BaseModel):
 class Length(Strict):
     """A training length: exactly one of batches, records or epochs."""
 
-    batches: Optional[int] = Field(default=None, ge=0)
-    records: Optional[int] = Field(default=None, ge=0)
-    epochs: Optional[int] = Field(default=None, ge=0)
+    batches: int | None = Field(default=None, ge=0)
+    records: int | None = Field(default=None, ge=0)
+    epochs: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -51,11 +51,11 @@ class Length(Strict):
 
 
 class SearcherCommon(Strict):
-    metric: Optional[str] = None
+    metric: str | None = None
     smaller_is_better: bool = True
-    source_trial_id: Optional[int] = None
-    source_checkpoint_uuid: Optional[str] = None
-    max_length: Optional[Length] = None
+    source_trial_id: int | None = None
+    source_checkpoint_uuid: str | None = None
+    max_length: Length | None = None
 
 
 class SingleSearcher(SearcherCommon):
@@ -64,7 +64,7 @@ class SingleSearcher(SearcherCommon):
 
 class RandomSearcher(SearcherCommon):
     name: Literal["random"] = "random"
-    max_trials: Optional[int] = Field(default=None, ge=1)
+    max_trials: int | None = Field(default=None, ge=1)
     max_concurrent_trials: int = Field(default=16, ge=0)
 
 
@@ -75,14 +75,14 @@ class GridSearcher(SearcherCommon):
 
 class AdaptiveASHASearcher(SearcherCommon):
     name: Literal["adaptive_asha"] = "adaptive_asha"
-    max_trials: Optional[int] = Field(default=None, ge=1)
+    max_trials: int | None = Field(default=None, ge=1)
     mode: Literal["aggressive", "standard", "conservative"] = "standard"
     divisor: float = Field(default=4.0, gt=1)
     max_rungs: int = Field(default=5, ge=1)
     max_concurrent_trials: int = Field(default=16, ge=0)
     bracket_rungs: list[int] = Field(default_factory=list)
-    time_metric: Optional[str] = None
-    max_time: Optional[int] = Field(default=None, ge=1)
+    time_metric: str | None = None
+    max_time: int | None = Field(default=None, ge=1)
     stop_once: bool = False
 
 
@@ -99,14 +99,14 @@ REMOVED_SEARCHERS = ("custom", "adaptive", "adaptive_simple", "sync_halving", "a
 class Resources(Strict):
     slots_per_trial: int = Field(default=1, ge=0)
     resource_pool: str = ""
-    priority: Optional[int] = Field(default=None, ge=1, le=99)
+    priority: int | None = Field(default=None, ge=1, le=99)
     weight: float = Field(default=1.0, ge=0)
-    max_slots: Optional[int] = Field(default=None, ge=0)
-    is_single_node: Optional[bool] = None
-    shm_size: Optional[Union[int, str]] = None
+    max_slots: int | None = Field(default=None, ge=0)
+    is_single_node: bool | None = None
+    shm_size: int | str | None = None
     devices: list[Any] = Field(default_factory=list)
     native_parallel: bool = False
-    agent_label: Optional[str] = None
+    agent_label: str | None = None
 
 
 class GCPolicy(Strict):
@@ -117,22 +117,21 @@ class GCPolicy(Strict):
 
 class SharedFSStorage(GCPolicy):
     type: Literal["shared_fs"] = "shared_fs"
-    host_path: Optional[str] = None
-    storage_path: Optional[str] = None
+    host_path: str | None = None
+    storage_path: str | None = None
     propagation: str = "rprivate"
-    container_path: Optional[str] = None
-    checkpoint_path: Optional[str] = None
+    container_path: str | None = None
+    checkpoint_path: str | None = None
 
     @model_validator(mode="after")
-    def _paths(self) -> "SharedFSStorage":
+    def _paths(self) -> SharedFSStorage:
         if self.host_path is not None and not os.path.isabs(self.host_path):
             raise ValueError("host_path must be an absolute path")
-        if self.storage_path and self.host_path and os.path.isabs(self.storage_path):
-            if os.path.commonpath([self.storage_path, self.host_path]) != os.path.normpath(self.host_path):
-                raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
-        if self.storage_path and not os.path.isabs(self.storage_path):
-            if ".." in self.storage_path.split("/"):
-                raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
+        sp, hp = self.storage_path, self.host_path
+        if sp and hp and os.path.isabs(sp) and os.path.commonpath([sp, hp]) != os.path.normpath(hp):
+            raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
+        if self.storage_path and not os.path.isabs(self.storage_path) and ".." in self.storage_path.split("/"):
+            raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
         return self
 
     def base_path(self) -> str:
@@ -147,7 +146,7 @@ class DirectoryStorage(GCPolicy):
     container_path: str
 
     @model_validator(mode="after")
-    def _abs(self) -> "DirectoryStorage":
+    def _abs(self) -> DirectoryStorage:
         if not os.path.isabs(self.container_path):
             raise ValueError("container_path must be an absolute path")
         return self
@@ -161,15 +160,15 @@ STORAGES: dict[str, type[Strict]] = {"shared_fs": SharedFSStorage, "directory": 
 
 
 class Environment(Strict):
-    image: Optional[Union[str, dict[str, str]]] = None
-    environment_variables: Union[list[str], dict[str, list[str]]] = Field(default_factory=list)
+    image: str | dict[str, str] | None = None
+    environment_variables: list[str] | dict[str, list[str]] = Field(default_factory=list)
     force_pull_image: bool = False
-    registry_auth: Optional[dict[str, Any]] = None
+    registry_auth: dict[str, Any] | None = None
     ports: dict[str, int] = Field(default_factory=dict)
     proxy_ports: list[Any] = Field(default_factory=list)
     add_capabilities: list[str] = Field(default_factory=list)
     drop_capabilities: list[str] = Field(default_factory=list)
-    pod_spec: Optional[dict[str, Any]] = None
+    pod_spec: dict[str, Any] | None = None
 
     def variables(self, kind: str = "cpu") -> list[str]:
         ev = self.environment_variables
@@ -185,7 +184,7 @@ class BindMount(Strict):
     propagation: str = "rprivate"
 
     @model_validator(mode="after")
-    def _check(self) -> "BindMount":
+    def _check(self) -> BindMount:
         if not self.host_path.startswith("/"):
             raise ValueError("host_path must be an absolute path")
         if self.container_path == ".":
@@ -195,13 +194,13 @@ class BindMount(Strict):
 
 class SlurmSection(Strict):
     sbatch_args: list[str] = Field(default_factory=list)
-    gpu_type: Optional[str] = None
-    slots_per_node: Optional[int] = Field(default=None, ge=1)
+    gpu_type: str | None = None
+    slots_per_node: int | None = Field(default=None, ge=1)
 
 
 class PBSSection(Strict):
     pbsbatch_args: list[str] = Field(default_factory=list)
-    slots_per_node: Optional[int] = Field(default=None, ge=1)
+    slots_per_node: int | None = Field(default=None, ge=1)
 
 
 class Reproducibility(Strict):
@@ -217,8 +216,8 @@ class TopLevel(Strict):
     checkpoint_storage: Any = None
     data: dict[str, Any] = Field(default_factory=dict)
     debug: bool = False
-    description: Optional[str] = None
-    entrypoint: Optional[Union[str, list[str]]] = None
+    description: str | None = None
+    entrypoint: str | list[str] | None = None
     environment: Environment = Field(default_factory=Environment)
     hyperparameters: Any = Field(default_factory=dict)
     labels: list[str] = Field(default_factory=list)
@@ -226,11 +225,11 @@ class TopLevel(Strict):
     max_restarts: int = Field(default=5, ge=0)
     min_checkpoint_period: Length = Field(default_factory=lambda: Length(batches=0))
     min_validation_period: Length = Field(default_factory=lambda: Length(batches=0))
-    name: Optional[str] = None
+    name: str | None = None
     optimizations: dict[str, Any] = Field(default_factory=dict)
     pbs: PBSSection = Field(default_factory=PBSSection)
     perform_initial_validation: bool = False
-    preemption_timeout: Optional[int] = Field(default=None, ge=0)
+    preemption_timeout: int | None = Field(default=None, ge=0)
     profiling: dict[str, Any] = Field(default_factory=dict)
     project: str = ""
     records_per_epoch: int = Field(default=0, ge=0)

@@ -6,8 +6,18 @@ from typing import Any
 
 from detslurm.searcher.asha import AdaptiveASHA
 from detslurm.searcher.base import (
-    EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, Close, Create, Idle, SearcherError,
-    SearchMethod, Shutdown, Stop, ValidateAfter,
+    EXIT_ERRORED,
+    EXIT_INVALID_HP,
+    EXIT_USER_CANCELED,
+    Action,
+    Close,
+    Create,
+    Idle,
+    SearcherError,
+    SearchMethod,
+    Shutdown,
+    Stop,
+    ValidateAfter,
 )
 from detslurm.searcher.simple import GridSearch, RandomSearch
 
@@ -24,7 +34,7 @@ def build(config: dict[str, Any]) -> SearchMethod:
     hps = config["hyperparameters"]
     seed = int(config["reproducibility"]["experiment_seed"])
     ml = sc.get("max_length")
-    ops = (next(iter(ml.values())),) if ml else ()
+    ops: tuple[int, ...] = (int(next(iter(ml.values()))),) if ml else ()
     name = sc["name"]
     if name == "single":
         return RandomSearch(hps, seed, max_trials=1, max_concurrent=1, ops=ops)

@@ -14,8 +14,17 @@ import math
 import sys
 from typing import Any
 
-from detslurm.searcher.base import EXIT_INVALID_HP, Action, Close, Create, Idle, SearchMethod, Stop
-from detslurm.searcher.base import ValidateAfter, metric_value
+from detslurm.searcher.base import (
+    EXIT_INVALID_HP,
+    Action,
+    Close,
+    Create,
+    Idle,
+    SearchMethod,
+    Stop,
+    ValidateAfter,
+    metric_value,
+)
 from detslurm.searcher.hparams import sample
 
 WORST = sys.float_info.max
@@ -103,7 +112,7 @@ class _Bracket:
         return dict(self.__dict__)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "_Bracket":
+    def from_json(cls, d: dict[str, Any]) -> _Bracket:
         b = cls.__new__(cls)
         b.__dict__.update(d)
         return b
@@ -129,7 +138,7 @@ class AdaptiveASHA(SearchMethod):
         mcts = bracket_max_concurrent(max_concurrent, divisor, trials)
         self.brackets = [
             _Bracket(r, rung_units(r, max_time, divisor, cumulative=promotion), t, c, divisor)
-            for r, t, c in zip(rungs, trials, mcts)
+            for r, t, c in zip(rungs, trials, mcts, strict=False)
         ]
         self.owner: dict[str, int] = {}
 

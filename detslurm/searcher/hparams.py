@@ -62,4 +62,4 @@ def grid(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Cartesian product over axes in sorted-name order, the first axis outermost."""
     names = sorted(spec)
     axes = [grid(spec[n]) if not _is_leaf(spec[n]) else axis(spec[n]) for n in names]
-    return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+    return [dict(zip(names, combo, strict=False)) for combo in itertools.product(*axes)]

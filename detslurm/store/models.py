@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
-from sqlalchemy import Index, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -77,22 +88,22 @@ class Experiment(Base):
     name: Mapped[str] = mapped_column(String(512))
     owner: Mapped[str] = mapped_column(String(128))
     state: Mapped[str] = mapped_column(String(32), default=ExperimentState.ACTIVE.value)
-    description: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    description: Mapped[str | None] = mapped_column(Text, nullable=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     original_config: Mapped[str] = mapped_column(Text)
     context_sha256: Mapped[str] = mapped_column(String(64))
     exp_dir: Mapped[str] = mapped_column(Text)
     executor: Mapped[str] = mapped_column(String(16), default="local")
     resource_pool: Mapped[str] = mapped_column(String(128), default="")
-    searcher_state: Mapped[Optional[dict[str, Any]]] = mapped_column(JSON, nullable=True)
+    searcher_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
-    parent_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    parent_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     archived: Mapped[bool] = mapped_column(Boolean, default=False)
     test_mode: Mapped[bool] = mapped_column(Boolean, default=False)
-    error_message: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    error_message: Mapped[str | None] = mapped_column(Text, nullable=True)
     start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
-    trials: Mapped[list["Trial"]] = relationship(
+    end_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    trials: Mapped[list[Trial]] = relationship(
         back_populates="experiment", order_by="Trial.id", cascade="all, delete-orphan", passive_deletes=True)
 
 
@@ -107,12 +118,12 @@ class Trial(Base):
     seed: Mapped[int] = mapped_column(BigInteger)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     run_count: Mapped[int] = mapped_column(Integer, default=0)
-    latest_checkpoint: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    latest_checkpoint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     steps_completed: Mapped[int] = mapped_column(BigInteger, default=0)
-    warm_start_checkpoint: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    warm_start_checkpoint: Mapped[str | None] = mapped_column(String(64), nullable=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
-    searcher_metric: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
-    runner_state: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    searcher_metric: Mapped[float | None] = mapped_column(Float, nullable=True)
+    runner_state: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # The searcher said "stop" (early stop / done); the next exit completes the trial.
     early_stopped: Mapped[bool] = mapped_column(Boolean, default=False)
     # 0.37-style searcher operations: absolute lengths handed to the trial so far.
@@ -120,11 +131,11 @@ class Trial(Base):
     ops_completed: Mapped[int] = mapped_column(Integer, default=0)
     ops_closed: Mapped[bool] = mapped_column(Boolean, default=False)
     ops_idle: Mapped[bool] = mapped_column(Boolean, default=False)
-    exit_reason: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    exit_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     experiment: Mapped[Experiment] = relationship(back_populates="trials")
-    runs: Mapped[list["TrialRun"]] = relationship(
+    runs: Mapped[list[TrialRun]] = relationship(
         back_populates="trial", order_by="TrialRun.run_id", cascade="all, delete-orphan", passive_deletes=True)
 
 
@@ -136,16 +147,16 @@ class TrialRun(Base):
     run_id: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), default=RunState.PENDING.value)
     executor: Mapped[str] = mapped_column(String(16))
-    job_id: Mapped[Optional[str]] = mapped_column(String(128), nullable=True)
+    job_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     run_dir: Mapped[str] = mapped_column(Text)
     log_path: Mapped[str] = mapped_column(Text)
-    exit_code: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    exit_reason: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    exit_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
     preempt_acked: Mapped[bool] = mapped_column(Boolean, default=False)
     restart_count_seen: Mapped[int] = mapped_column(Integer, default=0)
     submit_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    start_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
-    end_time: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    start_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     trial: Mapped[Trial] = relationship(back_populates="runs")
 
 
@@ -158,7 +169,7 @@ class Metric(Base):
     group: Mapped[str] = mapped_column(String(64))
     steps_completed: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
-    batch_metrics: Mapped[Optional[list[Any]]] = mapped_column(JSON, nullable=True)
+    batch_metrics: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
     report_time: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # Rows past the checkpoint a restart resumed from are archived, not deleted: no step is
     # counted twice, and nothing reported is lost.

@@ -1,2 +1,2 @@
-from detslurm.core import *  # noqa: F401,F403
+from detslurm.core import *  # noqa: F403
 from detslurm.core import __all__  # noqa: F401
