@@ -241,3 +241,26 @@ def _complete(ops: Any) -> list[Any]:
         op.report_completed(0.0)
         out.append(op)
     return out
+
+
+_RANK_SCRIPT = """
+import json, os, sys
+from detslurm.core import DistributedContext
+d = DistributedContext(rank=int(sys.argv[1]), size=4, local_rank=int(sys.argv[1]) % 2, local_size=2,
+                       cross_rank=int(sys.argv[1]) // 2, cross_size=2, chief_ip="127.0.0.1", port=int(sys.argv[2]))
+out = {"all": d.allgather(d.rank * d.rank), "local": d.allgather_local(d.rank), "b": d.broadcast(f"from{d.rank}")}
+d.close()
+print(json.dumps(out))
+"""
+
+
+def test_collectives_across_processes() -> None:
+    import subprocess
+    import sys
+
+    port = next_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(port)], stdout=subprocess.PIPE, text=True)
+             for r in range(4)]
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
+    assert all(o["all"] == [0, 1, 4, 9] and o["b"] == "from0" for o in outs)
+    assert [o["local"] for o in outs] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -225,3 +225,35 @@ def test_reads_and_checkpoint_download(det: Any, tmp_path: Path) -> None:
     assert code == 0 and len(out.strip().splitlines()) == 1
     assert det("e", "delete", "1", "--yes")[0] == 0
     assert not Path(settings.load().experiments_dir, "exp-1").exists()
+
+
+def test_killed_driver_resumes_without_loss_or_duplicates(det: Any) -> None:
+    """SIGKILL the controller mid-search: a new one adopts the running trials by their job
+    ids, reads their exit records, and nothing is lost or duplicated."""
+    import signal
+
+    proc = _spawn("e", "create", "--local", str(CORE / "adaptive.yaml"), str(CORE),
+                  "--config", "hyperparameters.sleep=0.05")
+    _wait_for(lambda: len(trials(1)) >= 2 and any(metrics(t.id, "validation") for t in trials(1)))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, err + out
+    ts = trials(1)
+    assert len(ts) == 8 and len({t.request_id for t in ts}) == 8
+    assert all(t.state == "COMPLETED" for t in ts)
+    for t in ts:
+        steps = [s for s, _ in metrics(t.id, "training")]
+        assert steps == list(range(1, len(steps) + 1))  # each step exactly once
+        assert t.run_count == 1  # adopted, never resubmitted
+
+
+def test_follow_first_trial_streams_logs(det: Any) -> None:
+    code, out, _ = det("e", "create", "--local", "-f", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
+    assert code == 0
+    assert "Following first trial with ID 1" in out and "done: w=" in out
+    assert "To reopen log stream, run: det trial logs -f 1" in out
+    code, out, _ = det("checkpoint", "list", "1")
+    assert code == 0 and "Checkpoint UUID" in out
+    code, out, _ = det("t", "describe", "1", "--json")
+    assert code == 0 and '"state": "COMPLETED"' in out
