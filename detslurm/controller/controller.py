@@ -61,13 +61,21 @@ class Controller:
             return list(s.scalars(q))
 
     def tick(self, exp_ids: list[int] | None = None) -> None:
-        for exp_id in exp_ids if exp_ids is not None else self.active_experiment_ids():
-            self.tick_experiment(exp_id)
+        """One reconcile step for many experiments with ONE batched status query."""
+        ids = exp_ids if exp_ids is not None else self.active_experiment_ids()
+        runs = {exp_id: self._active_runs(exp_id) for exp_id in ids}
+        jobs = {job: Path(d) for rs in runs.values() for _, job, d in rs if job}
+        statuses = self.executor.poll(jobs) if jobs else {}
+        for exp_id in ids:
+            self.tick_experiment(exp_id, runs[exp_id], statuses)
 
-    def tick_experiment(self, exp_id: int) -> None:
-        runs = self._active_runs(exp_id)
-        statuses = self.executor.poll([j for _, j in runs if j])
-        for run_pk, job_id in runs:
+    def tick_experiment(self, exp_id: int, runs: list[tuple[int, str | None, str]] | None = None,
+                        statuses: dict[str, JobStatus] | None = None) -> None:
+        if runs is None or statuses is None:
+            runs = self._active_runs(exp_id)
+            jobs = {job: Path(d) for _, job, d in runs if job}
+            statuses = self.executor.poll(jobs) if jobs else {}
+        for run_pk, job_id, _ in runs:
             status = statuses.get(job_id) if job_id else self._recover(run_pk)
             self._reconcile_run(exp_id, run_pk, status)
         self._kill_stopping(exp_id)
@@ -75,11 +83,11 @@ class Controller:
         self._sync_files(exp_id)
         self._submit(exp_id)
 
-    def _active_runs(self, exp_id: int) -> list[tuple[int, str | None]]:
+    def _active_runs(self, exp_id: int) -> list[tuple[int, str | None, str]]:
         with self.store.tx() as s:
-            q = (select(TrialRun.id, TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
-                 .where(TrialRun.state.in_(ACTIVE_RUN)))
-            return [(pk, job) for pk, job in s.execute(q)]
+            q = (select(TrialRun.id, TrialRun.job_id, TrialRun.run_dir).join(Trial)
+                 .where(Trial.experiment_id == exp_id).where(TrialRun.state.in_(ACTIVE_RUN)))
+            return [(pk, job, d) for pk, job, d in s.execute(q)]
 
     def _recover(self, run_pk: int) -> JobStatus | None:
         """A run recorded without a job id: the controller died around the submit."""
@@ -88,10 +96,13 @@ class Controller:
             assert run is not None
             marker = Path(run.run_dir) / "job_id"
             job_id = marker.read_text().strip() if marker.exists() else None
+            if not job_id:
+                found = self.executor.recover((run.trial.experiment_id, run.trial_id, run.run_id))
+                job_id = str(found) if found is not None else None
             if job_id:
                 run.job_id = job_id
                 run.state = RunState.QUEUED.value
-                return self.executor.poll([job_id]).get(job_id)
+                return self.executor.poll({job_id: Path(run.run_dir)}).get(job_id)
         return JobStatus(JobState.UNKNOWN, None, "never started")
 
     def _reconcile_run(self, exp_id: int, run_pk: int, status: JobStatus | None) -> None:
@@ -108,6 +119,10 @@ class Controller:
                 elif status is not None and status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
                     run.state = RunState.RUNNING.value
                     run.start_time = _now()
+                    if (trial.runner_state or "").startswith("queued"):
+                        trial.runner_state = None
+                elif status is not None and status.state == JobState.QUEUED and not exp.test_mode:
+                    trial.runner_state = f"queued: {status.reason or 'waiting'}"[:64]
                 if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
                     trial.runner_state = "test_done"
                     trial.early_stopped = True  # test mode has seen enough: stop the trial
@@ -281,10 +296,12 @@ class Controller:
             env["DET_TEST_MODE"] = "1"
         return RunSpec(name=f"det-e{exp.id}-t{t.id}-r{run.run_id}", argv=[sys.executable, "-m", "detslurm.exec.launch"],
                        env=env, run_dir=Path(run.run_dir), log_path=Path(run.log_path),
-                       slots=int(exp.config["resources"]["slots_per_trial"]))
+                       slots=int(exp.config["resources"]["slots_per_trial"]),
+                       identity=(exp.id, t.id, run.run_id), config=exp.config)
 
     def _start(self, run_pk: int, spec: RunSpec) -> None:
         try:
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
             job_id = self.executor.submit(spec)
             (spec.run_dir / "job_id").write_text(job_id)
         except Exception as e:

@@ -12,6 +12,9 @@ from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED,
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
 
+NOT_THE_TRIALS_FAULT = ("preempted", "node failure")
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -90,5 +93,12 @@ def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, 
     elif trial.early_stopped:
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, None,
                      f"trial exited with code {status.exit_code} after the searcher stopped it")
+    elif status.reason in NOT_THE_TRIALS_FAULT:
+        # Preempted or lost its node before it could checkpoint: resume from the latest
+        # checkpoint without spending one of the trial's restarts.
+        note(session, trial.id, f"trial run {run.run_id} ended by {status.reason}; resuming from the latest "
+                                "checkpoint", "WARNING")
+        if exp.state == ExperimentState.PAUSED.value:
+            trial.state = TrialState.PAUSED.value
     else:
         _after_failure(session, exp, trial, run, searcher)

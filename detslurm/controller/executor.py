@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class JobState(enum.Enum):
@@ -33,7 +33,8 @@ class RunSpec:
     run_dir: Path
     log_path: Path
     slots: int = 1
-    extra: dict[str, str] = field(default_factory=dict)
+    identity: tuple[int, int, int] = (0, 0, 0)  # experiment, trial, run
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 class Executor(Protocol):
@@ -45,8 +46,11 @@ class Executor(Protocol):
     def submit(self, spec: RunSpec) -> str:
         """Start the run; returns its job id."""
 
-    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
-        """One batched status query for all the given jobs."""
+    def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
+        """One batched status query for all the given jobs (job id -> run dir)."""
+
+    def recover(self, identity: tuple[int, int, int]) -> int | str | None:
+        """The job id of a run whose submission was not recorded (the controller crashed)."""
 
     def kill(self, job_id: str) -> None: ...
 

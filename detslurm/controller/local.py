@@ -6,7 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
@@ -51,9 +51,12 @@ class LocalExecutor:
         except psutil.NoSuchProcess:
             return False
 
-    def poll(self, job_ids: Sequence[str]) -> dict[str, JobStatus]:
+    def recover(self, identity: tuple[int, int, int]) -> str | None:
+        return None  # local runs record their job id in the run dir before anything else
+
+    def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
         out = {}
-        for jid in job_ids:
+        for jid in jobs:
             proc = self._procs.get(jid)
             code = proc.poll() if proc is not None else None
             if proc is not None and code is None:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,11 +105,46 @@ def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
             signal.signal(sig, handler)
 
 
+def slurm_env(env: dict[str, str]) -> dict[str, str]:
+    """Inside a Slurm job step: this node's rank, every node's address, this node's slots.
+
+    Addresses come from the job's node list (never `hostname`, which can be the same on all
+    nodes); the chief is the first node of the list.
+    """
+    from detslurm.slurm.parse import expand_nodelist
+
+    out: dict[str, str] = {}
+    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+    if nodes:
+        out["DET_CONTAINER_ADDRS"] = json.dumps(nodes)
+        out["DET_CHIEF_IP"] = nodes[0]
+    out["DET_CONTAINER_RANK"] = env.get("SLURM_NODEID", "0")
+    out["DET_AGENT_ID"] = env.get("SLURMD_NODENAME", os.uname().nodename)
+    gpus = env.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus and gpus != "NoDevFiles":
+        out["DET_SLOT_IDS"] = json.dumps(list(range(len(gpus.split(",")))))
+    else:
+        out["DET_SLOT_IDS"] = json.dumps(list(range(int(env.get("SLURM_CPUS_PER_TASK") or 1))))
+    return out
+
+
+def _paths(env: dict[str, str], run_dir: Path) -> tuple[Path, Path]:
+    """(working dir, exit record). In a Slurm job the working dir is node-local and each node
+    writes its own record; the batch shell writes the run's exit.json."""
+    if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
+        node = env.get("SLURM_NODEID", "0")
+        base = env.get("DETSLURM_WORKDIR") or f"/tmp/detslurm-{env['SLURM_JOB_ID']}"
+        return Path(f"{base}-node{node}"), run_dir / f"exit-node{node}.json"
+    return Path(env.get("DETSLURM_WORKDIR") or run_dir / "workdir"), run_dir / "exit.json"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     run_dir = Path(env["DET_RUN_DIR"])
     exp_dir = Path(env["DETSLURM_EXP_DIR"])
-    workdir = Path(env.get("DETSLURM_WORKDIR") or run_dir / "workdir")
+    if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
+        env.update(slurm_env(env))
+    workdir, exit_path = _paths(env, run_dir)
     config = json.loads(env["DET_EXPERIMENT_CONFIG"])
     started = time.time()
     rc = 1
@@ -127,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"detslurm: cannot run the entrypoint: {e}", file=sys.stderr, flush=True)
         rc = 127
     finally:
-        atomic_write_json(run_dir / "exit.json", {"code": rc, "start": started, "end": time.time()})
+        atomic_write_json(exit_path, {"code": rc, "start": started, "end": time.time()})
+        if exit_path.name != "exit.json":
+            shutil.rmtree(workdir, ignore_errors=True)  # node-local scratch
     return rc
 
 

@@ -1,0 +1,127 @@
+"""The one module that talks to Slurm (ARCHITECTURE.md contract 6).
+
+Every call goes through :class:`SlurmClient` with a timeout and returns typed results; the
+command runner is injected so unit tests can pass a fake that behaves like the real commands.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from detslurm.errors import DetSlurmError
+from detslurm.slurm import parse
+from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SlurmCommandError(DetSlurmError):
+    def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
+        self.argv = list(argv)
+        self.returncode = returncode
+        self.stderr = stderr.strip()
+        super().__init__(f"{argv[0]} failed (exit {returncode}): {self.stderr or 'no message'}")
+
+
+class SlurmUnavailable(DetSlurmError):
+    pass
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Runner(Protocol):
+    def __call__(self, argv: Sequence[str], *, input: Optional[str] = None, timeout: float) -> Result: ...
+
+
+def subprocess_runner(argv: Sequence[str], *, input: Optional[str] = None, timeout: float) -> Result:
+    try:
+        p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        raise SlurmUnavailable(f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmCommandError(argv, 124, f"timed out after {timeout:.0f} s (is slurmctld responding?)") from None
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+class SlurmClient:
+    def __init__(self, runner: Runner = subprocess_runner, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 user: Optional[str] = None) -> None:
+        self._run_cmd = runner
+        self.timeout_s = timeout_s
+        self.user = user or getpass.getuser()
+        self._caps: Optional[Capabilities] = None
+        self.calls = 0  # commands issued by this client (benchmarks count controller load)
+
+    def _run(self, argv: Sequence[str], input: Optional[str] = None, check: bool = True) -> Result:
+        self.calls += 1
+        res = self._run_cmd(argv, input=input, timeout=self.timeout_s)
+        if check and res.returncode != 0:
+            raise SlurmCommandError(argv, res.returncode, res.stderr or res.stdout)
+        return res
+
+    # -- submission ------------------------------------------------------------------------
+    def sbatch(self, args: Sequence[str], script: str) -> str:
+        """Submit ``script`` (given on stdin: nothing is written that a user could swap)."""
+        res = self._run(["sbatch", "--parsable", *args], input=script)
+        return parse.parse_sbatch(res.stdout)
+
+    # -- queries ---------------------------------------------------------------------------
+    def squeue(self, all_users: bool = False) -> list[QueuedJob]:
+        """One call for every job of this user (or all users): the only per-tick query."""
+        argv = ["squeue", "-h", "-r", "-o", parse.SQUEUE_FORMAT]
+        if not all_users:
+            argv += ["-u", self.user]
+        return parse.parse_squeue(self._run(argv).stdout)
+
+    def show_job(self, job_id: str) -> dict[str, str]:
+        res = self._run(["scontrol", "show", "job", "-o", job_id], check=False)
+        if res.returncode != 0:
+            return {}
+        return parse.parse_key_values(res.stdout.splitlines()[0] if res.stdout else "")
+
+    def sinfo(self) -> list[PartitionNodes]:
+        return parse.parse_sinfo(self._run(["sinfo", "-h", "-o", parse.SINFO_FORMAT]).stdout)
+
+    def capabilities(self) -> Capabilities:
+        if self._caps is None:
+            self._caps = parse.parse_config(self._run(["scontrol", "show", "config"]).stdout)
+        return self._caps
+
+    # -- control ---------------------------------------------------------------------------
+    def scancel(self, job_id: str, signal: Optional[str] = None, batch_too: bool = False) -> None:
+        argv = ["scancel"]
+        if signal:
+            argv += [f"--signal={signal}"]
+            if batch_too:
+                argv += ["--full"]
+        self._run([*argv, job_id])
+
+    def update(self, job_id: str, **fields: str) -> None:
+        self._run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+
+    def hold(self, job_id: str) -> None:
+        self._run(["scontrol", "hold", job_id])
+
+    def release(self, job_id: str) -> None:
+        self._run(["scontrol", "release", job_id])
+
+    def requeue(self, job_id: str) -> None:
+        self._run(["scontrol", "requeue", job_id])
+
+    def top(self, job_id: str) -> None:
+        self._run(["scontrol", "top", job_id])
+
+
+def client_from_env() -> SlurmClient:
+    timeout = float(os.environ.get("DETSLURM_SLURM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return SlurmClient(timeout_s=timeout)

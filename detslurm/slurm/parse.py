@@ -1,0 +1,191 @@
+"""Pure parsers for Slurm command output (tested on output captured from a real 22.05)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import hostlist
+
+from detslurm.errors import DetSlurmError
+from detslurm.slurm.states import SlurmState, state_from_slurm
+
+SEP = "\x1f"  # unit separator: cannot appear in job names or comments typed by users
+SQUEUE_FIELDS = ["%i", "%A", "%F", "%K", "%T", "%P", "%u", "%Q", "%r", "%N", "%D", "%C", "%b", "%V", "%S", "%l",
+                 "%y", "%j", "%k"]
+SQUEUE_FORMAT = SEP.join(SQUEUE_FIELDS)
+
+
+class SlurmParseError(DetSlurmError):
+    def __init__(self, what: str, text: str) -> None:
+        self.text = text
+        super().__init__(f"cannot parse {what} output: {text[:200]!r}")
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One line of ``squeue -r``: a job, or one task of an array."""
+
+    job_id: str  # "12" or "12_3"
+    raw_id: int
+    array_job_id: int
+    array_task_id: Optional[int]
+    state: SlurmState
+    state_text: str
+    partition: str
+    user: str
+    priority: int
+    reason: str
+    nodelist: str
+    num_nodes: int
+    num_cpus: int
+    gres: str
+    submit_time: str
+    start_time: str
+    time_limit: str
+    nice: int
+    name: str
+    comment: str
+
+    @property
+    def gpus(self) -> int:
+        m = re.search(r"gpu(?::[^:,]+)?:(\d+)", self.gres)
+        return int(m.group(1)) * max(1, self.num_nodes) if m else 0
+
+
+def _int(text: str, default: int = 0) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return default
+
+
+def parse_squeue(text: str) -> list[QueuedJob]:
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        f = line.split(SEP)
+        if len(f) < len(SQUEUE_FIELDS):
+            raise SlurmParseError("squeue", line)
+        name, comment = f[17], SEP.join(f[18:])
+        jobs.append(QueuedJob(
+            job_id=f[0], raw_id=_int(f[1]), array_job_id=_int(f[2]),
+            array_task_id=_int(f[3]) if f[3].isdigit() else None, state=state_from_slurm(f[4]), state_text=f[4],
+            partition=f[5], user=f[6], priority=_int(f[7]), reason=f[8], nodelist=f[9], num_nodes=_int(f[10], 1),
+            num_cpus=_int(f[11], 1), gres="" if f[12] == "N/A" else f[12], submit_time=f[13], start_time=f[14],
+            time_limit=f[15], nice=_int(f[16]), name=name, comment="" if comment == "(null)" else comment,
+        ))
+    return jobs
+
+
+def parse_sbatch(text: str) -> str:
+    """``sbatch --parsable`` prints ``ID`` or ``ID;CLUSTER``."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    job = first.split(";")[0]
+    if not job.isdigit():
+        raise SlurmParseError("sbatch --parsable", text)
+    return job
+
+
+def parse_key_values(text: str) -> dict[str, str]:
+    """``scontrol show job -o`` / ``show config``: ``Key=Value`` pairs (values may hold spaces
+    only in show config, where each line is one pair)."""
+    out: dict[str, str] = {}
+    if "\n" in text.strip() and " = " in text:  # show config: "Key  = Value" per line
+        for line in text.splitlines():
+            k, sep, v = line.partition("=")
+            if sep and k.strip() and not k.startswith(" "):
+                out[k.strip()] = v.strip()
+        return out
+    for m in re.finditer(r"(\S+?)=(\S*)", text):
+        out.setdefault(m.group(1), m.group(2))
+    return out
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    version: str
+    accounting: bool
+    enable_user_top: bool
+    preemption: bool
+    max_array_size: int
+    cluster_name: str
+
+
+def parse_config(text: str) -> Capabilities:
+    kv = parse_key_values(text)
+    if "SLURM_VERSION" not in kv:
+        raise SlurmParseError("scontrol show config", text)
+    return Capabilities(
+        version=kv["SLURM_VERSION"],
+        accounting=kv.get("AccountingStorageType", "") not in ("", "(null)", "accounting_storage/none"),
+        enable_user_top="enable_user_top" in kv.get("SchedulerParameters", ""),
+        preemption=kv.get("PreemptType", "preempt/none") != "preempt/none",
+        max_array_size=_int(kv.get("MaxArraySize", "1001"), 1001),
+        cluster_name=kv.get("ClusterName", ""),
+    )
+
+
+@dataclass(frozen=True)
+class PartitionNodes:
+    partition: str
+    default: bool
+    available: str
+    nodes: int
+    state: str
+    nodelist: str
+    cpus_alloc: int
+    cpus_idle: int
+    cpus_total: int
+    gres: str
+    time_limit: str
+
+    @property
+    def gpus_per_node(self) -> int:
+        m = re.search(r"gpu(?::[^:,()]+)?:(\d+)", self.gres)
+        return int(m.group(1)) if m else 0
+
+
+SINFO_FORMAT = SEP.join(["%R", "%P", "%a", "%D", "%T", "%N", "%C", "%G", "%l"])
+
+
+def parse_sinfo(text: str) -> list[PartitionNodes]:
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        f = line.split(SEP)
+        if len(f) != 9:
+            raise SlurmParseError("sinfo", line)
+        alloc, idle, _other, total = (f[6].split("/") + ["0"] * 4)[:4]
+        out.append(PartitionNodes(
+            partition=f[0], default=f[1].endswith("*"), available=f[2], nodes=_int(f[3]), state=f[4],
+            nodelist=f[5], cpus_alloc=_int(alloc), cpus_idle=_int(idle), cpus_total=_int(total),
+            gres="" if f[7] == "(null)" else f[7], time_limit=f[8],
+        ))
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """``c[1-2],g1`` -> ``["c1", "c2", "g1"]`` (python-hostlist; the order Slurm uses)."""
+    if not nodelist or nodelist in ("(null)", "None"):
+        return []
+    try:
+        result: list[str] = hostlist.expand_hostlist(nodelist)
+        return result
+    except hostlist.BadHostlist as e:
+        raise SlurmParseError("node list", nodelist) from e
+
+
+COMMENT_RE = re.compile(r"^detslurm:exp=(\d+),trial=(\d+),run=(\d+)$")
+
+
+def trial_comment(exp_id: int, trial_id: int, run_id: int) -> str:
+    return f"detslurm:exp={exp_id},trial={trial_id},run={run_id}"
+
+
+def parse_comment(comment: str) -> Optional[tuple[int, int, int]]:
+    m = COMMENT_RE.match(comment.strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
