@@ -6,6 +6,7 @@ import click
 
 from detslurm import settings as settings_mod
 from detslurm.settings import Settings
+from detslurm.slurm.site import SiteConfig, load_site_config
 from detslurm.store import Store, open_store
 
 
@@ -13,7 +14,13 @@ class App:
     def __init__(self, as_json: bool = False) -> None:
         self.settings: Settings = settings_mod.load()
         self._store: Store | None = None
+        self._site: SiteConfig | None = None
         self.as_json = as_json
+
+    def site(self) -> SiteConfig:
+        if self._site is None:
+            self._site = load_site_config()
+        return self._site
 
     @property
     def store(self) -> Store:

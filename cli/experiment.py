@@ -14,11 +14,13 @@ from sqlalchemy import select
 from detslurm import views
 from detslurm.cli import local
 from detslurm.cli import logs as logs_mod
+from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
-from detslurm.controller.create import execute_create, plan_create
+from detslurm.controller.create import execute_create, plan_create, preview_sbatch
 from detslurm.errors import DetSlurmError
+from detslurm.slurm.render import resource_args
 from detslurm.store.models import Experiment, ExperimentState
 
 
@@ -58,13 +60,22 @@ def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test
            follow: bool, paused: bool, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
+    site = None if run_local else app.site()
+    if site is not None:
+        resource_args(plan.config.as_dict(), site)  # an unknown pool fails here, before anything exists
     if dry_run:
         click.echo(plan.describe())
-        click.echo("dry run: nothing was created")
+        if site is not None:
+            for req in preview_sbatch(plan, app.settings, site):
+                click.echo(req.render())
+        click.echo("dry run: nothing was created or submitted")
         return
     if not run_local:
-        raise DetSlurmError("submitting to Slurm needs the detslurm daemon, which this version does not ship yet; "
-                            "run the experiment with --local")
+        slurm_mod.require_slurm(app)
+        exp_id = execute_create(app.store, app.settings, plan, executor="slurm")
+        click.echo(f"Created experiment {exp_id}")
+        slurm_mod.after_create(app, exp_id, paused=paused, follow=follow, test_mode=test_mode)
+        return
     exp_id = execute_create(app.store, app.settings, plan, executor="local")
     click.echo(f"Created experiment {exp_id}")
     if paused:
@@ -93,6 +104,7 @@ def _exp_rows(app: App, show_all: bool) -> list[dict[str, Any]]:
 @pass_app
 def list_(app: App, show_all: bool, as_json: bool) -> None:
     """List experiments."""
+    slurm_mod.reconcile(app)
     rows = _exp_rows(app, show_all)
     if as_json:
         dump_json(rows)
@@ -111,6 +123,7 @@ experiment.add_command(list_, "ls")
 @pass_app
 def describe(app: App, exp_id: int, as_json: bool) -> None:
     """Show an experiment, its trials and their workloads."""
+    slurm_mod.reconcile(app)
     with app.store.tx() as s:
         exp = views.get_experiment(s, exp_id)
         e = views.experiment_dict(exp)
@@ -150,6 +163,7 @@ def config(app: App, exp_id: int) -> None:
 @pass_app
 def list_trials(app: App, exp_id: int, as_json: bool) -> None:
     """List an experiment's trials."""
+    slurm_mod.reconcile(app)
     with app.store.tx() as s:
         trials = [views.trial_dict(s, t) for t in views.get_experiment(s, exp_id).trials]
     if as_json:
@@ -170,6 +184,7 @@ experiment.add_command(list_trials, "lt")
 @pass_app
 def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> None:
     """List an experiment's checkpoints."""
+    slurm_mod.reconcile(app)
     with app.store.tx() as s:
         exp = views.get_experiment(s, exp_id)
         sib = exp.config["searcher"]["smaller_is_better"]
@@ -198,6 +213,7 @@ experiment.add_command(list_checkpoints, "lc")
 @pass_app
 def logs(app: App, exp_id: int) -> None:
     """Show the first trial's logs."""
+    slurm_mod.reconcile(app)
     with app.store.tx() as s:
         exp = views.get_experiment(s, exp_id)
         if not exp.trials:
@@ -236,6 +252,10 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
     if kind == "local" and not detach:
         state = local.drive(app, exp_id)
         click.echo(f"Experiment {exp_id} {state.value}")
+    elif kind == "slurm":
+        from detslurm import daemon as daemon_mod
+
+        daemon_mod.start(app.settings)
 
 
 experiment.add_command(activate, "unpause")
@@ -250,6 +270,12 @@ def wait(app: App, exp_id: int) -> None:
         kind = views.get_experiment(s, exp_id).executor
     import time
 
+    if kind == "slurm":
+        state = slurm_mod.wait(app, exp_id)
+        click.echo(f"Experiment {exp_id} {state.value}")
+        if state != ExperimentState.COMPLETED:
+            raise click.exceptions.Exit(1)
+        return
     while True:
         with app.store.tx() as s:
             state = ExperimentState(views.get_experiment(s, exp_id).state)

@@ -28,7 +28,7 @@ def cli(ctx: click.Context) -> None:
 
 
 def _register() -> None:
-    from detslurm.cli import checkpoint, experiment, trial
+    from detslurm.cli import checkpoint, daemon, experiment, resource_pool, trial
 
     cli.add_command(experiment.experiment)
     cli.add_command(experiment.experiment, name="e")
@@ -36,6 +36,9 @@ def _register() -> None:
     cli.add_command(trial.trial, name="t")
     cli.add_command(checkpoint.checkpoint)
     cli.add_command(checkpoint.checkpoint, name="c")
+    cli.add_command(daemon.daemon)
+    cli.add_command(resource_pool.resource_pool)
+    cli.add_command(resource_pool.resource_pool, name="rp")
 
 
 _register()

@@ -10,6 +10,7 @@ import click
 
 from detslurm import views
 from detslurm.cli import logs as logs_mod
+from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_time, table
 from detslurm.controller import ops
@@ -28,6 +29,7 @@ def trial() -> None:
 @pass_app
 def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     """Show a trial, its runs and (optionally) its metrics."""
+    slurm_mod.reconcile(app)
     with app.store.tx() as s:
         t = views.get_trial(s, trial_id)
         d = views.trial_dict(s, t)
@@ -65,12 +67,14 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
 @pass_app
 def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | None, ranks: tuple[int, ...]) -> None:
     """Show a trial's logs (all of its runs)."""
+    slurm_mod.reconcile(app)
     if head is not None and tail is not None:
         raise click.UsageError("use at most one of --head and --tail")
     if follow:
         f = logs_mod.Follower(app, trial_id, ranks)
         while True:
             f.pump()
+            slurm_mod.reconcile(app)
             with app.store.tx() as s:
                 done = TrialState(views.get_trial(s, trial_id).state).is_terminal
             if done:

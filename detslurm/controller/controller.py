@@ -280,8 +280,8 @@ class Controller:
     def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
         layout = ExpLayout(Path(exp.exp_dir))
         base = storage_base(exp.config)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
-        env.update(config_env(exp.config))
+        # Only what the trial needs from us; the executor adds the submitting environment.
+        env = config_env(exp.config)
         latest = t.latest_checkpoint or t.warm_start_checkpoint
         steps = t.steps_completed if t.latest_checkpoint else 0
         env.update(trial_env(

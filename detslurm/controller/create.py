@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,15 @@ import yaml
 
 from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
-from detslurm.controller.controller import current_user
+from detslurm.controller.controller import current_user, storage_base
 from detslurm.controller.layout import ExpLayout
+from detslurm.core._info import trial_env
 from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
-from detslurm.searcher import build
+from detslurm.searcher import Create, build
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
+from detslurm.slurm.render import Identity, SbatchRequest, plan_trial_run
+from detslurm.slurm.site import SiteConfig
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState
 
@@ -117,3 +121,22 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
         if exp_dir is not None:
             shutil.rmtree(exp_dir, ignore_errors=True)
         raise
+
+
+def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig, limit: int = 3) -> list[SbatchRequest]:
+    """The sbatch requests the first trials would get (ids not known yet: shown as 0)."""
+    cfg = plan.config.as_dict()
+    searcher = build(cfg)
+    out = []
+    exp_dir = Path(settings.experiments_dir) / "exp-0"
+    for i, act in enumerate(a for a in searcher.initial_trials() if isinstance(a, Create)):
+        if i >= limit:
+            break
+        run_dir = exp_dir / "trials" / str(i + 1) / "runs" / "1"
+        env = trial_env(experiment_id=0, trial_id=i + 1, run_id=1, seed=act.seed, hparams=act.hparams, config=cfg,
+                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=run_dir.parent.parent,
+                        exp_dir=exp_dir, checkpoint_base=storage_base(cfg), resources_type="slurm-job",
+                        slot_ids=[], container_addrs=[], user=current_user())
+        out.append(plan_trial_run(config=cfg, site=site, ident=Identity(0, i + 1, 1), env=env, run_dir=str(run_dir),
+                                  log_path=str(run_dir / "output.log"), python=site.python or sys.executable))
+    return out

@@ -11,7 +11,6 @@ from detslurm.controller.executor import JobState, JobStatus
 from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, SearchMethod
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
-
 NOT_THE_TRIALS_FAULT = ("preempted", "node failure")
 
 

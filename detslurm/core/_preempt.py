@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -21,6 +22,7 @@ from detslurm.util import read_json
 
 log = logging.getLogger("detslurm.core")
 POLL_S = 0.5
+DUPLICATE_WINDOW_S = 2.0
 
 
 class PreemptMode(enum.Enum):
@@ -56,7 +58,7 @@ class PreemptContext:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._old: dict[int, Handler] = {}
-        self._hits: dict[int, int] = {}
+        self._first_term: float | None = None
         self._acked = False
         self._started = False
         self.reason: str | None = None
@@ -74,8 +76,14 @@ class PreemptContext:
                 self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._hits[signum] = self._hits.get(signum, 0) + 1
-        if signum == signal.SIGTERM and self._hits[signum] > 1:
+        now = time.monotonic()
+        first = self._first_term
+        if signum == signal.SIGTERM and first is None:
+            self._first_term = now
+        # Slurm signals the step's processes directly AND srun forwards the batch shell's signal,
+        # so one preemption often arrives as two SIGTERMs at once. Only a SIGTERM that comes
+        # later means "stop now, without a checkpoint".
+        if signum == signal.SIGTERM and first is not None and now - first > DUPLICATE_WINDOW_S:
             # A second SIGTERM means "really stop now": behave as if we had no handler.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)

@@ -47,7 +47,8 @@ def subprocess_runner(argv: Sequence[str], *, input: Optional[str] = None, timeo
     try:
         p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
-        raise SlurmUnavailable(f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?") from None
+        raise SlurmUnavailable(
+            f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?") from None
     except subprocess.TimeoutExpired:
         raise SlurmCommandError(argv, 124, f"timed out after {timeout:.0f} s (is slurmctld responding?)") from None
     return Result(p.returncode, p.stdout, p.stderr)
@@ -91,6 +92,9 @@ class SlurmClient:
 
     def sinfo(self) -> list[PartitionNodes]:
         return parse.parse_sinfo(self._run(["sinfo", "-h", "-o", parse.SINFO_FORMAT]).stdout)
+
+    def nodes(self) -> list[parse.NodeInfo]:
+        return parse.parse_sinfo_json(self._run(["sinfo", "--json"]).stdout)
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:

@@ -189,3 +189,44 @@ def trial_comment(exp_id: int, trial_id: int, run_id: int) -> str:
 def parse_comment(comment: str) -> Optional[tuple[int, int, int]]:
     m = COMMENT_RE.match(comment.strip())
     return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    name: str
+    partitions: tuple[str, ...]
+    state: str
+    cpus: int
+    alloc_cpus: int
+    gpus: int
+    gpus_used: int
+
+
+def _gres_count(text: str) -> int:
+    total = 0
+    for part in (text or "").split(","):
+        m = re.match(r"gpu(?::[^:(]+)?:(\d+)", part.strip())
+        if m:
+            total += int(m.group(1))
+    return total
+
+
+def parse_sinfo_json(text: str) -> list[NodeInfo]:
+    """``sinfo --json`` (one call gives every node's partitions, CPUs and GPUs in use)."""
+    import json
+
+    try:
+        data = json.loads(text)
+        nodes = data["nodes"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise SlurmParseError("sinfo --json", text) from e
+    out = []
+    for n in nodes:
+        state = n.get("state", "unknown")
+        out.append(NodeInfo(
+            name=str(n["name"]), partitions=tuple(n.get("partitions") or ()),
+            state=state if isinstance(state, str) else ",".join(state),
+            cpus=int(n.get("cpus", 0)), alloc_cpus=int(n.get("alloc_cpus", 0)),
+            gpus=_gres_count(str(n.get("gres", ""))), gpus_used=_gres_count(str(n.get("gres_used", ""))),
+        ))
+    return out

@@ -88,7 +88,8 @@ def plan_trial_run(*, config: dict[str, Any], site: SiteConfig, ident: Identity,
     sig = site.signal.upper().removeprefix("SIG")
     args = [
         f"--job-name={ident.job_name}", f"--comment={ident.comment}", *res_args,
-        f"--output={log_path}", "--open-mode=append", f"--chdir={run_dir}",
+        # sbatch expands %j, %u, ... in file names: a literal % must be doubled.
+        f"--output={log_path.replace('%', '%%')}", "--open-mode=append", f"--chdir={run_dir}",
         # detslurm resubmits from the latest checkpoint itself (counting restarts once).
         "--no-requeue",
         f"--signal=B:{sig}@{site.signal_lead_s}",

@@ -46,9 +46,10 @@ class SiteConfig(Strict):
     node_tmpdir: str = "${TMPDIR:-/tmp}"  # node-local base for trial working dirs (shell syntax)
 
     @model_validator(mode="after")
-    def _default_pool_exists(self) -> "SiteConfig":
+    def _default_pool_exists(self) -> SiteConfig:
         if self.pools and self.default_pool not in self.pools:
-            raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools: {', '.join(sorted(self.pools))}")
+            valid = ", ".join(sorted(self.pools))
+            raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools: {valid}")
         if self.signal.upper().removeprefix("SIG") in ("USR1", "KILL", "STOP"):
             raise ValueError(f"signal {self.signal} cannot be used (USR1 is taken by NCCL; KILL/STOP cannot be caught)")
         return self

@@ -1,0 +1,58 @@
+"""`det daemon`: the per-user background controller for Slurm experiments."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from detslurm import daemon as daemon_mod
+from detslurm.cli.app import App, pass_app
+
+
+@click.group(name="daemon")
+def daemon() -> None:
+    """Start, stop and inspect the detslurm daemon (one per user)."""
+
+
+@daemon.command("start")
+@click.option("--foreground", is_flag=True, help="Run in this process (for systemd --user or a Slurm job).")
+@pass_app
+def start(app: App, foreground: bool) -> None:
+    """Start the daemon (a no-op when it runs already)."""
+    if foreground:
+        raise click.exceptions.Exit(daemon_mod.run_forever(app.settings, idle_exit_s=float("inf")))
+    pid = daemon_mod.start(app.settings)
+    click.echo(f"detslurm daemon running (pid {pid}); log: {daemon_mod.Paths(app.settings).log}")
+
+
+@daemon.command("stop")
+@pass_app
+def stop(app: App) -> None:
+    """Stop the daemon. Trials keep running; the next start picks them up."""
+    pid: Optional[int] = daemon_mod.stop(app.settings)
+    click.echo("detslurm daemon was not running" if pid is None else f"stopped detslurm daemon (pid {pid})")
+
+
+@daemon.command("status")
+@pass_app
+def status(app: App) -> None:
+    """Say whether the daemon runs."""
+    pid = daemon_mod.running_pid(app.settings)
+    if pid is None:
+        click.echo("detslurm daemon: not running")
+        raise click.exceptions.Exit(1)
+    click.echo(f"detslurm daemon: running (pid {pid})")
+
+
+@daemon.command("logs")
+@click.option("--tail", type=int, default=50, show_default=True)
+@pass_app
+def logs(app: App, tail: int) -> None:
+    """Show the end of the daemon's log."""
+    path = daemon_mod.Paths(app.settings).log
+    if not path.exists():
+        click.echo(f"no daemon log yet at {path}")
+        return
+    for line in path.read_text(errors="replace").splitlines()[-tail:]:
+        click.echo(line)

@@ -1,0 +1,47 @@
+"""`det resource-pool` (alias `det rp`): resource pools are Slurm partitions."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import click
+
+from detslurm.cli.app import App, pass_app
+from detslurm.cli.render import dump_json, table
+from detslurm.slurm.client import client_from_env
+
+
+@click.group(name="resource-pool")
+def resource_pool() -> None:
+    """Resource pools (Slurm partitions, described in the site config)."""
+
+
+@resource_pool.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_(app: App, as_json: bool) -> None:
+    """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
+    site = app.site()
+    nodes = client_from_env().nodes()
+    pools = dict(site.pools) or {p: None for n in nodes for p in n.partitions}
+    rows = []
+    for name in sorted(pools):
+        pool = site.pools.get(name)
+        partition = pool.partition if pool else name
+        slot_type = pool.slot_type if pool else "cpu"
+        members = [n for n in nodes if partition in n.partitions]
+        used = sum(n.gpus_used if slot_type == "gpu" else n.alloc_cpus for n in members)
+        total = sum(n.gpus if slot_type == "gpu" else n.cpus for n in members)
+        states = Counter(n.state.lower() for n in members)
+        rows.append({
+            "name": name, "partition": partition, "slot_type": slot_type, "nodes": len(members),
+            "slots_used": used, "slots_total": total, "default": name == site.default_pool,
+            "state": ", ".join(f"{c} {s}" for s, c in sorted(states.items())) or "no nodes",
+            "description": pool.description if pool else "",
+        })
+    if as_json:
+        dump_json(rows)
+        return
+    table(["Pool", "Partition", "Slot Type", "Nodes", "Slots (used/total)", "State", "Default", "Description"],
+          [[r["name"], r["partition"], r["slot_type"], r["nodes"], f"{r['slots_used']}/{r['slots_total']}", r["state"],
+            "yes" if r["default"] else "", r["description"]] for r in rows])
