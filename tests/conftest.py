@@ -52,3 +52,45 @@ def write(path: Path, text: str) -> Path:
 
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The project's real Slurm test cluster (scripts/test-cluster), started once per session.
+
+    DETSLURM_TEST_CLUSTER=DIR reuses a cluster that is already up (and leaves it running)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the Slurm test cluster needs root, and CI runs as root")
+        pytest.skip("the Slurm test cluster needs root")
+    reuse = os.environ.get("DETSLURM_TEST_CLUSTER")
+    state = Path(reuse) if reuse else tmp_path_factory.mktemp("slurm")
+    env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
+    subprocess.run([str(ROOT / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
+    yield state
+    if not reuse:
+        subprocess.run([str(ROOT / "scripts/test-cluster"), "down", str(state)], check=False, env=env)
+
+
+@pytest.fixture
+def slurm_env(det_env: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A test's private detslurm dirs on the shared cluster; its daemon and jobs end with it."""
+    import subprocess
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster / "etc/slurm.conf"))
+    monkeypatch.setenv("DETSLURM_SITE_CONFIG", str(ROOT / "site-configs/test-cluster.yaml"))
+    monkeypatch.setenv("DETSLURM_DAEMON_IDLE_EXIT_S", "60")
+    monkeypatch.setenv("DETSLURM_POLL_INTERVAL_S", "0.5")
+    yield det_env
+    from detslurm import daemon, settings
+
+    daemon.stop(settings.load())
+    subprocess.run(["scancel", "-u", os.environ.get("USER", "root")], check=False)
+    deadline = __import__("time").time() + 15
+    while __import__("time").time() < deadline:
+        out = subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout
+        if not out.strip():
+            break
+        __import__("time").sleep(0.3)

@@ -63,7 +63,9 @@ class SlurmExecutor:
         q = self.last_queue.get(job_id)
         record = read_json(exit_file(run_dir), None)
         reason = _REASONS.get(q.state) if q is not None else None
-        if record is not None and (q is None or q.state.is_terminal or q.state == SlurmState.COMPLETING):
+        if q is not None and q.state == SlurmState.COMPLETING:
+            return JobStatus(JobState.RUNNING)  # the final state (PREEMPTED, TIMEOUT...) is next
+        if record is not None and (q is None or q.state.is_terminal):
             return JobStatus(JobState.EXITED, int(record["code"]), reason)
         if q is None:
             return JobStatus(JobState.UNKNOWN, None, "job left the queue without an exit record")

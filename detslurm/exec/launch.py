@@ -34,11 +34,27 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signa
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
 
 
+SHELL_SYNTAX = re.compile(r"[|&;<>()$`\\*?\[\]{}~!\n#]")
+
+
 def entrypoint_argv(entrypoint: str | Sequence[str], python: str = sys.executable) -> list[str]:
-    """Pure: the argv for an expconf entrypoint."""
+    """Pure: the argv for an expconf entrypoint.
+
+    A simple command (``python3 train.py --lr 0.1``) runs directly, without a shell in between:
+    Slurm signals every process of a job step, and a shell killed by SIGTERM would report the
+    run as failed while the trainer below it is still checkpointing. Only commands that need
+    shell syntax go through ``sh -c``.
+    """
     if isinstance(entrypoint, str):
         if LEGACY_TRIAL.match(entrypoint):
             return [python, "-m", "detslurm.launch.torch_distributed", "--", "--trial", entrypoint]
+        if not SHELL_SYNTAX.search(entrypoint):
+            try:
+                words = shlex.split(entrypoint)
+            except ValueError:
+                words = []
+            if words and "=" not in words[0]:
+                return words
         return ["sh", "-c", entrypoint]
     return list(entrypoint)
 

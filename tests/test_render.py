@@ -1,0 +1,94 @@
+"""sbatch rendering: golden files per site config, resources, forbidden flags, hostile strings."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from detslurm.core._info import trial_env
+from detslurm.errors import ConfigError
+from detslurm.expconf import validate
+from detslurm.slurm.render import Identity, plan_trial_run, resource_args
+from detslurm.slurm.site import load_site_config
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).parent / "golden"
+STORAGE = {"type": "shared_fs", "host_path": "/shared/ckpt"}
+
+
+def config(**over: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {"name": "golden", "entrypoint": "python3 train.py --flag 1",
+                           "searcher": {"name": "single", "metric": "loss"},
+                           "reproducibility": {"experiment_seed": 1}, "hyperparameters": {"lr": 0.1}}
+    raw.update(over)
+    return validate(raw, STORAGE).as_dict()
+
+
+def render(cfg: dict[str, Any], site_name: str, run_dir: str = "/shared/exps/exp-1/trials/2/runs/3",
+           hparams: dict[str, Any] | None = None) -> Any:
+    site = load_site_config(ROOT / "site-configs" / f"{site_name}.yaml")
+    env = trial_env(experiment_id=1, trial_id=2, run_id=3, seed=42, hparams=hparams or {"lr": 0.1}, config=cfg,
+                    latest_checkpoint=None, steps_completed=0, run_dir=Path(run_dir), trial_dir=Path(run_dir).parent,
+                    exp_dir=Path("/shared/exps/exp-1"), checkpoint_base="/shared/ckpt", resources_type="slurm-job",
+                    slot_ids=[], container_addrs=[], user="alice")
+    env["MY_VAR"] = "x"
+    return plan_trial_run(config=cfg, site=site, ident=Identity(1, 2, 3), env=env, run_dir=run_dir,
+                          log_path=f"{run_dir}/output.log", python="/opt/venv/bin/python")
+
+
+@pytest.mark.parametrize("site,cfg", [
+    ("test-cluster", {}),
+    ("test-cluster", {"resources": {"slots_per_trial": 4, "resource_pool": "gpu"}, "slurm": {"gpu_type": "a100"}}),
+    ("generic", {"resources": {"slots_per_trial": 16}, "slurm": {"sbatch_args": ["--mem=64G", "--exclusive"]}}),
+])
+def test_golden(site: str, cfg: dict[str, Any]) -> None:
+    req = render(config(**cfg), site)
+    slots = cfg.get("resources", {}).get("slots_per_trial", 1)
+    path = GOLDEN / f"{site}-{slots}slots.sbatch"
+    text = req.render()
+    if os.environ.get("DETSLURM_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.exists(), f"golden file {path.name} is missing: run with DETSLURM_UPDATE_GOLDEN=1 once, review it"
+    assert text == path.read_text()
+
+
+def test_resources() -> None:
+    site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
+    assert resource_args(config(), site) == (["--partition=cpu", "--nodes=1", "--ntasks-per-node=1",
+                                              "--cpus-per-task=1"], 1)
+    args, nodes = resource_args(config(resources={"slots_per_trial": 4, "resource_pool": "gpu"}), site)
+    assert nodes == 2 and "--gres=gpu:2" in args and "--partition=gpu" in args
+    args, nodes = resource_args(config(resources={"slots_per_trial": 3}, slurm={"slots_per_node": 1}), site)
+    assert nodes == 3 and "--cpus-per-task=1" in args
+    with pytest.raises(ConfigError, match="resource pool 'nope' does not exist; valid pools: cpu, gpu, high"):
+        resource_args(config(resources={"resource_pool": "nope"}), site)
+
+
+def test_percent_in_log_path_is_escaped() -> None:
+    req = render(config(), "test-cluster", run_dir="/shared/100%done/run")
+    assert "--output=/shared/100%%done/run/output.log" in req.args
+
+
+HOSTILE = ["it's", "$(touch PWNED)", "`touch PWNED`", "a\nb", "x; touch PWNED", "\\", '"quoted"', "$HOME", "*"]
+
+
+@pytest.mark.parametrize("evil", HOSTILE)
+def test_hostile_strings_never_execute(tmp_path: Path, evil: str) -> None:
+    cfg = config(name=f"exp {evil}", entrypoint=f"python3 train.py {evil}", description=evil,
+                 labels=[evil], hyperparameters={"h": evil, "nested": {"k": evil}})
+    run_dir = str(tmp_path / f"run {evil}".replace("\n", "_").replace("/", "_"))
+    req = render(cfg, "test-cluster", run_dir=run_dir, hparams={"h": evil, "nested": {"k": evil}})
+    # Run every export of the script in a shell: values must come back byte for byte, nothing runs.
+    exports = "".join(line + "\n" for line in req.script.splitlines() if line.startswith("export ") and "$" not in line.split("=", 1)[0])
+    probe = exports + 'printf "%s" "$DET_HPARAMS"'
+    out = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    assert out == req.env["DET_HPARAMS"]
+    assert not (tmp_path / "PWNED").exists()
+    assert subprocess.run(["bash", "-n"], input=req.script, text=True).returncode == 0
+    assert f"cd {shlex.quote(run_dir)} ||" in req.script
+    assert all("\n" not in a for a in req.args)

@@ -1,0 +1,159 @@
+"""On the project's real Slurm cluster: experiments as Slurm jobs, driven by the daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from conftest import EXAMPLES, write
+from detslurm import daemon, settings
+from detslurm.store import Metric, Trial, TrialRun, open_store
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
+CORE = EXAMPLES / "core_api"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def store() -> Any:
+    return open_store(settings.load().db_url)
+
+
+def trials(exp_id: int) -> list[Trial]:
+    with store().tx() as s:
+        return list(s.scalars(select(Trial).where(Trial.experiment_id == exp_id).order_by(Trial.id)))
+
+
+def steps(trial_id: int, group: str = "training") -> list[tuple[int, int]]:
+    with store().tx() as s:
+        q = (select(Metric.steps_completed, Metric.run_id).where(Metric.trial_id == trial_id)
+             .where(Metric.group == group).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        return [(a, b) for a, b in s.execute(q)]
+
+
+def wait_for(pred: Any, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError("condition not reached")
+
+
+def squeue_ids() -> set[str]:
+    return set(subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split())
+
+
+def test_resource_pools(det: Any) -> None:
+    code, out, err = det("resource-pool", "list")
+    assert code == 0, err
+    lines = {ln.split("|")[0].strip(): ln for ln in out.splitlines()[2:]}
+    assert set(lines) == {"cpu", "gpu", "high"}
+    assert "| 0/4" in lines["gpu"] and "gpu" in lines["gpu"] and "| 0/8" in lines["high"]
+
+
+def test_dry_run_and_bad_input_submit_nothing(det: Any, tmp_path: Path) -> None:
+    before = squeue_ids()
+    code, out, _ = det("e", "create", "--dry-run", CORE / "adaptive.yaml", CORE)
+    assert code == 0 and "$ sbatch --parsable" in out and "--partition=cpu" in out
+    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "resources.resource_pool=nope")
+    assert code == 1 and "resource pool 'nope' does not exist; valid pools: cpu, gpu, high" in err
+    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "slurm.sbatch_args=[-N4]")
+    assert code == 1 and "<config>.slurm.sbatch_args[0]: slurm option -N is not configurable" in err
+    assert squeue_ids() == before and det("e", "list", "--json")[1].strip() == "[]"
+
+
+def test_adaptive_asha_on_slurm(det: Any) -> None:
+    code, out, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "hyperparameters.sleep=0.1")
+    assert code == 0 and "Created experiment 1" in out, err
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    ts = trials(1)
+    assert len(ts) >= 8 and all(t.state == "COMPLETED" for t in ts)
+    assert any(t.early_stopped for t in ts)
+    assert any(max(s for s, _ in steps(t.id)) < 40 for t in ts)
+    with store().tx() as s:
+        jobs = s.scalars(select(TrialRun.job_id)).all()
+    assert all(j and j.isdigit() for j in jobs) and len(set(jobs)) == len(jobs)
+
+
+def test_two_node_trial(det: Any, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/two_node.py", (FIXTURES / "two_node.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 two_node.py\nsearcher: {name: single, metric: loss}\n"
+                                     "resources: {slots_per_trial: 4}\n")
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx", "-f")
+    assert code == 0, out + err
+    assert "rank 0 of 2 on c1" in out and "peers ['c1', 'c2']" in out
+    (t,) = trials(1)
+    assert t.state == "COMPLETED"
+    with store().tx() as s:
+        m = s.scalars(select(Metric).where(Metric.group == "validation")).one()
+    assert m.metrics["nodes"] == 2 and m.metrics["ranks"] == 2
+
+
+def test_pause_activate_on_slurm(det: Any) -> None:
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15")[0] == 0
+    wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
+    assert det("e", "pause", "1")[0] == 0
+    wait_for(lambda: trials(1)[0].state == "PAUSED")
+    paused_at = trials(1)[0].steps_completed
+    assert 0 < paused_at < 40 and not squeue_ids()
+    code, out, _ = det("e", "activate", "1")
+    assert code == 0 and "Activated experiment 1" in out
+    assert det("e", "wait", "1")[0] == 0
+    (t,) = trials(1)
+    assert t.run_count == 2 and t.restarts == 0
+    train = steps(t.id)
+    assert [s for s, _ in train] == list(range(1, 41))
+    assert min(s for s, r in train if r == 2) == paused_at + 1
+
+
+def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
+    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.2",
+                       "--config", "slurm.sbatch_args=[--nodelist=c1]")
+    assert code == 0, err
+    wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
+    subprocess.run(["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2"],
+                   check=True, capture_output=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.run_count >= 2 and t.restarts == 0  # preemption is not the trial's failure
+    train = steps(t.id)
+    assert [s for s, _ in train] == list(range(1, 41))  # nothing lost, nothing counted twice
+    with store().tx() as s:
+        first = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id).order_by(TrialRun.run_id)).first()
+    assert first is not None and first.preempt_acked
+    assert first.exit_reason == "preempted"
+    code, out, _ = det("t", "logs", str(t.id))
+    assert "preempted" in out
+
+
+def test_daemon_sigkill_loses_and_duplicates_nothing(det: Any) -> None:
+    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "hyperparameters.sleep=0.05")
+    assert code == 0, err
+    s = settings.load()
+    for _ in range(4):
+        time.sleep(1.5)
+        pid = daemon.running_pid(s)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: daemon.running_pid(s) is None, 10)
+        daemon.start(s)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    ts = trials(1)
+    assert len(ts) == 8 and len({t.request_id for t in ts}) == 8
+    for t in ts:
+        got = [st for st, _ in steps(t.id)]
+        assert got == list(range(1, len(got) + 1))
+        assert t.run_count == 1
+    with store().tx() as session:
+        jobs = session.scalars(select(TrialRun.job_id)).all()
+    assert len(jobs) == 8 and len(set(jobs)) == 8

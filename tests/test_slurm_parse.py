@@ -1,0 +1,109 @@
+"""Parsers on output captured from the project's real Slurm 22.05 test cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from detslurm.slurm.client import Result, SlurmClient, SlurmCommandError
+from detslurm.slurm.parse import (
+    SlurmParseError, expand_nodelist, parse_comment, parse_config, parse_key_values, parse_sbatch, parse_sinfo,
+    parse_sinfo_json, parse_squeue, trial_comment,
+)
+from detslurm.slurm.states import SLURM_STATES, SlurmState, state_from_slurm
+
+DATA = Path(__file__).parent / "data" / "slurm-22.05"
+
+
+def test_squeue_captured() -> None:
+    jobs = {j.job_id: j for j in parse_squeue((DATA / "squeue.txt").read_text())}
+    assert set(jobs) == {"7", "8_0", "8_1", "8_2", "8_3", "5", "6", "9"}
+    trial = jobs["5"]
+    assert trial.state is SlurmState.RUNNING and trial.nodelist == "c[1-2]" and trial.num_nodes == 2
+    assert trial.name == "det-e1-t2-r1" and parse_comment(trial.comment) == (1, 2, 1)
+    assert jobs["6"].name == "name with | pipe" and jobs["6"].gpus == 4 and jobs["6"].comment == ""
+    held = jobs["8_2"]
+    assert (held.array_job_id, held.array_task_id, held.state, held.reason) == (8, 2, SlurmState.PENDING, "JobHeldUser")
+    assert jobs["9"].nice == 50 and jobs["9"].partition == "high" and jobs["9"].priority == 950
+    assert jobs["7"].array_task_id is None
+
+
+def test_squeue_bad_line() -> None:
+    with pytest.raises(SlurmParseError):
+        parse_squeue("garbage line")
+
+
+def test_sinfo_captured() -> None:
+    parts = parse_sinfo((DATA / "sinfo.txt").read_text())
+    assert {p.partition for p in parts} == {"cpu", "gpu", "high"}
+    gpu = next(p for p in parts if p.partition == "gpu")
+    assert gpu.gpus_per_node == 2 and gpu.cpus_total == 4 and not gpu.default
+    assert any(p.default for p in parts if p.partition == "cpu")
+    nodes = parse_sinfo_json((DATA / "sinfo.json").read_text())
+    assert [n.name for n in nodes] == ["c1", "c2", "g1", "g2"]
+    assert nodes[2].gpus == 2 and nodes[2].partitions == ("gpu", "high") and nodes[0].gpus == 0
+
+
+def test_config_capabilities() -> None:
+    caps = parse_config((DATA / "show-config.txt").read_text())
+    assert caps.version == "22.05.8" and caps.enable_user_top and caps.preemption
+    assert not caps.accounting and caps.max_array_size == 1001 and caps.cluster_name == "detslurm"
+    with pytest.raises(SlurmParseError):
+        parse_config("nothing here")
+
+
+def test_show_job_and_sbatch() -> None:
+    kv = parse_key_values((DATA / "show-job-running.txt").read_text())
+    assert kv["JobState"] == "RUNNING" and kv["Partition"] in ("cpu", "gpu", "high")
+    assert parse_sbatch((DATA / "sbatch-parsable.txt").read_text()).isdigit()
+    assert parse_sbatch("123;cluster\n") == "123"
+    with pytest.raises(SlurmParseError):
+        parse_sbatch("sbatch: error: Batch job submission failed")
+
+
+def test_nodelists() -> None:
+    assert expand_nodelist("c[1-2],g1") == ["c1", "c2", "g1"]
+    assert expand_nodelist("node[01-03]") == ["node01", "node02", "node03"]
+    assert expand_nodelist("") == []
+    with pytest.raises(SlurmParseError):
+        expand_nodelist("c[1-")
+
+
+def test_state_mapping_is_total() -> None:
+    assert state_from_slurm("CANCELLED by 0") is SlurmState.CANCELLED
+    assert state_from_slurm("RUNNING+") is SlurmState.RUNNING
+    assert state_from_slurm("SOMETHING_NEW") is SlurmState.UNKNOWN
+    assert state_from_slurm("PD") is SlurmState.PENDING and state_from_slurm("OOM") is SlurmState.OUT_OF_MEMORY
+    assert all(isinstance(v, SlurmState) for v in SLURM_STATES.values())
+    assert {s for s in SlurmState if s.is_terminal} == {
+        SlurmState.COMPLETED, SlurmState.FAILED, SlurmState.CANCELLED, SlurmState.TIMEOUT, SlurmState.PREEMPTED,
+        SlurmState.NODE_FAIL, SlurmState.OUT_OF_MEMORY, SlurmState.BOOT_FAIL, SlurmState.DEADLINE}
+
+
+def test_comment_round_trip() -> None:
+    assert parse_comment(trial_comment(3, 14, 2)) == (3, 14, 2)
+    assert parse_comment("someone else's job") is None
+
+
+class FakeRunner:
+    """Behaves like the commands: records argv, answers from a table, fails like Slurm."""
+
+    def __init__(self, answers: dict[str, Result]) -> None:
+        self.answers = answers
+        self.calls: list[tuple[list[str], float]] = []
+
+    def __call__(self, argv, *, input=None, timeout):  # type: ignore[no-untyped-def]
+        self.calls.append((list(argv), timeout))
+        return self.answers.get(argv[0], Result(1, "", f"{argv[0]}: error: Invalid job id specified"))
+
+
+def test_client_timeouts_and_errors() -> None:
+    runner = FakeRunner({"squeue": Result(0, (DATA / "squeue.txt").read_text(), "")})
+    client = SlurmClient(runner, timeout_s=7, user="alice")
+    assert len(client.squeue()) == 8
+    argv, timeout = runner.calls[0]
+    assert timeout == 7 and argv[-2:] == ["-u", "alice"] and "-r" in argv
+    with pytest.raises(SlurmCommandError, match="scancel failed \\(exit 1\\): scancel: error: Invalid job id"):
+        client.scancel("999")
+    assert client.calls == 2
