@@ -23,9 +23,9 @@ def list_(app: App, as_json: bool) -> None:
     """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
     site = app.site()
     nodes = client_from_env().nodes()
-    pools = dict(site.pools) or {p: None for n in nodes for p in n.partitions}
+    names = sorted(site.pools) or sorted({p for n in nodes for p in n.partitions})
     rows = []
-    for name in sorted(pools):
+    for name in names:
         pool = site.pools.get(name)
         partition = pool.partition if pool else name
         slot_type = pool.slot_type if pool else "cpu"

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import EXAMPLES, write
 from sqlalchemy import select
 
-from conftest import EXAMPLES, write
 from detslurm import daemon, settings
 from detslurm.store import Metric, Trial, TrialRun, open_store
 

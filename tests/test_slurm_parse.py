@@ -8,8 +8,16 @@ import pytest
 
 from detslurm.slurm.client import Result, SlurmClient, SlurmCommandError
 from detslurm.slurm.parse import (
-    SlurmParseError, expand_nodelist, parse_comment, parse_config, parse_key_values, parse_sbatch, parse_sinfo,
-    parse_sinfo_json, parse_squeue, trial_comment,
+    SlurmParseError,
+    expand_nodelist,
+    parse_comment,
+    parse_config,
+    parse_key_values,
+    parse_sbatch,
+    parse_sinfo,
+    parse_sinfo_json,
+    parse_squeue,
+    trial_comment,
 )
 from detslurm.slurm.states import SLURM_STATES, SlurmState, state_from_slurm
 
