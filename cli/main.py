@@ -28,7 +28,7 @@ def cli(ctx: click.Context) -> None:
 
 
 def _register() -> None:
-    from detslurm.cli import checkpoint, daemon, experiment, resource_pool, trial
+    from detslurm.cli import checkpoint, daemon, experiment, job, resource_pool, trial
 
     cli.add_command(experiment.experiment)
     cli.add_command(experiment.experiment, name="e")
@@ -37,6 +37,7 @@ def _register() -> None:
     cli.add_command(checkpoint.checkpoint)
     cli.add_command(checkpoint.checkpoint, name="c")
     cli.add_command(daemon.daemon)
+    cli.add_command(job.job)
     cli.add_command(resource_pool.resource_pool)
     cli.add_command(resource_pool.resource_pool, name="rp")
 

@@ -44,10 +44,12 @@ def config_path() -> Path:
 
 def _read_user_config() -> dict[str, Any]:
     path = config_path()
-    if not path.exists():
-        return {}
     try:
+        if not path.exists():
+            return {}
         raw = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError([f"{path}: cannot read: {e.strerror}"], source="detslurm user config") from None
     except yaml.YAMLError as e:
         raise ConfigError([f"{path}: {e}"], source="detslurm user config") from None
     if raw is None:

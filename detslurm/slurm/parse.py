@@ -112,6 +112,7 @@ class Capabilities:
     preemption: bool
     max_array_size: int
     cluster_name: str
+    slurm_user: str = "root"
 
 
 def parse_config(text: str) -> Capabilities:
@@ -125,6 +126,7 @@ def parse_config(text: str) -> Capabilities:
         preemption=kv.get("PreemptType", "preempt/none") != "preempt/none",
         max_array_size=_int(kv.get("MaxArraySize", "1001"), 1001),
         cluster_name=kv.get("ClusterName", ""),
+        slurm_user=kv.get("SlurmUser", "root").split("(")[0],
     )
 
 

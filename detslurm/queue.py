@@ -1,0 +1,181 @@
+"""Determined's job queue on Slurm: list the queue, and turn queue edits into scontrol calls.
+
+Plan, then execute: :func:`plan_update` is pure (it reads a squeue snapshot and the caller's
+rights) and returns the scontrol operations, which ``--dry-run`` prints and
+:func:`execute` runs through the one Slurm client.
+
+Priority direction. Determined: 1..99, smaller is higher, 42 by default. Slurm: larger is higher.
+detslurm maps Determined's priority onto the job's *nice* value, which every Slurm allows a user
+to raise on their own jobs (lowering their priority), and only admins to lower:
+``nice = (priority - 42) * NICE_STEP``. So priority 50 lowers a job (nice 800), and priority 10
+raises it (nice -3200: admins only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from detslurm.errors import DetSlurmError
+from detslurm.slurm.client import SlurmClient
+from detslurm.slurm.parse import Capabilities, QueuedJob, parse_comment
+from detslurm.slurm.site import SiteConfig
+from detslurm.slurm.states import SlurmState
+
+DEFAULT_PRIORITY = 42
+NICE_STEP = 100
+
+
+class QueueError(DetSlurmError):
+    pass
+
+
+def nice_for(priority: int) -> int:
+    if not 1 <= priority <= 99:
+        raise QueueError("priority must be between 1 and 99")
+    return (priority - DEFAULT_PRIORITY) * NICE_STEP
+
+
+def priority_for(nice: int) -> int:
+    return max(1, min(99, DEFAULT_PRIORITY + round(nice / NICE_STEP)))
+
+
+@dataclass(frozen=True)
+class Caller:
+    user: str
+    admin: bool  # root or SlurmUser: may raise priorities and touch any job
+
+
+@dataclass(frozen=True)
+class Op:
+    """One scontrol call; ``describe()`` is what --dry-run shows."""
+
+    verb: str  # update | top | hold | release
+    job_id: str
+    fields: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.fields)
+        if self.verb == "update":
+            return f"scontrol update JobId={self.job_id} {extra}"
+        return f"scontrol {self.verb} {self.job_id}"
+
+
+@dataclass(frozen=True)
+class PoolMove:
+    """A running detslurm trial moves pool by checkpointing and being resubmitted there."""
+
+    experiment_id: int
+    pool: str
+
+    def describe(self) -> str:
+        return f"move experiment {self.experiment_id} to pool {self.pool} (running trials checkpoint and resubmit)"
+
+
+def _find(queue: Sequence[QueuedJob], job_id: str) -> QueuedJob:
+    for j in queue:
+        if j.job_id == job_id or str(j.raw_id) == job_id:
+            if j.state.is_terminal:
+                raise QueueError(f"job {job_id} has already ended ({j.state.value})")
+            return j
+    raise QueueError(f"job {job_id} not found")
+
+
+def _own(job: QueuedJob, caller: Caller) -> None:
+    if job.user != caller.user and not caller.admin:
+        raise QueueError(f"job {job.job_id} belongs to {job.user}; you can only change your own jobs")
+
+
+def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op]:
+    nice = nice_for(priority)
+    if nice < job.nice and not caller.admin:
+        raise QueueError(
+            f"cannot raise job {job.job_id} to priority {priority}: Slurm lets ordinary users only lower the "
+            f"priority of their own jobs (Determined's scale: a larger number is lower; this job is at "
+            f"{priority_for(job.nice)}). Ask a Slurm operator or admin to raise it.")
+    return [Op("update", job.job_id, (("Nice", str(nice)),))]
+
+
+def plan_ahead_of(job: QueuedJob, other: QueuedJob, caller: Caller, caps: Capabilities) -> list[Op]:
+    if job.priority > other.priority:
+        return []
+    if caller.admin:
+        return [Op("update", job.job_id, (("Priority", str(other.priority + 1)),))]
+    if caps.enable_user_top and other.user == caller.user and other.partition == job.partition:
+        return [Op("top", job.job_id)]
+    if other.user == caller.user:
+        # Lowering the other job is always allowed for its owner.
+        return plan_behind_of(other, job, caller)
+    why = "this site does not set SchedulerParameters=enable_user_top" if not caps.enable_user_top else \
+        "scontrol top only reorders your own jobs in one partition"
+    raise QueueError(f"cannot move job {job.job_id} ahead of job {other.job_id}: {why}, and only admins may "
+                     "raise a priority")
+
+
+def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]:
+    if job.priority < other.priority:
+        return []
+    delta = job.priority - other.priority + 1
+    return [Op("update", job.job_id, (("Nice", str(job.nice + delta)),))]
+
+
+def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove]:
+    _name, p = site.pool(pool)
+    ids = parse_comment(job.comment)
+    if job.state == SlurmState.PENDING:
+        ops: list[Op | PoolMove] = [Op("update", job.job_id, (("Partition", p.partition),))]
+        if ids is not None:
+            ops.append(PoolMove(ids[0], pool))
+        return ops
+    if ids is None:
+        raise QueueError(f"job {job.job_id} is running: Slurm cannot move a running job to another partition; "
+                         "cancel and resubmit it")
+    return [PoolMove(ids[0], pool)]
+
+
+def plan_update(queue: Sequence[QueuedJob], job_id: str, caller: Caller, caps: Capabilities, site: SiteConfig, *,
+                priority: Optional[int] = None, ahead_of: Optional[str] = None, behind_of: Optional[str] = None,
+                resource_pool: Optional[str] = None, hold: bool = False, release: bool = False) -> list[Op | PoolMove]:
+    job = _find(queue, job_id)
+    _own(job, caller)
+    chosen = [x for x in (priority, ahead_of, behind_of, resource_pool) if x is not None] + [1] * (hold + release)
+    if len(chosen) != 1:
+        raise QueueError("give exactly one of --priority, --ahead-of, --behind-of, --resource-pool, --hold, --release")
+    if priority is not None:
+        return list(plan_priority(job, priority, caller))
+    if ahead_of is not None:
+        return list(plan_ahead_of(job, _find(queue, ahead_of), caller, caps))
+    if behind_of is not None:
+        return list(plan_behind_of(job, _find(queue, behind_of), caller))
+    if resource_pool is not None:
+        return plan_pool(job, resource_pool, site)
+    if job.state != SlurmState.PENDING:
+        raise QueueError(f"job {job.job_id} is {job.state.value.lower()}: only pending jobs can be held or released")
+    return [Op("hold" if hold else "release", job.job_id)]
+
+
+def execute(client: SlurmClient, ops: Sequence[Op]) -> None:
+    for op in ops:
+        if op.verb == "update":
+            client.update(op.job_id, **dict(op.fields))
+        elif op.verb == "top":
+            client.top(op.job_id)
+        elif op.verb == "hold":
+            client.hold(op.job_id)
+        elif op.verb == "release":
+            client.release(op.job_id)
+
+
+def parse_batch(items: Sequence[str]) -> list[tuple[str, str, str]]:
+    """``ID.priority=N ID.resource-pool=P ...`` (Determined's update-batch format)."""
+    out = []
+    for item in items:
+        head, sep, value = item.partition("=")
+        job, dot, op = head.partition(".")
+        op = op.replace("_", "-")
+        if not sep or not dot or not job or op not in ("priority", "resource-pool", "ahead-of", "behind-of"):
+            raise QueueError(f"{item!r}: please ensure the update is formatted as <jobID>.<operation>=<value>, "
+                             "with operation priority, resource-pool, ahead-of or behind-of")
+        out.append((job, op, value))
+    return out
