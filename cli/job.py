@@ -48,7 +48,8 @@ def _names(app: App, jobs: list[QueuedJob]) -> dict[str, str]:
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
     names = _names(app, jobs)
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
-    rows, pos = [], {}
+    rows: list[dict[str, Any]] = []
+    pos: dict[str, int] = {}
     for j in order:
         n = pos.setdefault(j.partition, 0)
         pos[j.partition] = n + 1

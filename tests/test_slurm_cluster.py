@@ -157,3 +157,50 @@ def test_daemon_sigkill_loses_and_duplicates_nothing(det: Any) -> None:
     with store().tx() as session:
         jobs = session.scalars(select(TrialRun.job_id)).all()
     assert len(jobs) == 8 and len(set(jobs)) == 8
+
+
+def _job_of(trial_id: int) -> str:
+    with store().tx() as s:
+        runs = s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id).order_by(TrialRun.run_id)).all()
+    return str(runs[-1].job_id) if runs and runs[-1].job_id else ""
+
+
+def test_time_limit_warning_signal_checkpoints_and_resubmits(det: Any) -> None:
+    """The site's warning signal (USR2 before the time limit) reaches the trial through the batch
+    shell and srun; it checkpoints, exits, and is resubmitted with nothing lost."""
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15")[0] == 0
+    wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None and _job_of(trials(1)[0].id) != "")
+    job = _job_of(trials(1)[0].id)
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.run_count == 2 and t.restarts == 0
+    assert [s for s, _ in steps(t.id)] == list(range(1, 41))
+    with store().tx() as s:
+        first = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id).order_by(TrialRun.run_id)).first()
+    assert first is not None and first.preempt_acked
+    assert "USR2" in (Path(first.run_dir) / "signals").read_text()
+
+
+def test_external_scancel_is_a_user_cancel(det: Any) -> None:
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.2")[0] == 0
+    wait_for(lambda: bool(trials(1)) and _job_of(trials(1)[0].id) != "" and bool(steps(trials(1)[0].id)))
+    subprocess.run(["scancel", _job_of(trials(1)[0].id)], check=True)
+    code, out, _ = det("e", "wait", "1")
+    assert code == 1 and "Experiment 1 CANCELED" in out
+    (t,) = trials(1)
+    assert t.state == "CANCELED" and t.run_count == 1 and "canceled outside detslurm" in (t.exit_reason or "")
+    code, out, _ = det("t", "describe", str(t.id))
+    assert "canceled" in out
+
+
+def test_test_mode_and_follow_on_slurm(det: Any) -> None:
+    code, out, err = det("e", "create", "--test-mode", CORE / "adaptive.yaml", CORE)
+    assert code == 0 and "Model definition test succeeded! 🎉" in out, out + err
+    blocker = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-N2", "-c", "2", "-o", "/dev/null", "--wrap",
+                              "sleep 4"], capture_output=True, text=True, check=True).stdout.strip()
+    code, out, err = det("e", "create", "-f", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
+    assert code == 0, out + err
+    assert "HPC job waiting to be scheduled: " in out and "done: w=" in out
+    del blocker

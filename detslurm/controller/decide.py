@@ -82,6 +82,10 @@ def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, 
                      EXIT_USER_CANCELED, "trial canceled" if ok else f"trial canceled; exit code {status.exit_code}")
     elif state == TrialState.STOPPING_ERROR:
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED)
+    elif status.reason == "canceled":
+        # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
+        finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED,
+                     "the Slurm job was canceled outside detslurm (scancel)")
     elif run.exit_reason == "INVALID_HP":
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP,
                      "trial reported invalid hyperparameters")
