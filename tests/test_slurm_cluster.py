@@ -204,3 +204,54 @@ def test_test_mode_and_follow_on_slurm(det: Any) -> None:
     assert code == 0, out + err
     assert "HPC job waiting to be scheduled: " in out and "done: w=" in out
     del blocker
+
+
+def test_crash_between_sbatch_and_commit_is_adopted_by_comment(det: Any) -> None:
+    """Contract 4: a controller killed after sbatch but before recording the job id does not
+    submit the run again; the next one finds the job by its --comment."""
+    from detslurm.controller import ops
+
+    code, out, err = det("e", "create", "--paused", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
+    assert code == 0, err
+    ops.activate(store(), 1)
+    ctl = daemon.make_controller(settings.load())
+    real_submit = ctl.executor.submit
+
+    def crash_after_sbatch(spec: Any) -> str:
+        real_submit(spec)
+        raise KeyboardInterrupt("the controller dies right after sbatch")
+
+    ctl.executor.submit = crash_after_sbatch  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        ctl.tick()
+    with store().tx() as s:
+        (run,) = s.scalars(select(TrialRun)).all()
+        assert run.job_id is None  # the crash lost the job id
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    with store().tx() as s:
+        runs = s.scalars(select(TrialRun)).all()
+    assert len(runs) == 1 and runs[0].job_id
+    names = subprocess.run(["squeue", "-h", "--states=all", "-o", "%j"], capture_output=True, text=True).stdout.split()
+    assert names.count("det-e1-t1-r1") == 1  # submitted exactly once
+
+
+@pytest.fixture(scope="module")
+def dbd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    state = tmp_path_factory.mktemp("slurm-dbd")
+    env = dict(os.environ, TEST_CLUSTER_PORT="18917", TEST_CLUSTER_DBD="1")
+    subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
+    yield state
+    subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "down", str(state)], check=False, env=env)
+
+
+def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from detslurm.slurm.client import SlurmClient
+
+    monkeypatch.setenv("SLURM_CONF", str(dbd_cluster / "etc/slurm.conf"))
+    client = SlurmClient()
+    assert client.capabilities().accounting
+    job = client.sbatch(["-o", "/dev/null"], "#!/bin/bash\nexit 4\n")
+    wait_for(lambda: client.sacct([job]).get(job) is not None and client.sacct([job])[job].state.is_terminal, 30)
+    acct = client.sacct([job])[job]
+    assert acct.state.value == "FAILED" and acct.exit_code == 4

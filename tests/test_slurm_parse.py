@@ -115,3 +115,29 @@ def test_client_timeouts_and_errors() -> None:
     with pytest.raises(SlurmCommandError, match="scancel failed \\(exit 1\\): scancel: error: Invalid job id"):
         client.scancel("999")
     assert client.calls == 2
+
+
+def test_sacct_captured() -> None:
+    from detslurm.slurm.parse import parse_sacct
+
+    jobs = parse_sacct((DATA / "sacct-parsable.txt").read_text())
+    assert jobs["1"].state is SlurmState.FAILED and jobs["1"].exit_code == 3
+    assert jobs["3"].state is SlurmState.CANCELLED and jobs["2"].exit_code == 0 and jobs["2"].signal is None
+
+
+def test_executor_falls_back_to_sacct(tmp_path: Path) -> None:
+    from detslurm.controller.executor import JobState
+    from detslurm.controller.slurm_executor import SlurmExecutor
+    from detslurm.slurm.site import SiteConfig
+
+    config = (DATA / "show-config.txt").read_text()
+    accounting = config.replace("accounting_storage/none", "accounting_storage/slurmdbd")
+    for cfg, expect in ((accounting, JobState.EXITED), (config, JobState.UNKNOWN)):
+        runner = FakeRunner({"squeue": Result(0, "", ""), "scontrol": Result(0, cfg, ""),
+                             "sacct": Result(0, (DATA / "sacct-parsable.txt").read_text(), "")})
+        ex = SlurmExecutor(SlurmClient(runner), SiteConfig())
+        status = ex.poll({"1": tmp_path})["1"]
+        assert status.state is expect
+        if expect is JobState.EXITED:
+            assert (status.exit_code, status.reason) == (3, "failed")
+        assert any(argv[0] == "sacct" for argv, _ in runner.calls) == (expect is JobState.EXITED)

@@ -10,7 +10,7 @@ from typing import Optional
 from detslurm.controller.executor import JobState, JobStatus, RunSpec
 from detslurm.controller.layout import exit_file
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import QueuedJob, parse_comment
+from detslurm.slurm.parse import AccountedJob, QueuedJob, parse_comment
 from detslurm.slurm.render import Identity, SbatchRequest, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -57,12 +57,18 @@ class SlurmExecutor:
         if not jobs:
             return {}
         self.last_queue = {j.job_id: j for j in self.client.squeue()}
-        return {job_id: self._status(job_id, run_dir) for job_id, run_dir in jobs.items()}
+        gone = [j for j, d in jobs.items() if j not in self.last_queue]
+        accounted = self.client.sacct(gone) if gone and self.client.capabilities().accounting else {}
+        return {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
 
-    def _status(self, job_id: str, run_dir: Path) -> JobStatus:
+    def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
         record = read_json(exit_file(run_dir), None)
         reason = _REASONS.get(q.state) if q is not None else None
+        if q is None and acct is not None and acct.state.is_terminal:
+            # Left the queue (MinJobAge) but slurmdbd knows how it ended.
+            code = int(record["code"]) if record is not None else acct.exit_code
+            return JobStatus(JobState.EXITED, code, _REASONS.get(acct.state))
         if q is not None and q.state == SlurmState.COMPLETING:
             return JobStatus(JobState.RUNNING)  # the final state (PREEMPTED, TIMEOUT...) is next
         if record is not None and (q is None or q.state.is_terminal):

@@ -86,6 +86,14 @@ class SlurmClient:
             argv += ["-u", self.user]
         return parse.parse_squeue(self._run(argv).stdout)
 
+    def sacct(self, job_ids: Sequence[str]) -> dict[str, parse.AccountedJob]:
+        """Final states of jobs that left squeue (MinJobAge passed): one call for all of them.
+        Only where accounting exists (slurmdbd); callers check capabilities().accounting."""
+        if not job_ids:
+            return {}
+        argv = ["sacct", "-n", "-P", "-X", "-o", parse.SACCT_FIELDS, "-j", ",".join(job_ids)]
+        return parse.parse_sacct(self._run(argv).stdout)
+
     def show_job(self, job_id: str) -> dict[str, str]:
         res = self._run(["scontrol", "show", "job", "-o", job_id], check=False)
         if res.returncode != 0:

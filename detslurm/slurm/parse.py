@@ -232,3 +232,30 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
             gpus=_gres_count(str(n.get("gres", ""))), gpus_used=_gres_count(str(n.get("gres_used", ""))),
         ))
     return out
+
+
+SACCT_FIELDS = "JobIDRaw,State,ExitCode,Reason,Start,End"
+
+
+@dataclass(frozen=True)
+class AccountedJob:
+    job_id: str
+    state: SlurmState
+    exit_code: Optional[int]
+    signal: Optional[int]
+
+
+def parse_sacct(text: str) -> dict[str, AccountedJob]:
+    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,...``; ExitCode is ``code:signal``."""
+    out: dict[str, AccountedJob] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        f = line.split("|")
+        if len(f) < 3:
+            raise SlurmParseError("sacct", line)
+        code, _, sig = f[2].partition(":")
+        out[f[0]] = AccountedJob(job_id=f[0], state=state_from_slurm(f[1]),
+                                 exit_code=int(code) if code.isdigit() else None,
+                                 signal=int(sig) if sig.isdigit() and sig != "0" else None)
+    return out
