@@ -78,7 +78,7 @@ class SlurmExecutor:
         if q.state.is_terminal:
             return JobStatus(JobState.EXITED, None, reason)
         if q.state == SlurmState.PENDING:
-            return JobStatus(JobState.QUEUED, None, q.reason)
+            return JobStatus(JobState.QUEUED, None, None if q.reason in ("None", "(null)") else q.reason)
         return JobStatus(JobState.RUNNING)
 
     def signal(self, job_id: str, signum: int) -> None:

@@ -1,0 +1,7 @@
+"""`python3 -m determined.launch.horovod` inside trials runs detslurm's launcher."""
+import sys
+
+from detslurm.launch.horovod import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,173 @@
+"""What every launcher shares: argument parsing, node facts, rendezvous ports, signals."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, Optional
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class LaunchError(Exception):
+    """Bad launcher arguments or environment: printed as one line, exit code 2."""
+
+
+def parse_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``[OVERRIDES... --] (--trial TRIAL | SCRIPT...)`` -> (overrides, script).
+
+    Everything before the first ``--`` is passed to the framework's launcher; with no ``--``,
+    every argument is the script. ``--trial T`` becomes the Trainer harness command.
+    """
+    args = list(argv)
+    if "--" in args:
+        i = args.index("--")
+        overrides, rest = args[:i], args[i + 1:]
+    else:
+        overrides, rest = [], args
+    if rest[:1] == ["--trial"]:
+        if len(rest) < 2:
+            raise LaunchError("--trial needs a value (filepath:ClassName)")
+        if len(rest) > 2:
+            raise LaunchError(f"extra arguments to --trial: {' '.join(rest[2:])}")
+        return overrides, trial_script(rest[1])
+    if rest and rest[0].startswith("-"):
+        raise LaunchError(f"unrecognized arguments: {rest[0]} (overrides must end with --)")
+    if not rest:
+        raise LaunchError("empty script is not allowed")
+    return overrides, rest
+
+
+def trial_script(trial: str) -> list[str]:
+    if not re.fullmatch(r"[A-Za-z0-9_./]+:[A-Za-z0-9_.]+", trial):
+        raise LaunchError(f"--trial {trial!r}: expected filepath:ClassName")
+    return [sys.executable, "-m", "detslurm.exec.harness", trial]
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """This node's place in the trial's allocation."""
+
+    hosts: list[str]
+    node_rank: int
+    slots: int  # processes to start on this node
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def chief(self) -> str:
+        return self.hosts[0] if len(self.hosts) > 1 else "127.0.0.1"
+
+    @property
+    def is_chief(self) -> bool:
+        return self.node_rank == 0
+
+
+def nodes_from_env(env: Mapping[str, str]) -> Nodes:
+    """Hosts from the job's node list (never `hostname`: it can be the same on every node)."""
+    raw = env.get("DET_CONTAINER_ADDRS")
+    hosts = json.loads(raw) if raw else []
+    if not hosts and env.get("SLURM_JOB_NODELIST"):
+        from detslurm.slurm.parse import expand_nodelist
+
+        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+    hosts = hosts or ["127.0.0.1"]
+    rank = int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0)
+    slots = len(json.loads(env["DET_SLOT_IDS"])) if env.get("DET_SLOT_IDS") else 1
+    if rank >= len(hosts):
+        raise LaunchError(f"node rank {rank} is outside the node list {hosts}")
+    return Nodes(hosts=hosts, node_rank=rank, slots=max(1, slots))
+
+
+def free_port(host: str = "") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str], timeout_s: float = 120) -> dict[str, int]:
+    """Ports for this job's rendezvous that no other job on the same nodes can be using.
+
+    Where the site reserves ports for the step (``SLURM_STEP_RESV_PORTS``, MpiParams=ports=...),
+    those are used. Otherwise the chief binds port 0 on its own address, so the kernel hands out
+    a port free right now on that node, and publishes the choice in the run dir (on the shared
+    filesystem, unique per run) for the other nodes. Two jobs on the same node can never get the
+    same port this way, unlike fixed ports or ports derived from job ids.
+    """
+    resv = env.get("SLURM_STEP_RESV_PORTS")
+    if resv:
+        ports = _expand_ports(resv)
+        if len(ports) >= len(names):
+            return dict(zip(names, ports))
+    if nodes.nnodes == 1:
+        return {n: free_port("127.0.0.1") for n in names}
+    run_dir = Path(env.get("DET_RUN_DIR") or ".")
+    path = run_dir / f"rendezvous-{env.get('SLURM_JOB_ID', 'local')}-{env.get('SLURM_STEP_ID', '0')}.json"
+    if nodes.is_chief:
+        chosen = {n: free_port(nodes.chief) for n in names}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(chosen))
+        os.replace(tmp, path)
+        return chosen
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            data: dict[str, int] = json.loads(path.read_text())
+            return data
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.05)
+    raise LaunchError(f"the chief node did not publish rendezvous ports in {path} within {timeout_s:.0f} s")
+
+
+def _expand_ports(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+@contextlib.contextmanager
+def forward_signals(proc: subprocess.Popen[Any], to_group: bool = True) -> Iterator[None]:
+    """Pass signals on to the child (its process group), and restore our handlers after."""
+    old: dict[signal.Signals, Any] = {}
+
+    def handler(signum: int, _frame: Optional[FrameType]) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if to_group:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+
+    for sig in FORWARDED:
+        old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def run(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the command in its own process group with signals forwarded; its exit code."""
+    proc = subprocess.Popen(list(cmd), env=dict(env), start_new_session=True)
+    with forward_signals(proc):
+        return proc.wait()
+
+
+def fail(message: str) -> int:
+    print(f"detslurm launcher: {message}", file=sys.stderr, flush=True)
+    return 2

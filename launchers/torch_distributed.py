@@ -1,0 +1,55 @@
+"""``python -m detslurm.launch.torch_distributed [TORCH_OVERRIDES... --] (--trial T | SCRIPT...)``
+
+Runs torchrun once per node of the trial's allocation with a static rendezvous: nnodes from the
+node list, node_rank from SLURM_NODEID, nproc_per_node from this node's slots, master = the first
+node of the list, and a master port no other job on that node can hold (see
+``_common.rendezvous_ports``). Overrides go to torchrun after ours, so they win.
+
+Failure: torchrun runs with ``--max_restarts 0``, so a worker that fails takes its node's workers
+down and torchrun exits non-zero; ``srun --kill-on-bad-exit=1`` then ends every other node's
+step. No node waits in torchrun's 300 s exit barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from detslurm.launch._common import LaunchError, Nodes, fail, nodes_from_env, parse_args, rendezvous_ports, run
+
+
+def build_torchrun_cmd(nodes: Nodes, master_port: int, overrides: Sequence[str], script: Sequence[str],
+                       python: str = sys.executable) -> list[str]:
+    """Pure: the torchrun command for this node."""
+    master = "localhost" if nodes.nnodes == 1 else nodes.chief
+    return [
+        python, "-m", "torch.distributed.run",
+        "--nnodes", str(nodes.nnodes), "--nproc_per_node", str(nodes.slots), "--node_rank", str(nodes.node_rank),
+        "--max_restarts", "0", "--master_addr", master, "--master_port", str(master_port),
+        *overrides,
+        "--module", "detslurm.launch.wrap_rank", "RANK", "--", *script,
+    ]
+
+
+def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str, str]:
+    out = dict(env)
+    out["USE_TORCH_DISTRIBUTED"] = "True"
+    out["DET_CHIEF_IP"] = nodes.chief
+    out["DETSLURM_DIST_PORT"] = str(dist_port)  # for core.DistributedContext.from_torch_distributed()
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        overrides, script = parse_args(argv)
+        nodes = nodes_from_env(os.environ)
+        ports = rendezvous_ports(nodes, os.environ, ["master", "dist"])
+    except LaunchError as e:
+        return fail(str(e))
+    cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
+    return run(cmd, launch_env(os.environ, nodes, ports["dist"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,87 @@
+"""``python -m detslurm.launch.wrap_rank RANK [--] SCRIPT...``: prefix every output line of a
+worker with ``[rank=N] `` so logs can be told apart per rank (``det trial logs --rank-id N``).
+
+RANK is a number, or a comma list of environment variables tried in order (``RANK,PMI_RANK``).
+Lines are split on ``\\n`` and ``\\r`` (tqdm's redraws become lines); over-long lines are broken.
+Signals are forwarded to the worker; the exit code is the worker's.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import BinaryIO, Optional
+
+from detslurm.launch._common import forward_signals
+
+MAX_LINE = io.DEFAULT_BUFFER_SIZE - 1
+
+
+def resolve_rank(spec: str, env: Mapping[str, str]) -> Optional[str]:
+    if spec.isdigit():
+        return spec
+    for name in spec.split(","):
+        if env.get(name.strip()):
+            return env[name.strip()]
+    return None
+
+
+def split_lines(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete lines (each ending b"\\n") and the unfinished rest; \\r ends a line too."""
+    out: list[bytes] = []
+    start = 0
+    for i, ch in enumerate(buf):
+        if ch in (10, 13):
+            out.append(buf[start:i] + b"\n")
+            start = i + 1
+        elif i - start >= MAX_LINE:
+            out.append(buf[start:i] + b"\n")
+            start = i
+    return out, buf[start:]
+
+
+def pump(src: BinaryIO, dst: BinaryIO, prefix: bytes) -> None:
+    rest = b""
+    while True:
+        chunk = src.read1(65536) if hasattr(src, "read1") else src.read(65536)
+        if not chunk:
+            break
+        lines, rest = split_lines(rest + chunk)
+        for line in lines:
+            dst.write(prefix + line)
+        dst.flush()
+    if rest:
+        dst.write(prefix + rest + b"\n")
+        dst.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    args = list(argv)
+    if len(args) < 2:
+        print("usage: python -m detslurm.launch.wrap_rank RANK [--] SCRIPT...", file=sys.stderr)
+        return 2
+    rank = resolve_rank(args[0], os.environ)
+    if rank is None:
+        print(f"wrap_rank: none of the rank variables {args[0]} is set", file=sys.stderr)
+        return 1
+    script = args[2:] if args[1] == "--" else args[1:]
+    prefix = f"[rank={rank}] ".encode()
+    proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    threads = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, prefix)),
+               threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, prefix))]
+    for t in threads:
+        t.start()
+    with forward_signals(proc, to_group=False):
+        code = proc.wait()
+    for t in threads:
+        t.join()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,92 @@
+"""Launchers on the real cluster: 2 nodes x 2 processes, failures, shared nodes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import write
+from sqlalchemy import select
+
+from detslurm import settings
+from detslurm.store import Metric, Trial, TrialRun, open_store
+
+torch = pytest.importorskip("torch")
+FIXTURES = Path(__file__).parent / "fixtures"
+DDP = "entrypoint: python3 -m determined.launch.torch_distributed python3 ddp_train.py\n" \
+      "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+
+
+def ctx_dir(tmp_path: Path) -> Path:
+    write(tmp_path / "ctx/ddp_train.py", (FIXTURES / "ddp_train.py").read_text())
+    return tmp_path / "ctx"
+
+
+def validations() -> list[dict[str, Any]]:
+    with open_store(settings.load().db_url).tx() as s:
+        return [m.metrics for m in s.scalars(select(Metric).where(Metric.group == "validation").order_by(Metric.trial_id))]
+
+
+@pytest.mark.torch
+def test_ddp_local_two_processes(det: Any, tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.yaml", DDP + "resources: {slots_per_trial: 2}\n")
+    code, out, err = det("e", "create", "--local", cfg, ctx_dir(tmp_path))
+    assert code == 0, out + err
+    assert validations() == [validations()[0]] and validations()[0]["params_equal"] == 1
+    assert validations()[0]["world"] == 2
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+class TestOnCluster:
+    def test_two_nodes_two_processes_each(self, det: Any, tmp_path: Path) -> None:
+        cfg = write(tmp_path / "c.yaml", DDP + "resources: {slots_per_trial: 4}\n")
+        code, out, err = det("e", "create", cfg, ctx_dir(tmp_path), "-f")
+        assert code == 0, out + err
+        for r, node in ((0, "c1"), (1, "c1"), (2, "c2"), (3, "c2")):
+            assert f"[rank={r}] rank {r}/4 on {node}: params equal=True" in out
+        (v,) = validations()
+        assert v["params_equal"] == 1 and v["world"] == 4 and v["nodes"] == 2
+        code, out, _ = det("t", "logs", "1", "--rank-id", "3")
+        assert code == 0 and all(line.startswith("[rank=3]") for line in out.strip().splitlines())
+
+    def test_worker_failure_stops_the_job_within_10s(self, det: Any, tmp_path: Path) -> None:
+        cfg = write(tmp_path / "c.yaml", DDP + "resources: {slots_per_trial: 4}\n"
+                                               "environment: {environment_variables: [FAIL_RANK=3]}\n")
+        code, out, err = det("e", "create", cfg, ctx_dir(tmp_path))
+        assert code == 0, err
+        code, out, err = det("e", "wait", "1")
+        assert code == 1 and "ERROR" in out
+        with open_store(settings.load().db_url).tx() as s:
+            (run,) = s.scalars(select(TrialRun)).all()
+            (trial,) = s.scalars(select(Trial)).all()
+        run_dir = Path(run.run_dir)
+        failed_at = float((run_dir / "fail_time").read_text())
+        down_at = (run_dir / "exit.json").stat().st_mtime
+        assert down_at - failed_at < 10, f"the job took {down_at - failed_at:.1f} s to go down"
+        assert json.loads((run_dir / "exit.json").read_text())["code"] != 0
+        assert trial.state == "ERROR" and run.exit_code != 0
+
+    def test_two_jobs_sharing_nodes_do_not_collide(self, det: Any, tmp_path: Path) -> None:
+        cfg = write(tmp_path / "c.yaml", DDP.replace("{name: single, metric: loss}",
+                                                     "{name: grid, metric: loss, max_concurrent_trials: 2}")
+                    + "resources: {slots_per_trial: 2}\nslurm: {slots_per_node: 1}\n"
+                    + "hyperparameters: {copy: {type: categorical, vals: [1, 2]}}\n")
+        code, out, err = det("e", "create", cfg, ctx_dir(tmp_path))
+        assert code == 0, err
+        code, out, err = det("e", "wait", "1")
+        assert code == 0, out + err
+        with open_store(settings.load().db_url).tx() as s:
+            runs = s.scalars(select(TrialRun)).all()
+        spans = []
+        ports = []
+        for r in runs:
+            (rdv,) = Path(r.run_dir).glob("rendezvous-*.json")
+            ports.append(json.loads(rdv.read_text())["master"])
+            spans.append((r.start_time, r.end_time))
+        assert len(runs) == 2 and ports[0] != ports[1]
+        assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]  # they really ran at the same time
+        assert all(v["params_equal"] == 1 and v["nodes"] == 2 for v in validations())

@@ -1,0 +1,114 @@
+"""Launchers: argument vectors, literal commands, wrap_rank, rendezvous ports (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from detslurm.launch._common import LaunchError, Nodes, nodes_from_env, parse_args, rendezvous_ports
+from detslurm.launch.torch_distributed import build_torchrun_cmd
+from detslurm.launch.wrap_rank import resolve_rank, split_lines
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ("script arg", ([], ["script", "arg"])),
+    ("override1 override2 -- script arg", (["override1", "override2"], ["script", "arg"])),
+    ("-- script -- arg", ([], ["script", "--", "arg"])),
+    ("--rdzv_endpoint=x -- python3 train.py --lr 1", (["--rdzv_endpoint=x"], ["python3", "train.py", "--lr", "1"])),
+])
+def test_parse_vectors(argv: str, expected: tuple[list[str], list[str]]) -> None:
+    assert parse_args(argv.split()) == expected
+
+
+def test_parse_trial_and_errors() -> None:
+    overrides, script = parse_args(["--nproc_per_node=1", "--", "--trial", "model_def:MyTrial"])
+    assert overrides == ["--nproc_per_node=1"] and script[-3:] == ["-m", "detslurm.exec.harness", "model_def:MyTrial"]
+    with pytest.raises(LaunchError, match="extra arguments to --trial"):
+        parse_args(["--trial", "model_def:MyTrial", "script.py"])
+    with pytest.raises(LaunchError, match="empty script is not allowed"):
+        parse_args(["x", "--"])
+    with pytest.raises(LaunchError, match="unrecognized arguments: --bogus"):
+        parse_args(["--bogus", "script.py"])
+
+
+def test_torchrun_command_literal() -> None:
+    nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
+    assert build_torchrun_cmd(nodes, 41000, ["--log-dir=x"], ["python3", "t.py"], python="PY") == [
+        "PY", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", "1",
+        "--max_restarts", "0", "--master_addr", "c1", "--master_port", "41000", "--log-dir=x",
+        "--module", "detslurm.launch.wrap_rank", "RANK", "--", "python3", "t.py"]
+    single = build_torchrun_cmd(Nodes(["127.0.0.1"], 0, 4), 5, [], ["s"], python="PY")
+    assert single[single.index("--master_addr") + 1] == "localhost" and "4" in single
+
+
+def test_nodes_from_slurm_env() -> None:
+    n = nodes_from_env({"SLURM_JOB_NODELIST": "c[1-2]", "SLURM_NODEID": "1", "DET_SLOT_IDS": "[0, 1]"})
+    assert (n.hosts, n.node_rank, n.slots, n.chief, n.is_chief) == (["c1", "c2"], 1, 2, "c1", False)
+    with pytest.raises(LaunchError):
+        nodes_from_env({"SLURM_JOB_NODELIST": "c1", "SLURM_NODEID": "3"})
+
+
+def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
+    env = {"DET_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    chief = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 0, 1), env, ["master", "dist"])
+    other = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 1, 1), env, ["master", "dist"])
+    assert chief == other and chief["master"] != chief["dist"]
+    assert rendezvous_ports(Nodes(["a", "b"], 1, 1), {**env, "SLURM_STEP_RESV_PORTS": "12000-12001"},
+                            ["master", "dist"]) == {"master": 12000, "dist": 12001}
+    with pytest.raises(LaunchError, match="did not publish"):
+        rendezvous_ports(Nodes(["a", "b"], 1, 1), {**env, "SLURM_JOB_ID": "8"}, ["m"], timeout_s=0.2)
+
+
+def test_split_lines_cr_and_long() -> None:
+    lines, rest = split_lines(b"line with lf\nline with cr\rpartial")
+    assert lines == [b"line with lf\n", b"line with cr\n"] and rest == b"partial"
+    long_lines, _ = split_lines(b"x" * 20000 + b"\n")
+    assert len(long_lines) == 3 and all(len(x) <= 8192 for x in long_lines)
+
+
+def test_resolve_rank() -> None:
+    assert resolve_rank("3", {}) == "3"
+    assert resolve_rank("HOROVOD_RANK,RANK", {"RANK": "5"}) == "5"
+    assert resolve_rank("A,B", {}) is None
+
+
+def wrap(*args: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "detslurm.launch.wrap_rank", *args], capture_output=True, **kw)  # type: ignore[call-overload]
+
+
+def test_wrap_rank_prefixes_and_exit_code() -> None:
+    r = wrap("0", "--", sys.executable, "-c",
+             "import sys; sys.stdout.write('line with lf\\nline with cr\\r'); sys.stderr.write('err\\n'); sys.exit(7)")
+    assert r.returncode == 7
+    assert r.stdout == b"[rank=0] line with lf\n[rank=0] line with cr\n" and r.stderr == b"[rank=0] err\n"
+    assert wrap("NOPE_RANK", "true").returncode == 1
+
+
+def test_wrap_rank_forwards_signals() -> None:
+    code = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('got term', flush=True), sys.exit(5))); print('ready', flush=True); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-m", "detslurm.launch.wrap_rank", "2", sys.executable, "-c", code],
+                         stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"[rank=2] ready\n"
+    p.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    assert p.wait(10) == 5 and time.time() - t0 < 5
+    assert p.stdout.read() == b"[rank=2] got term\n"
+
+
+def test_rank_filter_in_trial_logs(det, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import write
+
+    write(tmp_path / "ctx/two.py", "import os\nprint('hello from', os.environ['WRAP'])\n")
+    cfg = write(tmp_path / "c.yaml", "searcher: {name: single, metric: m}\nentrypoint: >-\n"
+                "  sh -c 'WRAP=a python3 -m determined.launch.wrap_rank 0 python3 two.py;\n"
+                "  WRAP=b python3 -m determined.launch.wrap_rank 1 python3 two.py'\n")
+    assert det("e", "create", "--local", cfg, tmp_path / "ctx")[0] == 0
+    code, out, _ = det("t", "logs", "1", "--rank-id", "1")
+    assert code == 0 and out.strip() == "[rank=1] hello from b"
+    json.dumps(out)
