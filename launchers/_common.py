@@ -98,7 +98,8 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str], timeout_s: float = 120) -> dict[str, int]:
+def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str],
+                     timeout_s: float = 120) -> dict[str, int]:
     """Ports for this job's rendezvous that no other job on the same nodes can be using.
 
     Where the site reserves ports for the step (``SLURM_STEP_RESV_PORTS``, MpiParams=ports=...),
@@ -111,7 +112,7 @@ def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str],
     if resv:
         ports = _expand_ports(resv)
         if len(ports) >= len(names):
-            return dict(zip(names, ports))
+            return dict(zip(names, ports[: len(names)], strict=True))
     if nodes.nnodes == 1:
         return {n: free_port("127.0.0.1") for n in names}
     run_dir = Path(env.get("DET_RUN_DIR") or ".")

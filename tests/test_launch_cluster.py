@@ -90,3 +90,26 @@ class TestOnCluster:
         assert len(runs) == 2 and ports[0] != ports[1]
         assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]  # they really ran at the same time
         assert all(v["params_equal"] == 1 and v["nodes"] == 2 for v in validations())
+
+
+DS = "entrypoint: python3 -m determined.launch.deepspeed python3 ds_train.py\n" \
+     "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+
+
+def ds_ctx(tmp_path: Path) -> Path:
+    pytest.importorskip("deepspeed")
+    write(tmp_path / "ctx/ds_train.py", (FIXTURES / "ds_train.py").read_text())
+    return tmp_path / "ctx"
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+def test_deepspeed_zero2_two_nodes(det: Any, tmp_path: Path) -> None:
+    cfg = write(tmp_path / "c.yaml", DS + "resources: {slots_per_trial: 4}\n")
+    code, out, err = det("e", "create", cfg, ds_ctx(tmp_path), "-f")
+    assert code == 0, out + err
+    for r, node in ((0, "c1"), (1, "c1"), (2, "c2"), (3, "c2")):
+        assert f"[rank={r}] rank {r}/4 on {node}: params equal=True" in out
+    (v,) = validations()
+    assert v["params_equal"] == 1 and v["world"] == 4 and v["nodes"] == 2

@@ -112,3 +112,14 @@ def test_rank_filter_in_trial_logs(det, tmp_path: Path) -> None:  # type: ignore
     code, out, _ = det("t", "logs", "1", "--rank-id", "1")
     assert code == 0 and out.strip() == "[rank=1] hello from b"
     json.dumps(out)
+
+
+def test_deepspeed_command_and_hostfile() -> None:
+    from detslurm.launch.deepspeed import build_deepspeed_cmd, hostfile_text
+
+    nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
+    assert hostfile_text(nodes) == "c1 slots=2\nc2 slots=2\n"
+    assert build_deepspeed_cmd(nodes, "/hf", 41000, ["--bind_cores_to_rank"], ["python3", "t.py"], python="PY") == [
+        "PY", "-m", "deepspeed.launcher.runner", "--hostfile", "/hf", "--no_ssh", "--node_rank", "1",
+        "--master_addr", "c1", "--master_port", "41000", "--bind_cores_to_rank", "--no_python", "--no_local_rank",
+        "PY", "-m", "detslurm.launch.wrap_rank", "RANK", "--", "python3", "t.py"]

@@ -1,0 +1,62 @@
+"""``python -m detslurm.launch.deepspeed [DEEPSPEED_ARGS... --] (--trial T | SCRIPT...)``
+
+Runs DeepSpeed's launcher once per node, without ssh: a hostfile ``host slots=N`` built from
+the job's node list, ``--no_ssh --node_rank <this node>`` (each node starts its own workers),
+the first node as master, and a master port published by the chief (no collisions between jobs
+sharing a node). Workers are wrapped by wrap_rank, so logs carry ``[rank=N]``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from detslurm.launch._common import LaunchError, Nodes, fail, nodes_from_env, parse_args, rendezvous_ports, run
+
+
+def hostfile_text(nodes: Nodes) -> str:
+    return "".join(f"{host} slots={nodes.slots}\n" for host in nodes.hosts)
+
+
+def build_deepspeed_cmd(nodes: Nodes, hostfile: str, master_port: int, overrides: Sequence[str],
+                        script: Sequence[str], python: str = sys.executable) -> list[str]:
+    """Pure: the deepspeed launcher command for this node."""
+    master = "127.0.0.1" if nodes.nnodes == 1 else nodes.chief
+    return [
+        python, "-m", "deepspeed.launcher.runner",
+        "--hostfile", hostfile, "--no_ssh", "--node_rank", str(nodes.node_rank),
+        "--master_addr", master, "--master_port", str(master_port),
+        *overrides,
+        "--no_python", "--no_local_rank",
+        python, "-m", "detslurm.launch.wrap_rank", "RANK", "--", *script,
+    ]
+
+
+def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: str) -> dict[str, str]:
+    out = dict(env)
+    out["USE_DEEPSPEED"] = "1"
+    out["DET_CHIEF_IP"] = nodes.chief
+    out["DET_DEEPSPEED_HOSTFILE_PATH"] = hostfile
+    out["DETSLURM_DIST_PORT"] = str(dist_port)
+    # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless told the local size.
+    out.setdefault("LOCAL_SIZE", str(nodes.slots))
+    return out
+
+
+def main(argv: Sequence[str]) -> int:
+    try:
+        overrides, script = parse_args(argv)
+        nodes = nodes_from_env(os.environ)
+        ports = rendezvous_ports(nodes, os.environ, ["master", "dist"])
+    except LaunchError as e:
+        return fail(str(e))
+    hostfile = Path.cwd() / f"hostfile-{os.environ.get('SLURM_JOB_ID', 'local')}.txt"
+    hostfile.write_text(hostfile_text(nodes))
+    cmd = build_deepspeed_cmd(nodes, str(hostfile), ports["master"], overrides, script)
+    return run(cmd, launch_env(os.environ, nodes, ports["dist"], str(hostfile)))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
