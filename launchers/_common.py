@@ -119,18 +119,9 @@ def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str],
     path = run_dir / f"rendezvous-{env.get('SLURM_JOB_ID', 'local')}-{env.get('SLURM_STEP_ID', '0')}.json"
     if nodes.is_chief:
         chosen = {n: free_port(nodes.chief) for n in names}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(chosen))
-        os.replace(tmp, path)
+        publish(path, chosen)
         return chosen
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            data: dict[str, int] = json.loads(path.read_text())
-            return data
-        except (FileNotFoundError, json.JSONDecodeError):
-            time.sleep(0.05)
-    raise LaunchError(f"the chief node did not publish rendezvous ports in {path} within {timeout_s:.0f} s")
+    return {k: int(v) for k, v in wait_published(path, timeout_s).items()}
 
 
 def _expand_ports(text: str) -> list[int]:
@@ -172,3 +163,79 @@ def run(cmd: Sequence[str], env: Mapping[str, str]) -> int:
 def fail(message: str) -> int:
     print(f"detslurm launcher: {message}", file=sys.stderr, flush=True)
     return 2
+
+
+def supervise(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 5.0, poll_s: float = 0.1) -> int:
+    """The custom-launcher contract for workers we start ourselves: when one exits non-zero,
+    stop the others (SIGTERM, SIGKILL after ``grace_s``) and return its code; 0 when all exit 0.
+    Signals to this process are forwarded to every worker meanwhile."""
+    old: dict[signal.Signals, Any] = {}
+
+    def forward(signum: int, _frame: Optional[FrameType]) -> None:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signum)
+
+    for sig in FORWARDED:
+        old[sig] = signal.signal(sig, forward)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = next((c for c in codes if c not in (None, 0)), None)
+            if bad is not None:
+                _stop(procs, grace_s)
+                return bad
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll_s)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _stop(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def publish(path: Path, values: Mapping[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(values)))
+    os.replace(tmp, path)
+
+
+def wait_published(path: Path, timeout_s: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+            return data
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.05)
+    raise LaunchError(f"the chief node did not publish {path.name} within {timeout_s:.0f} s")
+
+
+def interface_for(host: str) -> Optional[str]:
+    """The network interface holding ``host``'s address on this node (gloo needs a name)."""
+    try:
+        import psutil
+
+        addr = socket.gethostbyname(host)
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == addr for a in addrs if a.family == socket.AF_INET):
+                return str(name)
+        if addr.startswith("127."):
+            return "lo"
+    except (OSError, ImportError):
+        return None
+    return None

@@ -113,3 +113,23 @@ def test_deepspeed_zero2_two_nodes(det: Any, tmp_path: Path) -> None:
         assert f"[rank={r}] rank {r}/4 on {node}: params equal=True" in out
     (v,) = validations()
     assert v["params_equal"] == 1 and v["world"] == 4 and v["nodes"] == 2
+
+
+HVD = "entrypoint: python3 -m determined.launch.horovod {overrides}python3 hvd_train.py\n" \
+      "searcher: {{name: single, metric: loss}}\nmax_restarts: 0\nresources: {{slots_per_trial: 4}}\n"
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+@pytest.mark.parametrize("mode", ["gloo", "mpi"])
+def test_horovod_two_nodes(det: Any, tmp_path: Path, mode: str) -> None:
+    pytest.importorskip("horovod.torch")
+    write(tmp_path / "ctx/hvd_train.py", (FIXTURES / "hvd_train.py").read_text())
+    cfg = write(tmp_path / "c.yaml", HVD.format(overrides="--mpi -- " if mode == "mpi" else ""))
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx", "-f")
+    assert code == 0, out + err
+    for r in range(4):
+        assert f"[rank={r}] rank {r}/4 on " in out
+    (v,) = validations()
+    assert v["params_equal"] == 1 and v["world"] == 4

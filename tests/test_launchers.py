@@ -123,3 +123,35 @@ def test_deepspeed_command_and_hostfile() -> None:
         "PY", "-m", "deepspeed.launcher.runner", "--hostfile", "/hf", "--no_ssh", "--node_rank", "1",
         "--master_addr", "c1", "--master_port", "41000", "--bind_cores_to_rank", "--no_python", "--no_local_rank",
         "PY", "-m", "detslurm.launch.wrap_rank", "RANK", "--", "python3", "t.py"]
+
+
+def test_horovod_worker_env_and_mpi_cmd() -> None:
+    from detslurm.launch.horovod import mpi_cmd, worker_env
+
+    nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
+    env = worker_env({"X": "1"}, nodes, 1, "c1", 5000, "lo")
+    assert {k: env[k] for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK",
+                                "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_IFACE")} == {
+        "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_HOSTNAME": "c2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "c1", "HOROVOD_GLOO_IFACE": "lo"}
+    cmd = mpi_cmd(nodes, ["--mpi", "-x", "FOO"], ["python3", "t.py"], python="PY")
+    assert cmd[:7] == ["mpirun", "--allow-run-as-root", "-np", "4", "-H", "c1:2,c2:2", "-bind-to"]
+    assert "--mpi" not in cmd and "FOO" in cmd
+    assert cmd[-4:] == ["OMPI_COMM_WORLD_RANK,PMI_RANK", "--", "python3", "t.py"]
+
+
+def test_supervise_stops_the_rest_when_one_fails() -> None:
+    from detslurm.launch._common import supervise
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    failing = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit(3)"]
+    procs = [subprocess.Popen(c, start_new_session=True) for c in (sleeper, failing, sleeper)]
+    t0 = time.time()
+    assert supervise(procs, grace_s=2) == 3
+    assert time.time() - t0 < 5 and all(p.poll() is not None for p in procs)
+    ok = [subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True) for _ in range(3)]
+    assert supervise(ok) == 0
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    procs = [subprocess.Popen(c, start_new_session=True) for c in (stubborn, failing)]
+    t0 = time.time()
+    assert supervise(procs, grace_s=1) == 3 and time.time() - t0 < 5  # SIGKILL after the grace period

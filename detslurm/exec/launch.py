@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,8 +21,6 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
-from typing import Any
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
@@ -101,24 +98,12 @@ def _run_hook(workdir: Path, env: dict[str, str]) -> int:
 
 
 def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
+    """The entrypoint in its own process group, with our signals forwarded to that group."""
+    from detslurm.launch._common import forward_signals
+
     proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
-    old: dict[signal.Signals, Any] = {}
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
-
-    for sig in FORWARDED:
-        old[sig] = signal.signal(sig, forward)
-    try:
-        while True:
-            try:
-                return proc.wait()
-            except InterruptedError:  # pragma: no cover - PEP 475 retries already
-                continue
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    with forward_signals(proc):
+        return proc.wait()
 
 
 def slurm_env(env: dict[str, str]) -> dict[str, str]:
