@@ -94,7 +94,7 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> in
 def mpi_cmd(nodes: Nodes, overrides: Sequence[str], script: Sequence[str], python: str = sys.executable) -> list[str]:
     """Pure: mpirun on the chief; Open MPI starts its daemons through Slurm (srun), not ssh."""
     rest = [o for o in overrides if o != "--mpi"]
-    return ["mpirun", "--allow-run-as-root", "-np", str(nodes.slots * nodes.nnodes),
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nodes.slots * nodes.nnodes),
             "-H", ",".join(f"{h}:{nodes.slots}" for h in nodes.hosts), "-bind-to", "none", "-map-by", "slot",
             "-x", "USE_HOROVOD=1", "-x", "DET_CHIEF_IP", "-x", "DETSLURM_DIST_PORT", *rest,
             python, "-m", "detslurm.launch.wrap_rank", "OMPI_COMM_WORLD_RANK,PMI_RANK", "--", *script]
