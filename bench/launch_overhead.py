@@ -57,7 +57,8 @@ def det_once(work: Path, env: dict[str, str]) -> float:
         "entrypoint: python3 -m determined.launch.torch_distributed python3 first_step.py\n"
         "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n"
         f"environment: {{environment_variables: [BENCH_OUT={ctx}]}}\n")
-    before = set(Path(env["DETSLURM_EXPERIMENTS_DIR"]).glob("exp-*")) if Path(env["DETSLURM_EXPERIMENTS_DIR"]).exists() else set()
+    exps = Path(env["DETSLURM_EXPERIMENTS_DIR"])
+    before = set(exps.glob("exp-*")) if exps.exists() else set()
     subprocess.run([str(ROOT / ".venv/bin/det"), "e", "create", str(ctx / "c.yaml"), str(ctx)], env=env, check=True,
                    capture_output=True)
     (exp,) = set(Path(env["DETSLURM_EXPERIMENTS_DIR"]).glob("exp-*")) - before
