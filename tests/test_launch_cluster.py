@@ -135,3 +135,41 @@ def test_horovod_two_nodes(det: Any, tmp_path: Path, mode: str) -> None:
         assert f"[rank={r}] rank {r}/4 on " in out
     (v,) = validations()
     assert v["params_equal"] == 1 and v["world"] == 4
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: Path) -> None:
+    """`env` wrapping the launcher stands for numactl/dlprof: a nested launcher entrypoint."""
+    import time as _time
+
+    write(tmp_path / "ctx/ddp_preempt.py", (FIXTURES / "ddp_preempt.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: env NESTED=1 python3 -m determined.launch.torch_distributed "
+                                     "python3 ddp_preempt.py\nsearcher: {name: single, metric: loss}\n"
+                                     "resources: {slots_per_trial: 4}\n")
+    assert det("e", "create", cfg, tmp_path / "ctx")[0] == 0
+    store = open_store(settings.load().db_url)
+
+    def trial() -> Any:
+        with store.tx() as s:
+            return s.scalars(select(Trial)).first()
+
+    deadline = _time.time() + 120
+    while _time.time() < deadline and (trial() is None or trial().latest_checkpoint is None):
+        _time.sleep(0.2)
+    assert det("e", "pause", "1")[0] == 0
+    while _time.time() < deadline and trial().state != "PAUSED":
+        _time.sleep(0.2)
+    t = trial()
+    assert t.state == "PAUSED"
+    code, out, _ = det("t", "logs", str(t.id))
+    saw = [line for line in out.splitlines() if "saw the preemption" in line]
+    assert len(saw) == 4 and {line.split("]")[0] for line in saw} == {f"[rank={r}" for r in range(4)}
+    assert det("e", "activate", "1")[0] == 0
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    with store.tx() as s:
+        steps = [m.steps_completed for m in s.scalars(select(Metric).where(Metric.archived.is_(False))
+                                                        .order_by(Metric.steps_completed))]
+    assert steps == list(range(1, 61))
