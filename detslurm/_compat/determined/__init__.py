@@ -1,7 +1,8 @@
 """detslurm's API under Determined's names, so scripts written for Determined run unchanged."""
 
-import importlib.util as _ilu
+import contextlib as _contextlib
 import sys as _sys
+from collections.abc import Iterator as _Iterator
 from pathlib import Path as _Path
 from typing import Any as _Any
 
@@ -12,15 +13,23 @@ from detslurm.errors import InvalidHP
 LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"
 
 
-def import_from_path(module_name: str, file_path: "str | _Path") -> _Any:
-    """Import a module from a file path under a name (e.g. to load code saved in a checkpoint)."""
-    spec = _ilu.spec_from_file_location(module_name, str(file_path))
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {module_name} from {file_path}")
-    module = _ilu.module_from_spec(spec)
-    _sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
+@_contextlib.contextmanager
+def import_from_path(path: "str | _Path") -> _Iterator[None]:
+    """Import modules from ``path`` inside the block, then forget them again, so an older
+    model_def.py (from a checkpoint's code/) and the current one never collide."""
+    path = str(path)
+    before = set(_sys.modules)
+    _sys.path.insert(0, path)
+    try:
+        yield
+    finally:
+        with _contextlib.suppress(ValueError):
+            _sys.path.remove(path)
+        for name in set(_sys.modules) - before:
+            mod = _sys.modules.get(name)
+            origin = str(getattr(mod, "__file__", "") or "")
+            if origin.startswith(path):
+                del _sys.modules[name]
 
 
 def __getattr__(name: str) -> _Any:

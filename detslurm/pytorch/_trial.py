@@ -1,0 +1,70 @@
+"""PyTorchTrial and callbacks: what user code implements."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+TorchData = Union[dict[str, Any], list[Any], tuple[Any, ...], Any]
+
+
+class Reducer(enum.Enum):
+    AVG = "AVG"
+    SUM = "SUM"
+    MAX = "MAX"
+    MIN = "MIN"
+
+
+class PyTorchCallback:
+    """Hooks called by the Trainer; override what you need."""
+
+    def on_trial_startup(self, first_batch_idx: int, checkpoint_uuid: Optional[str]) -> None: ...
+    def on_training_start(self) -> None: ...
+    def on_training_epoch_start(self, epoch_idx: int) -> None: ...
+    def on_training_epoch_end(self, epoch_idx: int) -> None: ...
+    def on_training_workload_end(self, avg_metrics: dict[str, Any], batch_metrics: list[dict[str, Any]]) -> None: ...
+    def on_validation_start(self) -> None: ...
+    def on_validation_end(self, metrics: dict[str, Any]) -> None: ...
+    def on_checkpoint_save_start(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_checkpoint_load_start(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_checkpoint_end(self, checkpoint_dir: str) -> None: ...
+    def on_trial_shutdown(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class PyTorchTrial(abc.ABC):
+    @abc.abstractmethod
+    def __init__(self, context: Any) -> None: ...
+
+    @abc.abstractmethod
+    def train_batch(self, batch: TorchData, epoch_idx: int, batch_idx: int) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def build_training_data_loader(self) -> DataLoader[Any]: ...
+
+    @abc.abstractmethod
+    def build_validation_data_loader(self) -> DataLoader[Any]: ...
+
+    def evaluate_batch(self, batch: TorchData, batch_idx: int) -> dict[str, Any]:
+        raise NotImplementedError("implement evaluate_batch or evaluate_full_dataset")
+
+    def evaluate_full_dataset(self, data_loader: DataLoader[Any]) -> dict[str, Any]:
+        raise NotImplementedError("implement evaluate_batch or evaluate_full_dataset")
+
+    def evaluation_reducer(self) -> Union[Reducer, dict[str, Reducer]]:
+        return Reducer.AVG
+
+    def build_callbacks(self) -> dict[str, PyTorchCallback]:
+        return {}
+
+    def get_batch_length(self, batch: TorchData) -> int:
+        first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
+        return int(len(first))

@@ -1,0 +1,68 @@
+"""Training lengths and periods: ``Batch(n)``, ``Batch([n1, n2])`` (exact points), ``Epoch(n)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Optional, Union
+
+
+class TrainUnit:
+    def __init__(self, value: Union[int, Sequence[int]]) -> None:
+        if isinstance(value, int):
+            if value < 0:
+                raise ValueError(f"{type(self).__name__}({value}): must not be negative")
+            self.value: Union[int, list[int]] = value
+        else:
+            self.value = sorted(int(v) for v in value)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.value})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.value == getattr(other, "value", None)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, str(self.value)))
+
+    def to_batches(self, batches_per_epoch: int) -> Union[int, list[int]]:
+        raise NotImplementedError
+
+    def hits(self, batches_done: int, batches_per_epoch: int) -> bool:
+        """Whether a period of this unit ends after ``batches_done`` batches."""
+        b = self.to_batches(batches_per_epoch)
+        if isinstance(b, list):
+            return batches_done in b
+        return b > 0 and batches_done > 0 and batches_done % b == 0
+
+    @staticmethod
+    def from_values(batches: Optional[int] = None, records: Optional[int] = None, epochs: Optional[int] = None,
+                    global_batch_size: Optional[int] = None) -> Optional[TrainUnit]:
+        """An expconf length (``{batches|records|epochs: N}``); a value < 1 means never."""
+        if batches is not None:
+            return Batch(batches) if batches >= 1 else None
+        if epochs is not None:
+            return Epoch(epochs) if epochs >= 1 else None
+        if records is not None:
+            if records < 1:
+                return None
+            if not global_batch_size:
+                raise ValueError("a length in records needs hyperparameters.global_batch_size")
+            return Batch(max(1, records // global_batch_size))
+        return None
+
+
+class Batch(TrainUnit):
+    def to_batches(self, batches_per_epoch: int) -> Union[int, list[int]]:
+        return self.value
+
+
+class Epoch(TrainUnit):
+    def to_batches(self, batches_per_epoch: int) -> Union[int, list[int]]:
+        if isinstance(self.value, list):
+            return [v * batches_per_epoch for v in self.value]
+        return self.value * batches_per_epoch
+
+
+def total_batches(unit: TrainUnit, batches_per_epoch: int) -> int:
+    b = unit.to_batches(batches_per_epoch)
+    return max(b) if isinstance(b, list) else b
