@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -123,7 +124,8 @@ def _dummy_init(distributed: DistributedContext | None, checkpoint_storage: str 
                 preempt_mode: PreemptMode) -> Context:
     dist = distributed or DummyDistributedContext()
     writer = NullWriter()
-    base = _storage_base(checkpoint_storage, Path(platformdirs.user_data_dir("detslurm")) / "checkpoints")
+    data_dir = os.environ.get("DETSLURM_DATA_DIR") or platformdirs.user_data_dir("detslurm")
+    base = _storage_base(checkpoint_storage, Path(data_dir) / "checkpoints")
     base.mkdir(parents=True, exist_ok=True)
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(

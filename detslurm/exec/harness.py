@@ -44,11 +44,14 @@ def main(argv: list[str]) -> int:
     trial_cls = load_trial_class(argv[0])
     cfg = info.trial._config
     gbs = info.trial.hparams.get("global_batch_size")
+    def period(key: str) -> Any:
+        return pytorch.TrainUnit.from_values(**cfg.get(key, {}), global_batch_size=gbs)
+
     with pytorch.init() as ctx:
         trial = trial_cls(ctx)
         pytorch.Trainer(trial, ctx).fit(
-            checkpoint_period=pytorch.TrainUnit.from_values(**cfg.get("min_checkpoint_period", {}), global_batch_size=gbs),
-            validation_period=pytorch.TrainUnit.from_values(**cfg.get("min_validation_period", {}), global_batch_size=gbs),
+            checkpoint_period=period("min_checkpoint_period"),
+            validation_period=period("min_validation_period"),
             reporting_period=pytorch.Batch(int(cfg.get("scheduling_unit", 100))),
             checkpoint_policy=cfg.get("checkpoint_policy", "best"),
             latest_checkpoint=info.latest_checkpoint,

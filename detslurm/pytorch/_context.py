@@ -46,7 +46,8 @@ class PyTorchTrialContext:
 
     def get_hparam(self, name: str) -> Any:
         if name not in self._hparams:
-            raise KeyError(f"hyperparameter {name!r} not found; the trial has: {', '.join(sorted(self._hparams)) or 'none'}")
+            have = ", ".join(sorted(self._hparams)) or "none"
+            raise KeyError(f"hyperparameter {name!r} not found; the trial has: {have}")
         return self._hparams[name]
 
     def get_experiment_config(self) -> dict[str, Any]:
@@ -81,7 +82,8 @@ class PyTorchTrialContext:
             return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
+                       backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
         self.optimizers.append(optimizer)
         return optimizer
 

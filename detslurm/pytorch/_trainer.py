@@ -183,13 +183,15 @@ class Trainer:
         checkpoint = (ckpt_p is not None and ckpt_p.hits(b, bpe)) or done
         # Training metrics are flushed at every validation/checkpoint too: a restart resumes at
         # a checkpoint, so no reported window ever straddles one (same rows as an uninterrupted run).
-        if rep_p.hits(b, bpe) or validate or checkpoint:
+        boundary = rep_p.hits(b, bpe) or validate or checkpoint
+        if boundary:
             self._report_training(pending)
         if validate:
             self._validate(test_mode)
         if checkpoint:
             self._checkpoint()
-        stop = self.context.get_stop_requested() or self._should_preempt()
+        # Preemption is checked at boundaries only (a collective on every rank: not per batch).
+        stop = self.context.get_stop_requested() or (boundary and self._should_preempt())
         if stop and not done:
             self._report_training(pending)
             self._checkpoint()
@@ -234,7 +236,8 @@ class Trainer:
             else:
                 rows = []
                 for i, batch in enumerate(self._val_loader):
-                    rows.append({k: _scalar(v) for k, v in trial.evaluate_batch(self.context.to_device(batch), i).items()})
+                    out = trial.evaluate_batch(self.context.to_device(batch), i)
+                    rows.append({k: _scalar(v) for k, v in out.items()})
                     if test_mode:
                         break
                 red = trial.evaluation_reducer()
@@ -305,13 +308,15 @@ class Trainer:
                              "best": self._best}, f)
             (path / "load_data.json").write_text(json.dumps({"trial_type": "PyTorchTrial",
                                                              "trial_cls_spec": type(self.trial).__qualname__}))
-            self._save_code(path / "code")
+            if self._on_cluster():
+                self._save_code(path / "code")
         for cb in self.callbacks.values():
             cb.on_checkpoint_end(str(path))
 
     @staticmethod
     def _save_code(dest: Path) -> None:
-        """The trial's code travels with its weights (det.import_from_path loads it later)."""
+        """The trial's code travels with its weights (det.import_from_path loads it later).
+        Only on a trial, where the working dir is the extracted context snapshot (<= 95 MiB)."""
         src = Path.cwd()
         shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "checkpoints"),
                         dirs_exist_ok=True, symlinks=True)

@@ -66,5 +66,8 @@ class PyTorchTrial(abc.ABC):
         return {}
 
     def get_batch_length(self, batch: TorchData) -> int:
-        first = batch[0] if isinstance(batch, (list, tuple)) else next(iter(batch.values())) if isinstance(batch, dict) else batch
-        return int(len(first))
+        if isinstance(batch, (list, tuple)):
+            return len(batch[0])
+        if isinstance(batch, dict):
+            return len(next(iter(batch.values())))
+        return len(batch)
