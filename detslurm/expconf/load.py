@@ -66,13 +66,13 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[st
         key, sep, text = item.partition("=")
         if not sep or not key or any(not p for p in key.split(".")):
             raise ConfigError([f"--config {item!r}: expected key.sub=value"])
-        if "," in text and not text.strip().startswith(("[", "{")):
-            value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]
-        else:
-            try:
+        try:
+            if "," in text and not text.strip().startswith(("[", "{")):
+                value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]
+            else:
                 value = yaml.load(text, Loader=_Loader) if text else ""
-            except yaml.YAMLError:
-                raise ConfigError([f"--config {item!r}: value is not valid YAML"]) from None
+        except yaml.YAMLError:
+            raise ConfigError([f"--config {item!r}: value is not valid YAML"]) from None
         node = out
         parts = key.split(".")
         for p in parts[:-1]:
