@@ -93,7 +93,7 @@ class PyTorchTrialContext:
         return lr_scheduler
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, create_graph: bool = False) -> None:
-        loss.backward(retain_graph=retain_graph, create_graph=create_graph)
+        loss.backward(retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer,
                        clip_grads: Optional[Callable[[Iterable[torch.nn.Parameter]], None]] = None,
