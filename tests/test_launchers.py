@@ -135,7 +135,7 @@ def test_horovod_worker_env_and_mpi_cmd() -> None:
         "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_CROSS_RANK": "1",
         "HOROVOD_HOSTNAME": "c2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "c1", "HOROVOD_GLOO_IFACE": "lo"}
     cmd = mpi_cmd(nodes, ["--mpi", "-x", "FOO"], ["python3", "t.py"], python="PY")
-    assert cmd[:7] == ["mpirun", "--allow-run-as-root", "-np", "4", "-H", "c1:2,c2:2", "-bind-to"]
+    assert cmd[:8] == ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", "-H", "c1:2,c2:2", "-bind-to"]
     assert "--mpi" not in cmd and "FOO" in cmd
     assert cmd[-4:] == ["OMPI_COMM_WORLD_RANK,PMI_RANK", "--", "python3", "t.py"]
 

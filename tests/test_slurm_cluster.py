@@ -232,8 +232,13 @@ def test_crash_between_sbatch_and_commit_is_adopted_by_comment(det: Any) -> None
     with store().tx() as s:
         runs = s.scalars(select(TrialRun)).all()
     assert len(runs) == 1 and runs[0].job_id
-    names = subprocess.run(["squeue", "-h", "--states=all", "-o", "%j"], capture_output=True, text=True).stdout.split()
-    assert names.count("det-e1-t1-r1") == 1  # submitted exactly once
+    from detslurm.slurm.parse import experiment_tag, trial_comment
+
+    with store().tx() as s:
+        exp_dir = s.scalars(select(Trial)).one().experiment.exp_dir
+    comments = subprocess.run(["squeue", "-h", "--states=all", "-o", "%k"], capture_output=True,
+                              text=True).stdout.split()
+    assert comments.count(trial_comment(1, 1, 1, experiment_tag(exp_dir))) == 1  # submitted exactly once
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,8 @@ class Controller:
             marker = Path(run.run_dir) / "job_id"
             job_id = marker.read_text().strip() if marker.exists() else None
             if not job_id:
-                found = self.executor.recover((run.trial.experiment_id, run.trial_id, run.run_id))
+                found = self.executor.recover((run.trial.experiment_id, run.trial_id, run.run_id),
+                                              run.trial.experiment.exp_dir)
                 job_id = str(found) if found is not None else None
             if job_id:
                 run.job_id = job_id

@@ -49,7 +49,7 @@ class Executor(Protocol):
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
         """One batched status query for all the given jobs (job id -> run dir)."""
 
-    def recover(self, identity: tuple[int, int, int]) -> int | str | None:
+    def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> int | str | None:
         """The job id of a run whose submission was not recorded (the controller crashed)."""
 
     def kill(self, job_id: str) -> None: ...

@@ -53,7 +53,7 @@ class LocalExecutor:
         except psutil.NoSuchProcess:
             return False
 
-    def recover(self, identity: tuple[int, int, int]) -> str | None:
+    def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> str | None:
         return None  # local runs record their job id in the run dir before anything else
 
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:

@@ -10,7 +10,7 @@ from typing import Optional
 from detslurm.controller.executor import JobState, JobStatus, RunSpec
 from detslurm.controller.layout import exit_file
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import AccountedJob, QueuedJob, parse_comment
+from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag, trial_comment
 from detslurm.slurm.render import Identity, SbatchRequest, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -36,7 +36,7 @@ class SlurmExecutor:
         return None  # Slurm queues; we never hold trials back
 
     def plan(self, spec: RunSpec) -> SbatchRequest:
-        ident = Identity(*spec.identity)
+        ident = Identity(*spec.identity, tag=experiment_tag(str(spec.run_dir.parent.parent.parent.parent)))
         python = self.site.python or sys.executable
         return plan_trial_run(config=spec.config, site=self.site, ident=ident, env=spec.env,
                               run_dir=str(spec.run_dir), log_path=str(spec.log_path), python=python)
@@ -46,10 +46,11 @@ class SlurmExecutor:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         return self.client.sbatch(req.args, req.script)
 
-    def recover(self, identity: tuple[int, int, int]) -> Optional[str]:
+    def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> Optional[str]:
         """Find a job submitted just before a crash, by its comment (contract 4)."""
+        wanted = trial_comment(*identity, experiment_tag(exp_dir) if exp_dir else "")
         for job in self.client.squeue():
-            if parse_comment(job.comment) == identity:
+            if job.comment == wanted:
                 return job.job_id
         return None
 

@@ -181,11 +181,20 @@ def expand_nodelist(nodelist: str) -> list[str]:
         raise SlurmParseError("node list", nodelist) from e
 
 
-COMMENT_RE = re.compile(r"^detslurm:exp=(\d+),trial=(\d+),run=(\d+)$")
+COMMENT_RE = re.compile(r"^detslurm:exp=(\d+),trial=(\d+),run=(\d+)(?:,tag=([0-9a-f]+))?$")
 
 
-def trial_comment(exp_id: int, trial_id: int, run_id: int) -> str:
-    return f"detslurm:exp={exp_id},trial={trial_id},run={run_id}"
+def trial_comment(exp_id: int, trial_id: int, run_id: int, tag: str = "") -> str:
+    """The job's identity. ``tag`` is unique to the experiment's dir, so two stores of one user
+    (or a store reset to id 1) never mistake each other's jobs for their own."""
+    base = f"detslurm:exp={exp_id},trial={trial_id},run={run_id}"
+    return f"{base},tag={tag}" if tag else base
+
+
+def experiment_tag(exp_dir: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(exp_dir.encode()).hexdigest()[:10]
 
 
 def parse_comment(comment: str) -> Optional[tuple[int, int, int]]:

@@ -46,6 +46,7 @@ class Identity:
     experiment_id: int
     trial_id: int
     run_id: int
+    tag: str = ""
 
     @property
     def job_name(self) -> str:
@@ -53,7 +54,7 @@ class Identity:
 
     @property
     def comment(self) -> str:
-        return trial_comment(self.experiment_id, self.trial_id, self.run_id)
+        return trial_comment(self.experiment_id, self.trial_id, self.run_id, self.tag)
 
 
 def resource_args(config: dict[str, Any], site: SiteConfig) -> tuple[list[str], int]:
