@@ -192,3 +192,64 @@ def test_state_round_trip_gives_same_decisions() -> None:
     nxt_a = a.validation_completed(ids[2], {"loss": 9.0, "batches": 8}, 8)
     nxt_b = b.validation_completed(ids[2], {"loss": 9.0, "batches": 8}, 8)
     assert nxt_a == nxt_b and a.state_dict() == b.state_dict()
+
+
+def _simulate(searcher: Any, promotion: bool, seed: int, max_events: int = 5000) -> int:
+    """Drive a whole search like a controller would, with random metrics; return trials made."""
+    import random as _random
+
+    rng = _random.Random(seed)
+    ops: dict[str, list[int]] = {}
+    done: dict[str, int] = {}
+    closed_ops: set[str] = set()
+    live: list[str] = []
+
+    def apply(actions: list[Any]) -> None:
+        for a in actions:
+            if isinstance(a, Create):
+                ops[a.request_id] = list(a.ops)
+                done[a.request_id] = 0
+                live.append(a.request_id)
+            elif isinstance(a, ValidateAfter):
+                ops[a.request_id].append(a.length)
+            elif isinstance(a, Close):
+                closed_ops.add(a.request_id)
+            elif isinstance(a, Stop) and a.request_id in live:
+                live.remove(a.request_id)
+                apply(searcher.trial_exited(a.request_id))
+
+    apply(searcher.initial_trials())
+    for _ in range(max_events):
+        if searcher.book.shut_down:
+            return len(ops)
+        if promotion:
+            runnable = [r for r in live if done[r] < len(ops[r])]
+            finished = [r for r in live if r in closed_ops and done[r] >= len(ops[r])]
+            for r in finished:
+                live.remove(r)
+                apply(searcher.trial_exited(r))
+            if not runnable:
+                continue
+            r = rng.choice(runnable)
+            length = ops[r][done[r]]
+            done[r] += 1
+            apply(searcher.op_completed(r, length, rng.random()))
+        else:
+            if not live:
+                break
+            r = rng.choice(live)
+            done[r] += 1
+            apply(searcher.validation_completed(r, {"loss": rng.random(), "batches": done[r]}, done[r]))
+            if r in live and done[r] >= 16:
+                live.remove(r)
+                apply(searcher.trial_exited(r))
+    raise AssertionError(f"the search did not finish: {len(ops)} trials, live={live}")
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("promotion", [True, False])
+def test_whole_searches_terminate(seed: int, promotion: bool) -> None:
+    s = asha(max_trials=6 + seed % 5, max_concurrent=1 + seed % 3, mode=["aggressive", "standard", "conservative"][seed % 3],
+             promotion=promotion, time_metric=None if promotion else "batches")
+    made = _simulate(s, promotion, seed)
+    assert made == s.max_trials  # the whole budget is used, and the search ends

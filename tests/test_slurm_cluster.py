@@ -260,3 +260,30 @@ def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyP
     wait_for(lambda: client.sacct([job]).get(job) is not None and client.sacct([job])[job].state.is_terminal, 30)
     acct = client.sacct([job])[job]
     assert acct.state.value == "FAILED" and acct.exit_code == 4
+
+
+def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster: Path) -> None:
+    """Kill the slurmd of the node running a trial: Slurm marks the node down and the job
+    NODE_FAIL; the trial resumes on another node from its checkpoint without using a restart."""
+    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.3",
+                       "--config", "max_restarts=0")
+    assert code == 0, err
+    wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None and _job_of(trials(1)[0].id) != "")
+    job = _job_of(trials(1)[0].id)
+    node = subprocess.run(["squeue", "-h", "-j", job, "-o", "%N"], capture_output=True, text=True).stdout.strip()
+    pid = int((slurm_cluster / "run" / f"slurmd-{node}.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    try:
+        code, out, err = det("e", "wait", "1")
+        assert code == 0, out + err
+        (t,) = trials(1)
+        assert t.run_count >= 2 and t.restarts == 0
+        with store().tx() as s:
+            first = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id).order_by(TrialRun.run_id)).first()
+        assert first is not None and first.exit_reason == "node failure"
+        got = [st for st, _ in steps(t.id)]
+        assert got == list(range(1, 41))
+    finally:
+        env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
+        subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(slurm_cluster)],
+                       check=True, env=env, capture_output=True)

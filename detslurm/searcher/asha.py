@@ -189,7 +189,12 @@ class AdaptiveASHA(SearchMethod):
         value = self.sign * float(metric)
         if r == br.num_rungs - 1:
             br.insert(r, value, request_id)
-            return [Close(request_id)] + self._maybe_close_all(b)
+            # Nothing to promote from the top rung: the budget goes to a new trial (else a
+            # bracket whose other trials wait for promotion would stall).
+            top: list[Action] = [Close(request_id)]
+            if br.under_budget():
+                top.append(self._create(b))
+            return top + self._maybe_close_all(b)
         n = len(br.rungs[r])
         idx = br.insert(r, value, request_id)
         num_promote = int((n + 1) / br.divisor)
