@@ -257,3 +257,12 @@ def test_follow_first_trial_streams_logs(det: Any) -> None:
     assert code == 0 and "Checkpoint UUID" in out
     code, out, _ = det("t", "describe", "1", "--json")
     assert code == 0 and '"state": "COMPLETED"' in out
+
+
+def test_create_without_reachable_slurm_fails_cleanly(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))
+    monkeypatch.setenv("DETSLURM_SLURM_TIMEOUT_S", "10")
+    code, out, err = det("e", "create", CORE / "const.yaml", CORE)
+    assert code == 1 and err.startswith("Error: ") and "Traceback" not in err
+    assert "scontrol" in err or "not found" in err
+    assert det("e", "list", "--json")[1].strip() == "[]"  # nothing was created
