@@ -265,8 +265,11 @@ def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyP
 def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster: Path) -> None:
     """Kill the slurmd of the node running a trial: Slurm marks the node down and the job
     NODE_FAIL; the trial resumes on another node from its checkpoint without using a restart."""
-    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.3",
-                       "--config", "max_restarts=0")
+    # Long enough (80 batches x 0.5 s) that Slurm notices the dead node (SlurmdTimeout 10 s)
+    # well before the trial could finish on its own.
+    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.5",
+                       "--config", "max_restarts=0",
+                       "--config", "environment.environment_variables=[EXAMPLE_TOTAL_BATCHES=80]")
     assert code == 0, err
     wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None and _job_of(trials(1)[0].id) != "")
     job = _job_of(trials(1)[0].id)
@@ -282,7 +285,7 @@ def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster:
             first = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id).order_by(TrialRun.run_id)).first()
         assert first is not None and first.exit_reason == "node failure"
         got = [st for st, _ in steps(t.id)]
-        assert got == list(range(1, 41))
+        assert got == list(range(1, 81))
     finally:
         env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
         subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(slurm_cluster)],
