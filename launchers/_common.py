@@ -92,6 +92,14 @@ def nodes_from_env(env: Mapping[str, str]) -> Nodes:
     return Nodes(hosts=hosts, node_rank=rank, slots=max(1, slots))
 
 
+def prepare(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], list[str], Nodes, dict[str, int]]:
+    """What a rendezvous-based launcher needs first: its arguments, this node, and the master
+    and DistributedContext ports (the same on every node)."""
+    overrides, script = parse_args(argv)
+    nodes = nodes_from_env(env)
+    return overrides, script, nodes, rendezvous_ports(nodes, env, ["master", "dist"])
+
+
 def free_port(host: str = "") -> int:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((host, 0))

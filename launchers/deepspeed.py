@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from detslurm.launch._common import LaunchError, Nodes, fail, nodes_from_env, parse_args, rendezvous_ports, run
+from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run
 
 
 def hostfile_text(nodes: Nodes) -> str:
@@ -47,9 +47,7 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: s
 
 def main(argv: Sequence[str]) -> int:
     try:
-        overrides, script = parse_args(argv)
-        nodes = nodes_from_env(os.environ)
-        ports = rendezvous_ports(nodes, os.environ, ["master", "dist"])
+        overrides, script, nodes, ports = prepare(argv, os.environ)
     except LaunchError as e:
         return fail(str(e))
     hostfile = Path.cwd() / f"hostfile-{os.environ.get('SLURM_JOB_ID', 'local')}.txt"

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from detslurm.launch._common import LaunchError, Nodes, fail, nodes_from_env, parse_args, rendezvous_ports, run
+from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run
 
 
 def build_torchrun_cmd(nodes: Nodes, master_port: int, overrides: Sequence[str], script: Sequence[str],
@@ -42,9 +42,7 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str
 
 def main(argv: Sequence[str]) -> int:
     try:
-        overrides, script = parse_args(argv)
-        nodes = nodes_from_env(os.environ)
-        ports = rendezvous_ports(nodes, os.environ, ["master", "dist"])
+        overrides, script, nodes, ports = prepare(argv, os.environ)
     except LaunchError as e:
         return fail(str(e))
     cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
