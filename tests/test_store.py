@@ -1,14 +1,65 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select
 
 from detslurm.store import Experiment, LogEntry, Trial, open_store
 from detslurm.store.models import Base
+
+
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real PostgreSQL server on loopback, private to this module (installed if missing)."""
+    import glob
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("starting a private PostgreSQL needs root (to run it as the postgres user)")
+    if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-qq", "postgresql"],
+                       check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"), capture_output=True)
+    bindir = Path(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1])
+    data = tmp_path_factory.mktemp("pg")
+    for d in (data.parent, data.parent.parent):  # traversable (not readable) for the server user
+        os.chmod(d, os.stat(d).st_mode | 0o011)
+    shutil.chown(data, "postgres", "postgres")
+    pg = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*pg, str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    port = "17432"
+    subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-l", str(data / "log"), "-w", "-o",
+                    f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={data}", "start"],
+                   check=True, capture_output=True)
+    subprocess.run([*pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", port, "detslurm"], check=True)
+    yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/detslurm"
+    subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "fast", "stop"], capture_output=True)
+
+
+def test_postgres_store_migrates_and_loses_nothing(postgres: str) -> None:
+    store = open_store(postgres)
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    exp_id = _make_experiment(postgres)
+    with store.tx() as s:
+        trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(postgres, trial_id, 20, w)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with store.tx() as s:
+        assert s.get(Trial, trial_id).restarts == 80  # type: ignore[union-attr]
+        assert s.scalar(select(func.count()).select_from(LogEntry).where(LogEntry.trial_id == trial_id)) == 80
 
 
 def test_migrations_match_models(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -131,5 +130,5 @@ def test_trainer_on_cluster_two_nodes(det: Any) -> None:
     assert code == 0, out + err
     vals = val_metrics(1)
     assert [s for s, _ in vals] == [10, 16]
-    assert all(line.startswith("[rank=") for line in out.splitlines() if "Traceback" in line) or "Traceback" not in out
-    json.dumps(vals)
+    assert "Traceback" not in out
+    assert all(isinstance(m["validation_loss"], float) for _, m in vals)
