@@ -34,7 +34,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pg = ["runuser", "-u", "postgres", "--"]
     subprocess.run([*pg, str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"],
                    check=True, capture_output=True)
-    port = "17432"
+    port = os.environ.get("DETSLURM_TEST_PG_PORT", "17432")
     subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-l", str(data / "log"), "-w", "-o",
                     f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={data}", "start"],
                    check=True, capture_output=True)
