@@ -14,7 +14,7 @@ from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
 from detslurm.controller.layout import control_file
 from detslurm.slurm.client import SlurmClient, client_from_env
-from detslurm.slurm.parse import QueuedJob, parse_comment
+from detslurm.slurm.parse import QueuedJob
 from detslurm.slurm.states import SlurmState
 from detslurm.store.models import Experiment, RunState, TrialRun
 from detslurm.util import atomic_write_json
@@ -33,7 +33,7 @@ def _caller(client: SlurmClient) -> q.Caller:
 def _names(app: App, jobs: list[QueuedJob]) -> dict[str, str]:
     """Job name for our own trials: "<experiment name> (<id>) trial <t>"."""
     out: dict[str, str] = {}
-    ids = {j.job_id: parse_comment(j.comment) for j in jobs}
+    ids = {j.job_id: j.identity for j in jobs}
     wanted = {i[0] for i in ids.values() if i}
     if not wanted:
         return out
@@ -54,7 +54,7 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
         n = pos.setdefault(j.partition, 0)
         pos[j.partition] = n + 1
         needed = j.gpus or j.num_cpus
-        ours = parse_comment(j.comment) is not None
+        ours = j.identity is not None
         rows.append({
             "#": n, "id": j.job_id, "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
             "name": names.get(j.job_id, j.name), "priority": q.priority_for(j.nice) if ours else None,

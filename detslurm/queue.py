@@ -19,7 +19,7 @@ from typing import Optional
 
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import Capabilities, QueuedJob, parse_comment
+from detslurm.slurm.parse import Capabilities, QueuedJob
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 
@@ -122,7 +122,7 @@ def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]
 
 def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove]:
     _name, p = site.pool(pool)
-    ids = parse_comment(job.comment)
+    ids = job.identity
     if job.state == SlurmState.PENDING:
         ops: list[Op | PoolMove] = [Op("update", job.job_id, (("Partition", p.partition),))]
         if ids is not None:

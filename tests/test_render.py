@@ -13,7 +13,7 @@ import pytest
 from detslurm.core._info import trial_env
 from detslurm.errors import ConfigError
 from detslurm.expconf import validate
-from detslurm.slurm.render import Identity, plan_trial_run, resource_args
+from detslurm.slurm.render import ArrayTask, Identity, index_ranges, plan_array, plan_trial_run, resource_args
 from detslurm.slurm.site import load_site_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,3 +92,57 @@ def test_hostile_strings_never_execute(tmp_path: Path, evil: str) -> None:
     assert subprocess.run(["bash", "-n"], input=req.script, text=True).returncode == 0
     assert f"cd {shlex.quote(run_dir)} ||" in req.script
     assert all("\n" not in a for a in req.args)
+
+
+def array_tasks(tmp_path: Path, hps: list[Any]) -> list[ArrayTask]:
+    cfg = config()
+    out = []
+    for i, h in enumerate(hps):
+        run_dir = tmp_path / f"trials/{10 + i}/runs/1"
+        env = trial_env(experiment_id=1, trial_id=10 + i, run_id=1, seed=i, hparams={"h": h}, config=cfg,
+                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=run_dir.parent.parent,
+                        exp_dir=tmp_path, checkpoint_base="/shared/ckpt", resources_type="slurm-job", slot_ids=[],
+                        container_addrs=[], user="alice")
+        out.append(ArrayTask(10 + i, str(run_dir), env))
+    return out
+
+
+def test_index_ranges() -> None:
+    assert index_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+    assert index_ranges([3]) == "3"
+
+
+@pytest.mark.parametrize("evil", HOSTILE)
+def test_array_script_gives_each_task_its_own_trial(tmp_path: Path, evil: str) -> None:
+    site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
+    tasks = array_tasks(tmp_path, [evil, f"{evil}-2", 3])
+    req = plan_array(config=config(), site=site, ident=Identity(1, 10, 1, array=True), tasks=tasks,
+                     links_dir=str(tmp_path / "arrays/t10-r1"), log_name="output.log", python="/opt/venv/bin/python")
+    assert "--array=0-2" in req.args and "--comment=detslurm:exp=1,trial=10+,run=1" in req.args
+    assert f"--output={tmp_path}/arrays/t10-r1/%a/output.log" in req.args
+    assert req.script.count("DET_EXPERIMENT_CONFIG=") == 1  # shared values are exported once
+    prologue = req.script[:req.script.index("export DETSLURM_PREEMPT_SIGNAL")]
+    probe = prologue + 'printf "%s\\n%s\\n%s" "$DET_TRIAL_ID" "$DET_RUN_DIR" "$DET_HPARAMS"'
+    for i, task in enumerate(tasks):
+        out = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
+                             env=dict(os.environ, SLURM_ARRAY_TASK_ID=str(i))).stdout
+        assert out.split("\n", 2) == [str(task.trial_id), task.run_dir, task.env["DET_HPARAMS"]]
+    stray = subprocess.run(["bash", "-c", prologue], cwd=tmp_path, capture_output=True, text=True,
+                           env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"))
+    assert stray.returncode == 1 and "array task 7 has no trial run" in stray.stderr
+    assert not (tmp_path / "PWNED").exists()
+    assert subprocess.run(["bash", "-n"], input=req.script, text=True).returncode == 0
+
+
+def test_array_golden(tmp_path: Path) -> None:
+    site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
+    tasks = [ArrayTask(t.trial_id, t.run_dir.replace(str(tmp_path), "/shared/exps/exp-1"),
+                       {k: v.replace(str(tmp_path), "/shared/exps/exp-1") for k, v in t.env.items()})
+             for t in array_tasks(tmp_path, [0.1, 0.2])]
+    req = plan_array(config=config(resources={"max_slots": 1}), site=site, ident=Identity(1, 10, 1, array=True),
+                     tasks=tasks, links_dir="/shared/exps/exp-1/arrays/t10-r1", log_name="output.log",
+                     python="/opt/venv/bin/python")
+    path = GOLDEN / "test-cluster-array.sbatch"
+    if os.environ.get("DETSLURM_UPDATE_GOLDEN") == "1":
+        path.write_text(req.render())
+    assert req.render() == path.read_text()

@@ -92,6 +92,16 @@ def test_state_mapping_is_total() -> None:
 def test_comment_round_trip() -> None:
     assert parse_comment(trial_comment(3, 14, 2)) == (3, 14, 2)
     assert parse_comment("someone else's job") is None
+    # An array's tasks share one comment; each task's trial is the base plus its task id.
+    assert parse_comment(trial_comment(3, 14, 2, "ab12", array=True), 5) == (3, 19, 2)
+    assert parse_comment(trial_comment(3, 14, 2, array=True)) is None  # the array, not one task
+
+
+def test_squeue_array_tasks_captured() -> None:
+    jobs = {j.job_id: j for j in parse_squeue((DATA / "squeue-array.txt").read_text())}
+    assert set(jobs) == {"1_0", "1_1", "1_2"}
+    assert jobs["1_0"].state == SlurmState.RUNNING and jobs["1_2"].reason == "JobArrayTaskLimit"
+    assert [jobs[k].identity for k in sorted(jobs)] == [(1, 5, 1), (1, 6, 1), (1, 7, 1)]
 
 
 class FakeRunner:

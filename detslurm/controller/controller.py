@@ -103,7 +103,7 @@ class Controller:
             if job_id:
                 run.job_id = job_id
                 run.state = RunState.QUEUED.value
-                return self.executor.poll({job_id: Path(run.run_dir)}).get(job_id)
+                return None  # the next tick's batched poll sees it
         return JobStatus(JobState.UNKNOWN, None, "never started")
 
     def _reconcile_run(self, exp_id: int, run_pk: int, status: JobStatus | None) -> None:
@@ -257,6 +257,15 @@ class Controller:
                 if self._needs_run(t, busy):
                     run = self._new_run(s, exp, t)
                     specs.append((run.id, self._spec(exp, t, run)))
+        many = getattr(self.executor, "submit_many", None)
+        if many is not None and len(specs) > 1:
+            # Runs that share resources go as job arrays: one sbatch for many trials.
+            for spec in (sp for _, sp in specs):
+                spec.run_dir.mkdir(parents=True, exist_ok=True)
+            results: list[str | Exception] = many([sp for _, sp in specs])
+            for (run_pk, spec), result in zip(specs, results, strict=True):
+                self._record(run_pk, spec, result)
+            return
         for run_pk, spec in specs:
             self._start(run_pk, spec)
 
@@ -303,7 +312,17 @@ class Controller:
     def _start(self, run_pk: int, spec: RunSpec) -> None:
         try:
             spec.run_dir.mkdir(parents=True, exist_ok=True)
-            job_id = self.executor.submit(spec)
+            result: str | Exception = self.executor.submit(spec)
+        except Exception as e:
+            result = e
+        self._record(run_pk, spec, result)
+
+    def _record(self, run_pk: int, spec: RunSpec, result: str | Exception) -> None:
+        """Note a submission's job id (first in the run dir: the store commit may not happen)."""
+        try:
+            if isinstance(result, Exception):
+                raise result
+            job_id = result
             (spec.run_dir / "job_id").write_text(job_id)
         except Exception as e:
             with self.store.tx() as s:

@@ -21,13 +21,13 @@ import yaml
 from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import current_user, storage_base
-from detslurm.controller.layout import ExpLayout
+from detslurm.controller.layout import ExpLayout, log_file
 from detslurm.core._info import trial_env
 from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
 from detslurm.searcher import Create, build
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
-from detslurm.slurm.render import Identity, SbatchRequest, plan_trial_run
+from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState
@@ -123,20 +123,24 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
         raise
 
 
-def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig, limit: int = 3) -> list[SbatchRequest]:
-    """The sbatch requests the first trials would get (ids not known yet: shown as 0)."""
+def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> list[SbatchRequest]:
+    """What the first submission would be (ids not known yet: the experiment shows as 0, its
+    trials as 1, 2, ...): one job, or one job array for trials that share resources."""
     cfg = plan.config.as_dict()
-    searcher = build(cfg)
-    out = []
     exp_dir = Path(settings.experiments_dir) / "exp-0"
-    for i, act in enumerate(a for a in searcher.initial_trials() if isinstance(a, Create)):
-        if i >= limit:
-            break
-        run_dir = exp_dir / "trials" / str(i + 1) / "runs" / "1"
+    layout = ExpLayout(exp_dir)
+    python = site.python or sys.executable
+    tasks = []
+    for i, act in enumerate(a for a in build(cfg).initial_trials() if isinstance(a, Create)):
+        run_dir = layout.run_dir(i + 1, 1)
         env = trial_env(experiment_id=0, trial_id=i + 1, run_id=1, seed=act.seed, hparams=act.hparams, config=cfg,
-                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=run_dir.parent.parent,
+                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=layout.trial_dir(i + 1),
                         exp_dir=exp_dir, checkpoint_base=storage_base(cfg), resources_type="slurm-job",
                         slot_ids=[], container_addrs=[], user=current_user())
-        out.append(plan_trial_run(config=cfg, site=site, ident=Identity(0, i + 1, 1), env=env, run_dir=str(run_dir),
-                                  log_path=str(run_dir / "output.log"), python=site.python or sys.executable))
-    return out
+        tasks.append(ArrayTask(i + 1, str(run_dir), env))
+    if len(tasks) == 1:
+        return [plan_trial_run(config=cfg, site=site, ident=Identity(0, 1, 1), env=tasks[0].env,
+                               run_dir=tasks[0].run_dir, log_path=str(log_file(Path(tasks[0].run_dir))),
+                               python=python)]
+    return [plan_array(config=cfg, site=site, ident=Identity(0, 1, 1, array=True), tasks=tasks,
+                       links_dir=str(exp_dir / "arrays" / "t1-r1"), log_name=log_file(exp_dir).name, python=python)]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
@@ -10,11 +13,16 @@ from typing import Optional
 from detslurm.controller.executor import JobState, JobStatus, RunSpec
 from detslurm.controller.layout import exit_file
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag, trial_comment
-from detslurm.slurm.render import Identity, SbatchRequest, plan_trial_run
+from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
+from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 from detslurm.util import read_json
+
+# Bytes of per-task exports one array script may carry (Slurm refuses scripts over its
+# max_script_size, 4 MB by default); a bigger group is split into more arrays.
+ARRAY_SCRIPT_BUDGET = 1 << 20
+RECOVER_CACHE_S = 5.0
 
 # How a job that ended without writing its own exit record ended, as we show it.
 _REASONS = {
@@ -31,6 +39,7 @@ class SlurmExecutor:
         self.client = client
         self.site = site
         self.last_queue: dict[str, QueuedJob] = {}
+        self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
 
     def capacity(self) -> Optional[int]:
         return None  # Slurm queues; we never hold trials back
@@ -46,11 +55,75 @@ class SlurmExecutor:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         return self.client.sbatch(req.args, req.script)
 
+    def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
+        """Submit many runs at once: runs of one experiment with the same run number share their
+        resources, so each group goes as job arrays (one sbatch per array, not per trial).
+        Returns each spec's job id (``ARRAY_TASK``), or the error that kept it from starting."""
+        out: dict[int, str | Exception] = {}
+        groups: dict[str, list[int]] = {}
+        for i, spec in enumerate(specs):
+            shared = [spec.identity[0], spec.identity[2], spec.config.get("resources"), spec.config.get("slurm")]
+            key = json.dumps(shared, sort_keys=True, default=str)
+            groups.setdefault(key, []).append(i)
+        for idxs in groups.values():
+            for chunk in self._chunks(sorted(idxs, key=lambda i: specs[i].identity[1]), specs):
+                group = [specs[i] for i in chunk]
+                try:
+                    ids: list[str | Exception] = [*self.submit_array(group)] if len(group) > 1 \
+                        else [self.submit(group[0])]
+                except Exception as e:  # the whole sbatch failed: none of its runs started
+                    ids = [e] * len(group)
+                out.update(zip(chunk, ids, strict=True))
+        return [out[i] for i in range(len(specs))]
+
+    def _chunks(self, order: list[int], specs: Sequence[RunSpec]) -> list[list[int]]:
+        """Split (spec indices sorted by trial) so that task ids stay below MaxArraySize and
+        scripts stay small."""
+        limit = max(1, self.client.capabilities().max_array_size - 1)
+        chunks: list[list[int]] = []
+        size = 0
+        for i in order:
+            cost = sum(len(k) + len(v) for k, v in specs[i].env.items()) // 4  # most of it is shared
+            base = specs[chunks[-1][0]].identity[1] if chunks else 0
+            if not chunks or specs[i].identity[1] - base >= limit or size + cost > ARRAY_SCRIPT_BUDGET:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += cost
+        return chunks
+
+    def plan_array(self, specs: Sequence[RunSpec]) -> SbatchRequest:
+        first = specs[0]
+        exp_dir = first.run_dir.parent.parent.parent.parent
+        ident = Identity(first.identity[0], first.identity[1], first.identity[2],
+                         tag=experiment_tag(str(exp_dir)), array=True)
+        links = exp_dir / "arrays" / f"t{ident.trial_id}-r{ident.run_id}"
+        tasks = [ArrayTask(s.identity[1], str(s.run_dir), s.env) for s in specs]
+        return plan_array(config=first.config, site=self.site, ident=ident, tasks=tasks, links_dir=str(links),
+                          log_name=first.log_path.name, python=self.site.python or sys.executable)
+
+    def submit_array(self, specs: Sequence[RunSpec]) -> list[str]:
+        req = self.plan_array(specs)
+        links = Path(next(a for a in req.args if a.startswith("--chdir=")).removeprefix("--chdir="))
+        if links.exists():  # left by a controller that died before this submission
+            shutil.rmtree(links)
+        links.mkdir(parents=True)
+        base = specs[0].identity[1]
+        for spec in specs:
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
+            (links / str(spec.identity[1] - base)).symlink_to(spec.run_dir.resolve(), target_is_directory=True)
+        array_id = self.client.sbatch(req.args, req.script)
+        return [f"{array_id}_{spec.identity[1] - base}" for spec in specs]
+
     def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> Optional[str]:
         """Find a job submitted just before a crash, by its comment (contract 4)."""
-        wanted = trial_comment(*identity, experiment_tag(exp_dir) if exp_dir else "")
-        for job in self.client.squeue():
-            if job.comment == wanted:
+        tag = experiment_tag(exp_dir) if exp_dir else ""
+        # One squeue serves every run recovered in this tick (an array's worth of them).
+        if self._recover_queue is None or time.monotonic() - self._recover_queue[0] > RECOVER_CACHE_S:
+            self._recover_queue = (time.monotonic(), self.client.squeue())
+        for job in self._recover_queue[1]:
+            same_store = job.comment.endswith(f",tag={tag}") if tag else ",tag=" not in job.comment
+            if job.identity == identity and same_store:
                 return job.job_id
         return None
 

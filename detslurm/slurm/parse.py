@@ -49,6 +49,11 @@ class QueuedJob:
     comment: str
 
     @property
+    def identity(self) -> Optional[tuple[int, int, int]]:
+        """(experiment, trial, run) when this is one of our trial runs."""
+        return parse_comment(self.comment, self.array_task_id)
+
+    @property
     def gpus(self) -> int:
         m = re.search(r"gpu(?::[^:,]+)?:(\d+)", self.gres)
         return int(m.group(1)) * max(1, self.num_nodes) if m else 0
@@ -181,13 +186,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
         raise SlurmParseError("node list", nodelist) from e
 
 
-COMMENT_RE = re.compile(r"^detslurm:exp=(\d+),trial=(\d+),run=(\d+)(?:,tag=([0-9a-f]+))?$")
+COMMENT_RE = re.compile(r"^detslurm:exp=(\d+),trial=(\d+)(\+?),run=(\d+)(?:,tag=([0-9a-f]+))?$")
 
 
-def trial_comment(exp_id: int, trial_id: int, run_id: int, tag: str = "") -> str:
+def trial_comment(exp_id: int, trial_id: int, run_id: int, tag: str = "", array: bool = False) -> str:
     """The job's identity. ``tag`` is unique to the experiment's dir, so two stores of one user
-    (or a store reset to id 1) never mistake each other's jobs for their own."""
-    base = f"detslurm:exp={exp_id},trial={trial_id},run={run_id}"
+    (or a store reset to id 1) never mistake each other's jobs for their own. An array's tasks
+    share one comment: ``trial=N+`` says task T runs trial N+T, so every task keeps its identity."""
+    base = f"detslurm:exp={exp_id},trial={trial_id}{'+' if array else ''},run={run_id}"
     return f"{base},tag={tag}" if tag else base
 
 
@@ -197,9 +203,17 @@ def experiment_tag(exp_dir: str) -> str:
     return hashlib.sha256(exp_dir.encode()).hexdigest()[:10]
 
 
-def parse_comment(comment: str) -> Optional[tuple[int, int, int]]:
+def parse_comment(comment: str, array_task_id: Optional[int] = None) -> Optional[tuple[int, int, int]]:
+    """(experiment, trial, run) of one of our jobs, or of one task of our arrays."""
     m = COMMENT_RE.match(comment.strip())
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    if not m:
+        return None
+    trial = int(m.group(2))
+    if m.group(3):
+        if array_task_id is None:
+            return None  # the array's own record (not expanded): no single trial
+        trial += array_task_id
+    return (int(m.group(1)), trial, int(m.group(4)))
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,30 @@ class SbatchRequest:
 
 @dataclass(frozen=True)
 class Identity:
+    """A trial run's identity in Slurm; for an array, ``trial_id`` is the trial of task 0."""
+
     experiment_id: int
     trial_id: int
     run_id: int
     tag: str = ""
+    array: bool = False
 
     @property
     def job_name(self) -> str:
-        return f"det-e{self.experiment_id}-t{self.trial_id}-r{self.run_id}"
+        return f"det-e{self.experiment_id}-t{self.trial_id}{'+' if self.array else ''}-r{self.run_id}"
 
     @property
     def comment(self) -> str:
-        return trial_comment(self.experiment_id, self.trial_id, self.run_id, self.tag)
+        return trial_comment(self.experiment_id, self.trial_id, self.run_id, self.tag, self.array)
+
+
+@dataclass(frozen=True)
+class ArrayTask:
+    """One trial run of a job array: task ``trial_id - base`` runs it."""
+
+    trial_id: int
+    run_dir: str
+    env: dict[str, str]
 
 
 def resource_args(config: dict[str, Any], site: SiteConfig) -> tuple[list[str], int]:
@@ -83,14 +95,13 @@ def resource_args(config: dict[str, Any], site: SiteConfig) -> tuple[list[str], 
     return args, nodes
 
 
-def plan_trial_run(*, config: dict[str, Any], site: SiteConfig, ident: Identity, env: dict[str, str],
-                   run_dir: str, log_path: str, python: str) -> SbatchRequest:
-    res_args, nodes = resource_args(config, site)
+def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output: str, chdir: str) -> list[str]:
+    res_args, _ = resource_args(config, site)
     sig = site.signal.upper().removeprefix("SIG")
     args = [
         f"--job-name={ident.job_name}", f"--comment={ident.comment}", *res_args,
         # sbatch expands %j, %u, ... in file names: a literal % must be doubled.
-        f"--output={log_path.replace('%', '%%')}", "--open-mode=append", f"--chdir={run_dir}",
+        f"--output={output}", "--open-mode=append", f"--chdir={chdir}",
         # detslurm resubmits from the latest checkpoint itself (counting restarts once).
         "--no-requeue",
         f"--signal=B:{sig}@{site.signal_lead_s}",
@@ -99,8 +110,52 @@ def plan_trial_run(*, config: dict[str, Any], site: SiteConfig, ident: Identity,
     for a in args:
         if any(c in a for c in "\n\r\0"):
             raise ConfigError([f"sbatch argument {a!r} contains a control character"])
-    script = _template("trial.sbatch.j2").render(
+    return args
+
+
+def _script(config: dict[str, Any], site: SiteConfig, ident: Identity, env: dict[str, str], run_dir: str,
+            python: str, tasks: list[tuple[int, list[tuple[str, str]]]] | None = None) -> str:
+    _, nodes = resource_args(config, site)
+    return _template("trial.sbatch.j2").render(
         ident=ident, env=sorted(env.items()), setup=site.setup, run_dir=run_dir, python=python, nodes=nodes,
-        signal=sig, node_tmpdir=site.node_tmpdir,
+        signal=site.signal.upper().removeprefix("SIG"), node_tmpdir=site.node_tmpdir, tasks=tasks or [],
     )
+
+
+def plan_trial_run(*, config: dict[str, Any], site: SiteConfig, ident: Identity, env: dict[str, str],
+                   run_dir: str, log_path: str, python: str) -> SbatchRequest:
+    args = _job_args(config, site, ident, log_path.replace("%", "%%"), run_dir)
+    script = _script(config, site, ident, env, run_dir, python)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
+
+
+def plan_array(*, config: dict[str, Any], site: SiteConfig, ident: Identity, tasks: list[ArrayTask],
+               links_dir: str, log_name: str, python: str) -> SbatchRequest:
+    """One sbatch for many trial runs that share resources (a job array).
+
+    Task ``t`` runs trial ``ident.trial_id + t``. Each task finds its own run dir through the
+    symlink ``links_dir/t`` (so Slurm writes its log to the run's usual place) and gets only its
+    own variables; what every task shares is exported once. resources.max_slots becomes the
+    array's throttle (``%N``): Slurm then runs at most N of its tasks at a time.
+    """
+    base = ident.trial_id
+    res = config["resources"]
+    throttle = max(1, int(res["max_slots"]) // max(1, int(res["slots_per_trial"]))) if res.get("max_slots") else 0
+    common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
+    per_task = [(t.trial_id - base, sorted((k, v) for k, v in t.env.items() if common.get(k) != v)) for t in tasks]
+    spec = index_ranges([i for i, _ in per_task]) + (f"%{throttle}" if throttle > 0 else "")
+    output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
+    args = [*_job_args(config, site, ident, output, links_dir), f"--array={spec}"]
+    script = _script(config, site, ident, common, "", python, per_task)
+    return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
+
+
+def index_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (sbatch --array syntax)."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(set(indices)):
+        if out and out[-1][1] == i - 1:
+            out[-1] = (out[-1][0], i)
+        else:
+            out.append((i, i))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in out)
