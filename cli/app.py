@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from detslurm import settings as settings_mod
 from detslurm.settings import Settings
-from detslurm.slurm.site import SiteConfig, load_site_config
-from detslurm.store import Store, open_store
+
+if TYPE_CHECKING:  # imported on first use: `det --help` needs neither
+    from detslurm.slurm.site import SiteConfig
+    from detslurm.store import Store
 
 
 class App:
@@ -19,12 +23,16 @@ class App:
 
     def site(self) -> SiteConfig:
         if self._site is None:
+            from detslurm.slurm.site import load_site_config
+
             self._site = load_site_config()
         return self._site
 
     @property
     def store(self) -> Store:
         if self._store is None:
+            from detslurm.store import open_store
+
             self._store = open_store(self.settings.db_url)
         return self._store
 

@@ -6,6 +6,7 @@ is shown only with DETSLURM_DEBUG=1.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -15,34 +16,50 @@ from collections.abc import Sequence
 import click
 
 from detslurm import __version__
-from detslurm.cli.app import App
 from detslurm.errors import DetSlurmError
 
+# name -> (module, group, short help). Subcommand modules import the store, Slurm and the
+# controller; loading them only when their command runs keeps `det --help` (and every command
+# that needs none of them) fast.
+_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "experiment": ("experiment", "experiment", "Create, inspect and control experiments."),
+    "trial": ("trial", "trial", "Inspect and control trials."),
+    "checkpoint": ("checkpoint", "checkpoint", "List, describe and download checkpoints."),
+    "daemon": ("daemon", "daemon", "Start, stop and inspect the detslurm daemon (one per user)."),
+    "job": ("job", "job", "The job queue: list it, reprioritize, reorder, hold, move between pools."),
+    "resource-pool": ("resource_pool", "resource_pool",
+                      "Resource pools (Slurm partitions, described in the site config)."),
+}
+_ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*_COMMANDS, *_ALIASES])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = _COMMANDS.get(_ALIASES.get(cmd_name, cmd_name))
+        if entry is None:
+            return None
+        module = importlib.import_module(f"detslurm.cli.{entry[0]}")
+        cmd = getattr(module, entry[1])
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, _COMMANDS[_ALIASES.get(name, name)][2]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="detslurm")
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """detslurm: Determined-style experiments on Slurm, with no master server."""
+    from detslurm.cli.app import App
+
     ctx.obj = App()
-
-
-def _register() -> None:
-    from detslurm.cli import checkpoint, daemon, experiment, job, resource_pool, trial
-
-    cli.add_command(experiment.experiment)
-    cli.add_command(experiment.experiment, name="e")
-    cli.add_command(trial.trial)
-    cli.add_command(trial.trial, name="t")
-    cli.add_command(checkpoint.checkpoint)
-    cli.add_command(checkpoint.checkpoint, name="c")
-    cli.add_command(daemon.daemon)
-    cli.add_command(job.job)
-    cli.add_command(resource_pool.resource_pool)
-    cli.add_command(resource_pool.resource_pool, name="rp")
-
-
-_register()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,18 +15,20 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import filelock
 import psutil
 
 from detslurm import settings as settings_mod
-from detslurm.controller.controller import Controller
-from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.settings import Settings
-from detslurm.slurm.client import client_from_env
-from detslurm.slurm.site import SiteConfig, load_site_config
-from detslurm.store import open_store
+
+if TYPE_CHECKING:
+    from detslurm.controller.controller import Controller
+    from detslurm.slurm.site import SiteConfig
+
+# The controller, store and Slurm modules are imported on first use: a starting daemon takes
+# its lock and writes its pid first, so `det e create` waits for it only briefly.
 
 log = logging.getLogger("detslurm.daemon")
 
@@ -67,6 +69,12 @@ def controller_lock(s: Settings, timeout: float = 0) -> Iterator[bool]:
 
 
 def make_controller(s: Settings, site: Optional[SiteConfig] = None) -> Controller:
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.slurm_executor import SlurmExecutor
+    from detslurm.slurm.client import client_from_env
+    from detslurm.slurm.site import load_site_config
+    from detslurm.store import open_store
+
     return Controller(open_store(s.db_url), SlurmExecutor(client_from_env(), site or load_site_config()))
 
 
@@ -125,6 +133,8 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
             log.error("another detslurm daemon holds %s", Paths(s).lock)
             return 1
         Paths(s).pid.write_text(str(os.getpid()))
+        from detslurm.slurm.site import load_site_config
+
         site = load_site_config()
         ctl = make_controller(s, site)
         interval = max(site.poll_interval_s, s.poll_interval_s)

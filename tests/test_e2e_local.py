@@ -266,3 +266,22 @@ def test_create_without_reachable_slurm_fails_cleanly(det: Any, tmp_path: Path, 
     assert code == 1 and err.startswith("Error: ") and "Traceback" not in err
     assert "scontrol" in err or "not found" in err
     assert det("e", "list", "--json")[1].strip() == "[]"  # nothing was created
+
+
+def test_help_is_fast_and_lists_every_command() -> None:
+    """`det --help` loads no subcommand module (so neither the store nor Slurm code), and its
+    short help for each command is the command's own."""
+    import importlib
+    import subprocess
+    import sys
+
+    from detslurm.cli.main import _ALIASES, _COMMANDS
+
+    probe = ("import sys\nfrom detslurm.cli.main import main\nmain(['--help'])\n"
+             "print(sorted(m for m in sys.modules if m.startswith(('sqlalchemy', 'detslurm.store', 'detslurm.cli.'))))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "['detslurm.cli.main']"
+    for name, (module, attr, short) in _COMMANDS.items():
+        group = getattr(importlib.import_module(f"detslurm.cli.{module}"), attr)
+        assert (group.help or "").splitlines()[0] == short and f"\n  {name} " in out
+    assert all(f"\n  {alias} " in out for alias in _ALIASES)

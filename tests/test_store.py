@@ -129,3 +129,11 @@ def test_failed_transaction_rolls_back(tmp_path: Path) -> None:
         pass
     with store.tx() as s:
         assert s.get(Experiment, exp_id).state == "ACTIVE"  # type: ignore[union-attr]
+
+
+def test_head_revision_constant_is_alembics_head() -> None:
+    from alembic.script import ScriptDirectory
+
+    from detslurm.store import db
+
+    assert ScriptDirectory.from_config(db._alembic_config()).get_current_head() == db.HEAD_REVISION

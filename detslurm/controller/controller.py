@@ -203,6 +203,8 @@ class Controller:
 
     # -- files the trials read ------------------------------------------------------------
     def _sync_files(self, exp_id: int) -> None:
+        # Ops and best-validation files are not fsynced: the next tick rewrites them from the
+        # store whenever they differ. (The control file is written once, so it is.)
         with self.store.tx() as s:
             exp = s.get(Experiment, exp_id)
             assert exp is not None
@@ -217,13 +219,13 @@ class Controller:
                     want = {"ops": t.searcher_ops, "completed": t.ops_completed, "closed": t.ops_closed,
                             "idle_after": t.ops_completed if t.ops_idle else -1}
                     if read_json(layout.ops_file(t.id)) != want:
-                        atomic_write_json(layout.ops_file(t.id), want)
+                        atomic_write_json(layout.ops_file(t.id), want, durable=False)
                 reason = self._stop_reason(exp, state, t)
                 for r in t.runs:
                     if r.state in ACTIVE_RUN and reason and not control_file(Path(r.run_dir)).exists():
                         atomic_write_json(control_file(Path(r.run_dir)), {"preempt": True, "reason": reason})
             if best is not None and read_json(layout.best_validation, {}).get("value") != best:
-                atomic_write_json(layout.best_validation, {"value": best})
+                atomic_write_json(layout.best_validation, {"value": best}, durable=False)
 
     @staticmethod
     def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> str | None:
@@ -251,20 +253,21 @@ class Controller:
             if exp.state != ExperimentState.ACTIVE.value:
                 return
             busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
+            new: list[tuple[Trial, TrialRun]] = []
             for t in exp.trials:
-                if cap is not None and len(specs) >= cap:
+                if cap is not None and len(new) >= cap:
                     break
                 if self._needs_run(t, busy):
-                    run = self._new_run(s, exp, t)
-                    specs.append((run.id, self._spec(exp, t, run)))
+                    new.append((t, self._new_run(s, exp, t)))
+            s.flush()  # once for all new runs: their ids
+            specs = [(run.id, self._spec(exp, t, run)) for t, run in new]
         many = getattr(self.executor, "submit_many", None)
         if many is not None and len(specs) > 1:
             # Runs that share resources go as job arrays: one sbatch for many trials.
             for spec in (sp for _, sp in specs):
                 spec.run_dir.mkdir(parents=True, exist_ok=True)
             results: list[str | Exception] = many([sp for _, sp in specs])
-            for (run_pk, spec), result in zip(specs, results, strict=True):
-                self._record(run_pk, spec, result)
+            self._record_many([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
             return
         for run_pk, spec in specs:
             self._start(run_pk, spec)
@@ -279,12 +282,12 @@ class Controller:
                        run_dir=str(run_dir), log_path=str(log_file(run_dir)), preempt_acked=False, restart_count_seen=0)
         s.add(run)
         t.runs.append(run)
-        # Rows past the checkpoint we resume from would be reported again: archive them so
-        # no step is counted twice.
-        resume_at = t.steps_completed if t.latest_checkpoint else 0
-        s.execute(update(Metric).where(Metric.trial_id == t.id).where(Metric.steps_completed > resume_at)
-                  .values(archived=True))
-        s.flush()
+        if t.run_count > 1:
+            # Rows past the checkpoint we resume from would be reported again: archive them so
+            # no step is counted twice.
+            resume_at = t.steps_completed if t.latest_checkpoint else 0
+            s.execute(update(Metric).where(Metric.trial_id == t.id).where(Metric.steps_completed > resume_at)
+                      .values(archived=True))
         return run
 
     def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
@@ -316,6 +319,22 @@ class Controller:
         except Exception as e:
             result = e
         self._record(run_pk, spec, result)
+
+    def _record_many(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
+        """Note many submissions' job ids in one transaction (each run dir first, as in _record)."""
+        done: dict[int, str] = {}
+        for run_pk, spec, result in results:
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                (spec.run_dir / "job_id").write_text(result)
+                done[run_pk] = result
+            except Exception as e:
+                self._record(run_pk, spec, e)
+        with self.store.tx() as s:
+            for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
+                run.job_id = done[run.id]
+                run.state = RunState.QUEUED.value
 
     def _record(self, run_pk: int, spec: RunSpec, result: str | Exception) -> None:
         """Note a submission's job id (first in the run dir: the store commit may not happen)."""

@@ -14,11 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import filelock
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,9 +23,14 @@ from detslurm.errors import StoreError
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_LOCK_KEY = 0x64657473  # "dets": the store's one advisory lock
+# The newest migration's revision. A test checks it against alembic's scripts; knowing it here
+# lets every CLI call open an up-to-date store without importing alembic (about 0.2 s).
+HEAD_REVISION = "0001"
 
 
-def _alembic_config() -> Config:
+def _alembic_config() -> Any:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
     return cfg
@@ -77,6 +78,12 @@ class Store:
 
     def migrate(self) -> None:
         """Bring the schema to head (a no-op when it already is)."""
+        if self._revision() == HEAD_REVISION:
+            return
+        from alembic import command
+        from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
+
         head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
         lock: contextlib.AbstractContextManager[Any] = (
             filelock.FileLock(self._lock_path) if self._lock_path else contextlib.nullcontext()
@@ -91,6 +98,13 @@ class Store:
                 command.upgrade(cfg, "head")
         except OperationalError as e:
             raise StoreError(f"cannot open the detslurm store at {self.url}: {e.orig}") from None
+
+    def _revision(self) -> str | None:
+        try:
+            with self.engine.connect() as conn:
+                return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except Exception:  # no table yet (a new store), or the store cannot be opened: migrate says
+            return None
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Session]:

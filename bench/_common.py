@@ -1,0 +1,74 @@
+"""What every benchmark shares: a private detslurm environment on the test cluster, an sbatch
+that counts its calls, results files, and medians measured side by side."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DET = str(ROOT / ".venv/bin/det")
+sys.path.insert(0, str(ROOT))
+
+
+def require_cluster() -> None:
+    if not os.environ.get("SLURM_CONF"):
+        sys.exit("this benchmark needs the test cluster: eval \"$(scripts/test-cluster env .state/cluster)\"")
+
+
+class Workspace:
+    """Private store, experiment dirs and checkpoints for one benchmark run; its daemon stops
+    and its jobs are canceled when the benchmark ends."""
+
+    def __init__(self, name: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+        self.env = dict(os.environ, DETSLURM_DATA_DIR=str(self.dir / "data"),
+                        DETSLURM_EXPERIMENTS_DIR=str(self.dir / "exps"), DETSLURM_CHECKPOINT_DIR=str(self.dir / "ck"),
+                        DETSLURM_CONFIG=str(self.dir / "none.yaml"), DETSLURM_POLL_INTERVAL_S="0.5",
+                        DETSLURM_SITE_CONFIG=str(ROOT / "site-configs/test-cluster.yaml"))
+
+    def apply(self) -> None:
+        """Use this workspace in this process too (for in-process controllers)."""
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("DETSLURM_")})
+
+    def det(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([DET, *args], env=self.env, capture_output=True, text=True, check=check)
+
+    def counting_sbatch(self) -> Path:
+        """Put an sbatch first on PATH that logs each call, then runs the real one."""
+        real = shutil.which("sbatch")
+        if real is None:
+            sys.exit("sbatch not found: is the test cluster's Slurm installed?")
+        bindir, log = self.dir / "shim", self.dir / "sbatch-calls.log"
+        bindir.mkdir(exist_ok=True)
+        (bindir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {log}\nexec {real} "$@"\n')
+        (bindir / "sbatch").chmod(0o755)
+        self.env["PATH"] = f"{bindir}:{self.env['PATH']}"
+        log.write_text("")
+        return log
+
+    def close(self) -> None:
+        self.det("daemon", "stop", check=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def scancel_mine() -> None:
+    subprocess.run(["scancel", "-u", os.environ.get("USER") or "root"], check=False)
+
+
+def median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def save(name: str, result: dict[str, Any]) -> None:
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
