@@ -324,6 +324,9 @@ class Controller:
         """Note many submissions' job ids in one transaction (each run dir first, as in _record)."""
         done: dict[int, str] = {}
         for run_pk, spec, result in results:
+            if _unreachable(result):
+                self._unsubmit(run_pk, result)
+                continue
             try:
                 if isinstance(result, Exception):
                     raise result
@@ -336,8 +339,22 @@ class Controller:
                 run.job_id = done[run.id]
                 run.state = RunState.QUEUED.value
 
+    def _unsubmit(self, run_pk: int, error: object) -> None:
+        """Slurm did not answer the submission: forget the run, as if this tick never made it.
+        The next tick submits again; an outage of slurmctld spends no restart."""
+        with self.store.tx() as s:
+            run = s.get(TrialRun, run_pk)
+            assert run is not None
+            run.trial.run_count -= 1
+            note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
+            s.delete(run)
+        log.warning("submission deferred (Slurm unreachable): %s", error)
+
     def _record(self, run_pk: int, spec: RunSpec, result: str | Exception) -> None:
         """Note a submission's job id (first in the run dir: the store commit may not happen)."""
+        if _unreachable(result):
+            self._unsubmit(run_pk, result)
+            return
         try:
             if isinstance(result, Exception):
                 raise result
@@ -386,6 +403,12 @@ def config_env(config: dict[str, Any]) -> dict[str, str]:
     if isinstance(items, dict):
         items = items.get("cpu", [])
     return dict(item.partition("=")[::2] for item in items)
+
+
+def _unreachable(result: object) -> bool:
+    from detslurm.slurm.client import SlurmCommandError
+
+    return isinstance(result, SlurmCommandError) and result.unreachable
 
 
 def _tested_everything(s: object, trial: Trial) -> bool:

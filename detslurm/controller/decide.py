@@ -11,7 +11,9 @@ from detslurm.controller.executor import JobState, JobStatus
 from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, SearchMethod
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
-NOT_THE_TRIALS_FAULT = ("preempted", "node failure")
+# Ends that spend none of the trial's restarts: the cluster's doing, or ours (a controller that
+# died between creating a run and submitting it).
+NOT_THE_TRIALS_FAULT = ("preempted", "node failure", "never started")
 
 
 def _now() -> datetime:
@@ -99,7 +101,7 @@ def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, 
     elif status.reason in NOT_THE_TRIALS_FAULT:
         # Preempted or lost its node before it could checkpoint: resume from the latest
         # checkpoint without spending one of the trial's restarts.
-        note(session, trial.id, f"trial run {run.run_id} ended by {status.reason}; resuming from the latest "
+        note(session, trial.id, f"trial run {run.run_id} ended ({status.reason}); resuming from the latest "
                                 "checkpoint", "WARNING")
         if exp.state == ExperimentState.PAUSED.value:
             trial.state = TrialState.PAUSED.value

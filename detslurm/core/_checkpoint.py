@@ -96,7 +96,14 @@ class CheckpointContext:
             partial.mkdir(parents=True, exist_ok=False)
         if shard:
             self._dist.allgather(None)  # the directory exists before any rank writes
-        yield partial, storage_id
+        try:
+            yield partial, storage_id
+        except BaseException:
+            # A failed write (a full filesystem, a crash in user code) leaves no half checkpoint
+            # behind to fill the disk: the latest complete one stays the one we resume from.
+            if self._dist.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
         if shard:
             parts = self._dist.allgather(md)
             if self._dist.rank == 0:

@@ -20,12 +20,22 @@ from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
 DEFAULT_TIMEOUT_S = 30.0
 
 
+# What Slurm's commands print when slurmctld is down or restarting (not a problem of the job).
+_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused",
+                "Zero Bytes were transmitted or received", "Slurm backup controller in standby mode")
+
+
 class SlurmCommandError(DetSlurmError):
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
         self.argv = list(argv)
         self.returncode = returncode
         self.stderr = stderr.strip()
         super().__init__(f"{argv[0]} failed (exit {returncode}): {self.stderr or 'no message'}")
+
+    @property
+    def unreachable(self) -> bool:
+        """slurmctld did not answer (down, restarting, overloaded): try again later."""
+        return self.returncode == 124 or any(m in self.stderr for m in _UNREACHABLE)
 
 
 class SlurmUnavailable(DetSlurmError):

@@ -1,0 +1,144 @@
+"""Fault injection on the real cluster: slurmctld restarts and outages, and a daemon SIGKILLed
+at 20 random points of a 30-trial search."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import EXAMPLES, ROOT, write
+from sqlalchemy import select
+
+from detslurm import daemon, settings
+from detslurm.store import Metric, Trial, TrialRun, open_store
+
+pytestmark = [pytest.mark.slurm, pytest.mark.fault, pytest.mark.usefixtures("slurm_env")]
+CORE = EXAMPLES / "core_api"
+
+
+def store() -> Any:
+    return open_store(settings.load().db_url)
+
+
+def ctld(cluster: Path, action: str) -> None:
+    env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
+    subprocess.run([str(ROOT / "scripts/test-cluster"), f"ctld-{action}", str(cluster)], check=True, env=env,
+                   capture_output=True)
+
+
+def recording_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An sbatch on PATH that records every job id Slurm accepted."""
+    real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
+    log = tmp_path / "submitted"
+    write(tmp_path / "shim/sbatch", f'#!/bin/bash\nout=$({real} "$@")\nrc=$?\n'
+                                    f'[ $rc = 0 ] && echo "$out" >> {log}\necho "$out"\nexit $rc\n').chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'shim'}:{os.environ['PATH']}")
+    return log
+
+
+def check_exactly_once(exp_id: int, submitted: Path) -> list[Trial]:
+    """No trial lost or duplicated, every metric row once, and every job Slurm accepted is a
+    run in the store (none was submitted twice and forgotten)."""
+    with store().tx() as s:
+        ts = list(s.scalars(select(Trial).where(Trial.experiment_id == exp_id)))
+        assert len({t.request_id for t in ts}) == len(ts)
+        for t in ts:
+            assert t.state == "COMPLETED" and t.restarts == 0, (t.id, t.state, t.restarts)
+            for group in ("training", "validation"):
+                got = list(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
+                                     .where(Metric.group == group).where(Metric.archived.is_(False))))
+                assert len(got) == len(set(got)), (t.id, group, sorted(got))
+            train = sorted(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
+                                     .where(Metric.group == "training").where(Metric.archived.is_(False))))
+            assert train == list(range(1, len(train) + 1))
+        jobs = [j for j in s.scalars(select(TrialRun.job_id)) if j]
+    assert len(jobs) == len(set(jobs))
+    accepted = set(submitted.read_text().split())
+    assert accepted == {j.split("_")[0] for j in jobs}, "a job was submitted that no run owns"
+    return ts
+
+
+def test_daemon_sigkilled_at_20_random_points_of_a_30_trial_search(det: Any, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    submitted = recording_sbatch(tmp_path, monkeypatch)
+    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=30",
+                       "--config", "searcher.max_concurrent_trials=6", "--config", "hyperparameters.sleep=0.02")
+    assert code == 0, err
+    s = settings.load()
+    rng = random.Random(20)
+    kills = 0
+    while kills < 20:
+        time.sleep(rng.uniform(0.2, 2.0))
+        pid = daemon.running_pid(s)
+        if pid is None:
+            daemon.start(s)
+            continue
+        os.kill(pid, signal.SIGKILL)
+        kills += 1
+        deadline = time.time() + 10
+        while daemon.running_pid(s) is not None and time.time() < deadline:
+            time.sleep(0.05)
+        daemon.start(s)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    ts = check_exactly_once(1, submitted)
+    assert len(ts) == 30
+
+
+def test_slurmctld_restart_while_daemon_polls(det: Any, tmp_path: Path, slurm_cluster: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    submitted = recording_sbatch(tmp_path, monkeypatch)
+    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=4",
+                       "--config", "searcher.max_concurrent_trials=4", "--config", "hyperparameters.sleep=0.3")
+    assert code == 0, err
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with store().tx() as ses:
+            running = ses.scalars(select(TrialRun).where(TrialRun.state == "RUNNING")).all()
+        if len(running) >= 2:
+            break
+        time.sleep(0.2)
+    pid = daemon.running_pid(settings.load())
+    ctld(slurm_cluster, "stop")
+    time.sleep(12)  # more than one poll fails (each takes ~9 s to give up); the trials keep running
+    ctld(slurm_cluster, "start")
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    assert daemon.running_pid(settings.load()) == pid  # the daemon rode it out
+    log = (settings.load().data_dir / "daemon.log").read_text()
+    assert "Unable to contact slurm controller" in log
+    ts = check_exactly_once(1, submitted)
+    assert all(t.run_count == 1 for t in ts)
+
+
+def test_submission_during_outage_spends_no_restart(det: Any, tmp_path: Path, slurm_cluster: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trials due while slurmctld is down are submitted when it is back: no restart spent,
+    no run left behind."""
+    from detslurm.controller import ops
+
+    submitted = recording_sbatch(tmp_path, monkeypatch)
+    code, _, err = det("e", "create", "--paused", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
+    assert code == 0, err
+    ctld(slurm_cluster, "stop")
+    try:
+        ops.activate(store(), 1)
+        ctl = daemon.make_controller(settings.load())
+        ctl.tick()  # its sbatch cannot reach slurmctld
+        with store().tx() as s:
+            (t,) = s.scalars(select(Trial)).all()
+            assert t.restarts == 0 and t.run_count == 0 and not t.runs
+    finally:
+        ctld(slurm_cluster, "start")
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = check_exactly_once(1, submitted)
+    assert t.run_count == 1
+    code, out, _ = det("t", "logs", str(t.id))
+    assert "Slurm is unreachable; will submit again" in out
