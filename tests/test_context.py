@@ -44,6 +44,7 @@ def test_size_limit_names_largest_files(tmp_path: Path) -> None:
     assert "weights.bin" not in names(tmp_path)
 
 
+@pytest.mark.fault
 def test_escaping_symlink_refused(tmp_path: Path) -> None:
     ctx = tmp_path / "ctx"
     write(ctx / "train.py", "x")
@@ -91,6 +92,7 @@ def _evil_tar(path: Path, member: tarfile.TarInfo, data: bytes = b"") -> None:
     lambda: tarfile.TarInfo("/abs.txt"),
     lambda: tarfile.TarInfo("a/../../escape.txt"),
 ])
+@pytest.mark.fault
 def test_extract_refuses_traversal(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
     _evil_tar(tmp_path / "evil.tgz", make(), b"pwned")
     with pytest.raises(ContextError, match="escapes"):
@@ -98,6 +100,7 @@ def test_extract_refuses_traversal(tmp_path: Path, make) -> None:  # type: ignor
     assert not (tmp_path / "escape.txt").exists()
 
 
+@pytest.mark.fault
 def test_extract_refuses_escaping_link(tmp_path: Path) -> None:
     m = tarfile.TarInfo("link")
     m.type = tarfile.SYMTYPE

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -57,12 +58,14 @@ def _check(raw: Any) -> None:
     yaml.safe_dump(cfg.as_dict())  # a valid config round-trips
 
 
+@pytest.mark.fault
 @settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config)
 def test_fuzzed_configs_give_clean_errors(raw: dict[str, Any]) -> None:
     _check(raw)
 
 
+@pytest.mark.fault
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=200))
 def test_fuzzed_yaml_text(text: str) -> None:
@@ -72,6 +75,7 @@ def test_fuzzed_yaml_text(text: str) -> None:
         assert e.errors[0].startswith("<config>")
 
 
+@pytest.mark.fault
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.text(max_size=20), max_size=4))
 def test_fuzzed_overrides(items: list[str]) -> None:

@@ -53,6 +53,7 @@ class TestOnCluster:
         code, out, _ = det("t", "logs", "1", "--rank-id", "3")
         assert code == 0 and all(line.startswith("[rank=3]") for line in out.strip().splitlines())
 
+    @pytest.mark.fault
     def test_worker_failure_stops_the_job_within_10s(self, det: Any, tmp_path: Path) -> None:
         cfg = write(tmp_path / "c.yaml", DDP + "resources: {slots_per_trial: 4}\n"
                                                "environment: {environment_variables: [FAIL_RANK=3]}\n")

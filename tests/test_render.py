@@ -77,6 +77,7 @@ def test_percent_in_log_path_is_escaped() -> None:
 HOSTILE = ["it's", "$(touch PWNED)", "`touch PWNED`", "a\nb", "x; touch PWNED", "\\", '"quoted"', "$HOME", "*"]
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("evil", HOSTILE)
 def test_hostile_strings_never_execute(tmp_path: Path, evil: str) -> None:
     cfg = config(name=f"exp {evil}", entrypoint=f"python3 train.py {evil}", description=evil,
@@ -112,6 +113,7 @@ def test_index_ranges() -> None:
     assert index_ranges([3]) == "3"
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("evil", HOSTILE)
 def test_array_script_gives_each_task_its_own_trial(tmp_path: Path, evil: str) -> None:
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")

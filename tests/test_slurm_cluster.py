@@ -114,6 +114,7 @@ def test_pause_activate_on_slurm(det: Any) -> None:
     assert min(s for s, r in train if r == 2) == paused_at + 1
 
 
+@pytest.mark.fault
 def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
     code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.2",
                        "--config", "slurm.sbatch_args=[--nodelist=c1]")
@@ -135,6 +136,7 @@ def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
     assert "preempted" in out
 
 
+@pytest.mark.fault
 def test_daemon_sigkill_loses_and_duplicates_nothing(det: Any) -> None:
     code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "hyperparameters.sleep=0.05")
     assert code == 0, err
@@ -262,6 +264,7 @@ def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyP
     assert acct.state.value == "FAILED" and acct.exit_code == 4
 
 
+@pytest.mark.fault
 def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster: Path) -> None:
     """Kill the slurmd of the node running a trial: Slurm marks the node down and the job
     NODE_FAIL; the trial resumes on another node from its checkpoint without using a restart."""

@@ -91,6 +91,7 @@ def test_queue_as_root(det: Any) -> None:
     assert code == 0 and squeue(b, "%y") == "800"
 
 
+@pytest.mark.fault
 def test_queue_as_ordinary_user(det: Any, tester: str, user_det: Path, tmp_path: Path) -> None:
     os.chmod(tmp_path, 0o711)  # the user reaches its own home below; nothing else here is readable
     home = tmp_path / "home"
@@ -123,6 +124,7 @@ def test_queue_as_ordinary_user(det: Any, tester: str, user_det: Path, tmp_path:
     del blockers
 
 
+@pytest.mark.fault
 def test_other_users_cannot_read_experiments(det: Any, tester: str, tmp_path: Path) -> None:
     code, out, err = det("e", "create", "--local", EXAMPLES / "core_api/const.yaml", EXAMPLES / "core_api",
                          "--config", "hyperparameters.sleep=0")
