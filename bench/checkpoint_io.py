@@ -1,0 +1,75 @@
+"""Checkpoints: save and restore throughput of the Core API (``store_path`` / ``restore_path``,
+as a trial uses them: partial dir, metadata, rename, the report flushed to the events file)
+against raw ``torch.save`` / ``torch.load`` of the same state into the same directory.
+Interleaved repeats; medians. Goal >= 0.9x for both.
+
+    python bench/checkpoint_io.py [--mb N] [--repeats R]     (no cluster needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import median, save
+
+from detslurm.core._checkpoint import CheckpointContext
+from detslurm.core._context import _durable
+from detslurm.core._distributed import DummyDistributedContext
+from detslurm.core._events import EventWriter
+
+
+def state(mb: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    n = mb * 1024 * 1024 // 4 // 8
+    return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(8)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    sd = state(args.mb)
+    writer = EventWriter(work / "events.jsonl")
+    ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
+    t: dict[str, list[float]] = {"raw_save": [], "det_save": [], "raw_load": [], "det_load": []}
+    try:
+        for i in range(args.repeats):
+            t0 = time.perf_counter()
+            torch.save(sd, work / f"raw-{i}.pt")
+            t["raw_save"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with ckpt.store_path({"steps_completed": i}) as (path, uuid):
+                torch.save(sd, path / "state.pt")
+            t["det_save"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            torch.load(work / f"raw-{i}.pt")
+            t["raw_load"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with ckpt.restore_path(uuid) as path:
+                torch.load(path / "state.pt")
+            t["det_load"].append(time.perf_counter() - t0)
+            (work / f"raw-{i}.pt").unlink()
+            ckpt.delete(uuid)
+    finally:
+        writer.close()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: median(v) for k, v in t.items()}
+    save("checkpoint_io", {
+        "benchmark": "checkpoint_io", "mb": args.mb, "repeats": args.repeats, "samples_s": t, "median_s": med,
+        "save_throughput_ratio": med["raw_save"] / med["det_save"],
+        "restore_throughput_ratio": med["raw_load"] / med["det_load"],
+        "goal_ratio_min": 0.9,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
