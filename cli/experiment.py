@@ -12,16 +12,19 @@ import yaml
 from sqlalchemy import select
 
 from detslurm import views
-from detslurm.cli import local
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
-from detslurm.controller.create import execute_create, plan_create, preview_sbatch
 from detslurm.errors import DetSlurmError
-from detslurm.slurm.render import resource_args
 from detslurm.store.models import Experiment, ExperimentState
+
+
+def _local() -> Any:
+    from detslurm.cli import local
+
+    return local
 
 
 @click.group(name="experiment")
@@ -59,6 +62,10 @@ def _test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
 def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test_mode: bool,
            follow: bool, paused: bool, overrides: tuple[str, ...], dry_run: bool) -> None:
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
+    # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
+    from detslurm.controller.create import execute_create, plan_create, preview_sbatch
+    from detslurm.slurm.render import resource_args
+
     plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
     site = None if run_local else app.site()
     if site is not None:
@@ -82,7 +89,7 @@ def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test
         return
     if test_mode:
         click.echo("Testing training, validation and checkpointing")
-    state = local.drive(app, exp_id, follow=follow, quiet=test_mode)
+    state = _local().drive(app, exp_id, follow=follow, quiet=test_mode)
     if test_mode:
         raise click.exceptions.Exit(_test_mode_report(app, exp_id, state))
     click.echo(f"Experiment {exp_id} {state.value}")
@@ -105,13 +112,20 @@ def _exp_rows(app: App, show_all: bool) -> list[dict[str, Any]]:
 def list_(app: App, show_all: bool, as_json: bool) -> None:
     """List experiments."""
     slurm_mod.reconcile(app)
-    rows = _exp_rows(app, show_all)
     if as_json:
-        dump_json(rows)
+        dump_json(_exp_rows(app, show_all))
         return
+    # Only the shown columns: loading whole rows (configs, searcher states) of thousands of
+    # experiments would take seconds.
+    e = Experiment
+    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    if not show_all:
+        q = q.where(e.archived.is_(False))
+    with app.store.tx() as s:
+        rows = list(s.execute(q.order_by(e.id)))
     table(["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
-          [[r["id"], r["owner"], r["name"], r["parent_id"] or "", r["state"], fmt_pct(float(r["progress"])),
-            fmt_time(r["start_time"]), fmt_time(r["end_time"]), r["resource_pool"]] for r in rows])
+          [[i, owner, name, parent or "", state, fmt_pct(float(progress)), fmt_time(start), fmt_time(end), pool]
+           for i, owner, name, parent, state, progress, start, end, pool in rows])
 
 
 experiment.add_command(list_, "ls")
@@ -250,7 +264,7 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
     with app.store.tx() as s:
         kind = views.get_experiment(s, exp_id).executor
     if kind == "local" and not detach:
-        state = local.drive(app, exp_id)
+        state = _local().drive(app, exp_id)
         click.echo(f"Experiment {exp_id} {state.value}")
     elif kind == "slurm":
         from detslurm import daemon as daemon_mod
@@ -283,7 +297,7 @@ def wait(app: App, exp_id: int) -> None:
             break
         if kind == "local" and state != ExperimentState.PAUSED:
             try:
-                state = local.drive(app, exp_id, quiet=True)
+                state = _local().drive(app, exp_id, quiet=True)
                 continue
             except DetSlurmError:
                 pass  # another process drives it: poll the store

@@ -1,0 +1,108 @@
+"""CLI latency: ``det e list`` with 10k experiments in the store, ``det job list`` with 2k
+queued jobs, and ``det --help`` start-up, each side by side with the floor it cannot beat:
+a bare Python reading the same rows with sqlite3, a raw ``squeue -r`` of the same jobs, and a
+Python that only imports click. Medians of interleaved repeats.
+
+    python bench/cli_latency.py [--experiments N] [--jobs N] [--repeats R]   (jobs need the cluster)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from _common import DET, Workspace, median, save, scancel_mine
+
+RAW_LIST = """
+import sqlite3, sys
+con = sqlite3.connect(sys.argv[1])
+for row in con.execute("SELECT id, owner, name, parent_id, state, progress, start_time, end_time, resource_pool "
+                       "FROM experiments WHERE archived = 0 ORDER BY id"):
+    print(*row, sep=" | ")
+"""
+
+
+def fill_store(ws: Workspace, n: int) -> str:
+    ws.apply()
+    from sqlalchemy import insert
+
+    from detslurm import settings
+    from detslurm.expconf import validate
+    from detslurm.store import Experiment, open_store
+
+    url = settings.load().db_url
+    cfg = validate({"name": "x", "entrypoint": "python3 train.py", "searcher": {"name": "single", "metric": "loss"},
+                    "hyperparameters": {"lr": 0.1}}, {"type": "shared_fs", "host_path": "/tmp"}).as_dict()
+    now = datetime.now(timezone.utc)
+    rows = [{"name": f"exp-{i}", "owner": "bench", "state": "COMPLETED", "config": cfg, "original_config": "",
+             "context_sha256": "0" * 64, "exp_dir": f"/nonexistent/exp-{i}", "executor": "local",
+             "resource_pool": "cpu", "progress": 1.0, "archived": False, "test_mode": False, "start_time": now,
+             "end_time": now} for i in range(n)]
+    with open_store(url).tx() as s:
+        s.execute(insert(Experiment), rows)
+    return url.split("///", 1)[-1]
+
+
+def timed(argv: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(argv, env=env, capture_output=True, check=True)
+    return time.perf_counter() - t0
+
+
+def fill_queue(n: int) -> None:
+    """n held trial jobs of ours (arrays of at most 1000 tasks), as a grid experiment makes."""
+    for start in range(0, n, 1000):
+        count = min(1000, n - start)
+        subprocess.run(["sbatch", "--parsable", "--hold", f"--array=0-{count - 1}", "-o", "/dev/null",
+                        "-J", f"det-e1-t{start + 1}+-r1", f"--comment=detslurm:exp=1,trial={start + 1}+,run=1",
+                        "--wrap", "true"], check=True, capture_output=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experiments", type=int, default=10_000)
+    ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    ws = Workspace("cli")
+    db = fill_store(ws, args.experiments)
+    t: dict[str, list[float]] = {k: [] for k in ("det_help", "python_click", "det_e_list", "raw_sqlite_list",
+                                                  "det_job_list", "raw_squeue")}
+    with_jobs = args.jobs > 0 and bool(os.environ.get("SLURM_CONF"))
+    try:
+        if with_jobs:
+            scancel_mine()
+            fill_queue(args.jobs)
+        for _ in range(args.repeats):
+            t["det_help"].append(timed([DET, "--help"], ws.env))
+            t["python_click"].append(timed([sys.executable, "-c", "import click"], ws.env))
+            t["det_e_list"].append(timed([DET, "e", "list"], ws.env))
+            t["raw_sqlite_list"].append(timed([sys.executable, "-c", RAW_LIST, db], ws.env))
+            if with_jobs:
+                t["det_job_list"].append(timed([DET, "job", "list"], ws.env))
+                t["raw_squeue"].append(timed(["squeue", "-r"], ws.env))
+    finally:
+        if with_jobs:
+            scancel_mine()
+        ws.close()
+    med = {k: median(v) for k, v in t.items() if v}
+    result: dict[str, Any] = {
+        "benchmark": "cli_latency", "experiments": args.experiments, "jobs": args.jobs if with_jobs else 0,
+        "repeats": args.repeats, "median_s": med, "samples_s": t,
+        "help_ratio_vs_import_click": med["det_help"] / med["python_click"],
+        "e_list_ratio_vs_raw_sqlite": med["det_e_list"] / med["raw_sqlite_list"],
+        "goal_help_s_max": 0.3, "goal_e_list_s_max": 2.0, "goal_job_list_ratio_vs_squeue_max": 3.0,
+    }
+    if with_jobs:
+        result["job_list_ratio_vs_squeue"] = med["det_job_list"] / med["raw_squeue"]
+    save("cli_latency", result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
