@@ -68,7 +68,13 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def results_dir() -> Path:
+    """bench/results, or BENCH_RESULTS_DIR (the tests run the benchmarks at toy sizes there)."""
+    path = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def save(name: str, result: dict[str, Any]) -> None:
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (results_dir() / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

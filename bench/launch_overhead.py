@@ -91,8 +91,9 @@ def main() -> int:
         "raw_median_s": statistics.median(raw), "detslurm_median_s": statistics.median(det),
         "ratio": statistics.median(det) / statistics.median(raw), "goal_ratio_max": 1.1,
     }
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results/launch_overhead.json").write_text(json.dumps(result, indent=2))
+    results = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "launch_overhead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0

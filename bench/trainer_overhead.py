@@ -125,8 +125,9 @@ def main() -> int:
         "goal_ratio_min": 0.97,
         "report_training_metrics_us_per_call": us, "goal_us_max": 20,
     }
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results/trainer_overhead.json").write_text(json.dumps(result, indent=2))
+    results = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "trainer_overhead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0
 

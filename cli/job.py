@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy import select
 
 from detslurm import queue as q
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
 from detslurm.controller.layout import control_file
 from detslurm.slurm.client import SlurmClient, client_from_env
-from detslurm.slurm.parse import QueuedJob
+from detslurm.slurm.parse import QueuedJob, experiment_tag
 from detslurm.slurm.states import SlurmState
 from detslurm.store.models import Experiment, RunState, TrialRun
 from detslurm.util import atomic_write_json
@@ -38,10 +39,13 @@ def _names(app: App, jobs: list[QueuedJob]) -> dict[str, str]:
     if not wanted:
         return out
     with app.store.tx() as s:
-        names = {e.id: e.name for e in s.query(Experiment).filter(Experiment.id.in_(wanted))}
+        rows = s.execute(select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted)))
+        names = {i: (name, experiment_tag(d)) for i, name, d in rows}
+    comments = {j.job_id: j.comment for j in jobs}
     for jid, i in ids.items():
-        if i and i[0] in names:
-            out[jid] = f"{names[i[0]]} ({i[0]}) trial {i[1]}"
+        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
+        if i and i[0] in names and comments[jid].endswith(f",tag={names[i[0]][1]}"):
+            out[jid] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
     return out
 
 

@@ -30,7 +30,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 def presto(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """tabulate's "presto" table. tabulate infers a type per cell (about 20 us each: seconds for
     10k experiments), so tables of ints, strings and empty cells are laid out here, the same
-    way (a test compares both); anything else goes to tabulate."""
+    way (a test compares both); anything else goes to tabulate. One difference: job ids of
+    array tasks ("12_3") stay text, where tabulate would read them as the number 123."""
     cols = list(zip(*rows, strict=True)) if rows else [() for _ in headers]
     if len(cols) != len(headers) or not all(_simple(c) for c in cols):
         return str(tabulate([list(r) for r in rows], headers=list(headers), tablefmt="presto"))
@@ -56,6 +57,8 @@ def _simple(col: Sequence[Any]) -> bool:
 
 
 def _floatlike(v: str) -> bool:
+    if "_" in v:
+        return False  # Python reads "12_3" as 123, and so would tabulate: array task ids are text
     try:
         float(v)
     except ValueError:

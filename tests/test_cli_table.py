@@ -19,3 +19,8 @@ def test_presto_matches_tabulate_on_random_tables() -> None:
         headers = [rng.choice(["ID", "Name", "A long header", "x", ""]) for _ in range(ncol)]
         rows = [[rng.choice(CELLS) for _ in range(ncol)] for _ in range(nrow)]
         assert presto(headers, rows) == tabulate(rows, headers=headers, tablefmt="presto"), (headers, rows)
+
+
+def test_array_task_ids_stay_text() -> None:
+    out = presto(["ID", "N"], [["388_998", 1], ["12", 22]])
+    assert out.splitlines()[2] == " 388_998 |   1" and out.splitlines()[3] == " 12      |  22"

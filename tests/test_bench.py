@@ -1,0 +1,70 @@
+"""Every benchmark runs (at toy sizes) on the real cluster, so bench/ cannot rot. Timing goals
+are not asserted here (they live in bench/README.md, measured side by side); what is asserted
+are the counts the goals name and that every ratio was measured."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
+BENCH = ROOT / "bench"
+
+
+def run(tmp_path: Path, script: str, *args: str) -> dict[str, Any]:
+    env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results"))
+    for k in [k for k in env if k.startswith("DETSLURM_") and k != "DETSLURM_SITE_CONFIG"]:
+        del env[k]  # each benchmark makes its own private store
+    p = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    name = script.removesuffix(".py")
+    return dict(json.loads((tmp_path / "results" / f"{name}.json").read_text()))
+
+
+def finite(*xs: float) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in xs)
+
+
+def test_slurmctld_load_is_one_query_per_tick(tmp_path: Path) -> None:
+    d = run(tmp_path, "slurmctld_load.py", "--counts", "1,10", "--ticks", "2")
+    assert [r["jobs"] for r in d["rows"]] == [1, 10]
+    for r in d["rows"]:
+        assert r["detslurm_job_queries_per_tick"] == 1  # one squeue, whatever the count
+        assert r["per_job_job_queries_per_tick"] == r["jobs"]
+
+
+def test_submission_uses_one_array(tmp_path: Path) -> None:
+    d = run(tmp_path, "submission.py", "--trials", "16", "--repeats", "1")
+    assert d["detslurm_sbatch_calls"] == [1]
+    assert finite(d["ratio_vs_submitit"], d["ratio_vs_sbatch_loop"])
+
+
+@pytest.mark.torch
+def test_launch_and_trainer_and_checkpoint_benchmarks(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    d = run(tmp_path, "launch_overhead.py", "--repeats", "1")
+    assert finite(d["ratio"])
+    d = run(tmp_path, "trainer_overhead.py", "--batches", "200", "--repeats", "1")
+    assert finite(d["ratio"], d["report_training_metrics_us_per_call"])
+    d = run(tmp_path, "checkpoint_io.py", "--mb", "8", "--repeats", "2")
+    assert finite(d["save_throughput_ratio"], d["restore_throughput_ratio"])
+
+
+def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
+    d = run(tmp_path, "search_efficiency.py", "--seeds", "3", "--random-trials", "16", "--max-time", "16")
+    assert finite(d["asha_ratio_median"], d["optuna_sha_ratio_median"])
+    d = run(tmp_path, "cli_latency.py", "--experiments", "300", "--jobs", "50", "--repeats", "1")
+    assert d["jobs"] == 50 and finite(d["help_ratio_vs_import_click"], d["e_list_ratio_vs_raw_sqlite"],
+                                     d["job_list_ratio_vs_squeue"])
+    summary = subprocess.run([sys.executable, str(BENCH / "summary.py")], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results"))).stdout
+    assert "| search: adaptive_asha |" in summary and "| det e list, 300 experiments |" in summary
