@@ -86,14 +86,16 @@ def main() -> int:
     ap.add_argument("--ticks", type=int, default=3)
     args = ap.parse_args()
     require_cluster()
-    ws = Workspace("load")
-    ws.apply()
     from detslurm import daemon, settings
 
     rows: list[dict[str, Any]] = []
+    ws = Workspace("load")
     try:
         for n in (int(c) for c in args.counts.split(",")):
             scancel_mine()
+            ws.close()
+            ws = Workspace("load")  # a fresh store: the last count's trials are gone with their jobs
+            ws.apply()
             time.sleep(1)
             jobs = setup(ws, n)
             ctl = daemon.make_controller(settings.load())

@@ -75,9 +75,8 @@ class Controller:
             runs = self._active_runs(exp_id)
             jobs = {job: Path(d) for _, job, d in runs if job}
             statuses = self.executor.poll(jobs) if jobs else {}
-        for run_pk, job_id, _ in runs:
-            status = statuses.get(job_id) if job_id else self._recover(run_pk)
-            self._reconcile_run(exp_id, run_pk, status)
+        self._reconcile_runs([(run_pk, statuses.get(job_id) if job_id else self._recover(run_pk))
+                              for run_pk, job_id, _ in runs])
         self._kill_stopping(exp_id)
         self._transitions(exp_id)
         self._sync_files(exp_id)
@@ -107,32 +106,45 @@ class Controller:
         return JobStatus(JobState.UNKNOWN, None, "never started")
 
     def _reconcile_run(self, exp_id: int, run_pk: int, status: JobStatus | None) -> None:
+        self._reconcile_runs([(run_pk, status)])
+
+    def _reconcile_runs(self, items: list[tuple[int, JobStatus | None]]) -> None:
+        """Ingest and decide for runs of one experiment in one transaction, with the searcher
+        loaded and saved once (a tick over 1000 trials would otherwise rebuild it 1000 times)."""
+        if not items:
+            return
         with self.store.tx() as s:
-            run = s.get(TrialRun, run_pk)
-            assert run is not None
-            trial = run.trial
-            exp = trial.experiment
+            first = s.get(TrialRun, items[0][0])
+            assert first is not None
+            exp = first.trial.experiment
             searcher = load_searcher(exp)
-            try:
-                ingest_run(s, exp, trial, run, searcher)
-                if status is not None and status.state in (JobState.EXITED, JobState.UNKNOWN):
-                    decide_exit(s, exp, trial, run, status, searcher)
-                elif status is not None and status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
-                    run.state = RunState.RUNNING.value
-                    run.start_time = _now()
-                    if (trial.runner_state or "").startswith("queued"):
-                        trial.runner_state = None
-                elif status is not None and status.state == JobState.QUEUED and not exp.test_mode:
-                    trial.runner_state = f"queued: {status.reason or 'waiting'}"[:64]
-                if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
-                    trial.runner_state = "test_done"
-                    trial.early_stopped = True  # test mode has seen enough: stop the trial
-            except SearcherError as e:
-                exp.state = ExperimentState.STOPPING_ERROR.value
-                exp.error_message = f"encountered error: {e}"
-                note(s, trial.id, f"searcher error: {e}", "ERROR")
+            for run_pk, status in items:
+                run = s.get(TrialRun, run_pk)
+                assert run is not None
+                self._reconcile_one(s, exp, run.trial, run, status, searcher)
             exp.searcher_state = searcher.state_dict()
             exp.progress = searcher.progress()
+
+    def _reconcile_one(self, s: Any, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None,
+                       searcher: SearchMethod) -> None:
+        try:
+            ingest_run(s, exp, trial, run, searcher)
+            if status is not None and status.state in (JobState.EXITED, JobState.UNKNOWN):
+                decide_exit(s, exp, trial, run, status, searcher)
+            elif status is not None and status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
+                run.state = RunState.RUNNING.value
+                run.start_time = _now()
+                if (trial.runner_state or "").startswith("queued"):
+                    trial.runner_state = None
+            elif status is not None and status.state == JobState.QUEUED and not exp.test_mode:
+                trial.runner_state = f"queued: {status.reason or 'waiting'}"[:64]
+            if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
+                trial.runner_state = "test_done"
+                trial.early_stopped = True  # test mode has seen enough: stop the trial
+        except SearcherError as e:
+            exp.state = ExperimentState.STOPPING_ERROR.value
+            exp.error_message = f"encountered error: {e}"
+            note(s, trial.id, f"searcher error: {e}", "ERROR")
 
     # -- experiment-level state -----------------------------------------------------------
     def _kill_stopping(self, exp_id: int) -> None:
