@@ -92,7 +92,6 @@ def main() -> int:
     args = ap.parse_args()
     require_cluster()
     ws = Workspace("submission")
-    calls = ws.counting_sbatch()
     res: dict[str, list[float]] = {"detslurm": [], "sbatch_loop": [], "submitit": []}
     det_calls: list[int] = []
     try:
@@ -100,7 +99,9 @@ def main() -> int:
             for name in res:
                 clear_queue()
                 if name == "detslurm":
-                    t, c = detslurm_once(ws, args.trials, calls)
+                    ws.close()
+                    ws = Workspace("submission")  # a fresh store: nothing of the last repeat to reconcile
+                    t, c = detslurm_once(ws, args.trials, ws.counting_sbatch())
                     det_calls.append(c)
                 else:
                     t = loop_once(ws, args.trials) if name == "sbatch_loop" else submitit_once(ws, args.trials)
