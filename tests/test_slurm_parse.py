@@ -151,3 +151,19 @@ def test_executor_falls_back_to_sacct(tmp_path: Path) -> None:
         if expect is JobState.EXITED:
             assert (status.exit_code, status.reason) == (3, "failed")
         assert any(argv[0] == "sacct" for argv, _ in runner.calls) == (expect is JobState.EXITED)
+
+
+def test_killing_many_tasks_is_one_scancel() -> None:
+    from detslurm.controller.slurm_executor import SlurmExecutor
+    from detslurm.slurm.site import SiteConfig
+
+    runner = FakeRunner({"scancel": Result(0, "", "")})
+    SlurmExecutor(SlurmClient(runner), SiteConfig()).kill_many([f"7_{i}" for i in range(256)] + ["9"])
+    assert [argv for argv, _ in runner.calls] == [["scancel", *(f"7_{i}" for i in range(256)), "9"]]
+    # Jobs that ended meanwhile are not an error; anything else is.
+    ended = "scancel: error: Kill job error on job id 7_3: Job/step already completing or completed\n"
+    runner = FakeRunner({"scancel": Result(1, "", ended)})
+    SlurmExecutor(SlurmClient(runner), SiteConfig()).kill_many(["7_3", "7_4"])
+    runner = FakeRunner({"scancel": Result(1, "", "scancel: error: Access/permission denied\n")})
+    with pytest.raises(SlurmCommandError, match="permission denied"):
+        SlurmExecutor(SlurmClient(runner), SiteConfig()).kill_many(["7_3"])

@@ -152,6 +152,10 @@ class Controller:
             q = (select(TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
                  .where(TrialRun.state.in_(ACTIVE_RUN)).where(Trial.state == TrialState.STOPPING_KILLED.value))
             jobs = [j for j in s.scalars(q) if j]
+        many = getattr(self.executor, "kill_many", None)
+        if many is not None and jobs:
+            many(jobs)  # one scancel for all of them
+            return
         for job in jobs:
             self.executor.kill(job)
 

@@ -164,6 +164,18 @@ class SlurmExecutor:
     def kill(self, job_id: str) -> None:
         self.client.scancel(job_id)
 
+    def kill_many(self, job_ids: Sequence[str]) -> None:
+        from detslurm.slurm.client import SlurmCommandError
+
+        for i in range(0, len(job_ids), 500):  # bounded command lines
+            try:
+                self.client.scancel(job_ids[i:i + 500])
+            except SlurmCommandError as e:
+                # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
+                ended = ("Invalid job id", "already completing or completed")
+                if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
+                    raise
+
 
 def queued(executor: object) -> Sequence[QueuedJob]:
     return list(getattr(executor, "last_queue", {}).values())

@@ -122,13 +122,15 @@ class SlurmClient:
         return self._caps
 
     # -- control ---------------------------------------------------------------------------
-    def scancel(self, job_id: str, signal: Optional[str] = None, batch_too: bool = False) -> None:
+    def scancel(self, job_id: str | Sequence[str], signal: Optional[str] = None, batch_too: bool = False) -> None:
+        """One call for one job or many (scancel takes a list: an experiment's 256 array tasks
+        are one RPC round, not 256)."""
         argv = ["scancel"]
         if signal:
             argv += [f"--signal={signal}"]
             if batch_too:
                 argv += ["--full"]
-        self._run([*argv, job_id])
+        self._run([*argv, *([job_id] if isinstance(job_id, str) else job_id)])
 
     def update(self, job_id: str, **fields: str) -> None:
         self._run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
