@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.client import SlurmClient
 from detslurm.slurm.parse import Capabilities, QueuedJob
-from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
+
+if TYPE_CHECKING:  # pydantic is not needed to list the queue
+    from detslurm.slurm.site import SiteConfig
 
 DEFAULT_PRIORITY = 42
 NICE_STEP = 100
