@@ -129,8 +129,11 @@ def main() -> int:
         target = random_target(seed, args.random_trials, args.max_time)
         a = asha_compute(seed, target, 8 * args.random_trials, args.max_time, args.workers, args.period)
         g = asha_compute(seed, target, 8 * args.random_trials, args.max_time, args.workers, args.period, "aggressive")
+        one = asha_compute(seed, target, 8 * args.random_trials, args.max_time, 1, args.period)
+        one_g = asha_compute(seed, target, 8 * args.random_trials, args.max_time, 1, args.period, "aggressive")
         o = optuna_compute(seed, target, 8 * args.random_trials, args.max_time, args.period)
-        rows.append({"seed": seed, "target": target, "asha": a, "asha_aggressive": g, "optuna": o})
+        rows.append({"seed": seed, "target": target, "asha": a, "asha_aggressive": g, "asha_one_at_a_time": one,
+                     "asha_aggressive_one_at_a_time": one_g, "optuna": o})
 
     def ratio(key: str) -> float:
         # A search that never reached the target counts as the whole random-search budget.
@@ -140,6 +143,8 @@ def main() -> int:
         "benchmark": "search_efficiency", "seeds": args.seeds, "random_trials": args.random_trials,
         "max_time": args.max_time, "workers": args.workers, "random_compute": budget,
         "asha_ratio_median": ratio("asha"), "asha_aggressive_ratio_median": ratio("asha_aggressive"),
+        "asha_one_at_a_time_ratio_median": ratio("asha_one_at_a_time"),
+        "asha_aggressive_one_at_a_time_ratio_median": ratio("asha_aggressive_one_at_a_time"),
         "optuna_sha_ratio_median": ratio("optuna"),
         "asha_reached": sum(r["asha"] is not None for r in rows),
         "optuna_reached": sum(r["optuna"] is not None for r in rows),
