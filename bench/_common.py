@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -49,7 +50,8 @@ class Workspace:
             sys.exit("sbatch not found: is the test cluster's Slurm installed?")
         bindir, log = self.dir / "shim", self.dir / "sbatch-calls.log"
         bindir.mkdir(exist_ok=True)
-        (bindir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {log}\nexec {real} "$@"\n')
+        (bindir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\n'
+                                       f'exec {shlex.quote(real)} "$@"\n')
         (bindir / "sbatch").chmod(0o755)
         self.env["PATH"] = f"{bindir}:{self.env['PATH']}"
         log.write_text("")

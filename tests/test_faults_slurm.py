@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import time
@@ -36,8 +37,9 @@ def recording_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An sbatch on PATH that records every job id Slurm accepted."""
     real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
     log = tmp_path / "submitted"
-    write(tmp_path / "shim/sbatch", f'#!/bin/bash\nout=$({real} "$@")\nrc=$?\n'
-                                    f'[ $rc = 0 ] && echo "$out" >> {log}\necho "$out"\nexit $rc\n').chmod(0o755)
+    write(tmp_path / "shim/sbatch", f'#!/bin/bash\nout=$({shlex.quote(real)} "$@")\nrc=$?\n'
+                                    f'[ $rc = 0 ] && echo "$out" >> {shlex.quote(str(log))}\necho "$out"\nexit $rc\n'
+                                    ).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'shim'}:{os.environ['PATH']}")
     return log
 

@@ -4,6 +4,7 @@ trial keeps its own identity, log, restarts and queue operations on its array ta
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -42,7 +43,8 @@ def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An sbatch on PATH that logs each call (its argv) and runs the real one."""
     real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
     bindir, log = tmp_path / "shim", tmp_path / "sbatch-calls.log"
-    write(bindir / "sbatch", f'#!/bin/bash\necho "$*" >> {log}\nexec {real} "$@"\n').chmod(0o755)
+    write(bindir / "sbatch", f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\n'
+                             f'exec {shlex.quote(real)} "$@"\n').chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     return log
 

@@ -43,23 +43,30 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "fast", "stop"], capture_output=True)
 
 
-def test_postgres_store_migrates_and_loses_nothing(postgres: str) -> None:
-    store = open_store(postgres)
-    with store.engine.connect() as conn:
-        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
-    exp_id = _make_experiment(postgres)
+def _four_writers_lose_nothing(url: str, each: int) -> None:
+    """Four processes each do ``each`` read-modify-write transactions on one trial."""
+    exp_id = _make_experiment(url)
+    store = open_store(url)
     with store.tx() as s:
         trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(postgres, trial_id, 20, w)) for w in range(4)]
+    procs = [ctx.Process(target=_writer, args=(url, trial_id, each, w)) for w in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
         assert p.exitcode == 0
     with store.tx() as s:
-        assert s.get(Trial, trial_id).restarts == 80  # type: ignore[union-attr]
-        assert s.scalar(select(func.count()).select_from(LogEntry).where(LogEntry.trial_id == trial_id)) == 80
+        assert s.get(Trial, trial_id).restarts == 4 * each  # type: ignore[union-attr]
+        count = select(func.count()).select_from(LogEntry).where(LogEntry.trial_id == trial_id)
+        assert s.scalar(count) == 4 * each
+
+
+def test_postgres_store_migrates_and_loses_nothing(postgres: str) -> None:
+    store = open_store(postgres)
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    _four_writers_lose_nothing(postgres, 20)
 
 
 def test_migrations_match_models(tmp_path: Path) -> None:
@@ -97,22 +104,7 @@ def _writer(url: str, trial_id: int, n: int, who: int) -> None:
 
 
 def test_parallel_processes_lose_nothing(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    exp_id = _make_experiment(url)
-    store = open_store(url)
-    with store.tx() as s:
-        trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(url, trial_id, 40, w)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    with store.tx() as s:
-        assert s.get(Trial, trial_id).restarts == 160  # type: ignore[union-attr]
-        assert s.scalar(select(func.count()).select_from(LogEntry)) == 160
-        assert s.execute(select(func.count()).select_from(LogEntry)).scalar() == 160
+    _four_writers_lose_nothing(f"sqlite:///{tmp_path / 'db.sqlite'}", 40)
     assert (tmp_path / "db.sqlite").stat().st_mode & 0o077 == 0  # private to the user
 
 

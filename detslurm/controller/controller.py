@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 
 from detslurm.controller.apply import ingest_run, note
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
-from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec
+from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec, SchedulerUnavailable
 from detslurm.controller.gc import collect_garbage
 from detslurm.controller.layout import ExpLayout, control_file, log_file
 from detslurm.core._info import trial_env
@@ -283,7 +283,7 @@ class Controller:
             for spec in (sp for _, sp in specs):
                 spec.run_dir.mkdir(parents=True, exist_ok=True)
             results: list[str | Exception] = many([sp for _, sp in specs])
-            self._record_many([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
+            self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
             return
         for run_pk, spec in specs:
             self._start(run_pk, spec)
@@ -334,13 +334,14 @@ class Controller:
             result: str | Exception = self.executor.submit(spec)
         except Exception as e:
             result = e
-        self._record(run_pk, spec, result)
+        self._record([(run_pk, spec, result)])
 
-    def _record_many(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
-        """Note many submissions' job ids in one transaction (each run dir first, as in _record)."""
+    def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
+        """Note submissions' job ids, each first in its run dir (the store commit may not
+        happen), then all in one transaction."""
         done: dict[int, str] = {}
         for run_pk, spec, result in results:
-            if _unreachable(result):
+            if isinstance(result, SchedulerUnavailable):
                 self._unsubmit(run_pk, result)
                 continue
             try:
@@ -349,7 +350,7 @@ class Controller:
                 (spec.run_dir / "job_id").write_text(result)
                 done[run_pk] = result
             except Exception as e:
-                self._record(run_pk, spec, e)
+                self._submit_failed(run_pk, e)
         with self.store.tx() as s:
             for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
                 run.job_id = done[run.id]
@@ -366,29 +367,13 @@ class Controller:
             s.delete(run)
         log.warning("submission deferred (Slurm unreachable): %s", error)
 
-    def _record(self, run_pk: int, spec: RunSpec, result: str | Exception) -> None:
-        """Note a submission's job id (first in the run dir: the store commit may not happen)."""
-        if _unreachable(result):
-            self._unsubmit(run_pk, result)
-            return
-        try:
-            if isinstance(result, Exception):
-                raise result
-            job_id = result
-            (spec.run_dir / "job_id").write_text(job_id)
-        except Exception as e:
-            with self.store.tx() as s:
-                run = s.get(TrialRun, run_pk)
-                assert run is not None
-                run.exit_reason = "submit failed"
-                note(s, run.trial_id, f"could not start trial run {run.run_id}: {e}", "ERROR")
-            self._reconcile_run(0, run_pk, JobStatus(JobState.UNKNOWN, None, "submit failed"))
-            return
+    def _submit_failed(self, run_pk: int, error: Exception) -> None:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            run.job_id = job_id
-            run.state = RunState.QUEUED.value
+            run.exit_reason = "submit failed"
+            note(s, run.trial_id, f"could not start trial run {run.run_id}: {error}", "ERROR")
+        self._reconcile_run(0, run_pk, JobStatus(JobState.UNKNOWN, None, "submit failed"))
 
     # -- driving an experiment in the foreground -------------------------------------------
     def run_until_done(self, exp_id: int, poll_s: float = 0.5,
@@ -419,12 +404,6 @@ def config_env(config: dict[str, Any]) -> dict[str, str]:
     if isinstance(items, dict):
         items = items.get("cpu", [])
     return dict(item.partition("=")[::2] for item in items)
-
-
-def _unreachable(result: object) -> bool:
-    from detslurm.slurm.client import SlurmCommandError
-
-    return isinstance(result, SlurmCommandError) and result.unreachable
 
 
 def _tested_everything(s: object, trial: Trial) -> bool:

@@ -16,6 +16,11 @@ class JobState(enum.Enum):
     UNKNOWN = "UNKNOWN"  # the executor has no record of the job
 
 
+class SchedulerUnavailable(Exception):
+    """The scheduler did not answer a submission (down, restarting): nothing was submitted;
+    the controller takes the run back and submits it again later."""
+
+
 @dataclass(frozen=True)
 class JobStatus:
     state: JobState

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
-from detslurm.controller.executor import JobState, JobStatus, RunSpec
+from detslurm.controller.executor import JobState, JobStatus, RunSpec, SchedulerUnavailable
 from detslurm.controller.layout import exit_file
 from detslurm.slurm.client import SlurmClient
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
@@ -53,7 +53,17 @@ class SlurmExecutor:
     def submit(self, spec: RunSpec) -> str:
         req = self.plan(spec)
         spec.run_dir.mkdir(parents=True, exist_ok=True)
-        return self.client.sbatch(req.args, req.script)
+        return self._sbatch(req)
+
+    def _sbatch(self, req: SbatchRequest) -> str:
+        from detslurm.slurm.client import SlurmCommandError
+
+        try:
+            return self.client.sbatch(req.args, req.script)
+        except SlurmCommandError as e:
+            if e.unreachable:
+                raise SchedulerUnavailable(str(e)) from e
+            raise
 
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
         """Submit many runs at once: runs of one experiment with the same run number share their
@@ -112,7 +122,7 @@ class SlurmExecutor:
         for spec in specs:
             spec.run_dir.mkdir(parents=True, exist_ok=True)
             (links / str(spec.identity[1] - base)).symlink_to(spec.run_dir.resolve(), target_is_directory=True)
-        array_id = self.client.sbatch(req.args, req.script)
+        array_id = self._sbatch(req)
         return [f"{array_id}_{spec.identity[1] - base}" for spec in specs]
 
     def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> Optional[str]:
