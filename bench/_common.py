@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 def require_cluster() -> None:
     if not os.environ.get("SLURM_CONF"):
-        sys.exit("this benchmark needs the test cluster: eval \"$(scripts/test-cluster env .state/cluster)\"")
+        sys.exit('this benchmark needs the test cluster: eval "$(scripts/test-cluster env .state/cluster)"')
 
 
 class Workspace:
@@ -31,10 +31,15 @@ class Workspace:
 
     def __init__(self, name: str) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
-        self.env = dict(os.environ, DETSLURM_DATA_DIR=str(self.dir / "data"),
-                        DETSLURM_EXPERIMENTS_DIR=str(self.dir / "exps"), DETSLURM_CHECKPOINT_DIR=str(self.dir / "ck"),
-                        DETSLURM_CONFIG=str(self.dir / "none.yaml"), DETSLURM_POLL_INTERVAL_S="0.5",
-                        DETSLURM_SITE_CONFIG=str(ROOT / "site-configs/test-cluster.yaml"))
+        self.env = dict(
+            os.environ,
+            DETSLURM_DATA_DIR=str(self.dir / "data"),
+            DETSLURM_EXPERIMENTS_DIR=str(self.dir / "exps"),
+            DETSLURM_CHECKPOINT_DIR=str(self.dir / "ck"),
+            DETSLURM_CONFIG=str(self.dir / "none.yaml"),
+            DETSLURM_POLL_INTERVAL_S="0.5",
+            DETSLURM_SITE_CONFIG=str(ROOT / "site-configs/test-cluster.yaml"),
+        )
 
     def apply(self) -> None:
         """Use this workspace in this process too (for in-process controllers)."""
@@ -50,8 +55,9 @@ class Workspace:
             sys.exit("sbatch not found: is the test cluster's Slurm installed?")
         bindir, log = self.dir / "shim", self.dir / "sbatch-calls.log"
         bindir.mkdir(exist_ok=True)
-        (bindir / "sbatch").write_text(f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\n'
-                                       f'exec {shlex.quote(real)} "$@"\n')
+        (bindir / "sbatch").write_text(
+            f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\nexec {shlex.quote(real)} "$@"\n'
+        )
         (bindir / "sbatch").chmod(0o755)
         self.env["PATH"] = f"{bindir}:{self.env['PATH']}"
         log.write_text("")

@@ -62,12 +62,19 @@ def main() -> int:
         writer.close()
         shutil.rmtree(work, ignore_errors=True)
     med = {k: median(v) for k, v in t.items()}
-    save("checkpoint_io", {
-        "benchmark": "checkpoint_io", "mb": args.mb, "repeats": args.repeats, "samples_s": t, "median_s": med,
-        "save_throughput_ratio": med["raw_save"] / med["det_save"],
-        "restore_throughput_ratio": med["raw_load"] / med["det_load"],
-        "goal_ratio_min": 0.9,
-    })
+    save(
+        "checkpoint_io",
+        {
+            "benchmark": "checkpoint_io",
+            "mb": args.mb,
+            "repeats": args.repeats,
+            "samples_s": t,
+            "median_s": med,
+            "save_throughput_ratio": med["raw_save"] / med["det_save"],
+            "restore_throughput_ratio": med["raw_load"] / med["det_load"],
+            "goal_ratio_min": 0.9,
+        },
+    )
     return 0
 
 

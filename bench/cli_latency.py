@@ -36,13 +36,35 @@ def fill_store(ws: Workspace, n: int) -> str:
     from detslurm.store import Experiment, open_store
 
     url = settings.load().db_url
-    cfg = validate({"name": "x", "entrypoint": "python3 train.py", "searcher": {"name": "single", "metric": "loss"},
-                    "hyperparameters": {"lr": 0.1}}, {"type": "shared_fs", "host_path": "/tmp"}).as_dict()
+    cfg = validate(
+        {
+            "name": "x",
+            "entrypoint": "python3 train.py",
+            "searcher": {"name": "single", "metric": "loss"},
+            "hyperparameters": {"lr": 0.1},
+        },
+        {"type": "shared_fs", "host_path": "/tmp"},
+    ).as_dict()
     now = datetime.now(timezone.utc)
-    rows = [{"name": f"exp-{i}", "owner": "bench", "state": "COMPLETED", "config": cfg, "original_config": "",
-             "context_sha256": "0" * 64, "exp_dir": f"/nonexistent/exp-{i}", "executor": "local",
-             "resource_pool": "cpu", "progress": 1.0, "archived": False, "test_mode": False, "start_time": now,
-             "end_time": now} for i in range(n)]
+    rows = [
+        {
+            "name": f"exp-{i}",
+            "owner": "bench",
+            "state": "COMPLETED",
+            "config": cfg,
+            "original_config": "",
+            "context_sha256": "0" * 64,
+            "exp_dir": f"/nonexistent/exp-{i}",
+            "executor": "local",
+            "resource_pool": "cpu",
+            "progress": 1.0,
+            "archived": False,
+            "test_mode": False,
+            "start_time": now,
+            "end_time": now,
+        }
+        for i in range(n)
+    ]
     with open_store(url).tx() as s:
         s.execute(insert(Experiment), rows)
     return url.split("///", 1)[-1]
@@ -58,9 +80,23 @@ def fill_queue(n: int) -> None:
     """n held trial jobs of ours (arrays of at most 1000 tasks), as a grid experiment makes."""
     for start in range(0, n, 1000):
         count = min(1000, n - start)
-        subprocess.run(["sbatch", "--parsable", "--hold", f"--array=0-{count - 1}", "-o", "/dev/null",
-                        "-J", f"det-e1-t{start + 1}+-r1", f"--comment=detslurm:exp=1,trial={start + 1}+,run=1",
-                        "--wrap", "true"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "--hold",
+                f"--array=0-{count - 1}",
+                "-o",
+                "/dev/null",
+                "-J",
+                f"det-e1-t{start + 1}+-r1",
+                f"--comment=detslurm:exp=1,trial={start + 1}+,run=1",
+                "--wrap",
+                "true",
+            ],
+            check=True,
+            capture_output=True,
+        )
 
 
 def main() -> int:
@@ -71,8 +107,9 @@ def main() -> int:
     args = ap.parse_args()
     ws = Workspace("cli")
     db = fill_store(ws, args.experiments)
-    t: dict[str, list[float]] = {k: [] for k in ("det_help", "python_click", "det_e_list", "raw_sqlite_list",
-                                                  "det_job_list", "raw_squeue")}
+    t: dict[str, list[float]] = {
+        k: [] for k in ("det_help", "python_click", "det_e_list", "raw_sqlite_list", "det_job_list", "raw_squeue")
+    }
     with_jobs = args.jobs > 0 and bool(os.environ.get("SLURM_CONF"))
     try:
         if with_jobs:
@@ -92,11 +129,17 @@ def main() -> int:
         ws.close()
     med = {k: median(v) for k, v in t.items() if v}
     result: dict[str, Any] = {
-        "benchmark": "cli_latency", "experiments": args.experiments, "jobs": args.jobs if with_jobs else 0,
-        "repeats": args.repeats, "median_s": med, "samples_s": t,
+        "benchmark": "cli_latency",
+        "experiments": args.experiments,
+        "jobs": args.jobs if with_jobs else 0,
+        "repeats": args.repeats,
+        "median_s": med,
+        "samples_s": t,
         "help_ratio_vs_import_click": med["det_help"] / med["python_click"],
         "e_list_ratio_vs_raw_sqlite": med["det_e_list"] / med["raw_sqlite_list"],
-        "goal_help_s_max": 0.3, "goal_e_list_s_max": 2.0, "goal_job_list_s_max": 1.0,
+        "goal_help_s_max": 0.3,
+        "goal_e_list_s_max": 2.0,
+        "goal_job_list_s_max": 1.0,
     }
     if with_jobs:
         result["job_list_ratio_vs_squeue"] = med["det_job_list"] / med["raw_squeue"]

@@ -1,4 +1,5 @@
 """Benchmark workload: DDP init, one training step; rank 0 records when that step is done."""
+
 import gc
 import os
 import sys

@@ -45,8 +45,13 @@ srun --nodes=2 --ntasks-per-node=1 bash -c '{PY} -m torch.distributed.run --nnod
   --node_rank $SLURM_NODEID --max_restarts 0 --master_addr c1 --master_port $((20000 + SLURM_JOB_ID % 20000)) \\
   {HERE / "first_step.py"}'
 """
-    subprocess.run(["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-c", "2", "-o", str(out / "log")],
-                   input=script, text=True, check=True, capture_output=True)
+    subprocess.run(
+        ["sbatch", "--parsable", "-N2", "--ntasks-per-node=1", "-c", "2", "-o", str(out / "log")],
+        input=script,
+        text=True,
+        check=True,
+        capture_output=True,
+    )
     return wait_file(out / "first_step") - wait_file(out / "job_start")
 
 
@@ -56,11 +61,16 @@ def det_once(work: Path, env: dict[str, str]) -> float:
     (ctx / "c.yaml").write_text(
         "entrypoint: python3 -m determined.launch.torch_distributed python3 first_step.py\n"
         "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n"
-        f"environment: {{environment_variables: [BENCH_OUT={ctx}]}}\n")
+        f"environment: {{environment_variables: [BENCH_OUT={ctx}]}}\n"
+    )
     exps = Path(env["DETSLURM_EXPERIMENTS_DIR"])
     before = set(exps.glob("exp-*")) if exps.exists() else set()
-    subprocess.run([str(ROOT / ".venv/bin/det"), "e", "create", str(ctx / "c.yaml"), str(ctx)], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [str(ROOT / ".venv/bin/det"), "e", "create", str(ctx / "c.yaml"), str(ctx)],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     (exp,) = set(Path(env["DETSLURM_EXPERIMENTS_DIR"]).glob("exp-*")) - before
     first = wait_file(ctx / "first_step")
     start = wait_file(next(iter(exp.glob("trials/*/runs/1")), exp) / "job_start")
@@ -73,11 +83,17 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
     site = work / "site.yaml"
-    site.write_text((ROOT / "site-configs/test-cluster.yaml").read_text()
-                    + 'setup:\n  - date +%s.%N > "$DET_RUN_DIR/job_start"\n')
-    env = dict(os.environ, DETSLURM_SITE_CONFIG=str(site), DETSLURM_DATA_DIR=str(work / "data"),
-               DETSLURM_EXPERIMENTS_DIR=str(work / "exps"), DETSLURM_CHECKPOINT_DIR=str(work / "ck"),
-               DETSLURM_POLL_INTERVAL_S="0.5")
+    site.write_text(
+        (ROOT / "site-configs/test-cluster.yaml").read_text() + 'setup:\n  - date +%s.%N > "$DET_RUN_DIR/job_start"\n'
+    )
+    env = dict(
+        os.environ,
+        DETSLURM_SITE_CONFIG=str(site),
+        DETSLURM_DATA_DIR=str(work / "data"),
+        DETSLURM_EXPERIMENTS_DIR=str(work / "exps"),
+        DETSLURM_CHECKPOINT_DIR=str(work / "ck"),
+        DETSLURM_POLL_INTERVAL_S="0.5",
+    )
     raw, det = [], []
     try:
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits both alike
@@ -86,10 +102,15 @@ def main() -> int:
     finally:
         subprocess.run([str(ROOT / ".venv/bin/det"), "daemon", "stop"], env=env, capture_output=True)
     result = {
-        "benchmark": "launch_overhead", "unit": "s", "repeats": args.repeats,
-        "raw_srun_torchrun_s": raw, "detslurm_s": det,
-        "raw_median_s": statistics.median(raw), "detslurm_median_s": statistics.median(det),
-        "ratio": statistics.median(det) / statistics.median(raw), "goal_ratio_max": 1.1,
+        "benchmark": "launch_overhead",
+        "unit": "s",
+        "repeats": args.repeats,
+        "raw_srun_torchrun_s": raw,
+        "detslurm_s": det,
+        "raw_median_s": statistics.median(raw),
+        "detslurm_median_s": statistics.median(det),
+        "ratio": statistics.median(det) / statistics.median(raw),
+        "goal_ratio_max": 1.1,
     }
     results = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
     results.mkdir(parents=True, exist_ok=True)

@@ -24,8 +24,11 @@ from _common import save
 from detslurm.expconf import validate
 from detslurm.searcher import Create, Shutdown, Stop, build
 
-HPARAMS = {"lr": {"type": "log", "minval": -4, "maxval": 0}, "width": {"type": "int", "minval": 8, "maxval": 256},
-           "dropout": {"type": "double", "minval": 0.0, "maxval": 0.6}}
+HPARAMS = {
+    "lr": {"type": "log", "minval": -4, "maxval": 0},
+    "width": {"type": "int", "minval": 8, "maxval": 256},
+    "dropout": {"type": "double", "minval": 0.0, "maxval": 0.6},
+}
 
 
 def curve(hp: dict[str, Any], t: int, seed: int) -> float:
@@ -33,21 +36,43 @@ def curve(hp: dict[str, Any], t: int, seed: int) -> float:
     to a floor set by the hparams. The learning rate sets the rate and wide models learn more
     slowly early on, so curves cross; the noise is deterministic and shrinks with training."""
     lr = hp["lr"]
-    floor = 0.1 + 0.12 * (math.log10(lr) + 1.8) ** 2 + 0.02 * (math.log2(hp["width"]) - 7) ** 2 \
+    floor = (
+        0.1
+        + 0.12 * (math.log10(lr) + 1.8) ** 2
+        + 0.02 * (math.log2(hp["width"]) - 7) ** 2
         + 0.5 * (hp["dropout"] - 0.2) ** 2
+    )
     rate = 0.35 + 0.5 / (1 + math.exp(-2 * (math.log10(lr) + 2))) - 0.1 * (math.log2(hp["width"]) - 3) / 5
     noise = random.Random(seed * 1_000_003 + t).gauss(0, 0.02) / math.sqrt(1 + t)
     return floor + 1.5 * (1 + t) ** (-rate) + noise
 
 
-def config(name: str, seed: int, max_trials: int, max_time: int, workers: int,
-           mode: str = "standard") -> dict[str, Any]:
-    raw = {"name": "bench", "entrypoint": "x", "hyperparameters": HPARAMS, "reproducibility": {"experiment_seed": seed},
-           "searcher": {"name": name, "metric": "loss", "max_trials": max_trials, "max_time": max_time,
-                        "time_metric": "batches", "max_concurrent_trials": workers, "mode": mode}}
+def config(
+    name: str, seed: int, max_trials: int, max_time: int, workers: int, mode: str = "standard"
+) -> dict[str, Any]:
+    raw = {
+        "name": "bench",
+        "entrypoint": "x",
+        "hyperparameters": HPARAMS,
+        "reproducibility": {"experiment_seed": seed},
+        "searcher": {
+            "name": name,
+            "metric": "loss",
+            "max_trials": max_trials,
+            "max_time": max_time,
+            "time_metric": "batches",
+            "max_concurrent_trials": workers,
+            "mode": mode,
+        },
+    }
     if name == "random":
-        raw["searcher"] = {"name": "random", "metric": "loss", "max_trials": max_trials,
-                           "max_length": {"batches": max_time}, "max_concurrent_trials": workers}
+        raw["searcher"] = {
+            "name": "random",
+            "metric": "loss",
+            "max_trials": max_trials,
+            "max_length": {"batches": max_time},
+            "max_concurrent_trials": workers,
+        }
     return validate(raw, {"type": "shared_fs", "host_path": "/tmp"}).as_dict()
 
 
@@ -57,8 +82,9 @@ def random_target(seed: int, n: int, max_time: int) -> float:
     return min(finals)
 
 
-def asha_compute(seed: int, target: float, max_trials: int, max_time: int, workers: int, period: int,
-                 mode: str = "standard") -> float | None:
+def asha_compute(
+    seed: int, target: float, max_trials: int, max_time: int, workers: int, period: int, mode: str = "standard"
+) -> float | None:
     """Units trained when a validation first reaches ``target`` (None: never). W trials at a
     time; each validates every ``period`` units and stops when the searcher says so."""
     s = build(config("adaptive_asha", seed + 7919, max_trials, max_time, workers, mode))
@@ -92,13 +118,18 @@ def optuna_compute(seed: int, target: float, max_trials: int, max_time: int, per
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed + 104729),
-                                pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=period, reduction_factor=4))
+    study = optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=seed + 104729),
+        pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=period, reduction_factor=4),
+    )
     used = 0
     for _ in range(max_trials):
         trial = study.ask()
-        hp = {"lr": trial.suggest_float("lr", 1e-4, 1.0, log=True), "width": trial.suggest_int("width", 8, 256),
-              "dropout": trial.suggest_float("dropout", 0.0, 0.6)}
+        hp = {
+            "lr": trial.suggest_float("lr", 1e-4, 1.0, log=True),
+            "width": trial.suggest_int("width", 8, 256),
+            "dropout": trial.suggest_float("dropout", 0.0, 0.6),
+        }
         tseed = trial.number + seed * 7
         loss = math.inf
         for units in range(period, max_time + 1, period):
@@ -132,24 +163,42 @@ def main() -> int:
         one = asha_compute(seed, target, 8 * args.random_trials, args.max_time, 1, args.period)
         one_g = asha_compute(seed, target, 8 * args.random_trials, args.max_time, 1, args.period, "aggressive")
         o = optuna_compute(seed, target, 8 * args.random_trials, args.max_time, args.period)
-        rows.append({"seed": seed, "target": target, "asha": a, "asha_aggressive": g, "asha_one_at_a_time": one,
-                     "asha_aggressive_one_at_a_time": one_g, "optuna": o})
+        rows.append(
+            {
+                "seed": seed,
+                "target": target,
+                "asha": a,
+                "asha_aggressive": g,
+                "asha_one_at_a_time": one,
+                "asha_aggressive_one_at_a_time": one_g,
+                "optuna": o,
+            }
+        )
 
     def ratio(key: str) -> float:
         # A search that never reached the target counts as the whole random-search budget.
         return statistics.median([(r[key] if r[key] is not None else budget) / budget for r in rows])
 
-    save("search_efficiency", {
-        "benchmark": "search_efficiency", "seeds": args.seeds, "random_trials": args.random_trials,
-        "max_time": args.max_time, "workers": args.workers, "random_compute": budget,
-        "asha_ratio_median": ratio("asha"), "asha_aggressive_ratio_median": ratio("asha_aggressive"),
-        "asha_one_at_a_time_ratio_median": ratio("asha_one_at_a_time"),
-        "asha_aggressive_one_at_a_time_ratio_median": ratio("asha_aggressive_one_at_a_time"),
-        "optuna_sha_ratio_median": ratio("optuna"),
-        "asha_reached": sum(r["asha"] is not None for r in rows),
-        "optuna_reached": sum(r["optuna"] is not None for r in rows),
-        "goal_asha_ratio_max": 1 / 3, "rows": rows,
-    })
+    save(
+        "search_efficiency",
+        {
+            "benchmark": "search_efficiency",
+            "seeds": args.seeds,
+            "random_trials": args.random_trials,
+            "max_time": args.max_time,
+            "workers": args.workers,
+            "random_compute": budget,
+            "asha_ratio_median": ratio("asha"),
+            "asha_aggressive_ratio_median": ratio("asha_aggressive"),
+            "asha_one_at_a_time_ratio_median": ratio("asha_one_at_a_time"),
+            "asha_aggressive_one_at_a_time_ratio_median": ratio("asha_aggressive_one_at_a_time"),
+            "optuna_sha_ratio_median": ratio("optuna"),
+            "asha_reached": sum(r["asha"] is not None for r in rows),
+            "optuna_reached": sum(r["optuna"] is not None for r in rows),
+            "goal_asha_ratio_max": 1 / 3,
+            "rows": rows,
+        },
+    )
     return 0
 
 

@@ -103,16 +103,27 @@ def main() -> int:
             det_user, det_q, det_s, det_types = measure(ctl.tick, args.ticks)
             pj_ticks = 1 if n >= 100 else args.ticks
             pj_user, pj_q, pj_s, pj_types = measure(functools.partial(per_job, jobs), pj_ticks)
-            rows.append({"jobs": len(jobs), "detslurm_rpcs_per_tick": det_user, "detslurm_job_queries_per_tick": det_q,
-                         "detslurm_tick_s": det_s, "per_job_rpcs_per_tick": pj_user,
-                         "per_job_job_queries_per_tick": pj_q, "per_job_tick_s": pj_s,
-                         "detslurm_by_type": det_types, "per_job_by_type": pj_types})
+            rows.append(
+                {
+                    "jobs": len(jobs),
+                    "detslurm_rpcs_per_tick": det_user,
+                    "detslurm_job_queries_per_tick": det_q,
+                    "detslurm_tick_s": det_s,
+                    "per_job_rpcs_per_tick": pj_user,
+                    "per_job_job_queries_per_tick": pj_q,
+                    "per_job_tick_s": pj_s,
+                    "detslurm_by_type": det_types,
+                    "per_job_by_type": pj_types,
+                }
+            )
             print(rows[-1], flush=True)
     finally:
         scancel_mine()
         ws.close()
-    save("slurmctld_load", {"benchmark": "slurmctld_load", "ticks": args.ticks, "rows": rows,
-                            "goal_job_queries_per_tick": 1})
+    save(
+        "slurmctld_load",
+        {"benchmark": "slurmctld_load", "ticks": args.ticks, "rows": rows, "goal_job_queries_per_tick": 1},
+    )
     return 0
 
 

@@ -19,8 +19,9 @@ from _common import Workspace, median, require_cluster, save, scancel_mine
 
 
 def pending(prefix: str) -> int:
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "PD", "-o", "%j"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "-t", "PD", "-o", "%j"], capture_output=True, text=True, check=True
+    ).stdout
     return sum(1 for name in out.split() if name.startswith(prefix))
 
 
@@ -61,8 +62,12 @@ slurm: {{sbatch_args: [--hold]}}
 def loop_once(ws: Workspace, n: int) -> float:
     t0 = time.perf_counter()
     for i in range(n):
-        subprocess.run(["sbatch", "--parsable", "--hold", "-p", "cpu", "-o", "/dev/null", "-J", f"loop-{i}",
-                        "--wrap", "true"], capture_output=True, check=True, env=ws.env)
+        subprocess.run(
+            ["sbatch", "--parsable", "--hold", "-p", "cpu", "-o", "/dev/null", "-J", f"loop-{i}", "--wrap", "true"],
+            capture_output=True,
+            check=True,
+            env=ws.env,
+        )
     wait_queued("loop-", n)
     return time.perf_counter() - t0
 
@@ -110,13 +115,22 @@ def main() -> int:
         scancel_mine()
         ws.close()
     med = {k: median(v) for k, v in res.items()}
-    save("submission", {
-        "benchmark": "submission", "trials": args.trials, "repeats": args.repeats, "unit": "s", "samples": res,
-        "median_s": med, "detslurm_sbatch_calls": det_calls, "goal_sbatch_calls_max": 2,
-        "ratio_vs_submitit": med["detslurm"] / med["submitit"],
-        "ratio_vs_sbatch_loop": med["detslurm"] / med["sbatch_loop"],
-        "goal_ratio_vs_submitit_max": 1.0,
-    })
+    save(
+        "submission",
+        {
+            "benchmark": "submission",
+            "trials": args.trials,
+            "repeats": args.repeats,
+            "unit": "s",
+            "samples": res,
+            "median_s": med,
+            "detslurm_sbatch_calls": det_calls,
+            "goal_sbatch_calls_max": 2,
+            "ratio_vs_submitit": med["detslurm"] / med["submitit"],
+            "ratio_vs_sbatch_loop": med["detslurm"] / med["sbatch_loop"],
+            "goal_ratio_vs_submitit_max": 1.0,
+        },
+    )
     return 0
 
 

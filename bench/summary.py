@@ -25,42 +25,116 @@ def rows() -> list[tuple[str, str, str, bool]]:
         if d is not None:
             out.extend(fn(d))
 
-    add("slurmctld_load", lambda d: [
-        (f"slurmctld load, {r['jobs']} jobs", f"{r['detslurm_job_queries_per_tick']:.0f} job query "
-         f"({r['detslurm_rpcs_per_tick']:.0f} RPCs) per tick vs {r['per_job_job_queries_per_tick']:.0f} "
-         f"({r['per_job_rpcs_per_tick']:.0f} RPCs) polling per job", "1 query per tick",
-         r["detslurm_job_queries_per_tick"] <= 1) for r in d["rows"]])
-    add("submission", lambda d: [
-        (f"submission, {d['trials']}-trial grid", f"{max(d['detslurm_sbatch_calls'])} sbatch; "
-         f"{d['median_s']['detslurm']:.2f} s vs submitit {d['median_s']['submitit']:.2f} s "
-         f"({d['ratio_vs_submitit']:.2f}x), sbatch loop {d['median_s']['sbatch_loop']:.2f} s",
-         "<= 2 sbatch, <= 1.0x submitit",
-         max(d["detslurm_sbatch_calls"]) <= 2 and d["ratio_vs_submitit"] <= 1.0)])
-    add("launch_overhead", lambda d: [("launch overhead, 2 nodes", f"{d['ratio']:.2f}x raw srun torchrun",
-                                        "<= 1.1x", d["ratio"] <= 1.1)])
-    add("trainer_overhead", lambda d: [
-        ("Trainer vs hand loop", f"{d['ratio_of_medians']:.2f}x (medians), {d['ratio']:.2f}x (best-of)", ">= 0.97x",
-         d["ratio_of_medians"] >= 0.97),
-        ("report_training_metrics", f"{d['report_training_metrics_us_per_call']:.1f} us/call", "< 20 us",
-         d["report_training_metrics_us_per_call"] < 20)])
-    add("checkpoint_io", lambda d: [
-        (f"checkpoint save, {d['mb']} MB", f"{d['save_throughput_ratio']:.2f}x torch.save", ">= 0.9x",
-         d["save_throughput_ratio"] >= 0.9),
-        (f"checkpoint restore, {d['mb']} MB", f"{d['restore_throughput_ratio']:.2f}x torch.load", ">= 0.9x",
-         d["restore_throughput_ratio"] >= 0.9)])
-    add("search_efficiency", lambda d: [
-        ("search: adaptive_asha", f"{d['asha_ratio_median']:.2f} of random search's compute, 16 at a time "
-         f"({d['seeds']} seeds); one at a time, aggressive: "
-         f"{d.get('asha_aggressive_one_at_a_time_ratio_median', float('nan')):.2f} vs Optuna SHA "
-         f"{d['optuna_sha_ratio_median']:.2f}", "<= 0.33", d["asha_ratio_median"] <= 1 / 3)])
-    add("cli_latency", lambda d: [
-        ("det --help", f"{d['median_s']['det_help']:.2f} s ({d['help_ratio_vs_import_click']:.2f}x import click)",
-         "<= 0.3 s", d["median_s"]["det_help"] <= 0.3),
-        (f"det e list, {d['experiments']} experiments", f"{d['median_s']['det_e_list']:.2f} s "
-         f"({d['e_list_ratio_vs_raw_sqlite']:.1f}x raw sqlite3)", "<= 2 s", d["median_s"]["det_e_list"] <= 2.0),
-    ] + ([(f"det job list, {d['jobs']} jobs", f"{d['median_s']['det_job_list']:.2f} s "
-           f"({d['job_list_ratio_vs_squeue']:.0f}x squeue -r)", "<= 1 s",
-           d["median_s"]["det_job_list"] <= 1.0)] if d.get("jobs") else []))
+    add(
+        "slurmctld_load",
+        lambda d: [
+            (
+                f"slurmctld load, {r['jobs']} jobs",
+                f"{r['detslurm_job_queries_per_tick']:.0f} job query "
+                f"({r['detslurm_rpcs_per_tick']:.0f} RPCs) per tick vs {r['per_job_job_queries_per_tick']:.0f} "
+                f"({r['per_job_rpcs_per_tick']:.0f} RPCs) polling per job",
+                "1 query per tick",
+                r["detslurm_job_queries_per_tick"] <= 1,
+            )
+            for r in d["rows"]
+        ],
+    )
+    add(
+        "submission",
+        lambda d: [
+            (
+                f"submission, {d['trials']}-trial grid",
+                f"{max(d['detslurm_sbatch_calls'])} sbatch; "
+                f"{d['median_s']['detslurm']:.2f} s vs submitit {d['median_s']['submitit']:.2f} s "
+                f"({d['ratio_vs_submitit']:.2f}x), sbatch loop {d['median_s']['sbatch_loop']:.2f} s",
+                "<= 2 sbatch, <= 1.0x submitit",
+                max(d["detslurm_sbatch_calls"]) <= 2 and d["ratio_vs_submitit"] <= 1.0,
+            )
+        ],
+    )
+    add(
+        "launch_overhead",
+        lambda d: [("launch overhead, 2 nodes", f"{d['ratio']:.2f}x raw srun torchrun", "<= 1.1x", d["ratio"] <= 1.1)],
+    )
+    add(
+        "trainer_overhead",
+        lambda d: [
+            (
+                "Trainer vs hand loop",
+                f"{d['ratio_of_medians']:.2f}x (medians), {d['ratio']:.2f}x (best-of)",
+                ">= 0.97x",
+                d["ratio_of_medians"] >= 0.97,
+            ),
+            (
+                "report_training_metrics",
+                f"{d['report_training_metrics_us_per_call']:.1f} us/call",
+                "< 20 us",
+                d["report_training_metrics_us_per_call"] < 20,
+            ),
+        ],
+    )
+    add(
+        "checkpoint_io",
+        lambda d: [
+            (
+                f"checkpoint save, {d['mb']} MB",
+                f"{d['save_throughput_ratio']:.2f}x torch.save",
+                ">= 0.9x",
+                d["save_throughput_ratio"] >= 0.9,
+            ),
+            (
+                f"checkpoint restore, {d['mb']} MB",
+                f"{d['restore_throughput_ratio']:.2f}x torch.load",
+                ">= 0.9x",
+                d["restore_throughput_ratio"] >= 0.9,
+            ),
+        ],
+    )
+    add(
+        "search_efficiency",
+        lambda d: [
+            (
+                "search: adaptive_asha",
+                f"{d['asha_ratio_median']:.2f} of random search's compute, 16 at a time "
+                f"({d['seeds']} seeds); one at a time, aggressive: "
+                f"{d.get('asha_aggressive_one_at_a_time_ratio_median', float('nan')):.2f} vs Optuna SHA "
+                f"{d['optuna_sha_ratio_median']:.2f}",
+                "<= 0.33",
+                d["asha_ratio_median"] <= 1 / 3,
+            )
+        ],
+    )
+    add(
+        "cli_latency",
+        lambda d: (
+            [
+                (
+                    "det --help",
+                    f"{d['median_s']['det_help']:.2f} s ({d['help_ratio_vs_import_click']:.2f}x import click)",
+                    "<= 0.3 s",
+                    d["median_s"]["det_help"] <= 0.3,
+                ),
+                (
+                    f"det e list, {d['experiments']} experiments",
+                    f"{d['median_s']['det_e_list']:.2f} s ({d['e_list_ratio_vs_raw_sqlite']:.1f}x raw sqlite3)",
+                    "<= 2 s",
+                    d["median_s"]["det_e_list"] <= 2.0,
+                ),
+            ]
+            + (
+                [
+                    (
+                        f"det job list, {d['jobs']} jobs",
+                        f"{d['median_s']['det_job_list']:.2f} s ({d['job_list_ratio_vs_squeue']:.0f}x squeue -r)",
+                        "<= 1 s",
+                        d["median_s"]["det_job_list"] <= 1.0,
+                    )
+                ]
+                if d.get("jobs")
+                else []
+            )
+        ),
+    )
     return out
 
 

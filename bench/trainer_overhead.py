@@ -118,12 +118,17 @@ def main() -> int:
             tr.append(trainer(args.batches, ck))
     us = statistics.median(report_cost(100_000) for _ in range(3))
     result = {
-        "benchmark": "trainer_overhead", "batches": args.batches, "repeats": args.repeats,
-        "hand_loop_samples_per_s": loop, "trainer_samples_per_s": tr,
+        "benchmark": "trainer_overhead",
+        "batches": args.batches,
+        "repeats": args.repeats,
+        "hand_loop_samples_per_s": loop,
+        "trainer_samples_per_s": tr,
         # Best of N: interference from other work on a shared machine only ever slows a run down.
-        "ratio": max(tr) / max(loop), "ratio_of_medians": statistics.median(tr) / statistics.median(loop),
+        "ratio": max(tr) / max(loop),
+        "ratio_of_medians": statistics.median(tr) / statistics.median(loop),
         "goal_ratio_min": 0.97,
-        "report_training_metrics_us_per_call": us, "goal_us_max": 20,
+        "report_training_metrics_us_per_call": us,
+        "goal_us_max": 20,
     }
     results = Path(os.environ.get("BENCH_RESULTS_DIR") or HERE / "results")
     results.mkdir(parents=True, exist_ok=True)

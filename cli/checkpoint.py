@@ -19,12 +19,26 @@ def checkpoint() -> None:
 
 
 def _row(c: dict[str, Any]) -> list[Any]:
-    return [c["experiment_id"], c["trial_id"], c["steps_completed"], fmt_time(c["report_time"]), c["uuid"],
-            "" if c["validation_metric"] is None else c["validation_metric"], json.dumps(c["metadata"], sort_keys=True)]
+    return [
+        c["experiment_id"],
+        c["trial_id"],
+        c["steps_completed"],
+        fmt_time(c["report_time"]),
+        c["uuid"],
+        "" if c["validation_metric"] is None else c["validation_metric"],
+        json.dumps(c["metadata"], sort_keys=True),
+    ]
 
 
-_HEADERS = ["Experiment ID", "Trial ID", "Steps Completed", "Report Time", "Checkpoint UUID", "Validation Metrics",
-            "Metadata"]
+_HEADERS = [
+    "Experiment ID",
+    "Trial ID",
+    "Steps Completed",
+    "Report Time",
+    "Checkpoint UUID",
+    "Validation Metrics",
+    "Metadata",
+]
 
 
 @checkpoint.command("list")

@@ -41,8 +41,11 @@ def _test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
     if state == ExperimentState.COMPLETED and tested:
         click.echo("Model definition test succeeded! 🎉")
         return 0
-    click.echo("Model definition test failed: the trial must report training metrics, validation metrics and "
-               "a checkpoint, then exit 0. Trial logs:", err=True)
+    click.echo(
+        "Model definition test failed: the trial must report training metrics, validation metrics and "
+        "a checkpoint, then exit 0. Trial logs:",
+        err=True,
+    )
     if tid is not None:
         for line in list(logs_mod.lines(app, tid))[-40:]:
             click.echo(line, err=True)
@@ -59,8 +62,17 @@ def _test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
 @click.option("--config", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; create nothing.")
 @pass_app
-def create(app: App, config_file: Path, context_dir: Path, run_local: bool, test_mode: bool,
-           follow: bool, paused: bool, overrides: tuple[str, ...], dry_run: bool) -> None:
+def create(
+    app: App,
+    config_file: Path,
+    context_dir: Path,
+    run_local: bool,
+    test_mode: bool,
+    follow: bool,
+    paused: bool,
+    overrides: tuple[str, ...],
+    dry_run: bool,
+) -> None:
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
     from detslurm.controller.create import execute_create, plan_create, preview_sbatch
@@ -123,9 +135,13 @@ def list_(app: App, show_all: bool, as_json: bool) -> None:
         q = q.where(e.archived.is_(False))
     with app.store.tx() as s:
         rows = list(s.execute(q.order_by(e.id)))
-    table(["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
-          [[i, owner, name, parent or "", state, fmt_pct(float(progress)), fmt_time(start), fmt_time(end), pool]
-           for i, owner, name, parent, state, progress, start, end, pool in rows])
+    table(
+        ["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
+        [
+            [i, owner, name, parent or "", state, fmt_pct(float(progress)), fmt_time(start), fmt_time(end), pool]
+            for i, owner, name, parent, state, progress, start, end, pool in rows
+        ],
+    )
 
 
 experiment.add_command(list_, "ls")
@@ -143,23 +159,63 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
         metric = exp.config["searcher"]["metric"]
-        work = [(t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
-                for t in trials for m in views.metrics(s, int(t["id"]))]
+        work = [
+            (t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
+            for t in trials
+            for m in views.metrics(s, int(t["id"]))
+        ]
     if as_json:
         dump_json([{"experiment": e, "trials": trials}])
         return
     click.echo("Experiment:")
-    table(["Experiment ID", "State", "Progress", "Started", "Ended", "Name", "Description", "Archived",
-           "Resource Pool", "Labels"],
-          [[e["id"], e["state"], fmt_pct(float(e["progress"])), fmt_time(e["start_time"]), fmt_time(e["end_time"]),
-            e["name"], e["description"] or "", e["archived"], e["resource_pool"], ", ".join(e["labels"])]])
+    table(
+        [
+            "Experiment ID",
+            "State",
+            "Progress",
+            "Started",
+            "Ended",
+            "Name",
+            "Description",
+            "Archived",
+            "Resource Pool",
+            "Labels",
+        ],
+        [
+            [
+                e["id"],
+                e["state"],
+                fmt_pct(float(e["progress"])),
+                fmt_time(e["start_time"]),
+                fmt_time(e["end_time"]),
+                e["name"],
+                e["description"] or "",
+                e["archived"],
+                e["resource_pool"],
+                ", ".join(e["labels"]),
+            ]
+        ],
+    )
     click.echo("\nTrials:")
-    table(["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
-          [[t["id"], t["experiment_id"], t["state"], fmt_time(t["start_time"]), fmt_time(t["end_time"]),
-            json.dumps(t["hparams"], indent=2)] for t in trials])
+    table(
+        ["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
+        [
+            [
+                t["id"],
+                t["experiment_id"],
+                t["state"],
+                fmt_time(t["start_time"]),
+                fmt_time(t["end_time"]),
+                json.dumps(t["hparams"], indent=2),
+            ]
+            for t in trials
+        ],
+    )
     click.echo("\nWorkloads:")
-    table(["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
-          [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work])
+    table(
+        ["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
+        [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work],
+    )
 
 
 @experiment.command("config")
@@ -183,9 +239,20 @@ def list_trials(app: App, exp_id: int, as_json: bool) -> None:
     if as_json:
         dump_json(trials)
         return
-    table(["Trial ID", "State", "H-Params", "Started", "Ended", "# of Batches"],
-          [[t["id"], t["state"], json.dumps(t["hparams"], sort_keys=True), fmt_time(t["start_time"]),
-            fmt_time(t["end_time"]), t["batches"]] for t in trials])
+    table(
+        ["Trial ID", "State", "H-Params", "Started", "Ended", "# of Batches"],
+        [
+            [
+                t["id"],
+                t["state"],
+                json.dumps(t["hparams"], sort_keys=True),
+                fmt_time(t["start_time"]),
+                fmt_time(t["end_time"]),
+                t["batches"],
+            ]
+            for t in trials
+        ],
+    )
 
 
 experiment.add_command(list_trials, "lt")
@@ -210,9 +277,21 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
     if as_json:
         dump_json(cks)
         return
-    table(["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
-          [[c["trial_id"], c["steps_completed"], c["state"], _blank_none(c["validation_metric"]),
-            c["uuid"], len(c["resources"]), f"{int(c['size']) / 1024:.1f} KiB"] for c in cks])
+    table(
+        ["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
+        [
+            [
+                c["trial_id"],
+                c["steps_completed"],
+                c["state"],
+                _blank_none(c["validation_metric"]),
+                c["uuid"],
+                len(c["resources"]),
+                f"{int(c['size']) / 1024:.1f} KiB",
+            ]
+            for c in cks
+        ],
+    )
 
 
 def _blank_none(v: object) -> object:

@@ -59,15 +59,23 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
         pos[j.partition] = n + 1
         needed = j.gpus or j.num_cpus
         ours = j.identity is not None
-        rows.append({
-            "#": n, "id": j.job_id, "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
-            "name": names.get(j.job_id, j.name), "priority": q.priority_for(j.nice) if ours else None,
-            "slurm_priority": j.priority, "nice": j.nice, "submitted": j.submit_time.replace("T", " "),
-            "slots": f"{needed if j.state == SlurmState.RUNNING else 0}/{needed}",
-            "state": "STATE_SCHEDULED" if j.state == SlurmState.RUNNING else "STATE_QUEUED",
-            "user": j.user, "partition": j.partition,
-            "reason": "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason,
-        })
+        rows.append(
+            {
+                "#": n,
+                "id": j.job_id,
+                "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
+                "name": names.get(j.job_id, j.name),
+                "priority": q.priority_for(j.nice) if ours else None,
+                "slurm_priority": j.priority,
+                "nice": j.nice,
+                "submitted": j.submit_time.replace("T", " "),
+                "slots": f"{needed if j.state == SlurmState.RUNNING else 0}/{needed}",
+                "state": "STATE_SCHEDULED" if j.state == SlurmState.RUNNING else "STATE_QUEUED",
+                "user": j.user,
+                "partition": j.partition,
+                "reason": "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason,
+            }
+        )
     return rows
 
 
@@ -86,10 +94,39 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
     if as_json:
         dump_json(rows)
         return
-    table(["#", "ID", "Type", "Job Name", "Priority", "Slurm Priority", "Submitted", "Slots (acquired/needed)",
-           "Status", "User", "Pool", "Pending Reason"],
-          [[r["#"], r["id"], r["type"], r["name"], "" if r["priority"] is None else r["priority"], r["slurm_priority"],
-            r["submitted"], r["slots"], r["state"], r["user"], r["partition"], r["reason"]] for r in rows])
+    table(
+        [
+            "#",
+            "ID",
+            "Type",
+            "Job Name",
+            "Priority",
+            "Slurm Priority",
+            "Submitted",
+            "Slots (acquired/needed)",
+            "Status",
+            "User",
+            "Pool",
+            "Pending Reason",
+        ],
+        [
+            [
+                r["#"],
+                r["id"],
+                r["type"],
+                r["name"],
+                "" if r["priority"] is None else r["priority"],
+                r["slurm_priority"],
+                r["submitted"],
+                r["slots"],
+                r["state"],
+                r["user"],
+                r["partition"],
+                r["reason"],
+            ]
+            for r in rows
+        ],
+    )
 
 
 job.add_command(list_, "ls")
@@ -129,13 +166,33 @@ def _move_experiment(app: App, move: q.PoolMove) -> None:
 @click.option("--release", is_flag=True)
 @click.option("--dry-run", is_flag=True, help="Print the scontrol calls; change nothing.")
 @pass_app
-def update(app: App, job_id: str, priority: int | None, ahead_of: str | None, behind_of: str | None,
-           resource_pool: str | None, hold: bool, release: bool, dry_run: bool) -> None:
+def update(
+    app: App,
+    job_id: str,
+    priority: int | None,
+    ahead_of: str | None,
+    behind_of: str | None,
+    resource_pool: str | None,
+    hold: bool,
+    release: bool,
+    dry_run: bool,
+) -> None:
     """Change one job in the queue."""
     client = client_from_env()
     queue = client.squeue(all_users=True)
-    ops = q.plan_update(queue, job_id, _caller(client), client.capabilities(), app.site(), priority=priority,
-                        ahead_of=ahead_of, behind_of=behind_of, resource_pool=resource_pool, hold=hold, release=release)
+    ops = q.plan_update(
+        queue,
+        job_id,
+        _caller(client),
+        client.capabilities(),
+        app.site(),
+        priority=priority,
+        ahead_of=ahead_of,
+        behind_of=behind_of,
+        resource_pool=resource_pool,
+        hold=hold,
+        release=release,
+    )
     _apply(app, client, ops, dry_run)
     if not ops:
         click.echo(f"job {job_id}: nothing to change")
@@ -151,8 +208,9 @@ def update_batch(app: App, updates: tuple[str, ...], dry_run: bool) -> None:
     caller, caps = _caller(client), client.capabilities()
     for job_id, op, value in q.parse_batch(updates):
         queue = client.squeue(all_users=True)
-        kw: dict[str, Any] = {op.replace("-", "_"): int(value) if op == "priority" and value.lstrip("-").isdigit()
-                              else value}
+        kw: dict[str, Any] = {
+            op.replace("-", "_"): int(value) if op == "priority" and value.lstrip("-").isdigit() else value
+        }
         if op == "priority" and not isinstance(kw["priority"], int):
             raise q.QueueError(f"{job_id}.priority={value}: priority must be an integer")
         _apply(app, client, q.plan_update(queue, job_id, caller, caps, app.site(), **kw), dry_run)

@@ -62,8 +62,9 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
             if state.is_terminal or (state == ExperimentState.PAUSED and not busy):
                 if follower is not None:
                     follower.pump()
-                    click.echo("Trial log stream ended. To reopen log stream, run: "
-                               f"det trial logs -f {follower.trial_id}")
+                    click.echo(
+                        f"Trial log stream ended. To reopen log stream, run: det trial logs -f {follower.trial_id}"
+                    )
                 return state
             time.sleep(app.settings.poll_interval_s)
         except KeyboardInterrupt:

@@ -27,8 +27,11 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "checkpoint": ("checkpoint", "checkpoint", "List, describe and download checkpoints."),
     "daemon": ("daemon", "daemon", "Start, stop and inspect the detslurm daemon (one per user)."),
     "job": ("job", "job", "The job queue: list it, reprioritize, reorder, hold, move between pools."),
-    "resource-pool": ("resource_pool", "resource_pool",
-                      "Resource pools (Slurm partitions, described in the site config)."),
+    "resource-pool": (
+        "resource_pool",
+        "resource_pool",
+        "Resource pools (Slurm partitions, described in the site config).",
+    ),
 }
 _ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
 

@@ -41,8 +41,9 @@ def presto(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max([len(h) + 2, *(len(v) for v in c)]) for h, c in zip(headers, text, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
-        return "|".join(f" {v.rjust(w) if num else v.ljust(w)} "
-                        for v, w, num in zip(cells, widths, numeric, strict=True)).rstrip()
+        return "|".join(
+            f" {v.rjust(w) if num else v.ljust(w)} " for v, w, num in zip(cells, widths, numeric, strict=True)
+        ).rstrip()
 
     out = [line(headers), "+".join("-" * (w + 2) for w in widths)]
     out += [line(r) for r in zip(*text, strict=True)]
@@ -51,9 +52,12 @@ def presto(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def _simple(col: Sequence[Any]) -> bool:
     """Ints, empty cells and strings that tabulate would not read as floats."""
-    return all(v is None or (isinstance(v, int) and not isinstance(v, bool))
-               or (isinstance(v, str) and (_intlike(v) or not _floatlike(v)) and v not in ("True", "False"))
-               for v in col)
+    return all(
+        v is None
+        or (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, str) and (_intlike(v) or not _floatlike(v)) and v not in ("True", "False"))
+        for v in col
+    )
 
 
 def _floatlike(v: str) -> bool:

@@ -33,15 +33,35 @@ def list_(app: App, as_json: bool) -> None:
         used = sum(n.gpus_used if slot_type == "gpu" else n.alloc_cpus for n in members)
         total = sum(n.gpus if slot_type == "gpu" else n.cpus for n in members)
         states = Counter(n.state.lower() for n in members)
-        rows.append({
-            "name": name, "partition": partition, "slot_type": slot_type, "nodes": len(members),
-            "slots_used": used, "slots_total": total, "default": name == site.default_pool,
-            "state": ", ".join(f"{c} {s}" for s, c in sorted(states.items())) or "no nodes",
-            "description": pool.description if pool else "",
-        })
+        rows.append(
+            {
+                "name": name,
+                "partition": partition,
+                "slot_type": slot_type,
+                "nodes": len(members),
+                "slots_used": used,
+                "slots_total": total,
+                "default": name == site.default_pool,
+                "state": ", ".join(f"{c} {s}" for s, c in sorted(states.items())) or "no nodes",
+                "description": pool.description if pool else "",
+            }
+        )
     if as_json:
         dump_json(rows)
         return
-    table(["Pool", "Partition", "Slot Type", "Nodes", "Slots (used/total)", "State", "Default", "Description"],
-          [[r["name"], r["partition"], r["slot_type"], r["nodes"], f"{r['slots_used']}/{r['slots_total']}", r["state"],
-            "yes" if r["default"] else "", r["description"]] for r in rows])
+    table(
+        ["Pool", "Partition", "Slot Type", "Nodes", "Slots (used/total)", "State", "Default", "Description"],
+        [
+            [
+                r["name"],
+                r["partition"],
+                r["slot_type"],
+                r["nodes"],
+                f"{r['slots_used']}/{r['slots_total']}",
+                r["state"],
+                "yes" if r["default"] else "",
+                r["description"],
+            ]
+            for r in rows
+        ],
+    )

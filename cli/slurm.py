@@ -33,8 +33,12 @@ def _has_active_slurm(app: App) -> bool:
 
     terminal = [s.value for s in ExperimentState if s.is_terminal]
     with app.store.tx() as s:
-        n = s.scalar(select(func.count()).select_from(Experiment).where(Experiment.executor == "slurm")
-                     .where(Experiment.state.not_in(terminal)))
+        n = s.scalar(
+            select(func.count())
+            .select_from(Experiment)
+            .where(Experiment.executor == "slurm")
+            .where(Experiment.state.not_in(terminal))
+        )
     return bool(n)
 
 

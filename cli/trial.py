@@ -33,29 +33,76 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     with app.store.tx() as s:
         t = views.get_trial(s, trial_id)
         d = views.trial_dict(s, t)
-        runs: list[dict[str, Any]] = [{
-                 "run_id": r.run_id, "state": r.state, "job_id": r.job_id, "exit_code": r.exit_code,
-                 "exit_reason": r.exit_reason, "preempt_acked": r.preempt_acked, "log": r.log_path,
-                 "start_time": r.start_time, "end_time": r.end_time} for r in views.runs(s, trial_id)]
-        rows: list[dict[str, Any]] = [{"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics,
-                 "report_time": m.report_time} for m in views.metrics(s, trial_id)]
+        runs: list[dict[str, Any]] = [
+            {
+                "run_id": r.run_id,
+                "state": r.state,
+                "job_id": r.job_id,
+                "exit_code": r.exit_code,
+                "exit_reason": r.exit_reason,
+                "preempt_acked": r.preempt_acked,
+                "log": r.log_path,
+                "start_time": r.start_time,
+                "end_time": r.end_time,
+            }
+            for r in views.runs(s, trial_id)
+        ]
+        rows: list[dict[str, Any]] = [
+            {"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics, "report_time": m.report_time}
+            for m in views.metrics(s, trial_id)
+        ]
     if as_json:
         dump_json({"trial": d, "runs": runs, "metrics": rows if metrics else None})
         return
-    table(["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric",
-           "H-Params"],
-          [[d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "",
-            "" if d["searcher_metric"] is None else d["searcher_metric"],
-            json.dumps(d["hparams"], sort_keys=True)]])
+    table(
+        [
+            "Trial ID",
+            "Experiment ID",
+            "State",
+            "Restarts",
+            "Batches",
+            "Latest Checkpoint",
+            "Searcher Metric",
+            "H-Params",
+        ],
+        [
+            [
+                d["id"],
+                d["experiment_id"],
+                d["state"],
+                d["restarts"],
+                d["batches"],
+                d["latest_checkpoint"] or "",
+                "" if d["searcher_metric"] is None else d["searcher_metric"],
+                json.dumps(d["hparams"], sort_keys=True),
+            ]
+        ],
+    )
     click.echo("\nRuns:")
-    table(["Run", "State", "Job ID", "Exit Code", "Exit Reason", "Started", "Ended"],
-          [[r["run_id"], r["state"], r["job_id"] or "", "" if r["exit_code"] is None else r["exit_code"],
-            r["exit_reason"] or "", fmt_time(r["start_time"]), fmt_time(r["end_time"])] for r in runs])
+    table(
+        ["Run", "State", "Job ID", "Exit Code", "Exit Reason", "Started", "Ended"],
+        [
+            [
+                r["run_id"],
+                r["state"],
+                r["job_id"] or "",
+                "" if r["exit_code"] is None else r["exit_code"],
+                r["exit_reason"] or "",
+                fmt_time(r["start_time"]),
+                fmt_time(r["end_time"]),
+            ]
+            for r in runs
+        ],
+    )
     if metrics:
         click.echo("\nMetrics:")
-        table(["Group", "Steps", "Report Time", "Metrics"],
-              [[m["group"], m["steps_completed"], fmt_time(m["report_time"]), json.dumps(m["metrics"], sort_keys=True)]
-               for m in rows])
+        table(
+            ["Group", "Steps", "Report Time", "Metrics"],
+            [
+                [m["group"], m["steps_completed"], fmt_time(m["report_time"]), json.dumps(m["metrics"], sort_keys=True)]
+                for m in rows
+            ],
+        )
 
 
 @trial.command("logs")

@@ -1,8 +1,8 @@
 """A small Python client over the store, in the shape of Determined's experimental client.
 
-    from detslurm import client
-    ckpt = client.get_checkpoint(uuid)
-    path = ckpt.download()
+from detslurm import client
+ckpt = client.get_checkpoint(uuid)
+path = ckpt.download()
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ class Trial:
 
     def list_checkpoints(self) -> list[Checkpoint]:
         with self._client.store.tx() as s:
-            rows = s.query(CheckpointRow).filter(CheckpointRow.trial_id == self.id).order_by(
-                CheckpointRow.steps_completed).all()
+            rows = (
+                s.query(CheckpointRow)
+                .filter(CheckpointRow.trial_id == self.id)
+                .order_by(CheckpointRow.steps_completed)
+                .all()
+            )
             return [Checkpoint(views.checkpoint_dict(s, r)) for r in rows]
 
     def latest_checkpoint(self) -> Checkpoint | None:

@@ -96,8 +96,14 @@ def start(s: Settings, wait_s: float = 10.0) -> int:
     p = Paths(s)
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(p.log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "detslurm.daemon", "run"], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "detslurm.daemon", "run"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         pid = running_pid(s)

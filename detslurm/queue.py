@@ -95,7 +95,8 @@ def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op]:
         raise QueueError(
             f"cannot raise job {job.job_id} to priority {priority}: Slurm lets ordinary users only lower the "
             f"priority of their own jobs (Determined's scale: a larger number is lower; this job is at "
-            f"{priority_for(job.nice)}). Ask a Slurm operator or admin to raise it.")
+            f"{priority_for(job.nice)}). Ask a Slurm operator or admin to raise it."
+        )
     return [Op("update", job.job_id, (("Nice", str(nice)),))]
 
 
@@ -109,10 +110,14 @@ def plan_ahead_of(job: QueuedJob, other: QueuedJob, caller: Caller, caps: Capabi
     if other.user == caller.user:
         # Lowering the other job is always allowed for its owner.
         return plan_behind_of(other, job, caller)
-    why = "this site does not set SchedulerParameters=enable_user_top" if not caps.enable_user_top else \
-        "scontrol top only reorders your own jobs in one partition"
-    raise QueueError(f"cannot move job {job.job_id} ahead of job {other.job_id}: {why}, and only admins may "
-                     "raise a priority")
+    why = (
+        "this site does not set SchedulerParameters=enable_user_top"
+        if not caps.enable_user_top
+        else "scontrol top only reorders your own jobs in one partition"
+    )
+    raise QueueError(
+        f"cannot move job {job.job_id} ahead of job {other.job_id}: {why}, and only admins may raise a priority"
+    )
 
 
 def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]:
@@ -131,14 +136,26 @@ def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove
             ops.append(PoolMove(ids[0], pool))
         return ops
     if ids is None:
-        raise QueueError(f"job {job.job_id} is running: Slurm cannot move a running job to another partition; "
-                         "cancel and resubmit it")
+        raise QueueError(
+            f"job {job.job_id} is running: Slurm cannot move a running job to another partition; cancel and resubmit it"
+        )
     return [PoolMove(ids[0], pool)]
 
 
-def plan_update(queue: Sequence[QueuedJob], job_id: str, caller: Caller, caps: Capabilities, site: SiteConfig, *,
-                priority: Optional[int] = None, ahead_of: Optional[str] = None, behind_of: Optional[str] = None,
-                resource_pool: Optional[str] = None, hold: bool = False, release: bool = False) -> list[Op | PoolMove]:
+def plan_update(
+    queue: Sequence[QueuedJob],
+    job_id: str,
+    caller: Caller,
+    caps: Capabilities,
+    site: SiteConfig,
+    *,
+    priority: Optional[int] = None,
+    ahead_of: Optional[str] = None,
+    behind_of: Optional[str] = None,
+    resource_pool: Optional[str] = None,
+    hold: bool = False,
+    release: bool = False,
+) -> list[Op | PoolMove]:
     job = _find(queue, job_id)
     _own(job, caller)
     chosen = [x for x in (priority, ahead_of, behind_of, resource_pool) if x is not None] + [1] * (hold + release)
@@ -177,7 +194,9 @@ def parse_batch(items: Sequence[str]) -> list[tuple[str, str, str]]:
         job, dot, op = head.partition(".")
         op = op.replace("_", "-")
         if not sep or not dot or not job or op not in ("priority", "resource-pool", "ahead-of", "behind-of"):
-            raise QueueError(f"{item!r}: please ensure the update is formatted as <jobID>.<operation>=<value>, "
-                             "with operation priority, resource-pool, ahead-of or behind-of")
+            raise QueueError(
+                f"{item!r}: please ensure the update is formatted as <jobID>.<operation>=<value>, "
+                "with operation priority, resource-pool, ahead-of or behind-of"
+            )
         out.append((job, op, value))
     return out

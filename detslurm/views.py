@@ -26,34 +26,62 @@ def get_trial(s: Session, trial_id: int) -> Trial:
 
 
 def batches(s: Session, trial_id: int) -> int:
-    v = s.scalar(select(func.max(Metric.steps_completed)).where(Metric.trial_id == trial_id)
-                 .where(Metric.archived.is_(False)))
+    v = s.scalar(
+        select(func.max(Metric.steps_completed)).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
+    )
     return int(v or 0)
 
 
 def experiment_dict(exp: Experiment) -> dict[str, Any]:
     return {
-        "id": exp.id, "name": exp.name, "owner": exp.owner, "state": exp.state, "progress": exp.progress,
-        "description": exp.description, "start_time": exp.start_time, "end_time": exp.end_time,
-        "resource_pool": exp.resource_pool, "archived": exp.archived, "labels": exp.config.get("labels", []),
-        "executor": exp.executor, "exp_dir": exp.exp_dir, "error": exp.error_message, "parent_id": exp.parent_id,
+        "id": exp.id,
+        "name": exp.name,
+        "owner": exp.owner,
+        "state": exp.state,
+        "progress": exp.progress,
+        "description": exp.description,
+        "start_time": exp.start_time,
+        "end_time": exp.end_time,
+        "resource_pool": exp.resource_pool,
+        "archived": exp.archived,
+        "labels": exp.config.get("labels", []),
+        "executor": exp.executor,
+        "exp_dir": exp.exp_dir,
+        "error": exp.error_message,
+        "parent_id": exp.parent_id,
         "context_sha256": exp.context_sha256,
     }
 
 
 def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
     return {
-        "id": t.id, "experiment_id": t.experiment_id, "state": t.state, "hparams": t.hparams, "seed": t.seed,
-        "restarts": t.restarts, "runs": t.run_count, "latest_checkpoint": t.latest_checkpoint,
-        "steps_completed": t.steps_completed, "searcher_metric": t.searcher_metric, "progress": t.progress,
-        "start_time": t.start_time, "end_time": t.end_time, "batches": batches(s, t.id),
-        "early_stopped": t.early_stopped, "exit_reason": t.exit_reason,
+        "id": t.id,
+        "experiment_id": t.experiment_id,
+        "state": t.state,
+        "hparams": t.hparams,
+        "seed": t.seed,
+        "restarts": t.restarts,
+        "runs": t.run_count,
+        "latest_checkpoint": t.latest_checkpoint,
+        "steps_completed": t.steps_completed,
+        "searcher_metric": t.searcher_metric,
+        "progress": t.progress,
+        "start_time": t.start_time,
+        "end_time": t.end_time,
+        "batches": batches(s, t.id),
+        "early_stopped": t.early_stopped,
+        "exit_reason": t.exit_reason,
     }
 
 
 def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
-    q = (select(Metric.metrics).where(Metric.trial_id == ck.trial_id).where(Metric.group == "validation")
-         .where(Metric.steps_completed == ck.steps_completed).where(Metric.archived.is_(False)))
+    q = (
+        select(Metric.metrics)
+        .where(Metric.trial_id == ck.trial_id)
+        .where(Metric.group == "validation")
+        .where(Metric.steps_completed == ck.steps_completed)
+        .where(Metric.archived.is_(False))
+    )
     for m in s.scalars(q):
         if isinstance(m.get(metric), (int, float)):
             return float(m[metric])
@@ -65,16 +93,28 @@ def checkpoint_dict(s: Session, ck: Checkpoint) -> dict[str, Any]:
     assert trial is not None
     metric = trial.experiment.config["searcher"]["metric"]
     return {
-        "uuid": ck.uuid, "trial_id": ck.trial_id, "experiment_id": trial.experiment_id, "run_id": ck.run_id,
-        "steps_completed": ck.steps_completed, "state": ck.state, "metadata": ck.metadata_,
-        "resources": ck.resources, "size": ck.size, "report_time": ck.report_time,
-        "storage_path": ck.storage_path, "validation_metric": validation_metric(s, ck, metric),
+        "uuid": ck.uuid,
+        "trial_id": ck.trial_id,
+        "experiment_id": trial.experiment_id,
+        "run_id": ck.run_id,
+        "steps_completed": ck.steps_completed,
+        "state": ck.state,
+        "metadata": ck.metadata_,
+        "resources": ck.resources,
+        "size": ck.size,
+        "report_time": ck.report_time,
+        "storage_path": ck.storage_path,
+        "validation_metric": validation_metric(s, ck, metric),
     }
 
 
 def checkpoints(s: Session, exp_id: int) -> list[Checkpoint]:
-    q = (select(Checkpoint).join(Trial).where(Trial.experiment_id == exp_id)
-         .order_by(Checkpoint.trial_id, Checkpoint.steps_completed))
+    q = (
+        select(Checkpoint)
+        .join(Trial)
+        .where(Trial.experiment_id == exp_id)
+        .order_by(Checkpoint.trial_id, Checkpoint.steps_completed)
+    )
     return list(s.scalars(q))
 
 

@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     args = list(argv)
     if "--" in args:
         i = args.index("--")
-        overrides, rest = args[:i], args[i + 1:]
+        overrides, rest = args[:i], args[i + 1 :]
     else:
         overrides, rest = [], args
     if rest[:1] == ["--trial"]:
@@ -106,8 +106,9 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
-def rendezvous_ports(nodes: Nodes, env: Mapping[str, str], names: Sequence[str],
-                     timeout_s: float = 120) -> dict[str, int]:
+def rendezvous_ports(
+    nodes: Nodes, env: Mapping[str, str], names: Sequence[str], timeout_s: float = 120
+) -> dict[str, int]:
     """Ports for this job's rendezvous that no other job on the same nodes can be using.
 
     Where the site reserves ports for the step (``SLURM_STEP_RESV_PORTS``, MpiParams=ports=...),

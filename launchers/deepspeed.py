@@ -20,17 +20,38 @@ def hostfile_text(nodes: Nodes) -> str:
     return "".join(f"{host} slots={nodes.slots}\n" for host in nodes.hosts)
 
 
-def build_deepspeed_cmd(nodes: Nodes, hostfile: str, master_port: int, overrides: Sequence[str],
-                        script: Sequence[str], python: str = sys.executable) -> list[str]:
+def build_deepspeed_cmd(
+    nodes: Nodes,
+    hostfile: str,
+    master_port: int,
+    overrides: Sequence[str],
+    script: Sequence[str],
+    python: str = sys.executable,
+) -> list[str]:
     """Pure: the deepspeed launcher command for this node."""
     master = "127.0.0.1" if nodes.nnodes == 1 else nodes.chief
     return [
-        python, "-m", "deepspeed.launcher.runner",
-        "--hostfile", hostfile, "--no_ssh", "--node_rank", str(nodes.node_rank),
-        "--master_addr", master, "--master_port", str(master_port),
+        python,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        hostfile,
+        "--no_ssh",
+        "--node_rank",
+        str(nodes.node_rank),
+        "--master_addr",
+        master,
+        "--master_port",
+        str(master_port),
         *overrides,
-        "--no_python", "--no_local_rank",
-        python, "-m", "detslurm.launch.wrap_rank", "RANK", "--", *script,
+        "--no_python",
+        "--no_local_rank",
+        python,
+        "-m",
+        "detslurm.launch.wrap_rank",
+        "RANK",
+        "--",
+        *script,
     ]
 
 

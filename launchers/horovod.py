@@ -32,20 +32,29 @@ from detslurm.launch._common import (
 )
 
 
-def worker_env(base: Mapping[str, str], nodes: Nodes, local_rank: int, rdzv_addr: str, rdzv_port: int,
-               iface: str | None) -> dict[str, str]:
+def worker_env(
+    base: Mapping[str, str], nodes: Nodes, local_rank: int, rdzv_addr: str, rdzv_port: int, iface: str | None
+) -> dict[str, str]:
     """Pure: the environment Horovod's gloo controller reads for one worker."""
     size = nodes.slots * nodes.nnodes
     env = dict(base)
-    env.update({
-        "HOROVOD_HOSTNAME": nodes.hosts[nodes.node_rank],
-        "HOROVOD_RANK": str(nodes.node_rank * nodes.slots + local_rank),
-        "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(nodes.slots),
-        "HOROVOD_CROSS_RANK": str(nodes.node_rank), "HOROVOD_CROSS_SIZE": str(nodes.nnodes),
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": rdzv_addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rdzv_port),
-        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "USE_HOROVOD": "1",
-        "DET_CHIEF_IP": nodes.chief,
-    })
+    env.update(
+        {
+            "HOROVOD_HOSTNAME": nodes.hosts[nodes.node_rank],
+            "HOROVOD_RANK": str(nodes.node_rank * nodes.slots + local_rank),
+            "HOROVOD_SIZE": str(size),
+            "HOROVOD_LOCAL_RANK": str(local_rank),
+            "HOROVOD_LOCAL_SIZE": str(nodes.slots),
+            "HOROVOD_CROSS_RANK": str(nodes.node_rank),
+            "HOROVOD_CROSS_SIZE": str(nodes.nnodes),
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": rdzv_addr,
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rdzv_port),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "USE_HOROVOD": "1",
+            "DET_CHIEF_IP": nodes.chief,
+        }
+    )
     if iface:
         env["HOROVOD_GLOO_IFACE"] = iface
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
@@ -61,7 +70,8 @@ def _start_rendezvous(nodes: Nodes) -> tuple[Any, int]:
     from horovod.runner.http.http_server import RendezvousServer
 
     plan = hvd_hosts.get_host_assignments(
-        hvd_hosts.parse_hosts(",".join(f"{h}:{nodes.slots}" for h in nodes.hosts)), nodes.slots * nodes.nnodes)
+        hvd_hosts.parse_hosts(",".join(f"{h}:{nodes.slots}" for h in nodes.hosts)), nodes.slots * nodes.nnodes
+    )
     server = RendezvousServer(verbose=0)
     port = server.start()
     server.init(plan)
@@ -82,8 +92,10 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> in
     addr = nodes.chief
     iface = env.get("DETSLURM_NETWORK_INTERFACE") or interface_for(nodes.hosts[nodes.node_rank])
     base = dict(env, DETSLURM_DIST_PORT=str(dist_port))
-    procs = [subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface),
-                              start_new_session=True) for i in range(nodes.slots)]
+    procs = [
+        subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
+        for i in range(nodes.slots)
+    ]
     try:
         return supervise(procs)
     finally:
@@ -94,10 +106,32 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> in
 def mpi_cmd(nodes: Nodes, overrides: Sequence[str], script: Sequence[str], python: str = sys.executable) -> list[str]:
     """Pure: mpirun on the chief; Open MPI starts its daemons through Slurm (srun), not ssh."""
     rest = [o for o in overrides if o != "--mpi"]
-    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nodes.slots * nodes.nnodes),
-            "-H", ",".join(f"{h}:{nodes.slots}" for h in nodes.hosts), "-bind-to", "none", "-map-by", "slot",
-            "-x", "USE_HOROVOD=1", "-x", "DET_CHIEF_IP", "-x", "DETSLURM_DIST_PORT", *rest,
-            python, "-m", "detslurm.launch.wrap_rank", "OMPI_COMM_WORLD_RANK,PMI_RANK", "--", *script]
+    return [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(nodes.slots * nodes.nnodes),
+        "-H",
+        ",".join(f"{h}:{nodes.slots}" for h in nodes.hosts),
+        "-bind-to",
+        "none",
+        "-map-by",
+        "slot",
+        "-x",
+        "USE_HOROVOD=1",
+        "-x",
+        "DET_CHIEF_IP",
+        "-x",
+        "DETSLURM_DIST_PORT",
+        *rest,
+        python,
+        "-m",
+        "detslurm.launch.wrap_rank",
+        "OMPI_COMM_WORLD_RANK,PMI_RANK",
+        "--",
+        *script,
+    ]
 
 
 def main(argv: Sequence[str]) -> int:
@@ -110,8 +144,9 @@ def main(argv: Sequence[str]) -> int:
         if not nodes.is_chief:
             return 0  # the chief's mpirun starts this node's ranks
         dist_port = free_port(nodes.chief if nodes.nnodes > 1 else "127.0.0.1")
-        env = dict(os.environ, OMPI_MCA_plm_slurm_args="--overlap", DET_CHIEF_IP=nodes.chief,
-                   DETSLURM_DIST_PORT=str(dist_port))
+        env = dict(
+            os.environ, OMPI_MCA_plm_slurm_args="--overlap", DET_CHIEF_IP=nodes.chief, DETSLURM_DIST_PORT=str(dist_port)
+        )
         return run(mpi_cmd(nodes, overrides, script), env)
     if overrides:
         return fail(f"unsupported horovod overrides {overrides}: only --mpi is understood without horovodrun")

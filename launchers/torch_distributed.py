@@ -19,16 +19,33 @@ from collections.abc import Mapping, Sequence
 from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run
 
 
-def build_torchrun_cmd(nodes: Nodes, master_port: int, overrides: Sequence[str], script: Sequence[str],
-                       python: str = sys.executable) -> list[str]:
+def build_torchrun_cmd(
+    nodes: Nodes, master_port: int, overrides: Sequence[str], script: Sequence[str], python: str = sys.executable
+) -> list[str]:
     """Pure: the torchrun command for this node."""
     master = "localhost" if nodes.nnodes == 1 else nodes.chief
     return [
-        python, "-m", "torch.distributed.run",
-        "--nnodes", str(nodes.nnodes), "--nproc_per_node", str(nodes.slots), "--node_rank", str(nodes.node_rank),
-        "--max_restarts", "0", "--master_addr", master, "--master_port", str(master_port),
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes.nnodes),
+        "--nproc_per_node",
+        str(nodes.slots),
+        "--node_rank",
+        str(nodes.node_rank),
+        "--max_restarts",
+        "0",
+        "--master_addr",
+        master,
+        "--master_port",
+        str(master_port),
         *overrides,
-        "--module", "detslurm.launch.wrap_rank", "RANK", "--", *script,
+        "--module",
+        "detslurm.launch.wrap_rank",
+        "RANK",
+        "--",
+        *script,
     ]
 
 

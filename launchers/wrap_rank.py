@@ -72,8 +72,10 @@ def main(argv: Sequence[str]) -> int:
     prefix = f"[rank={rank}] ".encode()
     proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
-    threads = [threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, prefix)),
-               threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, prefix))]
+    threads = [
+        threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, prefix)),
+        threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, prefix)),
+    ]
     for t in threads:
         t.start()
     with forward_signals(proc, to_group=False):

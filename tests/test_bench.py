@@ -23,8 +23,9 @@ def run(tmp_path: Path, script: str, *args: str) -> dict[str, Any]:
     env = dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results"))
     for k in [k for k in env if k.startswith("DETSLURM_") and k != "DETSLURM_SITE_CONFIG"]:
         del env[k]  # each benchmark makes its own private store
-    p = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True, timeout=600
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     name = script.removesuffix(".py")
     return dict(json.loads((tmp_path / "results" / f"{name}.json").read_text()))
@@ -63,8 +64,14 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
     d = run(tmp_path, "search_efficiency.py", "--seeds", "3", "--random-trials", "16", "--max-time", "16")
     assert finite(d["asha_ratio_median"], d["optuna_sha_ratio_median"])
     d = run(tmp_path, "cli_latency.py", "--experiments", "300", "--jobs", "50", "--repeats", "1")
-    assert d["jobs"] == 50 and finite(d["help_ratio_vs_import_click"], d["e_list_ratio_vs_raw_sqlite"],
-                                     d["job_list_ratio_vs_squeue"])
-    summary = subprocess.run([sys.executable, str(BENCH / "summary.py")], capture_output=True, text=True, check=True,
-                             env=dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results"))).stdout
+    assert d["jobs"] == 50 and finite(
+        d["help_ratio_vs_import_click"], d["e_list_ratio_vs_raw_sqlite"], d["job_list_ratio_vs_squeue"]
+    )
+    summary = subprocess.run(
+        [sys.executable, str(BENCH / "summary.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results")),
+    ).stdout
     assert "| search: adaptive_asha |" in summary and "| det e list, 300 experiments |" in summary

@@ -8,8 +8,30 @@ from tabulate import tabulate
 
 from detslurm.cli.render import presto
 
-CELLS = [None, "", 0, 7, 12345, -3, "5", "abc", "a b", "COMPLETED", "2026-01-01 00:00:00+0000", "10.0%", "x" * 30,
-         " ", "007", "-4", "1e3", "3.5", "nan", "True", 2.5, True]
+CELLS = [
+    None,
+    "",
+    0,
+    7,
+    12345,
+    -3,
+    "5",
+    "abc",
+    "a b",
+    "COMPLETED",
+    "2026-01-01 00:00:00+0000",
+    "10.0%",
+    "x" * 30,
+    " ",
+    "007",
+    "-4",
+    "1e3",
+    "3.5",
+    "nan",
+    "True",
+    2.5,
+    True,
+]
 
 
 def test_presto_matches_tabulate_on_random_tables() -> None:

@@ -87,11 +87,14 @@ def _evil_tar(path: Path, member: tarfile.TarInfo, data: bytes = b"") -> None:
         tar.addfile(member, io.BytesIO(data) if data else None)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: tarfile.TarInfo("../escape.txt"),
-    lambda: tarfile.TarInfo("/abs.txt"),
-    lambda: tarfile.TarInfo("a/../../escape.txt"),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: tarfile.TarInfo("../escape.txt"),
+        lambda: tarfile.TarInfo("/abs.txt"),
+        lambda: tarfile.TarInfo("a/../../escape.txt"),
+    ],
+)
 @pytest.mark.fault
 def test_extract_refuses_traversal(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
     _evil_tar(tmp_path / "evil.tgz", make(), b"pwned")

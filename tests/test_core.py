@@ -26,7 +26,9 @@ def next_port() -> int:
     return _port[0]
 
 
-def run_ranks(size: int, local_size: int, fn: Callable[[DistributedContext], Any], force_tcp: bool = False) -> list[Any]:
+def run_ranks(
+    size: int, local_size: int, fn: Callable[[DistributedContext], Any], force_tcp: bool = False
+) -> list[Any]:
     """One thread per rank, each with a real DistributedContext (Determined's parallel.Execution)."""
     port = next_port()
     results: list[Any] = [None] * size
@@ -34,9 +36,17 @@ def run_ranks(size: int, local_size: int, fn: Callable[[DistributedContext], Any
 
     def worker(rank: int) -> None:
         try:
-            ctx = DistributedContext(rank=rank, size=size, local_rank=rank % local_size, local_size=local_size,
-                                     cross_rank=rank // local_size, cross_size=size // local_size,
-                                     chief_ip="127.0.0.1", port=port, force_tcp=force_tcp)
+            ctx = DistributedContext(
+                rank=rank,
+                size=size,
+                local_rank=rank % local_size,
+                local_size=local_size,
+                cross_rank=rank // local_size,
+                cross_size=size // local_size,
+                chief_ip="127.0.0.1",
+                port=port,
+                force_tcp=force_tcp,
+            )
             try:
                 results[rank] = fn(ctx)
             finally:
@@ -81,8 +91,14 @@ def test_collectives(cross: int, local: int, force_tcp: bool) -> None:
 
 
 def test_from_torch_distributed_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-           "GROUP_WORLD_SIZE": "1"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     d = DistributedContext.from_torch_distributed()
@@ -207,10 +223,24 @@ def test_cluster_info_off_and_on_cluster(tmp_path: Path, monkeypatch: pytest.Mon
         if k.startswith("DET_"):
             monkeypatch.delenv(k)
     assert get_cluster_info() is None
-    env = trial_env(experiment_id=3, trial_id=7, run_id=2, seed=42, hparams={"lr": 0.1}, config={"data": {"x": 1}},
-                    latest_checkpoint="abc", steps_completed=50, run_dir=tmp_path / "r", trial_dir=tmp_path,
-                    exp_dir=tmp_path, checkpoint_base=str(tmp_path / "ck"), resources_type="slurm-job",
-                    slot_ids=[0, 1], container_addrs=["10.0.0.1", "10.0.0.2"], user="alice")
+    env = trial_env(
+        experiment_id=3,
+        trial_id=7,
+        run_id=2,
+        seed=42,
+        hparams={"lr": 0.1},
+        config={"data": {"x": 1}},
+        latest_checkpoint="abc",
+        steps_completed=50,
+        run_dir=tmp_path / "r",
+        trial_dir=tmp_path,
+        exp_dir=tmp_path,
+        checkpoint_base=str(tmp_path / "ck"),
+        resources_type="slurm-job",
+        slot_ids=[0, 1],
+        container_addrs=["10.0.0.1", "10.0.0.2"],
+        user="alice",
+    )
     info = from_env(env)
     assert info is not None
     assert (info.trial.trial_id, info.trial.experiment_id, info.trial.hparams) == (7, 3, {"lr": 0.1})
@@ -259,8 +289,10 @@ def test_collectives_across_processes() -> None:
     import sys
 
     port = next_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(port)], stdout=subprocess.PIPE, text=True)
-             for r in range(4)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(r), str(port)], stdout=subprocess.PIPE, text=True)
+        for r in range(4)
+    ]
     outs = [json.loads(p.communicate(timeout=60)[0]) for p in procs]
     assert all(o["all"] == [0, 1, 4, 9] and o["b"] == "from0" for o in outs)
     assert [o["local"] for o in outs] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -26,8 +26,13 @@ def store() -> Any:
 
 def metrics(trial_id: int, group: str) -> list[tuple[int, int]]:
     with store().tx() as s:
-        q = (select(Metric.steps_completed, Metric.run_id).where(Metric.trial_id == trial_id)
-             .where(Metric.group == group).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        q = (
+            select(Metric.steps_completed, Metric.run_id)
+            .where(Metric.trial_id == trial_id)
+            .where(Metric.group == group)
+            .where(Metric.archived.is_(False))
+            .order_by(Metric.steps_completed)
+        )
         return [(a, b) for a, b in s.execute(q)]
 
 
@@ -36,13 +41,22 @@ def trials(exp_id: int) -> list[Trial]:
         return list(s.scalars(select(Trial).where(Trial.experiment_id == exp_id).order_by(Trial.id)))
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "<config>: the file is empty"),
-    ("[1, 2]", "<config>: must be a mapping of keys to values, got a list"),
-    ("entrypoint: x\nmax_restarts: many\nsearcher: {name: single, metric: m}", "<config>.max_restarts: Input should be a valid integer, got 'many'"),
-    ("entrypoint: x\nbogus: 1\nsearcher: {name: single, metric: m}", "<config>: unknown key 'bogus'; valid keys: bind_mounts"),
-    ("entrypoint: x\nsearcher: {name: single}", "<config>.searcher: metric is a required property"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "<config>: the file is empty"),
+        ("[1, 2]", "<config>: must be a mapping of keys to values, got a list"),
+        (
+            "entrypoint: x\nmax_restarts: many\nsearcher: {name: single, metric: m}",
+            "<config>.max_restarts: Input should be a valid integer, got 'many'",
+        ),
+        (
+            "entrypoint: x\nbogus: 1\nsearcher: {name: single, metric: m}",
+            "<config>: unknown key 'bogus'; valid keys: bind_mounts",
+        ),
+        ("entrypoint: x\nsearcher: {name: single}", "<config>.searcher: metric is a required property"),
+    ],
+)
 def test_bad_configs_one_clear_error(det: Any, tmp_path: Path, text: str, needle: str) -> None:
     cfg = write(tmp_path / "bad.yaml", text)
     code, out, err = det("e", "create", "--local", cfg, CORE)
@@ -82,9 +96,17 @@ def test_adaptive_asha_search_early_stops_and_completes(det: Any) -> None:
 
 
 def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> None:
-    code, out, err = det("e", "create", "--local", CORE / "const.yaml", CORE,
-                         "--config", "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=13]",
-                         "--config", "hyperparameters.sleep=0.01")
+    code, out, err = det(
+        "e",
+        "create",
+        "--local",
+        CORE / "const.yaml",
+        CORE,
+        "--config",
+        "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=13]",
+        "--config",
+        "hyperparameters.sleep=0.01",
+    )
     assert code == 0, err
     (t,) = trials(1)
     assert t.state == "COMPLETED" and t.restarts == 1 and t.run_count == 2
@@ -92,8 +114,9 @@ def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> No
     assert [s for s, _ in train] == list(range(1, 41))  # every step exactly once
     assert [r for s, r in train if s <= 10] == [1] * 10 and all(r == 2 for s, r in train if s > 10)
     with store().tx() as s:
-        archived = s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
-                             .where(Metric.archived.is_(True))).all()
+        archived = s.scalars(
+            select(Metric.steps_completed).where(Metric.trial_id == t.id).where(Metric.archived.is_(True))
+        ).all()
     # Run 1's steps past the checkpoint are kept but not counted. The report made just before
     # the hard exit may not have reached the file (reports are written asynchronously).
     assert sorted(archived) == list(range(11, 11 + len(archived))) and 1 <= len(archived) <= 3
@@ -103,7 +126,9 @@ def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> No
 
 def test_max_restarts_exceeded_is_an_error(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/failing.py", (FIXTURES / "failing.py").read_text())
-    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 failing.py\nmax_restarts: 1\nsearcher: {name: single, metric: m}\n")
+    cfg = write(
+        tmp_path / "c.yaml", "entrypoint: python3 failing.py\nmax_restarts: 1\nsearcher: {name: single, metric: m}\n"
+    )
     code, out, _ = det("e", "create", "--local", cfg, tmp_path / "ctx")
     assert code == 1 and "Experiment 1 ERROR" in out
     (t,) = trials(1)
@@ -124,12 +149,15 @@ def test_test_mode_success_and_failure(det: Any, tmp_path: Path) -> None:
 
 def test_invalid_hp_trials_are_replaced(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/invalid_hp.py", (FIXTURES / "invalid_hp.py").read_text())
-    cfg = write(tmp_path / "c.yaml", """
+    cfg = write(
+        tmp_path / "c.yaml",
+        """
 entrypoint: python3 invalid_hp.py
 hyperparameters: {x: {type: int, minval: 0, maxval: 9}}
 searcher: {name: random, metric: loss, max_trials: 4, max_concurrent_trials: 2}
 reproducibility: {experiment_seed: 5}
-""")
+""",
+    )
     code, out, err = det("e", "create", "--local", cfg, tmp_path / "ctx")
     assert code == 0, err
     ts = trials(1)
@@ -139,12 +167,15 @@ reproducibility: {experiment_seed: 5}
 
 def test_037_operations_with_promotion(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/ops_037.py", (FIXTURES / "ops_037.py").read_text())
-    cfg = write(tmp_path / "c.yaml", """
+    cfg = write(
+        tmp_path / "c.yaml",
+        """
 entrypoint: python3 ops_037.py
 hyperparameters: {lr: {type: double, minval: 0.01, maxval: 0.5}}
 searcher: {name: adaptive_asha, metric: loss, max_trials: 6, max_length: {batches: 16}, divisor: 2,
            max_rungs: 3, mode: aggressive, max_concurrent_trials: 3}
-""")
+""",
+    )
     code, out, err = det("e", "create", "--local", cfg, tmp_path / "ctx")
     assert code == 0, err + out
     ts = trials(1)
@@ -157,8 +188,13 @@ searcher: {name: adaptive_asha, metric: loss, max_trials: 6, max_length: {batche
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "detslurm.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "detslurm.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
 
 
 def _wait_for(pred: Any, timeout: float = 60) -> None:
@@ -171,7 +207,9 @@ def _wait_for(pred: Any, timeout: float = 60) -> None:
 
 
 def test_pause_then_activate_resumes_from_checkpoint(det: Any) -> None:
-    proc = _spawn("e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.1")
+    proc = _spawn(
+        "e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.1"
+    )
     _wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
     code, out, _ = det("e", "pause", "1")
     assert code == 0 and "Paused experiment 1" in out
@@ -191,7 +229,9 @@ def test_pause_then_activate_resumes_from_checkpoint(det: Any) -> None:
 
 
 def test_kill_and_cancel(det: Any) -> None:
-    proc = _spawn("e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.2")
+    proc = _spawn(
+        "e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.2"
+    )
     _wait_for(lambda: bool(trials(1)) and bool(metrics(trials(1)[0].id, "training")))
     assert det("e", "kill", "1")[0] == 0
     stdout, _ = proc.communicate(timeout=60)
@@ -232,8 +272,9 @@ def test_killed_driver_resumes_without_loss_or_duplicates(det: Any) -> None:
     ids, reads their exit records, and nothing is lost or duplicated."""
     import signal
 
-    proc = _spawn("e", "create", "--local", str(CORE / "adaptive.yaml"), str(CORE),
-                  "--config", "hyperparameters.sleep=0.05")
+    proc = _spawn(
+        "e", "create", "--local", str(CORE / "adaptive.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.05"
+    )
     _wait_for(lambda: len(trials(1)) >= 2 and any(metrics(t.id, "validation") for t in trials(1)))
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
@@ -259,7 +300,9 @@ def test_follow_first_trial_streams_logs(det: Any) -> None:
     assert code == 0 and '"state": "COMPLETED"' in out
 
 
-def test_create_without_reachable_slurm_fails_cleanly(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_create_without_reachable_slurm_fails_cleanly(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))
     monkeypatch.setenv("DETSLURM_SLURM_TIMEOUT_S", "10")
     code, out, err = det("e", "create", CORE / "const.yaml", CORE)
@@ -277,8 +320,10 @@ def test_help_is_fast_and_lists_every_command() -> None:
 
     from detslurm.cli.main import _ALIASES, _COMMANDS
 
-    probe = ("import sys\nfrom detslurm.cli.main import main\nmain(['--help'])\n"
-             "print(sorted(m for m in sys.modules if m.startswith(('sqlalchemy', 'detslurm.store', 'detslurm.cli.'))))")
+    probe = (
+        "import sys\nfrom detslurm.cli.main import main\nmain(['--help'])\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('sqlalchemy', 'detslurm.store', 'detslurm.cli.'))))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "['detslurm.cli.main']"
     for name, (module, attr, short) in _COMMANDS.items():

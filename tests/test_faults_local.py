@@ -34,21 +34,32 @@ def tiny_fs(tmp_path: Path) -> Any:
 def test_checkpoint_failing_midway_leaves_previous_intact_and_used(det: Any, tmp_path: Path, tiny_fs: Path) -> None:
     ctx = tmp_path / "ctx"
     write(ctx / "ckpt_fill.py", (FIXTURES / "ckpt_fill.py").read_text())
-    cfg = write(tmp_path / "c.yaml", f"""
+    cfg = write(
+        tmp_path / "c.yaml",
+        f"""
 name: full-disk
 entrypoint: python3 ckpt_fill.py
 searcher: {{name: single, metric: validation_loss, max_length: {{batches: 12}}}}
 checkpoint_storage: {{type: shared_fs, host_path: {tiny_fs}, save_trial_latest: 5}}
 environment: {{environment_variables: [CKPT_BIG_BYTES=4000000]}}
 max_restarts: 1
-""")
+""",
+    )
     code, out, err = det("e", "create", "--local", cfg, ctx)
     assert code == 0, out + err
     with open_store(settings.load().db_url).tx() as s:
         (t,) = s.scalars(select(Trial)).all()
-        cks = list(s.scalars(select(Checkpoint).where(Checkpoint.trial_id == t.id).order_by(Checkpoint.steps_completed)))
-        steps = sorted(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
-                                 .where(Metric.group == "training").where(Metric.archived.is_(False))))
+        cks = list(
+            s.scalars(select(Checkpoint).where(Checkpoint.trial_id == t.id).order_by(Checkpoint.steps_completed))
+        )
+        steps = sorted(
+            s.scalars(
+                select(Metric.steps_completed)
+                .where(Metric.trial_id == t.id)
+                .where(Metric.group == "training")
+                .where(Metric.archived.is_(False))
+            )
+        )
         assert t.state == "COMPLETED" and t.restarts == 1
         assert [c.steps_completed for c in cks] == [5, 10]  # the failed step-10 save of run 1 is not there
         first = cks[0]

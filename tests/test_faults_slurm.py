@@ -29,17 +29,20 @@ def store() -> Any:
 
 def ctld(cluster: Path, action: str) -> None:
     env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
-    subprocess.run([str(ROOT / "scripts/test-cluster"), f"ctld-{action}", str(cluster)], check=True, env=env,
-                   capture_output=True)
+    subprocess.run(
+        [str(ROOT / "scripts/test-cluster"), f"ctld-{action}", str(cluster)], check=True, env=env, capture_output=True
+    )
 
 
 def recording_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An sbatch on PATH that records every job id Slurm accepted."""
     real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
     log = tmp_path / "submitted"
-    write(tmp_path / "shim/sbatch", f'#!/bin/bash\nout=$({shlex.quote(real)} "$@")\nrc=$?\n'
-                                    f'[ $rc = 0 ] && echo "$out" >> {shlex.quote(str(log))}\necho "$out"\nexit $rc\n'
-                                    ).chmod(0o755)
+    write(
+        tmp_path / "shim/sbatch",
+        f'#!/bin/bash\nout=$({shlex.quote(real)} "$@")\nrc=$?\n'
+        f'[ $rc = 0 ] && echo "$out" >> {shlex.quote(str(log))}\necho "$out"\nexit $rc\n',
+    ).chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'shim'}:{os.environ['PATH']}")
     return log
 
@@ -53,11 +56,23 @@ def check_exactly_once(exp_id: int, submitted: Path) -> list[Trial]:
         for t in ts:
             assert t.state == "COMPLETED" and t.restarts == 0, (t.id, t.state, t.restarts)
             for group in ("training", "validation"):
-                got = list(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
-                                     .where(Metric.group == group).where(Metric.archived.is_(False))))
+                got = list(
+                    s.scalars(
+                        select(Metric.steps_completed)
+                        .where(Metric.trial_id == t.id)
+                        .where(Metric.group == group)
+                        .where(Metric.archived.is_(False))
+                    )
+                )
                 assert len(got) == len(set(got)), (t.id, group, sorted(got))
-            train = sorted(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
-                                     .where(Metric.group == "training").where(Metric.archived.is_(False))))
+            train = sorted(
+                s.scalars(
+                    select(Metric.steps_completed)
+                    .where(Metric.trial_id == t.id)
+                    .where(Metric.group == "training")
+                    .where(Metric.archived.is_(False))
+                )
+            )
             assert train == list(range(1, len(train) + 1))
         jobs = [j for j in s.scalars(select(TrialRun.job_id)) if j]
     assert len(jobs) == len(set(jobs))
@@ -66,11 +81,22 @@ def check_exactly_once(exp_id: int, submitted: Path) -> list[Trial]:
     return ts
 
 
-def test_daemon_sigkilled_at_20_random_points_of_a_30_trial_search(det: Any, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_daemon_sigkilled_at_20_random_points_of_a_30_trial_search(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     submitted = recording_sbatch(tmp_path, monkeypatch)
-    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=30",
-                       "--config", "searcher.max_concurrent_trials=6", "--config", "hyperparameters.sleep=0.02")
+    code, _, err = det(
+        "e",
+        "create",
+        CORE / "adaptive.yaml",
+        CORE,
+        "--config",
+        "searcher.max_trials=30",
+        "--config",
+        "searcher.max_concurrent_trials=6",
+        "--config",
+        "hyperparameters.sleep=0.02",
+    )
     assert code == 0, err
     s = settings.load()
     rng = random.Random(20)
@@ -93,11 +119,22 @@ def test_daemon_sigkilled_at_20_random_points_of_a_30_trial_search(det: Any, tmp
     assert len(ts) == 30
 
 
-def test_slurmctld_restart_while_daemon_polls(det: Any, tmp_path: Path, slurm_cluster: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slurmctld_restart_while_daemon_polls(
+    det: Any, tmp_path: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     submitted = recording_sbatch(tmp_path, monkeypatch)
-    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=4",
-                       "--config", "searcher.max_concurrent_trials=4", "--config", "hyperparameters.sleep=0.3")
+    code, _, err = det(
+        "e",
+        "create",
+        CORE / "adaptive.yaml",
+        CORE,
+        "--config",
+        "searcher.max_trials=4",
+        "--config",
+        "searcher.max_concurrent_trials=4",
+        "--config",
+        "hyperparameters.sleep=0.3",
+    )
     assert code == 0, err
     deadline = time.time() + 60
     while time.time() < deadline:
@@ -119,8 +156,9 @@ def test_slurmctld_restart_while_daemon_polls(det: Any, tmp_path: Path, slurm_cl
     assert all(t.run_count == 1 for t in ts)
 
 
-def test_submission_during_outage_spends_no_restart(det: Any, tmp_path: Path, slurm_cluster: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submission_during_outage_spends_no_restart(
+    det: Any, tmp_path: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Trials due while slurmctld is down are submitted when it is back: no restart spent,
     no run left behind."""
     from detslurm.controller import ops

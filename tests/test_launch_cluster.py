@@ -15,8 +15,10 @@ from detslurm.store import Metric, Trial, TrialRun, open_store
 
 torch = pytest.importorskip("torch")
 FIXTURES = Path(__file__).parent / "fixtures"
-DDP = "entrypoint: python3 -m determined.launch.torch_distributed python3 ddp_train.py\n" \
-      "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+DDP = (
+    "entrypoint: python3 -m determined.launch.torch_distributed python3 ddp_train.py\n"
+    "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+)
 
 
 def ctx_dir(tmp_path: Path) -> Path:
@@ -26,7 +28,9 @@ def ctx_dir(tmp_path: Path) -> Path:
 
 def validations() -> list[dict[str, Any]]:
     with open_store(settings.load().db_url).tx() as s:
-        return [m.metrics for m in s.scalars(select(Metric).where(Metric.group == "validation").order_by(Metric.trial_id))]
+        return [
+            m.metrics for m in s.scalars(select(Metric).where(Metric.group == "validation").order_by(Metric.trial_id))
+        ]
 
 
 @pytest.mark.torch
@@ -55,8 +59,10 @@ class TestOnCluster:
 
     @pytest.mark.fault
     def test_worker_failure_stops_the_job_within_10s(self, det: Any, tmp_path: Path) -> None:
-        cfg = write(tmp_path / "c.yaml", DDP + "resources: {slots_per_trial: 4}\n"
-                                               "environment: {environment_variables: [FAIL_RANK=3]}\n")
+        cfg = write(
+            tmp_path / "c.yaml",
+            DDP + "resources: {slots_per_trial: 4}\nenvironment: {environment_variables: [FAIL_RANK=3]}\n",
+        )
         code, out, err = det("e", "create", cfg, ctx_dir(tmp_path))
         assert code == 0, err
         code, out, err = det("e", "wait", "1")
@@ -72,10 +78,12 @@ class TestOnCluster:
         assert trial.state == "ERROR" and run.exit_code != 0
 
     def test_two_jobs_sharing_nodes_do_not_collide(self, det: Any, tmp_path: Path) -> None:
-        cfg = write(tmp_path / "c.yaml", DDP.replace("{name: single, metric: loss}",
-                                                     "{name: grid, metric: loss, max_concurrent_trials: 2}")
-                    + "resources: {slots_per_trial: 2}\nslurm: {slots_per_node: 1}\n"
-                    + "hyperparameters: {copy: {type: categorical, vals: [1, 2]}}\n")
+        cfg = write(
+            tmp_path / "c.yaml",
+            DDP.replace("{name: single, metric: loss}", "{name: grid, metric: loss, max_concurrent_trials: 2}")
+            + "resources: {slots_per_trial: 2}\nslurm: {slots_per_node: 1}\n"
+            + "hyperparameters: {copy: {type: categorical, vals: [1, 2]}}\n",
+        )
         code, out, err = det("e", "create", cfg, ctx_dir(tmp_path))
         assert code == 0, err
         code, out, err = det("e", "wait", "1")
@@ -93,8 +101,10 @@ class TestOnCluster:
         assert all(v["params_equal"] == 1 and v["nodes"] == 2 for v in validations())
 
 
-DS = "entrypoint: python3 -m determined.launch.deepspeed python3 ds_train.py\n" \
-     "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+DS = (
+    "entrypoint: python3 -m determined.launch.deepspeed python3 ds_train.py\n"
+    "searcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+)
 
 
 def ds_ctx(tmp_path: Path) -> Path:
@@ -116,8 +126,10 @@ def test_deepspeed_zero2_two_nodes(det: Any, tmp_path: Path) -> None:
     assert v["params_equal"] == 1 and v["world"] == 4 and v["nodes"] == 2
 
 
-HVD = "entrypoint: python3 -m determined.launch.horovod {overrides}python3 hvd_train.py\n" \
-      "searcher: {{name: single, metric: loss}}\nmax_restarts: 0\nresources: {{slots_per_trial: 4}}\n"
+HVD = (
+    "entrypoint: python3 -m determined.launch.horovod {overrides}python3 hvd_train.py\n"
+    "searcher: {{name: single, metric: loss}}\nmax_restarts: 0\nresources: {{slots_per_trial: 4}}\n"
+)
 
 
 @pytest.mark.slurm
@@ -146,9 +158,12 @@ def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: 
     import time as _time
 
     write(tmp_path / "ctx/ddp_preempt.py", (FIXTURES / "ddp_preempt.py").read_text())
-    cfg = write(tmp_path / "c.yaml", "entrypoint: env NESTED=1 python3 -m determined.launch.torch_distributed "
-                                     "python3 ddp_preempt.py\nsearcher: {name: single, metric: loss}\n"
-                                     "resources: {slots_per_trial: 4}\n")
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: env NESTED=1 python3 -m determined.launch.torch_distributed "
+        "python3 ddp_preempt.py\nsearcher: {name: single, metric: loss}\n"
+        "resources: {slots_per_trial: 4}\n",
+    )
     assert det("e", "create", cfg, tmp_path / "ctx")[0] == 0
     store = open_store(settings.load().db_url)
 
@@ -171,6 +186,8 @@ def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: 
     code, out, err = det("e", "wait", "1")
     assert code == 0, out + err
     with store.tx() as s:
-        steps = [m.steps_completed for m in s.scalars(select(Metric).where(Metric.archived.is_(False))
-                                                        .order_by(Metric.steps_completed))]
+        steps = [
+            m.steps_completed
+            for m in s.scalars(select(Metric).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        ]
     assert steps == list(range(1, 61))

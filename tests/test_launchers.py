@@ -16,12 +16,15 @@ from detslurm.launch.torch_distributed import build_torchrun_cmd
 from detslurm.launch.wrap_rank import resolve_rank, split_lines
 
 
-@pytest.mark.parametrize("argv,expected", [
-    ("script arg", ([], ["script", "arg"])),
-    ("override1 override2 -- script arg", (["override1", "override2"], ["script", "arg"])),
-    ("-- script -- arg", ([], ["script", "--", "arg"])),
-    ("--rdzv_endpoint=x -- python3 train.py --lr 1", (["--rdzv_endpoint=x"], ["python3", "train.py", "--lr", "1"])),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        ("script arg", ([], ["script", "arg"])),
+        ("override1 override2 -- script arg", (["override1", "override2"], ["script", "arg"])),
+        ("-- script -- arg", ([], ["script", "--", "arg"])),
+        ("--rdzv_endpoint=x -- python3 train.py --lr 1", (["--rdzv_endpoint=x"], ["python3", "train.py", "--lr", "1"])),
+    ],
+)
 def test_parse_vectors(argv: str, expected: tuple[list[str], list[str]]) -> None:
     assert parse_args(argv.split()) == expected
 
@@ -40,9 +43,29 @@ def test_parse_trial_and_errors() -> None:
 def test_torchrun_command_literal() -> None:
     nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
     assert build_torchrun_cmd(nodes, 41000, ["--log-dir=x"], ["python3", "t.py"], python="PY") == [
-        "PY", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", "1",
-        "--max_restarts", "0", "--master_addr", "c1", "--master_port", "41000", "--log-dir=x",
-        "--module", "detslurm.launch.wrap_rank", "RANK", "--", "python3", "t.py"]
+        "PY",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "2",
+        "--node_rank",
+        "1",
+        "--max_restarts",
+        "0",
+        "--master_addr",
+        "c1",
+        "--master_port",
+        "41000",
+        "--log-dir=x",
+        "--module",
+        "detslurm.launch.wrap_rank",
+        "RANK",
+        "--",
+        "python3",
+        "t.py",
+    ]
     single = build_torchrun_cmd(Nodes(["127.0.0.1"], 0, 4), 5, [], ["s"], python="PY")
     assert single[single.index("--master_addr") + 1] == "localhost" and "4" in single
 
@@ -59,8 +82,9 @@ def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
     chief = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 0, 1), env, ["master", "dist"])
     other = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 1, 1), env, ["master", "dist"])
     assert chief == other and chief["master"] != chief["dist"]
-    assert rendezvous_ports(Nodes(["a", "b"], 1, 1), {**env, "SLURM_STEP_RESV_PORTS": "12000-12001"},
-                            ["master", "dist"]) == {"master": 12000, "dist": 12001}
+    assert rendezvous_ports(
+        Nodes(["a", "b"], 1, 1), {**env, "SLURM_STEP_RESV_PORTS": "12000-12001"}, ["master", "dist"]
+    ) == {"master": 12000, "dist": 12001}
     with pytest.raises(LaunchError, match="did not publish"):
         rendezvous_ports(Nodes(["a", "b"], 1, 1), {**env, "SLURM_JOB_ID": "8"}, ["m"], timeout_s=0.2)
 
@@ -83,8 +107,13 @@ def wrap(*args: str, **kw: object) -> subprocess.CompletedProcess[bytes]:
 
 
 def test_wrap_rank_prefixes_and_exit_code() -> None:
-    r = wrap("0", "--", sys.executable, "-c",
-             "import sys; sys.stdout.write('line with lf\\nline with cr\\r'); sys.stderr.write('err\\n'); sys.exit(7)")
+    r = wrap(
+        "0",
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; sys.stdout.write('line with lf\\nline with cr\\r'); sys.stderr.write('err\\n'); sys.exit(7)",
+    )
     assert r.returncode == 7
     assert r.stdout == b"[rank=0] line with lf\n[rank=0] line with cr\n" and r.stderr == b"[rank=0] err\n"
     assert wrap("NOPE_RANK", "true").returncode == 1
@@ -92,8 +121,9 @@ def test_wrap_rank_prefixes_and_exit_code() -> None:
 
 def test_wrap_rank_forwards_signals() -> None:
     code = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('got term', flush=True), sys.exit(5))); print('ready', flush=True); time.sleep(30)"
-    p = subprocess.Popen([sys.executable, "-m", "detslurm.launch.wrap_rank", "2", sys.executable, "-c", code],
-                         stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "detslurm.launch.wrap_rank", "2", sys.executable, "-c", code], stdout=subprocess.PIPE
+    )
     assert p.stdout is not None and p.stdout.readline() == b"[rank=2] ready\n"
     p.send_signal(signal.SIGTERM)
     t0 = time.time()
@@ -105,9 +135,12 @@ def test_rank_filter_in_trial_logs(det, tmp_path: Path) -> None:  # type: ignore
     from conftest import write
 
     write(tmp_path / "ctx/two.py", "import os\nprint('hello from', os.environ['WRAP'])\n")
-    cfg = write(tmp_path / "c.yaml", "searcher: {name: single, metric: m}\nentrypoint: >-\n"
-                "  sh -c 'WRAP=a python3 -m determined.launch.wrap_rank 0 python3 two.py;\n"
-                "  WRAP=b python3 -m determined.launch.wrap_rank 1 python3 two.py'\n")
+    cfg = write(
+        tmp_path / "c.yaml",
+        "searcher: {name: single, metric: m}\nentrypoint: >-\n"
+        "  sh -c 'WRAP=a python3 -m determined.launch.wrap_rank 0 python3 two.py;\n"
+        "  WRAP=b python3 -m determined.launch.wrap_rank 1 python3 two.py'\n",
+    )
     assert det("e", "create", "--local", cfg, tmp_path / "ctx")[0] == 0
     code, out, _ = det("t", "logs", "1", "--rank-id", "1")
     assert code == 0 and out.strip() == "[rank=1] hello from b"
@@ -120,9 +153,29 @@ def test_deepspeed_command_and_hostfile() -> None:
     nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
     assert hostfile_text(nodes) == "c1 slots=2\nc2 slots=2\n"
     assert build_deepspeed_cmd(nodes, "/hf", 41000, ["--bind_cores_to_rank"], ["python3", "t.py"], python="PY") == [
-        "PY", "-m", "deepspeed.launcher.runner", "--hostfile", "/hf", "--no_ssh", "--node_rank", "1",
-        "--master_addr", "c1", "--master_port", "41000", "--bind_cores_to_rank", "--no_python", "--no_local_rank",
-        "PY", "-m", "detslurm.launch.wrap_rank", "RANK", "--", "python3", "t.py"]
+        "PY",
+        "-m",
+        "deepspeed.launcher.runner",
+        "--hostfile",
+        "/hf",
+        "--no_ssh",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "c1",
+        "--master_port",
+        "41000",
+        "--bind_cores_to_rank",
+        "--no_python",
+        "--no_local_rank",
+        "PY",
+        "-m",
+        "detslurm.launch.wrap_rank",
+        "RANK",
+        "--",
+        "python3",
+        "t.py",
+    ]
 
 
 def test_horovod_worker_env_and_mpi_cmd() -> None:
@@ -130,10 +183,26 @@ def test_horovod_worker_env_and_mpi_cmd() -> None:
 
     nodes = Nodes(hosts=["c1", "c2"], node_rank=1, slots=2)
     env = worker_env({"X": "1"}, nodes, 1, "c1", 5000, "lo")
-    assert {k: env[k] for k in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_CROSS_RANK",
-                                "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_IFACE")} == {
-        "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_CROSS_RANK": "1",
-        "HOROVOD_HOSTNAME": "c2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "c1", "HOROVOD_GLOO_IFACE": "lo"}
+    assert {
+        k: env[k]
+        for k in (
+            "HOROVOD_RANK",
+            "HOROVOD_SIZE",
+            "HOROVOD_LOCAL_RANK",
+            "HOROVOD_CROSS_RANK",
+            "HOROVOD_HOSTNAME",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+            "HOROVOD_GLOO_IFACE",
+        )
+    } == {
+        "HOROVOD_RANK": "3",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_CROSS_RANK": "1",
+        "HOROVOD_HOSTNAME": "c2",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "c1",
+        "HOROVOD_GLOO_IFACE": "lo",
+    }
     cmd = mpi_cmd(nodes, ["--mpi", "-x", "FOO"], ["python3", "t.py"], python="PY")
     assert cmd[:8] == ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", "-H", "c1:2,c2:2", "-bind-to"]
     assert "--mpi" not in cmd and "FOO" in cmd
@@ -151,7 +220,11 @@ def test_supervise_stops_the_rest_when_one_fails() -> None:
     assert time.time() - t0 < 5 and all(p.poll() is not None for p in procs)
     ok = [subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True) for _ in range(3)]
     assert supervise(ok) == 0
-    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
+    stubborn = [
+        sys.executable,
+        "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
+    ]
     procs = [subprocess.Popen(c, start_new_session=True) for c in (stubborn, failing)]
     t0 = time.time()
     assert supervise(procs, grace_s=1) == 3 and time.time() - t0 < 5  # SIGKILL after the grace period

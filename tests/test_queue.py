@@ -11,23 +11,61 @@ from detslurm.slurm.parse import Capabilities, QueuedJob
 from detslurm.slurm.site import Pool, SiteConfig
 from detslurm.slurm.states import SlurmState
 
-CAPS = Capabilities(version="22.05.8", accounting=False, enable_user_top=True, preemption=True,
-                    max_array_size=1001, cluster_name="t", slurm_user="root")
-SITE = SiteConfig(default_pool="cpu", pools={"cpu": Pool(partition="cpu"), "gpu": Pool(partition="gpu", slot_type="gpu")})
+CAPS = Capabilities(
+    version="22.05.8",
+    accounting=False,
+    enable_user_top=True,
+    preemption=True,
+    max_array_size=1001,
+    cluster_name="t",
+    slurm_user="root",
+)
+SITE = SiteConfig(
+    default_pool="cpu", pools={"cpu": Pool(partition="cpu"), "gpu": Pool(partition="gpu", slot_type="gpu")}
+)
 ALICE = q.Caller(user="alice", admin=False)
 ROOT = q.Caller(user="root", admin=True)
 
 
-def job(jid: str, user: str = "alice", prio: int = 100, nice: int = 0, state: SlurmState = SlurmState.PENDING,
-        comment: str = "", partition: str = "cpu") -> QueuedJob:
-    return QueuedJob(job_id=jid, raw_id=int(jid), array_job_id=int(jid), array_task_id=None, state=state,
-                     state_text=state.value, partition=partition, user=user, priority=prio, reason="Priority",
-                     nodelist="", num_nodes=1, num_cpus=1, gres="", submit_time="2026-01-01T00:00:00",
-                     start_time="N/A", time_limit="UNLIMITED", nice=nice, name="x", comment=comment)
+def job(
+    jid: str,
+    user: str = "alice",
+    prio: int = 100,
+    nice: int = 0,
+    state: SlurmState = SlurmState.PENDING,
+    comment: str = "",
+    partition: str = "cpu",
+) -> QueuedJob:
+    return QueuedJob(
+        job_id=jid,
+        raw_id=int(jid),
+        array_job_id=int(jid),
+        array_task_id=None,
+        state=state,
+        state_text=state.value,
+        partition=partition,
+        user=user,
+        priority=prio,
+        reason="Priority",
+        nodelist="",
+        num_nodes=1,
+        num_cpus=1,
+        gres="",
+        submit_time="2026-01-01T00:00:00",
+        start_time="N/A",
+        time_limit="UNLIMITED",
+        nice=nice,
+        name="x",
+        comment=comment,
+    )
 
 
-QUEUE = [job("1", prio=100), job("2", prio=300), job("3", user="bob", prio=500),
-         job("4", comment="detslurm:exp=7,trial=1,run=1", state=SlurmState.RUNNING)]
+QUEUE = [
+    job("1", prio=100),
+    job("2", prio=300),
+    job("3", user="bob", prio=500),
+    job("4", comment="detslurm:exp=7,trial=1,run=1", state=SlurmState.RUNNING),
+]
 
 
 def test_priority_direction_and_rights() -> None:
@@ -63,7 +101,8 @@ def test_ahead_and_behind() -> None:
 
 def test_pools_and_holds() -> None:
     assert q.plan_update(QUEUE, "1", ALICE, CAPS, SITE, resource_pool="gpu") == [
-        q.Op("update", "1", (("Partition", "gpu"),))]
+        q.Op("update", "1", (("Partition", "gpu"),))
+    ]
     assert q.plan_update(QUEUE, "4", ALICE, CAPS, SITE, resource_pool="gpu") == [q.PoolMove(7, "gpu")]
     with pytest.raises(q.QueueError, match="cannot move a running job"):
         q.plan_update([replace(QUEUE[0], state=SlurmState.RUNNING)], "1", ALICE, CAPS, SITE, resource_pool="gpu")
@@ -77,7 +116,9 @@ def test_pools_and_holds() -> None:
 
 
 def test_update_batch_format() -> None:
-    assert q.parse_batch(["12.priority=1", "13.resource_pool=gpu"]) == [("12", "priority", "1"),
-                                                                          ("13", "resource-pool", "gpu")]
+    assert q.parse_batch(["12.priority=1", "13.resource_pool=gpu"]) == [
+        ("12", "priority", "1"),
+        ("13", "resource-pool", "gpu"),
+    ]
     with pytest.raises(q.QueueError, match="<jobID>.<operation>=<value>"):
         q.parse_batch(["12.weight=3"])

@@ -22,30 +22,62 @@ STORAGE = {"type": "shared_fs", "host_path": "/shared/ckpt"}
 
 
 def config(**over: Any) -> dict[str, Any]:
-    raw: dict[str, Any] = {"name": "golden", "entrypoint": "python3 train.py --flag 1",
-                           "searcher": {"name": "single", "metric": "loss"},
-                           "reproducibility": {"experiment_seed": 1}, "hyperparameters": {"lr": 0.1}}
+    raw: dict[str, Any] = {
+        "name": "golden",
+        "entrypoint": "python3 train.py --flag 1",
+        "searcher": {"name": "single", "metric": "loss"},
+        "reproducibility": {"experiment_seed": 1},
+        "hyperparameters": {"lr": 0.1},
+    }
     raw.update(over)
     return validate(raw, STORAGE).as_dict()
 
 
-def render(cfg: dict[str, Any], site_name: str, run_dir: str = "/shared/exps/exp-1/trials/2/runs/3",
-           hparams: dict[str, Any] | None = None) -> Any:
+def render(
+    cfg: dict[str, Any],
+    site_name: str,
+    run_dir: str = "/shared/exps/exp-1/trials/2/runs/3",
+    hparams: dict[str, Any] | None = None,
+) -> Any:
     site = load_site_config(ROOT / "site-configs" / f"{site_name}.yaml")
-    env = trial_env(experiment_id=1, trial_id=2, run_id=3, seed=42, hparams=hparams or {"lr": 0.1}, config=cfg,
-                    latest_checkpoint=None, steps_completed=0, run_dir=Path(run_dir), trial_dir=Path(run_dir).parent,
-                    exp_dir=Path("/shared/exps/exp-1"), checkpoint_base="/shared/ckpt", resources_type="slurm-job",
-                    slot_ids=[], container_addrs=[], user="alice")
+    env = trial_env(
+        experiment_id=1,
+        trial_id=2,
+        run_id=3,
+        seed=42,
+        hparams=hparams or {"lr": 0.1},
+        config=cfg,
+        latest_checkpoint=None,
+        steps_completed=0,
+        run_dir=Path(run_dir),
+        trial_dir=Path(run_dir).parent,
+        exp_dir=Path("/shared/exps/exp-1"),
+        checkpoint_base="/shared/ckpt",
+        resources_type="slurm-job",
+        slot_ids=[],
+        container_addrs=[],
+        user="alice",
+    )
     env["MY_VAR"] = "x"
-    return plan_trial_run(config=cfg, site=site, ident=Identity(1, 2, 3), env=env, run_dir=run_dir,
-                          log_path=f"{run_dir}/output.log", python="/opt/venv/bin/python")
+    return plan_trial_run(
+        config=cfg,
+        site=site,
+        ident=Identity(1, 2, 3),
+        env=env,
+        run_dir=run_dir,
+        log_path=f"{run_dir}/output.log",
+        python="/opt/venv/bin/python",
+    )
 
 
-@pytest.mark.parametrize("site,cfg", [
-    ("test-cluster", {}),
-    ("test-cluster", {"resources": {"slots_per_trial": 4, "resource_pool": "gpu"}, "slurm": {"gpu_type": "a100"}}),
-    ("generic", {"resources": {"slots_per_trial": 16}, "slurm": {"sbatch_args": ["--mem=64G", "--exclusive"]}}),
-])
+@pytest.mark.parametrize(
+    "site,cfg",
+    [
+        ("test-cluster", {}),
+        ("test-cluster", {"resources": {"slots_per_trial": 4, "resource_pool": "gpu"}, "slurm": {"gpu_type": "a100"}}),
+        ("generic", {"resources": {"slots_per_trial": 16}, "slurm": {"sbatch_args": ["--mem=64G", "--exclusive"]}}),
+    ],
+)
 def test_golden(site: str, cfg: dict[str, Any]) -> None:
     req = render(config(**cfg), site)
     slots = cfg.get("resources", {}).get("slots_per_trial", 1)
@@ -59,8 +91,10 @@ def test_golden(site: str, cfg: dict[str, Any]) -> None:
 
 def test_resources() -> None:
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
-    assert resource_args(config(), site) == (["--partition=cpu", "--nodes=1", "--ntasks-per-node=1",
-                                              "--cpus-per-task=1"], 1)
+    assert resource_args(config(), site) == (
+        ["--partition=cpu", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1"],
+        1,
+    )
     args, nodes = resource_args(config(resources={"slots_per_trial": 4, "resource_pool": "gpu"}), site)
     assert nodes == 2 and "--gres=gpu:2" in args and "--partition=gpu" in args
     args, nodes = resource_args(config(resources={"slots_per_trial": 3}, slurm={"slots_per_node": 1}), site)
@@ -80,12 +114,21 @@ HOSTILE = ["it's", "$(touch PWNED)", "`touch PWNED`", "a\nb", "x; touch PWNED", 
 @pytest.mark.fault
 @pytest.mark.parametrize("evil", HOSTILE)
 def test_hostile_strings_never_execute(tmp_path: Path, evil: str) -> None:
-    cfg = config(name=f"exp {evil}", entrypoint=f"python3 train.py {evil}", description=evil,
-                 labels=[evil], hyperparameters={"h": evil, "nested": {"k": evil}})
+    cfg = config(
+        name=f"exp {evil}",
+        entrypoint=f"python3 train.py {evil}",
+        description=evil,
+        labels=[evil],
+        hyperparameters={"h": evil, "nested": {"k": evil}},
+    )
     run_dir = str(tmp_path / f"run {evil}".replace("\n", "_").replace("/", "_"))
     req = render(cfg, "test-cluster", run_dir=run_dir, hparams={"h": evil, "nested": {"k": evil}})
     # Run every export of the script in a shell: values must come back byte for byte, nothing runs.
-    exports = "".join(line + "\n" for line in req.script.splitlines() if line.startswith("export ") and "$" not in line.split("=", 1)[0])
+    exports = "".join(
+        line + "\n"
+        for line in req.script.splitlines()
+        if line.startswith("export ") and "$" not in line.split("=", 1)[0]
+    )
     probe = exports + 'printf "%s" "$DET_HPARAMS"'
     out = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
     assert out == req.env["DET_HPARAMS"]
@@ -100,10 +143,24 @@ def array_tasks(tmp_path: Path, hps: list[Any]) -> list[ArrayTask]:
     out = []
     for i, h in enumerate(hps):
         run_dir = tmp_path / f"trials/{10 + i}/runs/1"
-        env = trial_env(experiment_id=1, trial_id=10 + i, run_id=1, seed=i, hparams={"h": h}, config=cfg,
-                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=run_dir.parent.parent,
-                        exp_dir=tmp_path, checkpoint_base="/shared/ckpt", resources_type="slurm-job", slot_ids=[],
-                        container_addrs=[], user="alice")
+        env = trial_env(
+            experiment_id=1,
+            trial_id=10 + i,
+            run_id=1,
+            seed=i,
+            hparams={"h": h},
+            config=cfg,
+            latest_checkpoint=None,
+            steps_completed=0,
+            run_dir=run_dir,
+            trial_dir=run_dir.parent.parent,
+            exp_dir=tmp_path,
+            checkpoint_base="/shared/ckpt",
+            resources_type="slurm-job",
+            slot_ids=[],
+            container_addrs=[],
+            user="alice",
+        )
         out.append(ArrayTask(10 + i, str(run_dir), env))
     return out
 
@@ -118,19 +175,37 @@ def test_index_ranges() -> None:
 def test_array_script_gives_each_task_its_own_trial(tmp_path: Path, evil: str) -> None:
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
     tasks = array_tasks(tmp_path, [evil, f"{evil}-2", 3])
-    req = plan_array(config=config(), site=site, ident=Identity(1, 10, 1, array=True), tasks=tasks,
-                     links_dir=str(tmp_path / "arrays/t10-r1"), log_name="output.log", python="/opt/venv/bin/python")
+    req = plan_array(
+        config=config(),
+        site=site,
+        ident=Identity(1, 10, 1, array=True),
+        tasks=tasks,
+        links_dir=str(tmp_path / "arrays/t10-r1"),
+        log_name="output.log",
+        python="/opt/venv/bin/python",
+    )
     assert "--array=0-2" in req.args and "--comment=detslurm:exp=1,trial=10+,run=1" in req.args
     assert f"--output={tmp_path}/arrays/t10-r1/%a/output.log" in req.args
     assert req.script.count("DET_EXPERIMENT_CONFIG=") == 1  # shared values are exported once
-    prologue = req.script[:req.script.index("export DETSLURM_PREEMPT_SIGNAL")]
+    prologue = req.script[: req.script.index("export DETSLURM_PREEMPT_SIGNAL")]
     probe = prologue + 'printf "%s\\n%s\\n%s" "$DET_TRIAL_ID" "$DET_RUN_DIR" "$DET_HPARAMS"'
     for i, task in enumerate(tasks):
-        out = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True,
-                             env=dict(os.environ, SLURM_ARRAY_TASK_ID=str(i))).stdout
+        out = subprocess.run(
+            ["bash", "-c", probe],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            check=True,
+            env=dict(os.environ, SLURM_ARRAY_TASK_ID=str(i)),
+        ).stdout
         assert out.split("\n", 2) == [str(task.trial_id), task.run_dir, task.env["DET_HPARAMS"]]
-    stray = subprocess.run(["bash", "-c", prologue], cwd=tmp_path, capture_output=True, text=True,
-                           env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"))
+    stray = subprocess.run(
+        ["bash", "-c", prologue],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, SLURM_ARRAY_TASK_ID="7"),
+    )
     assert stray.returncode == 1 and "array task 7 has no trial run" in stray.stderr
     assert not (tmp_path / "PWNED").exists()
     assert subprocess.run(["bash", "-n"], input=req.script, text=True).returncode == 0
@@ -138,12 +213,23 @@ def test_array_script_gives_each_task_its_own_trial(tmp_path: Path, evil: str) -
 
 def test_array_golden(tmp_path: Path) -> None:
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
-    tasks = [ArrayTask(t.trial_id, t.run_dir.replace(str(tmp_path), "/shared/exps/exp-1"),
-                       {k: v.replace(str(tmp_path), "/shared/exps/exp-1") for k, v in t.env.items()})
-             for t in array_tasks(tmp_path, [0.1, 0.2])]
-    req = plan_array(config=config(resources={"max_slots": 1}), site=site, ident=Identity(1, 10, 1, array=True),
-                     tasks=tasks, links_dir="/shared/exps/exp-1/arrays/t10-r1", log_name="output.log",
-                     python="/opt/venv/bin/python")
+    tasks = [
+        ArrayTask(
+            t.trial_id,
+            t.run_dir.replace(str(tmp_path), "/shared/exps/exp-1"),
+            {k: v.replace(str(tmp_path), "/shared/exps/exp-1") for k, v in t.env.items()},
+        )
+        for t in array_tasks(tmp_path, [0.1, 0.2])
+    ]
+    req = plan_array(
+        config=config(resources={"max_slots": 1}),
+        site=site,
+        ident=Identity(1, 10, 1, array=True),
+        tasks=tasks,
+        links_dir="/shared/exps/exp-1/arrays/t10-r1",
+        log_name="output.log",
+        python="/opt/venv/bin/python",
+    )
     path = GOLDEN / "test-cluster-array.sbatch"
     if os.environ.get("DETSLURM_UPDATE_GOLDEN") == "1":
         path.write_text(req.render())

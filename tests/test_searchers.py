@@ -24,8 +24,9 @@ from detslurm.searcher.hparams import go_round, grid, sample
 HP = {"lr": {"type": "double", "minval": 0.0, "maxval": 1.0}}
 
 
-@pytest.mark.parametrize("args,expected", [((20, 3, [3, 2, 1]), [12, 5, 3]), ((50, 4, [3, 2]), [37, 13]),
-                                           ((100, 4, [4, 3, 2]), [70, 22, 8])])
+@pytest.mark.parametrize(
+    "args,expected", [((20, 3, [3, 2, 1]), [12, 5, 3]), ((50, 4, [3, 2]), [37, 13]), ((100, 4, [4, 3, 2]), [70, 22, 8])]
+)
 def test_bracket_trials(args: tuple, expected: list[int]) -> None:
     assert bracket_max_trials(*args) == expected
 
@@ -51,8 +52,7 @@ def test_make_brackets_vector() -> None:
 
 
 def test_worked_example_creates_ten_trials_up_front() -> None:
-    s = AdaptiveASHA(HP, 1, metric="loss", smaller_is_better=True, max_trials=10, max_time=100,
-                     time_metric="batches")
+    s = AdaptiveASHA(HP, 1, metric="loss", smaller_is_better=True, max_trials=10, max_time=100, time_metric="batches")
     assert [b.max_trials for b in s.brackets] == [7, 3]
     assert [b.max_concurrent for b in s.brackets] == [8, 8]
     assert [b.units for b in s.brackets] == [[25, 100], [100]]
@@ -60,15 +60,35 @@ def test_worked_example_creates_ten_trials_up_front() -> None:
 
 
 def test_grid_order_and_rounding() -> None:
-    g = grid({"1": {"type": "int", "minval": 0, "maxval": 20, "count": 3},
-              "2": {"type": "int", "minval": 0, "maxval": 10, "count": 3}})
-    assert [(d["1"], d["2"]) for d in g] == [(0, 0), (0, 5), (0, 10), (10, 0), (10, 5), (10, 10), (20, 0), (20, 5), (20, 10)]
+    g = grid(
+        {
+            "1": {"type": "int", "minval": 0, "maxval": 20, "count": 3},
+            "2": {"type": "int", "minval": 0, "maxval": 10, "count": 3},
+        }
+    )
+    assert [(d["1"], d["2"]) for d in g] == [
+        (0, 0),
+        (0, 5),
+        (0, 10),
+        (10, 0),
+        (10, 5),
+        (10, 10),
+        (20, 0),
+        (20, 5),
+        (20, 10),
+    ]
     assert grid({"x": {"type": "int", "minval": 1, "maxval": 2, "count": 1}}) == [{"x": 2}]  # round(1.5) away from 0
     assert grid({"x": {"type": "int", "minval": 0, "maxval": 2, "count": 10}}) == [{"x": 0}, {"x": 1}, {"x": 2}]
-    assert grid({"x": {"type": "log", "minval": 0, "maxval": 2, "base": 10, "count": 3}}) == [{"x": 1.0}, {"x": 10.0}, {"x": 100.0}]
+    assert grid({"x": {"type": "log", "minval": 0, "maxval": 2, "base": 10, "count": 3}}) == [
+        {"x": 1.0},
+        {"x": 10.0},
+        {"x": 100.0},
+    ]
     assert grid({"x": {"type": "double", "minval": 0, "maxval": 1, "count": 1}}) == [{"x": 0.5}]
     assert grid({"n": {"a": {"type": "categorical", "vals": [1, 2]}}, "c": {"type": "const", "val": 7}}) == [
-        {"c": 7, "n": {"a": 1}}, {"c": 7, "n": {"a": 2}}]
+        {"c": 7, "n": {"a": 1}},
+        {"c": 7, "n": {"a": 2}},
+    ]
     assert (go_round(2.5), go_round(-2.5), go_round(1.4)) == (3, -3, 1)
 
 
@@ -104,16 +124,29 @@ def test_failure_when_every_trial_errors() -> None:
 def test_sampling_is_seeded_and_sorted() -> None:
     import random
 
-    spec = {"b": {"type": "int", "minval": 1, "maxval": 3}, "a": {"type": "log", "minval": -2, "maxval": -1, "base": 10},
-            "c": {"type": "categorical", "vals": ["x", "y"]}, "n": {"k": {"type": "const", "val": 1}}}
+    spec = {
+        "b": {"type": "int", "minval": 1, "maxval": 3},
+        "a": {"type": "log", "minval": -2, "maxval": -1, "base": 10},
+        "c": {"type": "categorical", "vals": ["x", "y"]},
+        "n": {"k": {"type": "const", "val": 1}},
+    }
     one, two = sample(spec, random.Random(5)), sample(spec, random.Random(5))
     assert one == two and list(one) == ["a", "b", "c", "n"]
     assert 0.01 <= one["a"] <= 0.1 and one["b"] in (1, 2, 3) and one["n"] == {"k": 1}
 
 
 def asha(**kw: Any) -> AdaptiveASHA:
-    base: dict[str, Any] = dict(metric="loss", smaller_is_better=True, max_trials=4, max_time=16, time_metric="batches",
-                                divisor=2, max_rungs_cfg=3, mode="aggressive", max_concurrent=4)
+    base: dict[str, Any] = dict(
+        metric="loss",
+        smaller_is_better=True,
+        max_trials=4,
+        max_time=16,
+        time_metric="batches",
+        divisor=2,
+        max_rungs_cfg=3,
+        mode="aggressive",
+        max_concurrent=4,
+    )
     base.update(kw)
     return AdaptiveASHA(HP, 7, **base)
 
@@ -178,10 +211,24 @@ def test_asha_promotion_037() -> None:
 
 
 def test_state_round_trip_gives_same_decisions() -> None:
-    cfg = {"searcher": {"name": "adaptive_asha", "metric": "loss", "smaller_is_better": True, "max_trials": 8,
-                        "max_time": 16, "time_metric": "batches", "divisor": 2.0, "max_rungs": 3, "mode": "standard",
-                        "bracket_rungs": [], "max_concurrent_trials": 3, "max_length": None},
-           "hyperparameters": HP, "reproducibility": {"experiment_seed": 11}}
+    cfg = {
+        "searcher": {
+            "name": "adaptive_asha",
+            "metric": "loss",
+            "smaller_is_better": True,
+            "max_trials": 8,
+            "max_time": 16,
+            "time_metric": "batches",
+            "divisor": 2.0,
+            "max_rungs": 3,
+            "mode": "standard",
+            "bracket_rungs": [],
+            "max_concurrent_trials": 3,
+            "max_length": None,
+        },
+        "hyperparameters": HP,
+        "reproducibility": {"experiment_seed": 11},
+    }
     a = build(cfg)
     ids = [x.request_id for x in a.initial_trials()]
     a.validation_completed(ids[0], {"loss": 1.0, "batches": 4}, 4)
@@ -249,7 +296,12 @@ def _simulate(searcher: Any, promotion: bool, seed: int, max_events: int = 5000)
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("promotion", [True, False])
 def test_whole_searches_terminate(seed: int, promotion: bool) -> None:
-    s = asha(max_trials=6 + seed % 5, max_concurrent=1 + seed % 3, mode=["aggressive", "standard", "conservative"][seed % 3],
-             promotion=promotion, time_metric=None if promotion else "batches")
+    s = asha(
+        max_trials=6 + seed % 5,
+        max_concurrent=1 + seed % 3,
+        mode=["aggressive", "standard", "conservative"][seed % 3],
+        promotion=promotion,
+        time_metric=None if promotion else "batches",
+    )
     made = _simulate(s, promotion, seed)
     assert made == s.max_trials  # the whole budget is used, and the search ends

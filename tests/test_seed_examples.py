@@ -23,8 +23,13 @@ def trials(exp_id: int) -> list[Trial]:
 
 def epochs(trial_id: int) -> list[int]:
     with open_store(settings.load().db_url).tx() as s:
-        q = (select(Metric).where(Metric.trial_id == trial_id).where(Metric.group == "validation")
-             .where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        q = (
+            select(Metric)
+            .where(Metric.trial_id == trial_id)
+            .where(Metric.group == "validation")
+            .where(Metric.archived.is_(False))
+            .order_by(Metric.steps_completed)
+        )
         return [int(m.metrics["epoch"]) for m in s.scalars(q)]
 
 
@@ -35,8 +40,9 @@ def test_checkpoints_stage_and_continue_trial(det: Any) -> None:
     assert epochs(t.id) == [0, 1, 2] and t.latest_checkpoint
     # "Continue Trial": a new experiment warm-started from trial 1 keeps the weights but, per
     # the tutorial's trial-id check, restarts the epoch count.
-    code, out, err = det("e", "create", "--local", MNIST / "checkpoints.yaml", MNIST,
-                         "--config", f"searcher.source_trial_id={t.id}")
+    code, out, err = det(
+        "e", "create", "--local", MNIST / "checkpoints.yaml", MNIST, "--config", f"searcher.source_trial_id={t.id}"
+    )
     assert code == 0, out + err
     (t2,) = trials(2)
     assert t2.warm_start_checkpoint == t.latest_checkpoint and epochs(t2.id) == [0, 1, 2]
@@ -51,8 +57,9 @@ def test_adaptive_stage_locally(det: Any) -> None:
 
 
 def test_distributed_stage_locally(det: Any) -> None:
-    code, out, err = det("e", "create", "--local", MNIST / "distributed.yaml", MNIST,
-                         "--config", "resources.slots_per_trial=2")
+    code, out, err = det(
+        "e", "create", "--local", MNIST / "distributed.yaml", MNIST, "--config", "resources.slots_per_trial=2"
+    )
     assert code == 0, out + err
     (t,) = trials(1)
     assert epochs(t.id) == [0, 1]

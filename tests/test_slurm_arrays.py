@@ -27,7 +27,9 @@ def grid(tmp_path: Path, count: int, **extra: Any) -> tuple[Path, Path]:
     (ctx / "array_trial.py").write_text((FIXTURES / "array_trial.py").read_text())
     hp = "\n".join(f"  {k}: {v}" for k, v in extra.pop("hparams", {}).items())
     lines = "\n".join(f"{k}: {v}" for k, v in extra.items())
-    cfg = write(tmp_path / "grid.yaml", f"""
+    cfg = write(
+        tmp_path / "grid.yaml",
+        f"""
 name: array-grid
 entrypoint: python3 array_trial.py
 hyperparameters:
@@ -35,7 +37,8 @@ hyperparameters:
 {hp}
 searcher: {{name: grid, metric: validation_loss, max_length: {{batches: 3}}, max_concurrent_trials: {count}}}
 {lines}
-""")
+""",
+    )
     return cfg, ctx
 
 
@@ -43,8 +46,9 @@ def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An sbatch on PATH that logs each call (its argv) and runs the real one."""
     real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
     bindir, log = tmp_path / "shim", tmp_path / "sbatch-calls.log"
-    write(bindir / "sbatch", f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\n'
-                             f'exec {shlex.quote(real)} "$@"\n').chmod(0o755)
+    write(
+        bindir / "sbatch", f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\nexec {shlex.quote(real)} "$@"\n'
+    ).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     return log
 
@@ -55,8 +59,9 @@ def runs(exp_id: int) -> list[tuple[Trial, list[TrialRun]]]:
         return [(t, sorted(t.runs, key=lambda r: r.run_id)) for t in ts]
 
 
-def test_grid_goes_as_one_array_and_trials_keep_their_identity(det: Any, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grid_goes_as_one_array_and_trials_keep_their_identity(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = sbatch_shim(tmp_path, monkeypatch)
     cfg, ctx = grid(tmp_path, 6, hparams={"fail": 2}, max_restarts=1)
     code, out, err = det("e", "create", cfg, ctx)
@@ -75,8 +80,14 @@ def test_grid_goes_as_one_array_and_trials_keep_their_identity(det: Any, tmp_pat
             assert rs[0].job_id == f"{array_id}_{t.id - base}"
             log = Path(rs[0].log_path).read_text()  # Slurm wrote each task's log to its own run dir
             assert f"array-trial trial={t.id} x={t.hparams['x']} task={rs[0].job_id}" in log
-            vals = list(s.scalars(select(Metric.steps_completed).where(Metric.trial_id == t.id)
-                                  .where(Metric.group == "validation").where(Metric.archived.is_(False))))
+            vals = list(
+                s.scalars(
+                    select(Metric.steps_completed)
+                    .where(Metric.trial_id == t.id)
+                    .where(Metric.group == "validation")
+                    .where(Metric.archived.is_(False))
+                )
+            )
             assert vals == [3]
             if t.hparams["x"] == 2:
                 assert len(rs) == 2 and rs[0].exit_code == 3 and "_" not in str(rs[1].job_id) and t.restarts == 1
@@ -123,8 +134,12 @@ def test_queue_operations_on_array_tasks(det: Any, tmp_path: Path) -> None:
     assert code == 0, err
     code, out, err = det("e", "wait", "1")
     final = {t.id: (t.state, len(rs)) for t, rs in runs(1)}
-    assert final == {got[0][0].id: ("COMPLETED", 1), got[1][0].id: ("COMPLETED", 1),
-                     killed[0].id: ("CANCELED", 1), held[0].id: ("COMPLETED", 1)}, out + err
+    assert final == {
+        got[0][0].id: ("COMPLETED", 1),
+        got[1][0].id: ("COMPLETED", 1),
+        killed[0].id: ("CANCELED", 1),
+        held[0].id: ("COMPLETED", 1),
+    }, out + err
 
 
 def test_crash_after_array_sbatch_adopts_every_task(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,8 +33,13 @@ def trials(exp_id: int) -> list[Trial]:
 
 def steps(trial_id: int, group: str = "training") -> list[tuple[int, int]]:
     with store().tx() as s:
-        q = (select(Metric.steps_completed, Metric.run_id).where(Metric.trial_id == trial_id)
-             .where(Metric.group == group).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        q = (
+            select(Metric.steps_completed, Metric.run_id)
+            .where(Metric.trial_id == trial_id)
+            .where(Metric.group == group)
+            .where(Metric.archived.is_(False))
+            .order_by(Metric.steps_completed)
+        )
         return [(a, b) for a, b in s.execute(q)]
 
 
@@ -88,8 +93,10 @@ def test_adaptive_asha_on_slurm(det: Any) -> None:
 
 def test_two_node_trial(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/two_node.py", (FIXTURES / "two_node.py").read_text())
-    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 two_node.py\nsearcher: {name: single, metric: loss}\n"
-                                     "resources: {slots_per_trial: 4}\n")
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 two_node.py\nsearcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\n",
+    )
     code, out, err = det("e", "create", cfg, tmp_path / "ctx", "-f")
     assert code == 0, out + err
     assert "rank 0 of 2 on c1" in out and "peers ['c1', 'c2']" in out
@@ -119,12 +126,23 @@ def test_pause_activate_on_slurm(det: Any) -> None:
 
 @pytest.mark.fault
 def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
-    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.2",
-                       "--config", "slurm.sbatch_args=[--nodelist=c1]")
+    code, _, err = det(
+        "e",
+        "create",
+        CORE / "const.yaml",
+        CORE,
+        "--config",
+        "hyperparameters.sleep=0.2",
+        "--config",
+        "slurm.sbatch_args=[--nodelist=c1]",
+    )
     assert code == 0, err
     wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
-    subprocess.run(["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2"],
+        check=True,
+        capture_output=True,
+    )
     code, out, err = det("e", "wait", "1")
     assert code == 0, out + err
     (t,) = trials(1)
@@ -203,8 +221,12 @@ def test_external_scancel_is_a_user_cancel(det: Any) -> None:
 def test_test_mode_and_follow_on_slurm(det: Any) -> None:
     code, out, err = det("e", "create", "--test-mode", CORE / "adaptive.yaml", CORE)
     assert code == 0 and "Model definition test succeeded! 🎉" in out, out + err
-    blocker = subprocess.run(["sbatch", "--parsable", "-p", "cpu", "-N2", "-c", "2", "-o", "/dev/null", "--wrap",
-                              "sleep 4"], capture_output=True, text=True, check=True).stdout.strip()
+    blocker = subprocess.run(
+        ["sbatch", "--parsable", "-p", "cpu", "-N2", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 4"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     code, out, err = det("e", "create", "-f", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
     assert code == 0, out + err
     assert "HPC job waiting to be scheduled: " in out and "done: w=" in out
@@ -241,8 +263,9 @@ def test_crash_between_sbatch_and_commit_is_adopted_by_comment(det: Any) -> None
 
     with store().tx() as s:
         exp_dir = s.scalars(select(Trial)).one().experiment.exp_dir
-    comments = subprocess.run(["squeue", "-h", "--states=all", "-o", "%k"], capture_output=True,
-                              text=True).stdout.split()
+    comments = subprocess.run(
+        ["squeue", "-h", "--states=all", "-o", "%k"], capture_output=True, text=True
+    ).stdout.split()
     assert comments.count(trial_comment(1, 1, 1, experiment_tag(exp_dir))) == 1  # submitted exactly once
 
 
@@ -252,7 +275,9 @@ def dbd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     env = dict(os.environ, TEST_CLUSTER_PORT="18917", TEST_CLUSTER_DBD="1")
     subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
     yield state
-    subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "down", str(state)], check=False, env=env)
+    subprocess.run(
+        [str(Path(__file__).parent.parent / "scripts/test-cluster"), "down", str(state)], check=False, env=env
+    )
 
 
 def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -273,9 +298,18 @@ def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster:
     NODE_FAIL; the trial resumes on another node from its checkpoint without using a restart."""
     # Long enough (80 batches x 0.5 s) that Slurm notices the dead node (SlurmdTimeout 10 s)
     # well before the trial could finish on its own.
-    code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.5",
-                       "--config", "max_restarts=0",
-                       "--config", "environment.environment_variables=[EXAMPLE_TOTAL_BATCHES=80]")
+    code, _, err = det(
+        "e",
+        "create",
+        CORE / "const.yaml",
+        CORE,
+        "--config",
+        "hyperparameters.sleep=0.5",
+        "--config",
+        "max_restarts=0",
+        "--config",
+        "environment.environment_variables=[EXAMPLE_TOTAL_BATCHES=80]",
+    )
     assert code == 0, err
     wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None and _job_of(trials(1)[0].id) != "")
     job = _job_of(trials(1)[0].id)
@@ -294,5 +328,9 @@ def test_node_failure_resumes_elsewhere_from_checkpoint(det: Any, slurm_cluster:
         assert got == list(range(1, 81))
     finally:
         env = dict(os.environ, TEST_CLUSTER_PORT=os.environ.get("TEST_CLUSTER_PORT", "17817"))
-        subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(slurm_cluster)],
-                       check=True, env=env, capture_output=True)
+        subprocess.run(
+            [str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(slurm_cluster)],
+            check=True,
+            env=env,
+            capture_output=True,
+        )

@@ -85,8 +85,16 @@ def test_state_mapping_is_total() -> None:
     assert state_from_slurm("PD") is SlurmState.PENDING and state_from_slurm("OOM") is SlurmState.OUT_OF_MEMORY
     assert all(isinstance(v, SlurmState) for v in SLURM_STATES.values())
     assert {s for s in SlurmState if s.is_terminal} == {
-        SlurmState.COMPLETED, SlurmState.FAILED, SlurmState.CANCELLED, SlurmState.TIMEOUT, SlurmState.PREEMPTED,
-        SlurmState.NODE_FAIL, SlurmState.OUT_OF_MEMORY, SlurmState.BOOT_FAIL, SlurmState.DEADLINE}
+        SlurmState.COMPLETED,
+        SlurmState.FAILED,
+        SlurmState.CANCELLED,
+        SlurmState.TIMEOUT,
+        SlurmState.PREEMPTED,
+        SlurmState.NODE_FAIL,
+        SlurmState.OUT_OF_MEMORY,
+        SlurmState.BOOT_FAIL,
+        SlurmState.DEADLINE,
+    }
 
 
 def test_comment_round_trip() -> None:
@@ -143,8 +151,13 @@ def test_executor_falls_back_to_sacct(tmp_path: Path) -> None:
     config = (DATA / "show-config.txt").read_text()
     accounting = config.replace("accounting_storage/none", "accounting_storage/slurmdbd")
     for cfg, expect in ((accounting, JobState.EXITED), (config, JobState.UNKNOWN)):
-        runner = FakeRunner({"squeue": Result(0, "", ""), "scontrol": Result(0, cfg, ""),
-                             "sacct": Result(0, (DATA / "sacct-parsable.txt").read_text(), "")})
+        runner = FakeRunner(
+            {
+                "squeue": Result(0, "", ""),
+                "scontrol": Result(0, cfg, ""),
+                "sacct": Result(0, (DATA / "sacct-parsable.txt").read_text(), ""),
+            }
+        )
         ex = SlurmExecutor(SlurmClient(runner), SiteConfig())
         status = ex.poll({"1": tmp_path})["1"]
         assert status.state is expect

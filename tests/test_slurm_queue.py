@@ -55,19 +55,25 @@ def user_det() -> Path:
         subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
         subprocess.run([str(venv / "bin/pip"), "install", "-q", str(ROOT)], check=True)
     else:
-        subprocess.run([str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)],
-                       check=True)
+        subprocess.run(
+            [str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)], check=True
+        )
     for d in (ROOT / ".state", venv):
         os.chmod(d, 0o755)
     return venv / "bin" / "det"
 
 
 def as_user(det_bin: Path, user: str, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {"SLURM_CONF": os.environ["SLURM_CONF"], "DETSLURM_SITE_CONFIG": os.environ["DETSLURM_SITE_CONFIG"],
-           "DETSLURM_DATA_DIR": str(home / "data"), "DETSLURM_EXPERIMENTS_DIR": str(home / "exps"),
-           "DETSLURM_CHECKPOINT_DIR": str(home / "ckpts"), "HOME": str(home), "PATH": os.environ["PATH"]}
-    cmd = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-           str(det_bin), *args]
+    env = {
+        "SLURM_CONF": os.environ["SLURM_CONF"],
+        "DETSLURM_SITE_CONFIG": os.environ["DETSLURM_SITE_CONFIG"],
+        "DETSLURM_DATA_DIR": str(home / "data"),
+        "DETSLURM_EXPERIMENTS_DIR": str(home / "exps"),
+        "DETSLURM_CHECKPOINT_DIR": str(home / "ckpts"),
+        "HOME": str(home),
+        "PATH": os.environ["PATH"],
+    }
+    cmd = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()), str(det_bin), *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
 
 
@@ -118,16 +124,26 @@ def test_queue_as_ordinary_user(det: Any, tester: str, user_det: Path, tmp_path:
     r = as_user(user_det, tester, home, "job", "update", mine, "--hold")
     assert r.returncode == 0 and squeue(mine, "%r") == "JobHeldUser"
     # Slurm itself refuses too: the check is not only ours.
-    raw = subprocess.run(["runuser", "-u", tester, "--", "env", f"SLURM_CONF={os.environ['SLURM_CONF']}",
-                          "scancel", roots], capture_output=True, text=True)
+    raw = subprocess.run(
+        ["runuser", "-u", tester, "--", "env", f"SLURM_CONF={os.environ['SLURM_CONF']}", "scancel", roots],
+        capture_output=True,
+        text=True,
+    )
     assert raw.returncode != 0 and "Access/permission denied" in raw.stderr
     del blockers
 
 
 @pytest.mark.fault
 def test_other_users_cannot_read_experiments(det: Any, tester: str, tmp_path: Path) -> None:
-    code, out, err = det("e", "create", "--local", EXAMPLES / "core_api/const.yaml", EXAMPLES / "core_api",
-                         "--config", "hyperparameters.sleep=0")
+    code, out, err = det(
+        "e",
+        "create",
+        "--local",
+        EXAMPLES / "core_api/const.yaml",
+        EXAMPLES / "core_api",
+        "--config",
+        "hyperparameters.sleep=0",
+    )
     assert code == 0, err
     from detslurm import settings
 

@@ -24,20 +24,40 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.geteuid() != 0:
         pytest.skip("starting a private PostgreSQL needs root (to run it as the postgres user)")
     if not glob.glob("/usr/lib/postgresql/*/bin/initdb"):
-        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-qq", "postgresql"],
-                       check=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"), capture_output=True)
+        subprocess.run(
+            ["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-qq", "postgresql"],
+            check=True,
+            env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"),
+            capture_output=True,
+        )
     bindir = Path(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1])
     data = tmp_path_factory.mktemp("pg")
     for d in (data.parent, data.parent.parent):  # traversable (not readable) for the server user
         os.chmod(d, os.stat(d).st_mode | 0o011)
     shutil.chown(data, "postgres", "postgres")
     pg = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*pg, str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*pg, str(bindir / "initdb"), "-D", str(data / "db"), "-A", "trust", "-U", "postgres"],
+        check=True,
+        capture_output=True,
+    )
     port = os.environ.get("DETSLURM_TEST_PG_PORT", "17432")
-    subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-l", str(data / "log"), "-w", "-o",
-                    f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={data}", "start"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            *pg,
+            str(bindir / "pg_ctl"),
+            "-D",
+            str(data / "db"),
+            "-l",
+            str(data / "log"),
+            "-w",
+            "-o",
+            f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={data}",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run([*pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", port, "detslurm"], check=True)
     yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/detslurm"
     subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "fast", "stop"], capture_output=True)
@@ -82,13 +102,39 @@ def test_migrations_match_models(tmp_path: Path) -> None:
 def _make_experiment(url: str) -> int:
     store = open_store(url)
     with store.tx() as s:
-        e = Experiment(name="x", owner="u", config={}, original_config="", context_sha256="0", exp_dir="/tmp",
-                       executor="local", resource_pool="", progress=0.0, archived=False, test_mode=False, state="ACTIVE")
+        e = Experiment(
+            name="x",
+            owner="u",
+            config={},
+            original_config="",
+            context_sha256="0",
+            exp_dir="/tmp",
+            executor="local",
+            resource_pool="",
+            progress=0.0,
+            archived=False,
+            test_mode=False,
+            state="ACTIVE",
+        )
         s.add(e)
         s.flush()
-        s.add(Trial(experiment_id=e.id, request_id="r", hparams={}, seed=1, restarts=0, run_count=0,
-                    steps_completed=0, progress=0.0, early_stopped=False, searcher_ops=[], ops_completed=0,
-                    ops_closed=False, ops_idle=False))
+        s.add(
+            Trial(
+                experiment_id=e.id,
+                request_id="r",
+                hparams={},
+                seed=1,
+                restarts=0,
+                run_count=0,
+                steps_completed=0,
+                progress=0.0,
+                early_stopped=False,
+                searcher_ops=[],
+                ops_completed=0,
+                ops_closed=False,
+                ops_idle=False,
+            )
+        )
         return int(e.id)
 
 

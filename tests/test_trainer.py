@@ -28,7 +28,9 @@ def test_units() -> None:
     assert Batch(10).hits(20, 7) and not Batch(10).hits(15, 7) and not Batch(0).hits(0, 7)
     assert Batch([2, 5]).hits(5, 100) and not Batch([2, 5]).hits(4, 100)
     assert Epoch(2).hits(14, 7) and not Epoch(2).hits(7, 7)
-    assert TrainUnit.from_values(batches=0) is None and TrainUnit.from_values(records=64, global_batch_size=32) == Batch(2)
+    assert TrainUnit.from_values(batches=0) is None and TrainUnit.from_values(
+        records=64, global_batch_size=32
+    ) == Batch(2)
     with pytest.raises(ValueError, match="global_batch_size"):
         TrainUnit.from_values(records=64)
 
@@ -57,15 +59,27 @@ def store() -> Any:
 
 def val_metrics(exp_id: int) -> list[tuple[int, dict[str, Any]]]:
     with store().tx() as s:
-        q = (select(Metric).join(Trial).where(Trial.experiment_id == exp_id).where(Metric.group == "validation")
-             .where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        q = (
+            select(Metric)
+            .join(Trial)
+            .where(Trial.experiment_id == exp_id)
+            .where(Metric.group == "validation")
+            .where(Metric.archived.is_(False))
+            .order_by(Metric.steps_completed)
+        )
         return [(m.steps_completed, m.metrics) for m in s.scalars(q)]
 
 
 def train_losses(exp_id: int) -> list[tuple[int, Any]]:
     with store().tx() as s:
-        q = (select(Metric).join(Trial).where(Trial.experiment_id == exp_id).where(Metric.group == "training")
-             .where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
+        q = (
+            select(Metric)
+            .join(Trial)
+            .where(Trial.experiment_id == exp_id)
+            .where(Metric.group == "training")
+            .where(Metric.archived.is_(False))
+            .order_by(Metric.steps_completed)
+        )
         return [(m.steps_completed, m.metrics["loss"]) for m in s.scalars(q)]
 
 
@@ -83,14 +97,21 @@ def test_legacy_trial_harness_and_checkpoint_contents(det: Any, tmp_path: Path) 
     assert {"state_dict.pth", "trial_state.pkl", "load_data.json", "metadata.json"} <= {p.name for p in path.iterdir()}
     assert (path / "code/model_def.py").exists()
     # Seed 003 step 6: load the trial class from the checkpoint's code with a CheckpointLoadContext.
-    probe = (f"import determined as det, torch\nfrom determined import pytorch\n"
-             f"with det.import_from_path({str(path / 'code')!r}):\n    import model_def\n"
-             f"t = model_def.MyPyTorchTrial(pytorch.CheckpointLoadContext(), {{'lr': 0.1}})\n"
-             f"sd = torch.load({str(path / 'state_dict.pth')!r}, weights_only=False)\n"
-             f"t.model.load_state_dict(sd['models_state_dict'][0])\nimport sys\n"
-             f"assert 'model_def' not in sys.modules\nprint('loaded')\n")
-    r = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PYTHONPATH=COMPAT), capture_output=True,
-                       text=True, cwd=tmp_path)
+    probe = (
+        f"import determined as det, torch\nfrom determined import pytorch\n"
+        f"with det.import_from_path({str(path / 'code')!r}):\n    import model_def\n"
+        f"t = model_def.MyPyTorchTrial(pytorch.CheckpointLoadContext(), {{'lr': 0.1}})\n"
+        f"sd = torch.load({str(path / 'state_dict.pth')!r}, weights_only=False)\n"
+        f"t.model.load_state_dict(sd['models_state_dict'][0])\nimport sys\n"
+        f"assert 'model_def' not in sys.modules\nprint('loaded')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=dict(os.environ, PYTHONPATH=COMPAT),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0 and "loaded" in r.stdout, r.stderr
 
 
@@ -104,8 +125,16 @@ def test_test_mode_runs_exactly_one_batch(det: Any) -> None:
 def test_kill_and_resume_reproduces_the_uninterrupted_run(det: Any) -> None:
     seed = ["--config", "reproducibility.experiment_seed=7"]
     assert det("e", "create", "--local", PT / "legacy.yaml", PT, *seed)[0] == 0
-    code, out, err = det("e", "create", "--local", PT / "legacy.yaml", PT, *seed,
-                         "--config", "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=21]")
+    code, out, err = det(
+        "e",
+        "create",
+        "--local",
+        PT / "legacy.yaml",
+        PT,
+        *seed,
+        "--config",
+        "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=21]",
+    )
     assert code == 0, out + err
     with store().tx() as s:
         crashed = s.scalars(select(Trial).where(Trial.experiment_id == 2)).one()
@@ -115,8 +144,17 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(det: Any) -> None:
 
 
 def test_missing_searcher_metric_fails_the_trial(det: Any) -> None:
-    code, out, _ = det("e", "create", "--local", PT / "legacy.yaml", PT, "--config", "searcher.metric=nope",
-                       "--config", "max_restarts=0")
+    code, out, _ = det(
+        "e",
+        "create",
+        "--local",
+        PT / "legacy.yaml",
+        PT,
+        "--config",
+        "searcher.metric=nope",
+        "--config",
+        "max_restarts=0",
+    )
     assert code == 1
     code, out, _ = det("t", "logs", "1")
     assert "the searcher metric 'nope' is not in the validation metrics" in out
@@ -125,8 +163,17 @@ def test_missing_searcher_metric_fails_the_trial(det: Any) -> None:
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_env")
 def test_trainer_on_cluster_two_nodes(det: Any) -> None:
-    code, out, err = det("e", "create", PT / "const.yaml", PT, "--config", "resources.slots_per_trial=4",
-                         "--config", "searcher.max_length.batches=16", "-f")
+    code, out, err = det(
+        "e",
+        "create",
+        PT / "const.yaml",
+        PT,
+        "--config",
+        "resources.slots_per_trial=4",
+        "--config",
+        "searcher.max_length.batches=16",
+        "-f",
+    )
     assert code == 0, out + err
     vals = val_metrics(1)
     assert [s for s, _ in vals] == [10, 16]

@@ -47,11 +47,22 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
     trials = {t.request_id: t for t in exp.trials}
     for a in actions:
         if isinstance(a, Create):
-            t = Trial(experiment_id=exp.id, request_id=a.request_id, hparams=a.hparams, seed=a.seed,
-                      searcher_ops=list(a.ops), ops_closed=bool(a.ops) and not searcher_is_promotion(searcher),
-                      state=TrialState.ACTIVE.value if exp.state == ExperimentState.ACTIVE.value
-                      else TrialState.PAUSED.value, restarts=0, run_count=0, steps_completed=0,
-                      progress=0.0, early_stopped=False, ops_idle=False, ops_completed=0)
+            t = Trial(
+                experiment_id=exp.id,
+                request_id=a.request_id,
+                hparams=a.hparams,
+                seed=a.seed,
+                searcher_ops=list(a.ops),
+                ops_closed=bool(a.ops) and not searcher_is_promotion(searcher),
+                state=TrialState.ACTIVE.value if exp.state == ExperimentState.ACTIVE.value else TrialState.PAUSED.value,
+                restarts=0,
+                run_count=0,
+                steps_completed=0,
+                progress=0.0,
+                early_stopped=False,
+                ops_idle=False,
+                ops_completed=0,
+            )
             _warm_start(session, exp, t)
             session.add(t)
             exp.trials.append(t)
@@ -97,20 +108,32 @@ def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
     trial.warm_start_checkpoint = uuid
 
 
-def _on_metrics(session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any],
-                searcher: SearchMethod) -> list[Action]:
+def _on_metrics(
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any], searcher: SearchMethod
+) -> list[Action]:
     group = str(ev.get("group", "training"))
     steps = int(ev.get("steps_completed", 0))
     metrics = ev.get("metrics") or {}
-    session.add(Metric(trial_id=trial.id, run_id=run.run_id, group=group, steps_completed=steps,
-                       metrics=metrics, batch_metrics=ev.get("batch_metrics"), report_time=_ts(ev), archived=False))
+    session.add(
+        Metric(
+            trial_id=trial.id,
+            run_id=run.run_id,
+            group=group,
+            steps_completed=steps,
+            metrics=metrics,
+            batch_metrics=ev.get("batch_metrics"),
+            report_time=_ts(ev),
+            archived=False,
+        )
+    )
     if group != "validation":
         return []
     sc = exp.config["searcher"]
     value = metrics.get(sc["metric"])
     if isinstance(value, (int, float)):
         better = trial.searcher_metric is None or (
-            value < trial.searcher_metric if sc["smaller_is_better"] else value > trial.searcher_metric)
+            value < trial.searcher_metric if sc["smaller_is_better"] else value > trial.searcher_metric
+        )
         if better:
             trial.searcher_metric = float(value)
     if trial.early_stopped or TrialState(trial.state).is_terminal:
@@ -123,15 +146,26 @@ def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: dict[str, 
     if session.get(Checkpoint, uuid) is not None:
         return
     steps = int(ev.get("steps_completed", 0))
-    session.add(Checkpoint(uuid=uuid, trial_id=trial.id, run_id=run.run_id, steps_completed=steps,
-                           storage_path=str(ev.get("storage_path", "")), metadata_=ev.get("metadata") or {},
-                           resources=ev.get("resources") or {}, size=int(ev.get("size", 0)), report_time=_ts(ev)))
+    session.add(
+        Checkpoint(
+            uuid=uuid,
+            trial_id=trial.id,
+            run_id=run.run_id,
+            steps_completed=steps,
+            storage_path=str(ev.get("storage_path", "")),
+            metadata_=ev.get("metadata") or {},
+            resources=ev.get("resources") or {},
+            size=int(ev.get("size", 0)),
+            report_time=_ts(ev),
+        )
+    )
     trial.latest_checkpoint = uuid
     trial.steps_completed = steps
 
 
-def apply_event(session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any],
-                searcher: SearchMethod) -> list[Action]:
+def apply_event(
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any], searcher: SearchMethod
+) -> list[Action]:
     typ = ev.get("type")
     if typ == "metrics":
         return _on_metrics(session, exp, trial, run, ev, searcher)

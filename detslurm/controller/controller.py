@@ -56,8 +56,11 @@ class Controller:
     # -- the tick -------------------------------------------------------------------------
     def active_experiment_ids(self) -> list[int]:
         with self.store.tx() as s:
-            q = select(Experiment.id).where(Experiment.executor == self.executor.kind).where(
-                Experiment.state.not_in([st.value for st in ExperimentState if st.is_terminal]))
+            q = (
+                select(Experiment.id)
+                .where(Experiment.executor == self.executor.kind)
+                .where(Experiment.state.not_in([st.value for st in ExperimentState if st.is_terminal]))
+            )
             return list(s.scalars(q))
 
     def tick(self, exp_ids: list[int] | None = None) -> None:
@@ -69,14 +72,19 @@ class Controller:
         for exp_id in ids:
             self.tick_experiment(exp_id, runs[exp_id], statuses)
 
-    def tick_experiment(self, exp_id: int, runs: list[tuple[int, str | None, str]] | None = None,
-                        statuses: dict[str, JobStatus] | None = None) -> None:
+    def tick_experiment(
+        self,
+        exp_id: int,
+        runs: list[tuple[int, str | None, str]] | None = None,
+        statuses: dict[str, JobStatus] | None = None,
+    ) -> None:
         if runs is None or statuses is None:
             runs = self._active_runs(exp_id)
             jobs = {job: Path(d) for _, job, d in runs if job}
             statuses = self.executor.poll(jobs) if jobs else {}
-        self._reconcile_runs([(run_pk, statuses.get(job_id) if job_id else self._recover(run_pk))
-                              for run_pk, job_id, _ in runs])
+        self._reconcile_runs(
+            [(run_pk, statuses.get(job_id) if job_id else self._recover(run_pk)) for run_pk, job_id, _ in runs]
+        )
         self._kill_stopping(exp_id)
         self._transitions(exp_id)
         self._sync_files(exp_id)
@@ -84,8 +92,12 @@ class Controller:
 
     def _active_runs(self, exp_id: int) -> list[tuple[int, str | None, str]]:
         with self.store.tx() as s:
-            q = (select(TrialRun.id, TrialRun.job_id, TrialRun.run_dir).join(Trial)
-                 .where(Trial.experiment_id == exp_id).where(TrialRun.state.in_(ACTIVE_RUN)))
+            q = (
+                select(TrialRun.id, TrialRun.job_id, TrialRun.run_dir)
+                .join(Trial)
+                .where(Trial.experiment_id == exp_id)
+                .where(TrialRun.state.in_(ACTIVE_RUN))
+            )
             return [(pk, job, d) for pk, job, d in s.execute(q)]
 
     def _recover(self, run_pk: int) -> JobStatus | None:
@@ -96,8 +108,9 @@ class Controller:
             marker = Path(run.run_dir) / "job_id"
             job_id = marker.read_text().strip() if marker.exists() else None
             if not job_id:
-                found = self.executor.recover((run.trial.experiment_id, run.trial_id, run.run_id),
-                                              run.trial.experiment.exp_dir)
+                found = self.executor.recover(
+                    (run.trial.experiment_id, run.trial_id, run.run_id), run.trial.experiment.exp_dir
+                )
                 job_id = str(found) if found is not None else None
             if job_id:
                 run.job_id = job_id
@@ -125,8 +138,9 @@ class Controller:
             exp.searcher_state = searcher.state_dict()
             exp.progress = searcher.progress()
 
-    def _reconcile_one(self, s: Any, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None,
-                       searcher: SearchMethod) -> None:
+    def _reconcile_one(
+        self, s: Any, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None, searcher: SearchMethod
+    ) -> None:
         try:
             ingest_run(s, exp, trial, run, searcher)
             if status is not None and status.state in (JobState.EXITED, JobState.UNKNOWN):
@@ -149,8 +163,13 @@ class Controller:
     # -- experiment-level state -----------------------------------------------------------
     def _kill_stopping(self, exp_id: int) -> None:
         with self.store.tx() as s:
-            q = (select(TrialRun.job_id).join(Trial).where(Trial.experiment_id == exp_id)
-                 .where(TrialRun.state.in_(ACTIVE_RUN)).where(Trial.state == TrialState.STOPPING_KILLED.value))
+            q = (
+                select(TrialRun.job_id)
+                .join(Trial)
+                .where(Trial.experiment_id == exp_id)
+                .where(TrialRun.state.in_(ACTIVE_RUN))
+                .where(Trial.state == TrialState.STOPPING_KILLED.value)
+            )
             jobs = [j for j in s.scalars(q) if j]
         many = getattr(self.executor, "kill_many", None)
         if many is not None and jobs:
@@ -188,16 +207,21 @@ class Controller:
             if ExperimentState(exp.state).is_terminal:
                 collect_garbage(s, exp)
 
-    def _trial_transition(self, s: object, exp: Experiment, state: ExperimentState, t: Trial, busy: bool,
-                          searcher: SearchMethod) -> None:
+    def _trial_transition(
+        self, s: object, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: SearchMethod
+    ) -> None:
         from sqlalchemy.orm import Session
 
         assert isinstance(s, Session)
         ts = TrialState(t.state)
         if ts.is_terminal:
             return
-        if state in (ExperimentState.STOPPING_CANCELED, ExperimentState.STOPPING_KILLED,
-                     ExperimentState.STOPPING_ERROR, ExperimentState.STOPPING_COMPLETED):
+        if state in (
+            ExperimentState.STOPPING_CANCELED,
+            ExperimentState.STOPPING_KILLED,
+            ExperimentState.STOPPING_ERROR,
+            ExperimentState.STOPPING_COMPLETED,
+        ):
             target = {
                 ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
                 ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR,
@@ -232,8 +256,12 @@ class Controller:
                 if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
                     best = t.searcher_metric
                 if t.searcher_ops:
-                    want = {"ops": t.searcher_ops, "completed": t.ops_completed, "closed": t.ops_closed,
-                            "idle_after": t.ops_completed if t.ops_idle else -1}
+                    want = {
+                        "ops": t.searcher_ops,
+                        "completed": t.ops_completed,
+                        "closed": t.ops_closed,
+                        "idle_after": t.ops_completed if t.ops_idle else -1,
+                    }
                     if read_json(layout.ops_file(t.id)) != want:
                         atomic_write_json(layout.ops_file(t.id), want, durable=False)
                 reason = self._stop_reason(exp, state, t)
@@ -294,16 +322,28 @@ class Controller:
         assert isinstance(s, Session)
         t.run_count += 1
         run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
-        run = TrialRun(trial_id=t.id, run_id=t.run_count, state=RunState.PENDING.value, executor=self.executor.kind,
-                       run_dir=str(run_dir), log_path=str(log_file(run_dir)), preempt_acked=False, restart_count_seen=0)
+        run = TrialRun(
+            trial_id=t.id,
+            run_id=t.run_count,
+            state=RunState.PENDING.value,
+            executor=self.executor.kind,
+            run_dir=str(run_dir),
+            log_path=str(log_file(run_dir)),
+            preempt_acked=False,
+            restart_count_seen=0,
+        )
         s.add(run)
         t.runs.append(run)
         if t.run_count > 1:
             # Rows past the checkpoint we resume from would be reported again: archive them so
             # no step is counted twice.
             resume_at = t.steps_completed if t.latest_checkpoint else 0
-            s.execute(update(Metric).where(Metric.trial_id == t.id).where(Metric.steps_completed > resume_at)
-                      .values(archived=True))
+            s.execute(
+                update(Metric)
+                .where(Metric.trial_id == t.id)
+                .where(Metric.steps_completed > resume_at)
+                .values(archived=True)
+            )
         return run
 
     def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
@@ -313,20 +353,38 @@ class Controller:
         env = config_env(exp.config)
         latest = t.latest_checkpoint or t.warm_start_checkpoint
         steps = t.steps_completed if t.latest_checkpoint else 0
-        env.update(trial_env(
-            experiment_id=exp.id, trial_id=t.id, run_id=run.run_id, seed=t.seed, hparams=t.hparams,
-            config=exp.config, latest_checkpoint=latest, steps_completed=steps,
-            run_dir=Path(run.run_dir), trial_dir=layout.trial_dir(t.id), exp_dir=layout.root, checkpoint_base=base,
-            resources_type=f"{self.executor.kind}-process" if self.executor.kind == "local" else "slurm-job",
-            slot_ids=list(range(max(1, int(exp.config["resources"]["slots_per_trial"])))),
-            container_addrs=["127.0.0.1"], user=exp.owner,
-        ))
+        env.update(
+            trial_env(
+                experiment_id=exp.id,
+                trial_id=t.id,
+                run_id=run.run_id,
+                seed=t.seed,
+                hparams=t.hparams,
+                config=exp.config,
+                latest_checkpoint=latest,
+                steps_completed=steps,
+                run_dir=Path(run.run_dir),
+                trial_dir=layout.trial_dir(t.id),
+                exp_dir=layout.root,
+                checkpoint_base=base,
+                resources_type=f"{self.executor.kind}-process" if self.executor.kind == "local" else "slurm-job",
+                slot_ids=list(range(max(1, int(exp.config["resources"]["slots_per_trial"])))),
+                container_addrs=["127.0.0.1"],
+                user=exp.owner,
+            )
+        )
         if exp.test_mode:
             env["DET_TEST_MODE"] = "1"
-        return RunSpec(name=f"det-e{exp.id}-t{t.id}-r{run.run_id}", argv=[sys.executable, "-m", "detslurm.exec.launch"],
-                       env=env, run_dir=Path(run.run_dir), log_path=Path(run.log_path),
-                       slots=int(exp.config["resources"]["slots_per_trial"]),
-                       identity=(exp.id, t.id, run.run_id), config=exp.config)
+        return RunSpec(
+            name=f"det-e{exp.id}-t{t.id}-r{run.run_id}",
+            argv=[sys.executable, "-m", "detslurm.exec.launch"],
+            env=env,
+            run_dir=Path(run.run_dir),
+            log_path=Path(run.log_path),
+            slots=int(exp.config["resources"]["slots_per_trial"]),
+            identity=(exp.id, t.id, run.run_id),
+            config=exp.config,
+        )
 
     def _start(self, run_pk: int, spec: RunSpec) -> None:
         try:
@@ -376,8 +434,9 @@ class Controller:
         self._reconcile_run(0, run_pk, JobStatus(JobState.UNKNOWN, None, "submit failed"))
 
     # -- driving an experiment in the foreground -------------------------------------------
-    def run_until_done(self, exp_id: int, poll_s: float = 0.5,
-                       on_tick: Callable[[], None] | None = None) -> ExperimentState:
+    def run_until_done(
+        self, exp_id: int, poll_s: float = 0.5, on_tick: Callable[[], None] | None = None
+    ) -> ExperimentState:
         while True:
             self.tick_experiment(exp_id)
             if on_tick is not None:

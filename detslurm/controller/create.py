@@ -62,7 +62,9 @@ def test_mode_config(raw: dict[str, Any], seed: int) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(json.dumps(raw))
     sc: dict[str, Any] = out["searcher"] if isinstance(out.get("searcher"), dict) else {}
     out["searcher"] = {
-        "name": "single", "metric": sc.get("metric"), "smaller_is_better": sc.get("smaller_is_better", True),
+        "name": "single",
+        "metric": sc.get("metric"),
+        "smaller_is_better": sc.get("smaller_is_better", True),
         "max_length": {"batches": 1},
     }
     out["max_restarts"] = 0
@@ -72,8 +74,14 @@ def test_mode_config(raw: dict[str, Any], seed: int) -> dict[str, Any]:
     return out
 
 
-def plan_create(settings: Settings, config_path: Path, context_dir: Path, overrides: Sequence[str] = (),
-                test_mode: bool = False, paused: bool = False) -> CreatePlan:
+def plan_create(
+    settings: Settings,
+    config_path: Path,
+    context_dir: Path,
+    overrides: Sequence[str] = (),
+    test_mode: bool = False,
+    paused: bool = False,
+) -> CreatePlan:
     try:
         text = Path(config_path).read_text()
     except OSError as e:
@@ -97,11 +105,19 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
     try:
         with store.tx() as s:
             exp = Experiment(
-                name=cfg["name"], owner=current_user(), description=cfg.get("description"), config=cfg,
-                original_config=plan.original_yaml, context_sha256=plan.bundle.sha256, exp_dir="",
-                executor=executor, resource_pool=cfg["resources"]["resource_pool"], test_mode=plan.test_mode,
+                name=cfg["name"],
+                owner=current_user(),
+                description=cfg.get("description"),
+                config=cfg,
+                original_config=plan.original_yaml,
+                context_sha256=plan.bundle.sha256,
+                exp_dir="",
+                executor=executor,
+                resource_pool=cfg["resources"]["resource_pool"],
+                test_mode=plan.test_mode,
                 state=(ExperimentState.PAUSED if plan.paused else ExperimentState.ACTIVE).value,
-                progress=0.0, archived=False,
+                progress=0.0,
+                archived=False,
             )
             s.add(exp)
             s.flush()
@@ -133,14 +149,45 @@ def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> li
     tasks = []
     for i, act in enumerate(a for a in build(cfg).initial_trials() if isinstance(a, Create)):
         run_dir = layout.run_dir(i + 1, 1)
-        env = trial_env(experiment_id=0, trial_id=i + 1, run_id=1, seed=act.seed, hparams=act.hparams, config=cfg,
-                        latest_checkpoint=None, steps_completed=0, run_dir=run_dir, trial_dir=layout.trial_dir(i + 1),
-                        exp_dir=exp_dir, checkpoint_base=storage_base(cfg), resources_type="slurm-job",
-                        slot_ids=[], container_addrs=[], user=current_user())
+        env = trial_env(
+            experiment_id=0,
+            trial_id=i + 1,
+            run_id=1,
+            seed=act.seed,
+            hparams=act.hparams,
+            config=cfg,
+            latest_checkpoint=None,
+            steps_completed=0,
+            run_dir=run_dir,
+            trial_dir=layout.trial_dir(i + 1),
+            exp_dir=exp_dir,
+            checkpoint_base=storage_base(cfg),
+            resources_type="slurm-job",
+            slot_ids=[],
+            container_addrs=[],
+            user=current_user(),
+        )
         tasks.append(ArrayTask(i + 1, str(run_dir), env))
     if len(tasks) == 1:
-        return [plan_trial_run(config=cfg, site=site, ident=Identity(0, 1, 1), env=tasks[0].env,
-                               run_dir=tasks[0].run_dir, log_path=str(log_file(Path(tasks[0].run_dir))),
-                               python=python)]
-    return [plan_array(config=cfg, site=site, ident=Identity(0, 1, 1, array=True), tasks=tasks,
-                       links_dir=str(exp_dir / "arrays" / "t1-r1"), log_name=log_file(exp_dir).name, python=python)]
+        return [
+            plan_trial_run(
+                config=cfg,
+                site=site,
+                ident=Identity(0, 1, 1),
+                env=tasks[0].env,
+                run_dir=tasks[0].run_dir,
+                log_path=str(log_file(Path(tasks[0].run_dir))),
+                python=python,
+            )
+        ]
+    return [
+        plan_array(
+            config=cfg,
+            site=site,
+            ident=Identity(0, 1, 1, array=True),
+            tasks=tasks,
+            links_dir=str(exp_dir / "arrays" / "t1-r1"),
+            log_name=log_file(exp_dir).name,
+            python=python,
+        )
+    ]

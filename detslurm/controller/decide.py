@@ -20,8 +20,15 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def finish_trial(session: Session, exp: Experiment, trial: Trial, state: TrialState, searcher: SearchMethod,
-                 early_reason: str | None = None, why: str | None = None) -> None:
+def finish_trial(
+    session: Session,
+    exp: Experiment,
+    trial: Trial,
+    state: TrialState,
+    searcher: SearchMethod,
+    early_reason: str | None = None,
+    why: str | None = None,
+) -> None:
     """Move a trial to a terminal state and tell the searcher, exactly once."""
     if TrialState(trial.state).is_terminal:
         return
@@ -59,17 +66,30 @@ def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRu
     trial.restarts += 1
     code = run.exit_code
     if trial.restarts > max_restarts:
-        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED,
-                     f"trial exceeded max restarts ({max_restarts}); last exit code {code}")
+        finish_trial(
+            session,
+            exp,
+            trial,
+            TrialState.ERROR,
+            searcher,
+            EXIT_ERRORED,
+            f"trial exceeded max restarts ({max_restarts}); last exit code {code}",
+        )
         return
-    note(session, trial.id, f"trial failed with exit code {code} (restart {trial.restarts}/{max_restarts}); "
-                            "resuming from the latest checkpoint", "WARNING")
+    note(
+        session,
+        trial.id,
+        f"trial failed with exit code {code} (restart {trial.restarts}/{max_restarts}); "
+        "resuming from the latest checkpoint",
+        "WARNING",
+    )
     if exp.state == ExperimentState.PAUSED.value:
         trial.state = TrialState.PAUSED.value
 
 
-def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus,
-                searcher: SearchMethod) -> None:
+def decide_exit(
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus, searcher: SearchMethod
+) -> None:
     run.state = RunState.EXITED.value if status.state == JobState.EXITED else RunState.LOST.value
     run.exit_code = status.exit_code
     run.end_time = _now()
@@ -80,29 +100,61 @@ def decide_exit(session: Session, exp: Experiment, trial: Trial, run: TrialRun, 
     if state == TrialState.STOPPING_KILLED:
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, "trial killed")
     elif state == TrialState.STOPPING_CANCELED:
-        finish_trial(session, exp, trial, TrialState.CANCELED if ok else TrialState.ERROR, searcher,
-                     EXIT_USER_CANCELED, "trial canceled" if ok else f"trial canceled; exit code {status.exit_code}")
+        finish_trial(
+            session,
+            exp,
+            trial,
+            TrialState.CANCELED if ok else TrialState.ERROR,
+            searcher,
+            EXIT_USER_CANCELED,
+            "trial canceled" if ok else f"trial canceled; exit code {status.exit_code}",
+        )
     elif state == TrialState.STOPPING_ERROR:
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED)
     elif status.reason == "canceled":
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
-        finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED,
-                     "the Slurm job was canceled outside detslurm (scancel)")
+        finish_trial(
+            session,
+            exp,
+            trial,
+            TrialState.CANCELED,
+            searcher,
+            EXIT_USER_CANCELED,
+            "the Slurm job was canceled outside detslurm (scancel)",
+        )
     elif run.exit_reason == "INVALID_HP":
-        finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP,
-                     "trial reported invalid hyperparameters")
+        finish_trial(
+            session,
+            exp,
+            trial,
+            TrialState.COMPLETED,
+            searcher,
+            EXIT_INVALID_HP,
+            "trial reported invalid hyperparameters",
+        )
     elif trial.early_stopped and (ok or run.preempt_acked) or ok and not run.preempt_acked:
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
     elif ok:
         _after_ack(session, exp, trial, searcher)
     elif trial.early_stopped:
-        finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, None,
-                     f"trial exited with code {status.exit_code} after the searcher stopped it")
+        finish_trial(
+            session,
+            exp,
+            trial,
+            TrialState.COMPLETED,
+            searcher,
+            None,
+            f"trial exited with code {status.exit_code} after the searcher stopped it",
+        )
     elif status.reason in NOT_THE_TRIALS_FAULT:
         # Preempted or lost its node before it could checkpoint: resume from the latest
         # checkpoint without spending one of the trial's restarts.
-        note(session, trial.id, f"trial run {run.run_id} ended ({status.reason}); resuming from the latest "
-                                "checkpoint", "WARNING")
+        note(
+            session,
+            trial.id,
+            f"trial run {run.run_id} ended ({status.reason}); resuming from the latest checkpoint",
+            "WARNING",
+        )
         if exp.state == ExperimentState.PAUSED.value:
             trial.state = TrialState.PAUSED.value
     else:

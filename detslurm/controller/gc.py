@@ -17,8 +17,13 @@ from detslurm.store.models import Checkpoint, Experiment, Metric, Trial
 
 
 def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float | None:
-    q = (select(Metric.metrics).where(Metric.trial_id == ck.trial_id).where(Metric.group == "validation")
-         .where(Metric.steps_completed == ck.steps_completed).where(Metric.archived.is_(False)))
+    q = (
+        select(Metric.metrics)
+        .where(Metric.trial_id == ck.trial_id)
+        .where(Metric.group == "validation")
+        .where(Metric.steps_completed == ck.steps_completed)
+        .where(Metric.archived.is_(False))
+    )
     for row in session.scalars(q):
         v = row.get(metric)
         if isinstance(v, (int, float)):
@@ -34,8 +39,14 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
     keep: set[str] = set()
     scored_all: list[tuple[float, str]] = []
     for t in session.scalars(select(Trial).where(Trial.experiment_id == exp.id)):
-        cks = list(session.scalars(select(Checkpoint).where(Checkpoint.trial_id == t.id)
-                                   .where(Checkpoint.state == "COMPLETED").order_by(Checkpoint.report_time)))
+        cks = list(
+            session.scalars(
+                select(Checkpoint)
+                .where(Checkpoint.trial_id == t.id)
+                .where(Checkpoint.state == "COMPLETED")
+                .order_by(Checkpoint.report_time)
+            )
+        )
         latest = policy.get("save_trial_latest", 1)
         if latest:
             keep.update(c.uuid for c in cks[-latest:])
@@ -51,7 +62,7 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
 def collect_garbage(session: Session, exp: Experiment) -> list[str]:
     keep = keep_set(session, exp)
     deleted = []
-    q = (select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id).where(Checkpoint.state == "COMPLETED"))
+    q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id).where(Checkpoint.state == "COMPLETED")
     for ck in session.scalars(q):
         if ck.uuid in keep:
             continue

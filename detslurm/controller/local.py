@@ -33,8 +33,15 @@ class LocalExecutor:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
         env.update(spec.env)
         with open(spec.log_path, "ab") as log:
-            proc = subprocess.Popen(spec.argv, env=env, cwd=spec.run_dir, stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                spec.argv,
+                env=env,
+                cwd=spec.run_dir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         create = psutil.Process(proc.pid).create_time()
         job_id = f"{proc.pid}@{create:.3f}@{spec.run_dir}"
         self._procs[job_id] = proc

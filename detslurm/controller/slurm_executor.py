@@ -26,9 +26,14 @@ RECOVER_CACHE_S = 5.0
 
 # How a job that ended without writing its own exit record ended, as we show it.
 _REASONS = {
-    SlurmState.PREEMPTED: "preempted", SlurmState.TIMEOUT: "time limit", SlurmState.NODE_FAIL: "node failure",
-    SlurmState.CANCELLED: "canceled", SlurmState.OUT_OF_MEMORY: "out of memory", SlurmState.BOOT_FAIL: "boot failure",
-    SlurmState.DEADLINE: "deadline", SlurmState.FAILED: "failed",
+    SlurmState.PREEMPTED: "preempted",
+    SlurmState.TIMEOUT: "time limit",
+    SlurmState.NODE_FAIL: "node failure",
+    SlurmState.CANCELLED: "canceled",
+    SlurmState.OUT_OF_MEMORY: "out of memory",
+    SlurmState.BOOT_FAIL: "boot failure",
+    SlurmState.DEADLINE: "deadline",
+    SlurmState.FAILED: "failed",
 }
 
 
@@ -47,8 +52,15 @@ class SlurmExecutor:
     def plan(self, spec: RunSpec) -> SbatchRequest:
         ident = Identity(*spec.identity, tag=experiment_tag(str(spec.run_dir.parent.parent.parent.parent)))
         python = self.site.python or sys.executable
-        return plan_trial_run(config=spec.config, site=self.site, ident=ident, env=spec.env,
-                              run_dir=str(spec.run_dir), log_path=str(spec.log_path), python=python)
+        return plan_trial_run(
+            config=spec.config,
+            site=self.site,
+            ident=ident,
+            env=spec.env,
+            run_dir=str(spec.run_dir),
+            log_path=str(spec.log_path),
+            python=python,
+        )
 
     def submit(self, spec: RunSpec) -> str:
         req = self.plan(spec)
@@ -79,8 +91,9 @@ class SlurmExecutor:
             for chunk in self._chunks(sorted(idxs, key=lambda i: specs[i].identity[1]), specs):
                 group = [specs[i] for i in chunk]
                 try:
-                    ids: list[str | Exception] = [*self.submit_array(group)] if len(group) > 1 \
-                        else [self.submit(group[0])]
+                    ids: list[str | Exception] = (
+                        [*self.submit_array(group)] if len(group) > 1 else [self.submit(group[0])]
+                    )
                 except Exception as e:  # the whole sbatch failed: none of its runs started
                     ids = [e] * len(group)
                 out.update(zip(chunk, ids, strict=True))
@@ -105,12 +118,20 @@ class SlurmExecutor:
     def plan_array(self, specs: Sequence[RunSpec]) -> SbatchRequest:
         first = specs[0]
         exp_dir = first.run_dir.parent.parent.parent.parent
-        ident = Identity(first.identity[0], first.identity[1], first.identity[2],
-                         tag=experiment_tag(str(exp_dir)), array=True)
+        ident = Identity(
+            first.identity[0], first.identity[1], first.identity[2], tag=experiment_tag(str(exp_dir)), array=True
+        )
         links = exp_dir / "arrays" / f"t{ident.trial_id}-r{ident.run_id}"
         tasks = [ArrayTask(s.identity[1], str(s.run_dir), s.env) for s in specs]
-        return plan_array(config=first.config, site=self.site, ident=ident, tasks=tasks, links_dir=str(links),
-                          log_name=first.log_path.name, python=self.site.python or sys.executable)
+        return plan_array(
+            config=first.config,
+            site=self.site,
+            ident=ident,
+            tasks=tasks,
+            links_dir=str(links),
+            log_name=first.log_path.name,
+            python=self.site.python or sys.executable,
+        )
 
     def submit_array(self, specs: Sequence[RunSpec]) -> list[str]:
         req = self.plan_array(specs)
@@ -179,7 +200,7 @@ class SlurmExecutor:
 
         for i in range(0, len(job_ids), 500):  # bounded command lines
             try:
-                self.client.scancel(job_ids[i:i + 500])
+                self.client.scancel(job_ids[i : i + 500])
             except SlurmCommandError as e:
                 # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
                 ended = ("Invalid job id", "already completing or completed")

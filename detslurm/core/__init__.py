@@ -13,8 +13,24 @@ from detslurm.core._searcher import SearcherContext, SearcherMode, SearcherOpera
 from detslurm.core._train import EarlyExitReason, TrainContext
 
 __all__ = [
-    "CheckpointContext", "ClusterInfo", "Context", "DistributedContext", "DownloadMode",
-    "DummyDistributedContext", "DummyPreemptContext", "EarlyExitReason", "PreemptContext", "PreemptMode",
-    "SearcherContext", "SearcherMode", "SearcherOperation", "TensorboardMode", "TrainContext", "TrialInfo",
-    "Unit", "get_cluster_info", "init", "merge_metadata",
+    "CheckpointContext",
+    "ClusterInfo",
+    "Context",
+    "DistributedContext",
+    "DownloadMode",
+    "DummyDistributedContext",
+    "DummyPreemptContext",
+    "EarlyExitReason",
+    "PreemptContext",
+    "PreemptMode",
+    "SearcherContext",
+    "SearcherMode",
+    "SearcherOperation",
+    "TensorboardMode",
+    "TrainContext",
+    "TrialInfo",
+    "Unit",
+    "get_cluster_info",
+    "init",
+    "merge_metadata",
 ]

@@ -58,8 +58,9 @@ def merge_metadata(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class CheckpointContext:
-    def __init__(self, dist: DistributedContext, base: Path, report: Callable[[dict[str, Any]], None],
-                 require_steps: bool) -> None:
+    def __init__(
+        self, dist: DistributedContext, base: Path, report: Callable[[dict[str, Any]], None], require_steps: bool
+    ) -> None:
         self._dist = dist
         self.base = Path(base)
         self._report = report
@@ -77,11 +78,17 @@ class CheckpointContext:
         resources = list_resources(partial)
         final = self.base / storage_id
         os.replace(partial, final)
-        self._report({
-            "type": "checkpoint", "uuid": storage_id, "metadata": md, "resources": resources,
-            "steps_completed": int(md.get("steps_completed", 0)), "size": sum(resources.values()),
-            "storage_path": str(final),
-        })
+        self._report(
+            {
+                "type": "checkpoint",
+                "uuid": storage_id,
+                "metadata": md,
+                "resources": resources,
+                "steps_completed": int(md.get("steps_completed", 0)),
+                "size": sum(resources.values()),
+                "storage_path": str(final),
+            }
+        )
 
     @contextlib.contextmanager
     def store_path(self, metadata: dict[str, Any] | None = None, *, shard: bool = False) -> Iterator[tuple[Path, str]]:
@@ -112,8 +119,14 @@ class CheckpointContext:
         else:
             self._finish(partial, storage_id, md)
 
-    def upload(self, ckpt_dir: os.PathLike[str] | str | None, metadata: dict[str, Any] | None = None, *,
-               shard: bool = False, selector: Callable[[str], bool] | None = None) -> str:
+    def upload(
+        self,
+        ckpt_dir: os.PathLike[str] | str | None,
+        metadata: dict[str, Any] | None = None,
+        *,
+        shard: bool = False,
+        selector: Callable[[str], bool] | None = None,
+    ) -> str:
         if not shard and self._dist.rank != 0:
             raise RuntimeError("cannot call .upload(shard=False) from non-chief worker")
         if shard and not any(self._dist.allgather(ckpt_dir is not None)):
@@ -138,14 +151,24 @@ class CheckpointContext:
         return p
 
     @contextlib.contextmanager
-    def restore_path(self, storage_id: str, download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
-                     *, selector: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    def restore_path(
+        self,
+        storage_id: str,
+        download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
+        *,
+        selector: Callable[[str], bool] | None = None,
+    ) -> Iterator[Path]:
         # Shared filesystem: every rank reads the checkpoint where it lies.
         yield self._path(storage_id)
 
-    def download(self, storage_id: str, ckpt_dir: os.PathLike[str] | str,
-                 download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload, *,
-                 selector: Callable[[str], bool] | None = None) -> None:
+    def download(
+        self,
+        storage_id: str,
+        ckpt_dir: os.PathLike[str] | str,
+        download_mode: DownloadMode = DownloadMode.LocalWorkersShareDownload,
+        *,
+        selector: Callable[[str], bool] | None = None,
+    ) -> None:
         src = self._path(storage_id)
         dst = Path(ckpt_dir)
         dst.mkdir(parents=True, exist_ok=True)

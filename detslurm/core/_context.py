@@ -45,9 +45,17 @@ class _Profiler:
 
 
 class Context:
-    def __init__(self, *, distributed: DistributedContext, train: TrainContext, checkpoint: CheckpointContext,
-                 preempt: PreemptContext, searcher: SearcherContext, info: ClusterInfo | None,
-                 writer: Writer) -> None:
+    def __init__(
+        self,
+        *,
+        distributed: DistributedContext,
+        train: TrainContext,
+        checkpoint: CheckpointContext,
+        preempt: PreemptContext,
+        searcher: SearcherContext,
+        info: ClusterInfo | None,
+        writer: Writer,
+    ) -> None:
         self.distributed = distributed
         self.train = train
         self.checkpoint = checkpoint
@@ -75,8 +83,7 @@ class Context:
         self.start()
         return self
 
-    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if isinstance(exc, InvalidHP):
             self.train.report_early_exit(EarlyExitReason.INVALID_HP)
             self.close(exc)
@@ -120,8 +127,9 @@ def _durable(writer: Writer) -> Callable[[dict[str, Any]], None]:
     return report
 
 
-def _dummy_init(distributed: DistributedContext | None, checkpoint_storage: str | dict[str, Any] | None,
-                preempt_mode: PreemptMode) -> Context:
+def _dummy_init(
+    distributed: DistributedContext | None, checkpoint_storage: str | dict[str, Any] | None, preempt_mode: PreemptMode
+) -> Context:
     dist = distributed or DummyDistributedContext()
     writer = NullWriter()
     data_dir = os.environ.get("DETSLURM_DATA_DIR") or platformdirs.user_data_dir("detslurm")
@@ -129,17 +137,23 @@ def _dummy_init(distributed: DistributedContext | None, checkpoint_storage: str 
     base.mkdir(parents=True, exist_ok=True)
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(
-        distributed=dist, train=TrainContext(writer, 0), writer=writer, info=None,
+        distributed=dist,
+        train=TrainContext(writer, 0),
+        writer=writer,
+        info=None,
         checkpoint=CheckpointContext(dist, base, writer.emit, require_steps=False),
         preempt=DummyPreemptContext(dist, preempt_mode),
         searcher=SearcherContext(dist, writer, None, Unit.EPOCHS, lambda: False, lambda: None),
     )
 
 
-def init(*, distributed: DistributedContext | None = None,
-         checkpoint_storage: str | dict[str, Any] | None = None,
-         preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
-         tensorboard_mode: TensorboardMode = TensorboardMode.AUTO) -> Context:
+def init(
+    *,
+    distributed: DistributedContext | None = None,
+    checkpoint_storage: str | dict[str, Any] | None = None,
+    preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
+    tensorboard_mode: TensorboardMode = TensorboardMode.AUTO,
+) -> Context:
     # Keyword-only, as in Determined: positional calls would silently bind the wrong context.
     info = get_cluster_info()
     if info is None or info.task_type != "TRIAL":
@@ -162,13 +176,16 @@ def init(*, distributed: DistributedContext | None = None,
     base = _storage_base(checkpoint_storage, info.checkpoint_base)
     units = _units(config)
     searcher: SearcherContext = (
-        SearcherContext(dist, writer, info.trial_dir / "searcher_ops.json", units,
-                        preempt._local_answer, ack)
-        if units is not None else SearcherContextMissing()
+        SearcherContext(dist, writer, info.trial_dir / "searcher_ops.json", units, preempt._local_answer, ack)
+        if units is not None
+        else SearcherContextMissing()
     )
     return Context(
-        distributed=dist, writer=writer, info=info, searcher=searcher, preempt=preempt,
+        distributed=dist,
+        writer=writer,
+        info=info,
+        searcher=searcher,
+        preempt=preempt,
         train=TrainContext(writer, info.trial._trial_run_id, info.exp_dir, run_dir),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )
-

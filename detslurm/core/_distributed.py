@@ -85,9 +85,19 @@ class DistributedContext:
     """Ranks and collectives. Construction is itself a collective: every rank must construct."""
 
     def __init__(
-        self, *, rank: int, size: int, local_rank: int, local_size: int, cross_rank: int,
-        cross_size: int, chief_ip: str | None = None, port: int | None = None,
-        pub_port: int | None = None, pull_port: int | None = None, port_offset: int = 0,
+        self,
+        *,
+        rank: int,
+        size: int,
+        local_rank: int,
+        local_size: int,
+        cross_rank: int,
+        cross_size: int,
+        chief_ip: str | None = None,
+        port: int | None = None,
+        pub_port: int | None = None,
+        pull_port: int | None = None,
+        port_offset: int = 0,
         force_tcp: bool = False,
     ) -> None:
         self.rank, self.size = rank, size
@@ -152,9 +162,12 @@ class DistributedContext:
     def from_torch_distributed(cls, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
         return cls(
-            rank=int(e["RANK"]), size=int(e["WORLD_SIZE"]),
-            local_rank=int(e["LOCAL_RANK"]), local_size=int(e["LOCAL_WORLD_SIZE"]),
-            cross_rank=int(e["GROUP_RANK"]), cross_size=int(e["GROUP_WORLD_SIZE"]),
+            rank=int(e["RANK"]),
+            size=int(e["WORLD_SIZE"]),
+            local_rank=int(e["LOCAL_RANK"]),
+            local_size=int(e["LOCAL_WORLD_SIZE"]),
+            cross_rank=int(e["GROUP_RANK"]),
+            cross_size=int(e["GROUP_WORLD_SIZE"]),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP") or e.get("MASTER_ADDR"),
         )
 
@@ -162,9 +175,12 @@ class DistributedContext:
     def from_deepspeed(cls, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
         return cls(
-            rank=int(e["RANK"]), size=int(e["WORLD_SIZE"]),
-            local_rank=int(e["LOCAL_RANK"]), local_size=int(e["LOCAL_SIZE"]),
-            cross_rank=int(e["CROSS_RANK"]), cross_size=int(e["CROSS_SIZE"]),
+            rank=int(e["RANK"]),
+            size=int(e["WORLD_SIZE"]),
+            local_rank=int(e["LOCAL_RANK"]),
+            local_size=int(e["LOCAL_SIZE"]),
+            cross_rank=int(e["CROSS_RANK"]),
+            cross_size=int(e["CROSS_SIZE"]),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP") or e.get("MASTER_ADDR"),
         )
 
@@ -177,8 +193,12 @@ class DistributedContext:
             return int(fn()) if callable(fn) else int(e[env])
 
         return cls(
-            rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), local_size=hvd.local_size(),
-            cross_rank=cross("cross_rank", "HOROVOD_CROSS_RANK"), cross_size=cross("cross_size", "HOROVOD_CROSS_SIZE"),
+            rank=hvd.rank(),
+            size=hvd.size(),
+            local_rank=hvd.local_rank(),
+            local_size=hvd.local_size(),
+            cross_rank=cross("cross_rank", "HOROVOD_CROSS_RANK"),
+            cross_size=cross("cross_size", "HOROVOD_CROSS_SIZE"),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP"),
         )
 

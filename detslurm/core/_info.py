@@ -61,10 +61,23 @@ class ClusterInfo:
 
 
 def trial_env(
-    *, experiment_id: int, trial_id: int, run_id: int, seed: int, hparams: dict[str, Any],
-    config: dict[str, Any], latest_checkpoint: str | None, steps_completed: int,
-    run_dir: Path, trial_dir: Path, exp_dir: Path, checkpoint_base: str, resources_type: str,
-    slot_ids: list[int], container_addrs: list[str], user: str,
+    *,
+    experiment_id: int,
+    trial_id: int,
+    run_id: int,
+    seed: int,
+    hparams: dict[str, Any],
+    config: dict[str, Any],
+    latest_checkpoint: str | None,
+    steps_completed: int,
+    run_dir: Path,
+    trial_dir: Path,
+    exp_dir: Path,
+    checkpoint_base: str,
+    resources_type: str,
+    slot_ids: list[int],
+    container_addrs: list[str],
+    user: str,
 ) -> dict[str, str]:
     """The DET_* variables a trial process sees (pure: no I/O)."""
     task = f"exp-{experiment_id}-trial-{trial_id}"

@@ -48,8 +48,13 @@ Handler = Union[Callable[[int, FrameType | None], Any], int, None]
 
 
 class PreemptContext:
-    def __init__(self, dist: DistributedContext, control_path: Path | None, ack: Callable[[], None],
-                 mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+    def __init__(
+        self,
+        dist: DistributedContext,
+        control_path: Path | None,
+        ack: Callable[[], None],
+        mode: PreemptMode = PreemptMode.WorkersAskChief,
+    ) -> None:
         self._dist = dist
         self._control = control_path
         self._ack = ack

@@ -58,14 +58,22 @@ class SearcherOperation:
         if self._completed:
             raise RuntimeError("you may only call op.report_completed() once")
         self._completed = True
-        self._ctx._writer.emit({"type": "op_completed", "index": self._index, "length": self._length,
-                                "metric": float(searcher_metric)})
+        self._ctx._writer.emit(
+            {"type": "op_completed", "index": self._index, "length": self._length, "metric": float(searcher_metric)}
+        )
         self._ctx._writer.flush()
 
 
 class SearcherContext:
-    def __init__(self, dist: DistributedContext, writer: Writer, ops_path: Path | None, units: Unit | None,
-                 should_stop: Callable[[], bool], on_out_of_ops: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        dist: DistributedContext,
+        writer: Writer,
+        ops_path: Path | None,
+        units: Unit | None,
+        should_stop: Callable[[], bool],
+        on_out_of_ops: Callable[[], None],
+    ) -> None:
         self._dist = dist
         self._writer = writer
         self._ops_path = ops_path
@@ -86,8 +94,9 @@ class SearcherContext:
                 return None
             time.sleep(POLL_S)
 
-    def operations(self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief,
-                   auto_ack: bool = True) -> Iterator[SearcherOperation]:
+    def operations(
+        self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
+    ) -> Iterator[SearcherOperation]:
         chief = self._dist.rank == 0
         start = 0
         if self._ops_path is not None:
@@ -103,7 +112,8 @@ class SearcherContext:
             yield op
             if chief and not op._completed:
                 raise RuntimeError(
-                    "you must call op.report_completed() on each operation before requesting the next one")
+                    "you must call op.report_completed() on each operation before requesting the next one"
+                )
             index += 1
         if chief and auto_ack:
             self.acknowledge_out_of_ops()
@@ -122,13 +132,16 @@ class SearcherContextMissing(SearcherContext):
         pass
 
     def operations(self, *args: Any, **kwargs: Any) -> Iterator[SearcherOperation]:
-        raise ValueError("searcher operations need `searcher.max_length` in the experiment config; "
-                         "0.38-style scripts choose their own length and call train.report_progress()")
+        raise ValueError(
+            "searcher operations need `searcher.max_length` in the experiment config; "
+            "0.38-style scripts choose their own length and call train.report_progress()"
+        )
 
     def get_configured_units(self) -> Unit | None:
         raise ValueError("the experiment config has no searcher.max_length")
 
 
 def deprecated_operations_warning() -> None:
-    warnings.warn("searcher operations are deprecated; choose the training length in your script",
-                  FutureWarning, stacklevel=3)
+    warnings.warn(
+        "searcher operations are deprecated; choose the training length in your script", FutureWarning, stacklevel=3
+    )

@@ -26,25 +26,34 @@ class EarlyExitReason(enum.Enum):
 
 
 class TrainContext:
-    def __init__(self, writer: Writer, run_id: int, exp_dir: Path | None = None,
-                 run_dir: Path | None = None) -> None:
+    def __init__(self, writer: Writer, run_id: int, exp_dir: Path | None = None, run_dir: Path | None = None) -> None:
         self._w = writer
         self._run_id = run_id
         self._exp_dir = exp_dir
         self._run_dir = run_dir
 
-    def _metrics(self, group: str, steps_completed: int, metrics: dict[str, Any],
-                 batch_metrics: list[dict[str, Any]] | None = None) -> None:
+    def _metrics(
+        self,
+        group: str,
+        steps_completed: int,
+        metrics: dict[str, Any],
+        batch_metrics: list[dict[str, Any]] | None = None,
+    ) -> None:
         if not group or "." in group:
             raise ValueError(f"metric group {group!r} must be non-empty and contain no '.'")
-        ev: dict[str, Any] = {"type": "metrics", "group": group, "steps_completed": int(steps_completed),
-                              "metrics": dict(metrics)}
+        ev: dict[str, Any] = {
+            "type": "metrics",
+            "group": group,
+            "steps_completed": int(steps_completed),
+            "metrics": dict(metrics),
+        }
         if batch_metrics is not None:
             ev["batch_metrics"] = list(batch_metrics)
         self._w.emit(ev)
 
-    def report_training_metrics(self, steps_completed: int, metrics: dict[str, Any],
-                                batch_metrics: list[dict[str, Any]] | None = None) -> None:
+    def report_training_metrics(
+        self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
+    ) -> None:
         self._metrics("training", steps_completed, metrics, batch_metrics)
 
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:

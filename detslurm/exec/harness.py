@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
     trial_cls = load_trial_class(argv[0])
     cfg = info.trial._config
     gbs = info.trial.hparams.get("global_batch_size")
+
     def period(key: str) -> Any:
         return pytorch.TrainUnit.from_values(**cfg.get(key, {}), global_batch_size=gbs)
 

@@ -62,9 +62,7 @@ def _check_leaf(spec: dict[str, Any], where: str, grid: bool) -> list[str]:
     return errors
 
 
-def check_hyperparameters(
-    hps: dict[str, Any], where: str, grid: bool = False, only_grid: bool = False
-) -> list[str]:
+def check_hyperparameters(hps: dict[str, Any], where: str, grid: bool = False, only_grid: bool = False) -> list[str]:
     """Return error lines for a hyperparameter mapping (``only_grid``: just the grid rule)."""
     errors: list[str] = []
     for name, spec in hps.items():

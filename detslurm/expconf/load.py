@@ -128,8 +128,10 @@ def _pydantic_errors(exc: ValidationError, prefix: str, model: type[BaseModel]) 
         elif err["type"] == "missing":
             field_name = loc.pop() if loc else "value"
             msg = f"{field_name} is a required property"
-        elif "input" in err and err["type"] not in ("value_error", "assertion_error") and not isinstance(
-            err["input"], (dict, list)
+        elif (
+            "input" in err
+            and err["type"] not in ("value_error", "assertion_error")
+            and not isinstance(err["input"], (dict, list))
         ):
             msg = f"{msg}, got {err['input']!r}"
         lines.append(f"{_loc(prefix, loc)}: {msg}")
@@ -175,8 +177,16 @@ class ExperimentConfig:
 
 
 _FORBIDDEN_LONG = {
-    "--ntasks-per-node", "--gpus", "--nodes", "--ntasks", "--chdir", "--error", "--output",
-    "--partition", "--no-requeue", "--requeue",
+    "--ntasks-per-node",
+    "--gpus",
+    "--nodes",
+    "--ntasks",
+    "--chdir",
+    "--error",
+    "--output",
+    "--partition",
+    "--no-requeue",
+    "--requeue",
 }
 # Set by detslurm itself: trial identity (contract 4), arrays, logs and the signal contract.
 _OURS_LONG = {"--job-name", "--comment", "--array", "--wrap", "--open-mode", "--export", "--signal", "--parsable"}
@@ -280,9 +290,7 @@ _PET_A = ["brave", "calm", "eager", "fancy", "gentle", "happy", "jolly", "kind",
 _PET_B = ["otter", "falcon", "badger", "heron", "lynx", "marten", "osprey", "panda", "raven", "tapir", "wombat", "yak"]
 
 
-def validate(
-    raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None = None
-) -> ExperimentConfig:
+def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None = None) -> ExperimentConfig:
     errors: list[str] = []
     top = _model(s.TopLevel, dict(raw), ROOT, errors)
     hp_raw = raw.get("hyperparameters", {}) if isinstance(raw, Mapping) else {}

@@ -7,6 +7,16 @@ from detslurm.pytorch._trial import PyTorchCallback, PyTorchTrial, Reducer, Torc
 from detslurm.pytorch._units import Batch, Epoch, TrainUnit
 
 __all__ = [
-    "Batch", "CheckpointLoadContext", "Epoch", "LRScheduler", "PyTorchCallback", "PyTorchTrial",
-    "PyTorchTrialContext", "Reducer", "TorchData", "TrainUnit", "Trainer", "init",
+    "Batch",
+    "CheckpointLoadContext",
+    "Epoch",
+    "LRScheduler",
+    "PyTorchCallback",
+    "PyTorchTrial",
+    "PyTorchTrialContext",
+    "Reducer",
+    "TorchData",
+    "TrainUnit",
+    "Trainer",
+    "init",
 ]

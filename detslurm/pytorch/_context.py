@@ -26,8 +26,13 @@ class LRScheduler:
 
 
 class PyTorchTrialContext:
-    def __init__(self, core: Optional[CoreContext], hparams: dict[str, Any], exp_conf: dict[str, Any],
-                 distributed: DistributedContext) -> None:
+    def __init__(
+        self,
+        core: Optional[CoreContext],
+        hparams: dict[str, Any],
+        exp_conf: dict[str, Any],
+        distributed: DistributedContext,
+    ) -> None:
         self._core = core
         self._hparams = dict(hparams)
         self._config = dict(exp_conf)
@@ -82,22 +87,26 @@ class PyTorchTrialContext:
             return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer,
-                       backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1
+    ) -> torch.optim.Optimizer:
         self.optimizers.append(optimizer)
         return optimizer
 
-    def wrap_lr_scheduler(self, lr_scheduler: Any, step_mode: LRScheduler.StepMode,
-                          frequency: int = 1) -> Any:
+    def wrap_lr_scheduler(self, lr_scheduler: Any, step_mode: LRScheduler.StepMode, frequency: int = 1) -> Any:
         self.lr_schedulers.append(LRScheduler(lr_scheduler, step_mode))
         return lr_scheduler
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, create_graph: bool = False) -> None:
         loss.backward(retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
 
-    def step_optimizer(self, optimizer: torch.optim.Optimizer,
-                       clip_grads: Optional[Callable[[Iterable[torch.nn.Parameter]], None]] = None,
-                       auto_zero_grads: bool = True, scaler: Any = None) -> None:
+    def step_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_grads: Optional[Callable[[Iterable[torch.nn.Parameter]], None]] = None,
+        auto_zero_grads: bool = True,
+        scaler: Any = None,
+    ) -> None:
         if clip_grads is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             clip_grads(params)

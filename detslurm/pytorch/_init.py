@@ -28,9 +28,14 @@ def _seed(seed: int) -> None:
 
 
 @contextlib.contextmanager
-def init(*, hparams: Optional[dict[str, Any]] = None, exp_conf: Optional[dict[str, Any]] = None,
-         distributed: Optional[DistributedContext] = None, aggregation_frequency: int = 1,
-         enable_tensorboard_logging: bool = True) -> Iterator[PyTorchTrialContext]:
+def init(
+    *,
+    hparams: Optional[dict[str, Any]] = None,
+    exp_conf: Optional[dict[str, Any]] = None,
+    distributed: Optional[DistributedContext] = None,
+    aggregation_frequency: int = 1,
+    enable_tensorboard_logging: bool = True,
+) -> Iterator[PyTorchTrialContext]:
     info = get_cluster_info()
     we_started_pg = False
     if info is not None:

@@ -56,8 +56,9 @@ def _reduce(values: list[Any], how: Reducer) -> Any:
     nums = [float(v) for v in values if isinstance(v, (int, float))]
     if not nums:
         return values[-1] if values else None
-    return {Reducer.AVG: sum(nums) / len(nums), Reducer.SUM: sum(nums), Reducer.MAX: max(nums),
-            Reducer.MIN: min(nums)}[how]
+    return {Reducer.AVG: sum(nums) / len(nums), Reducer.SUM: sum(nums), Reducer.MAX: max(nums), Reducer.MIN: min(nums)}[
+        how
+    ]
 
 
 class Trainer:
@@ -77,8 +78,13 @@ class Trainer:
         self._bpe = 1
         self._policy = "best"
 
-    def configure_profiler(self, enabled: bool = True, sync_timings: bool = True, begin_on_batch: int = 0,
-                           end_after_batch: Optional[int] = None) -> None:
+    def configure_profiler(
+        self,
+        enabled: bool = True,
+        sync_timings: bool = True,
+        begin_on_batch: int = 0,
+        end_after_batch: Optional[int] = None,
+    ) -> None:
         self._profiling = {"enabled": enabled, "sync": sync_timings, "begin": begin_on_batch, "end": end_after_batch}
 
     # -- configuration -------------------------------------------------------------------
@@ -91,18 +97,28 @@ class Trainer:
         if max_length is None:
             ml = (self.context.get_experiment_config().get("searcher") or {}).get("max_length")
             if not self._on_cluster() or not ml:
-                raise ValueError("`fit(max_length=X)` must be set when training locally (or, on a cluster, "
-                                 "searcher.max_length must be in the experiment config)")
+                raise ValueError(
+                    "`fit(max_length=X)` must be set when training locally (or, on a cluster, "
+                    "searcher.max_length must be in the experiment config)"
+                )
             gbs = self.context.get_hparams().get("global_batch_size")
             max_length = TrainUnit.from_values(**ml, global_batch_size=gbs)
             assert max_length is not None
         return total_batches(max_length, bpe)
 
     # -- the loop ------------------------------------------------------------------------
-    def fit(self, checkpoint_period: Optional[TrainUnit] = None, validation_period: Optional[TrainUnit] = None,
-            max_length: Optional[TrainUnit] = None, reporting_period: TrainUnit = Batch(100),
-            checkpoint_policy: str = "best", latest_checkpoint: Optional[str] = None,
-            step_zero_validation: bool = False, test_mode: bool = False, profiling_enabled: bool = False) -> None:
+    def fit(
+        self,
+        checkpoint_period: Optional[TrainUnit] = None,
+        validation_period: Optional[TrainUnit] = None,
+        max_length: Optional[TrainUnit] = None,
+        reporting_period: TrainUnit = Batch(100),
+        checkpoint_policy: str = "best",
+        latest_checkpoint: Optional[str] = None,
+        step_zero_validation: bool = False,
+        test_mode: bool = False,
+        profiling_enabled: bool = False,
+    ) -> None:
         if profiling_enabled and not self._profiling["enabled"]:
             self.configure_profiler(True)
         if not self._on_cluster() and checkpoint_policy == "best":
@@ -121,14 +137,23 @@ class Trainer:
         try:
             if step_zero_validation and self.batches_trained == 0 and not test_mode:
                 self._validate(test_mode)
-            self._train(train_loader, bpe, max_batches, checkpoint_period, validation_period, reporting_period,
-                        test_mode)
+            self._train(
+                train_loader, bpe, max_batches, checkpoint_period, validation_period, reporting_period, test_mode
+            )
         finally:
             for cb in self.callbacks.values():
                 cb.on_trial_shutdown()
 
-    def _train(self, loader: Any, bpe: int, max_batches: int, ckpt_p: Optional[TrainUnit],
-               val_p: Optional[TrainUnit], rep_p: TrainUnit, test_mode: bool) -> None:
+    def _train(
+        self,
+        loader: Any,
+        bpe: int,
+        max_batches: int,
+        ckpt_p: Optional[TrainUnit],
+        val_p: Optional[TrainUnit],
+        rep_p: TrainUnit,
+        test_mode: bool,
+    ) -> None:
         pending: list[dict[str, Any]] = []
         while self.batches_trained < max_batches:
             self.epoch_idx = self.batches_trained // bpe
@@ -160,8 +185,11 @@ class Trainer:
     def _step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         batch = self.context.to_device(batch)
         prof = self._profiling
-        timed = prof["enabled"] and self.batches_trained >= prof.get("begin", 0) and (
-            prof.get("end") is None or self.batches_trained <= prof["end"])
+        timed = (
+            prof["enabled"]
+            and self.batches_trained >= prof.get("begin", 0)
+            and (prof.get("end") is None or self.batches_trained <= prof["end"])
+        )
         t0 = time.perf_counter()
         metrics = self.trial.train_batch(batch, self.epoch_idx, batch_idx)
         if timed:
@@ -175,8 +203,16 @@ class Trainer:
             if s.step_mode == mode:
                 s.scheduler.step()
 
-    def _boundaries(self, pending: list[dict[str, Any]], bpe: int, max_batches: int, ckpt_p: Optional[TrainUnit],
-                    val_p: Optional[TrainUnit], rep_p: TrainUnit, test_mode: bool) -> bool:
+    def _boundaries(
+        self,
+        pending: list[dict[str, Any]],
+        bpe: int,
+        max_batches: int,
+        ckpt_p: Optional[TrainUnit],
+        val_p: Optional[TrainUnit],
+        rep_p: TrainUnit,
+        test_mode: bool,
+    ) -> bool:
         """Report / validate / checkpoint as due; True when training must stop now."""
         b, done = self.batches_trained, self.batches_trained >= max_batches
         validate = (val_p is not None and val_p.hits(b, bpe)) or done
@@ -220,8 +256,11 @@ class Trainer:
             self.core.train.report_training_metrics(self.batches_trained, avg, batch_metrics=batch_metrics)
             if self.step_timings:
                 t = self.step_timings
-                self.core.train.report_metrics("profiling", self.batches_trained, {
-                    "train_batch_s_mean": sum(t) / len(t), "train_batch_s_max": max(t), "samples": len(t)})
+                self.core.train.report_metrics(
+                    "profiling",
+                    self.batches_trained,
+                    {"train_batch_s_mean": sum(t) / len(t), "train_batch_s_max": max(t), "samples": len(t)},
+                )
         for cb in self.callbacks.values():
             cb.on_training_workload_end(avg, batch_metrics)
 
@@ -242,8 +281,12 @@ class Trainer:
                         break
                 red = trial.evaluation_reducer()
                 keys = set().union(*(r.keys() for r in rows)) if rows else set()
-                metrics = {k: _reduce([r[k] for r in rows if k in r], red if isinstance(red, Reducer)
-                                      else red.get(k, Reducer.AVG)) for k in keys}
+                metrics = {
+                    k: _reduce(
+                        [r[k] for r in rows if k in r], red if isinstance(red, Reducer) else red.get(k, Reducer.AVG)
+                    )
+                    for k in keys
+                }
         for m in models:
             m.train()
         return self._allreduce_mean(metrics)
@@ -260,8 +303,10 @@ class Trainer:
         sc = self.context.get_experiment_config().get("searcher") or {}
         metric = sc.get("metric")
         if self._on_cluster() and metric and metric not in metrics:
-            raise RuntimeError(f"the searcher metric {metric!r} is not in the validation metrics "
-                               f"({', '.join(sorted(metrics))}); return it from evaluate_batch/evaluate_full_dataset")
+            raise RuntimeError(
+                f"the searcher metric {metric!r} is not in the validation metrics "
+                f"({', '.join(sorted(metrics))}); return it from evaluate_batch/evaluate_full_dataset"
+            )
         if self.core is not None and self.context.is_chief():
             self.core.train.report_validation_metrics(self.batches_trained, metrics)
         for cb in self.callbacks.values():
@@ -287,7 +332,8 @@ class Trainer:
             "optimizers_state_dict": [o.state_dict() for o in ctx.optimizers],
             "lr_schedulers_state_dict": [s.scheduler.state_dict() for s in ctx.lr_schedulers],
             "callbacks": {k: cb.state_dict() for k, cb in self.callbacks.items()},
-            "rng_state": _rng_state(), "epoch_rng_state": self._epoch_rng,
+            "rng_state": _rng_state(),
+            "epoch_rng_state": self._epoch_rng,
         }
 
     def _checkpoint(self) -> None:
@@ -299,15 +345,21 @@ class Trainer:
             cb.on_checkpoint_save_start(state)
         if not self.context.is_chief():
             return
-        md = {"determined_version": "detslurm", "steps_completed": self.batches_trained,
-              "framework": f"torch-{torch.__version__}", "format": "pickle"}
+        md = {
+            "determined_version": "detslurm",
+            "steps_completed": self.batches_trained,
+            "framework": f"torch-{torch.__version__}",
+            "format": "pickle",
+        }
         with self.core.checkpoint.store_path(md) as (path, _uuid):
             torch.save(state, path / "state_dict.pth")
             with open(path / "trial_state.pkl", "wb") as f:
-                pickle.dump({"batches_trained": self.batches_trained, "epoch_idx": self.epoch_idx,
-                             "best": self._best}, f)
-            (path / "load_data.json").write_text(json.dumps({"trial_type": "PyTorchTrial",
-                                                             "trial_cls_spec": type(self.trial).__qualname__}))
+                pickle.dump(
+                    {"batches_trained": self.batches_trained, "epoch_idx": self.epoch_idx, "best": self._best}, f
+                )
+            (path / "load_data.json").write_text(
+                json.dumps({"trial_type": "PyTorchTrial", "trial_cls_spec": type(self.trial).__qualname__})
+            )
             if self._on_cluster():
                 self._save_code(path / "code")
         for cb in self.callbacks.values():
@@ -318,8 +370,13 @@ class Trainer:
         """The trial's code travels with its weights (det.import_from_path loads it later).
         Only on a trial, where the working dir is the extracted context snapshot (<= 95 MiB)."""
         src = Path.cwd()
-        shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "checkpoints"),
-                        dirs_exist_ok=True, symlinks=True)
+        shutil.copytree(
+            src,
+            dest,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "checkpoints"),
+            dirs_exist_ok=True,
+            symlinks=True,
+        )
 
     def _load(self, storage_id: str) -> None:
         assert self.core is not None

@@ -35,8 +35,12 @@ class TrainUnit:
         return b > 0 and batches_done > 0 and batches_done % b == 0
 
     @staticmethod
-    def from_values(batches: Optional[int] = None, records: Optional[int] = None, epochs: Optional[int] = None,
-                    global_batch_size: Optional[int] = None) -> Optional[TrainUnit]:
+    def from_values(
+        batches: Optional[int] = None,
+        records: Optional[int] = None,
+        epochs: Optional[int] = None,
+        global_batch_size: Optional[int] = None,
+    ) -> Optional[TrainUnit]:
         """An expconf length (``{batches|records|epochs: N}``); a value < 1 means never."""
         if batches is not None:
             return Batch(batches) if batches >= 1 else None

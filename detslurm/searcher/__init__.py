@@ -22,9 +22,22 @@ from detslurm.searcher.base import (
 from detslurm.searcher.simple import GridSearch, RandomSearch
 
 __all__ = [
-    "EXIT_ERRORED", "EXIT_INVALID_HP", "EXIT_USER_CANCELED", "Action", "AdaptiveASHA", "Close", "Create",
-    "GridSearch", "Idle", "RandomSearch", "SearchMethod", "SearcherError", "Shutdown", "Stop",
-    "ValidateAfter", "build",
+    "EXIT_ERRORED",
+    "EXIT_INVALID_HP",
+    "EXIT_USER_CANCELED",
+    "Action",
+    "AdaptiveASHA",
+    "Close",
+    "Create",
+    "GridSearch",
+    "Idle",
+    "RandomSearch",
+    "SearchMethod",
+    "SearcherError",
+    "Shutdown",
+    "Stop",
+    "ValidateAfter",
+    "build",
 ]
 
 
@@ -45,10 +58,18 @@ def build(config: dict[str, Any]) -> SearchMethod:
     if name == "adaptive_asha":
         promotion = sc.get("max_time") is None and ml is not None
         return AdaptiveASHA(
-            hps, seed, metric=sc["metric"], smaller_is_better=sc["smaller_is_better"],
-            max_trials=sc["max_trials"], max_time=int(sc["max_time"] or ops[0]),
-            time_metric=sc.get("time_metric"), divisor=sc["divisor"], max_rungs_cfg=sc["max_rungs"],
-            mode=sc["mode"], explicit_rungs=sc["bracket_rungs"] or None,
-            max_concurrent=sc["max_concurrent_trials"], promotion=promotion,
+            hps,
+            seed,
+            metric=sc["metric"],
+            smaller_is_better=sc["smaller_is_better"],
+            max_trials=sc["max_trials"],
+            max_time=int(sc["max_time"] or ops[0]),
+            time_metric=sc.get("time_metric"),
+            divisor=sc["divisor"],
+            max_rungs_cfg=sc["max_rungs"],
+            mode=sc["mode"],
+            explicit_rungs=sc["bracket_rungs"] or None,
+            max_concurrent=sc["max_concurrent_trials"],
+            promotion=promotion,
         )
     raise SearcherError(f"unknown searcher {name!r}")

@@ -121,10 +121,23 @@ class _Bracket:
 class AdaptiveASHA(SearchMethod):
     name = "adaptive_asha"
 
-    def __init__(self, hparams: dict[str, Any], seed: int, *, metric: str, smaller_is_better: bool,
-                 max_trials: int, max_time: int, time_metric: str | None, divisor: float = 4,
-                 max_rungs_cfg: int = 5, mode: str = "standard", explicit_rungs: list[int] | None = None,
-                 max_concurrent: int = 16, promotion: bool = False) -> None:
+    def __init__(
+        self,
+        hparams: dict[str, Any],
+        seed: int,
+        *,
+        metric: str,
+        smaller_is_better: bool,
+        max_trials: int,
+        max_time: int,
+        time_metric: str | None,
+        divisor: float = 4,
+        max_rungs_cfg: int = 5,
+        mode: str = "standard",
+        explicit_rungs: list[int] | None = None,
+        max_concurrent: int = 16,
+        promotion: bool = False,
+    ) -> None:
         super().__init__(seed)
         self.spec = hparams
         self.metric = metric
@@ -227,8 +240,12 @@ class AdaptiveASHA(SearchMethod):
         waiting = [rid for rid in mine if rid not in reported and rid not in self.book.closed]
         if waiting:
             return []
-        busy = {rid for r in range(br.num_rungs - 1) for rid in br.promoted[r]
-                if br.trial_rung[rid] == r + 1 and not any(e[1] == rid for e in br.rungs[r + 1])}
+        busy = {
+            rid
+            for r in range(br.num_rungs - 1)
+            for rid in br.promoted[r]
+            if br.trial_rung[rid] == r + 1 and not any(e[1] == rid for e in br.rungs[r + 1])
+        }
         if busy:
             return []
         out: list[Action] = []

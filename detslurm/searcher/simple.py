@@ -11,8 +11,9 @@ from detslurm.searcher.hparams import grid, sample
 class RandomSearch(SearchMethod):
     name = "random"
 
-    def __init__(self, hparams: dict[str, Any], seed: int, max_trials: int, max_concurrent: int,
-                 ops: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, hparams: dict[str, Any], seed: int, max_trials: int, max_concurrent: int, ops: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(seed)
         self.spec = hparams
         self.max_trials = max_trials

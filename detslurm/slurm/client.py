@@ -21,8 +21,13 @@ DEFAULT_TIMEOUT_S = 30.0
 
 
 # What Slurm's commands print when slurmctld is down or restarting (not a problem of the job).
-_UNREACHABLE = ("Unable to contact slurm controller", "Socket timed out", "Connection refused",
-                "Zero Bytes were transmitted or received", "Slurm backup controller in standby mode")
+_UNREACHABLE = (
+    "Unable to contact slurm controller",
+    "Socket timed out",
+    "Connection refused",
+    "Zero Bytes were transmitted or received",
+    "Slurm backup controller in standby mode",
+)
 
 
 class SlurmCommandError(DetSlurmError):
@@ -58,15 +63,17 @@ def subprocess_runner(argv: Sequence[str], *, input: Optional[str] = None, timeo
         p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
         raise SlurmUnavailable(
-            f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?") from None
+            f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?"
+        ) from None
     except subprocess.TimeoutExpired:
         raise SlurmCommandError(argv, 124, f"timed out after {timeout:.0f} s (is slurmctld responding?)") from None
     return Result(p.returncode, p.stdout, p.stderr)
 
 
 class SlurmClient:
-    def __init__(self, runner: Runner = subprocess_runner, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 user: Optional[str] = None) -> None:
+    def __init__(
+        self, runner: Runner = subprocess_runner, timeout_s: float = DEFAULT_TIMEOUT_S, user: Optional[str] = None
+    ) -> None:
         self._run_cmd = runner
         self.timeout_s = timeout_s
         self.user = user or getpass.getuser()

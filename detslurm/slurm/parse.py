@@ -12,8 +12,27 @@ from detslurm.errors import DetSlurmError
 from detslurm.slurm.states import SlurmState, state_from_slurm
 
 SEP = "\x1f"  # unit separator: cannot appear in job names or comments typed by users
-SQUEUE_FIELDS = ["%i", "%A", "%F", "%K", "%T", "%P", "%u", "%Q", "%r", "%N", "%D", "%C", "%b", "%V", "%S", "%l",
-                 "%y", "%j", "%k"]
+SQUEUE_FIELDS = [
+    "%i",
+    "%A",
+    "%F",
+    "%K",
+    "%T",
+    "%P",
+    "%u",
+    "%Q",
+    "%r",
+    "%N",
+    "%D",
+    "%C",
+    "%b",
+    "%V",
+    "%S",
+    "%l",
+    "%y",
+    "%j",
+    "%k",
+]
 SQUEUE_FORMAT = SEP.join(SQUEUE_FIELDS)
 
 
@@ -75,13 +94,30 @@ def parse_squeue(text: str) -> list[QueuedJob]:
         if len(f) < len(SQUEUE_FIELDS):
             raise SlurmParseError("squeue", line)
         name, comment = f[17], SEP.join(f[18:])
-        jobs.append(QueuedJob(
-            job_id=f[0], raw_id=_int(f[1]), array_job_id=_int(f[2]),
-            array_task_id=_int(f[3]) if f[3].isdigit() else None, state=state_from_slurm(f[4]), state_text=f[4],
-            partition=f[5], user=f[6], priority=_int(f[7]), reason=f[8], nodelist=f[9], num_nodes=_int(f[10], 1),
-            num_cpus=_int(f[11], 1), gres="" if f[12] == "N/A" else f[12], submit_time=f[13], start_time=f[14],
-            time_limit=f[15], nice=_int(f[16]), name=name, comment="" if comment == "(null)" else comment,
-        ))
+        jobs.append(
+            QueuedJob(
+                job_id=f[0],
+                raw_id=_int(f[1]),
+                array_job_id=_int(f[2]),
+                array_task_id=_int(f[3]) if f[3].isdigit() else None,
+                state=state_from_slurm(f[4]),
+                state_text=f[4],
+                partition=f[5],
+                user=f[6],
+                priority=_int(f[7]),
+                reason=f[8],
+                nodelist=f[9],
+                num_nodes=_int(f[10], 1),
+                num_cpus=_int(f[11], 1),
+                gres="" if f[12] == "N/A" else f[12],
+                submit_time=f[13],
+                start_time=f[14],
+                time_limit=f[15],
+                nice=_int(f[16]),
+                name=name,
+                comment="" if comment == "(null)" else comment,
+            )
+        )
     return jobs
 
 
@@ -167,11 +203,21 @@ def parse_sinfo(text: str) -> list[PartitionNodes]:
         if len(f) != 9:
             raise SlurmParseError("sinfo", line)
         alloc, idle, _other, total = (f[6].split("/") + ["0"] * 4)[:4]
-        out.append(PartitionNodes(
-            partition=f[0], default=f[1].endswith("*"), available=f[2], nodes=_int(f[3]), state=f[4],
-            nodelist=f[5], cpus_alloc=_int(alloc), cpus_idle=_int(idle), cpus_total=_int(total),
-            gres="" if f[7] == "(null)" else f[7], time_limit=f[8],
-        ))
+        out.append(
+            PartitionNodes(
+                partition=f[0],
+                default=f[1].endswith("*"),
+                available=f[2],
+                nodes=_int(f[3]),
+                state=f[4],
+                nodelist=f[5],
+                cpus_alloc=_int(alloc),
+                cpus_idle=_int(idle),
+                cpus_total=_int(total),
+                gres="" if f[7] == "(null)" else f[7],
+                time_limit=f[8],
+            )
+        )
     return out
 
 
@@ -248,12 +294,17 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
     out = []
     for n in nodes:
         state = n.get("state", "unknown")
-        out.append(NodeInfo(
-            name=str(n["name"]), partitions=tuple(n.get("partitions") or ()),
-            state=state if isinstance(state, str) else ",".join(state),
-            cpus=int(n.get("cpus", 0)), alloc_cpus=int(n.get("alloc_cpus", 0)),
-            gpus=_gres_count(str(n.get("gres", ""))), gpus_used=_gres_count(str(n.get("gres_used", ""))),
-        ))
+        out.append(
+            NodeInfo(
+                name=str(n["name"]),
+                partitions=tuple(n.get("partitions") or ()),
+                state=state if isinstance(state, str) else ",".join(state),
+                cpus=int(n.get("cpus", 0)),
+                alloc_cpus=int(n.get("alloc_cpus", 0)),
+                gpus=_gres_count(str(n.get("gres", ""))),
+                gpus_used=_gres_count(str(n.get("gres_used", ""))),
+            )
+        )
     return out
 
 
@@ -278,7 +329,10 @@ def parse_sacct(text: str) -> dict[str, AccountedJob]:
         if len(f) < 3:
             raise SlurmParseError("sacct", line)
         code, _, sig = f[2].partition(":")
-        out[f[0]] = AccountedJob(job_id=f[0], state=state_from_slurm(f[1]),
-                                 exit_code=int(code) if code.isdigit() else None,
-                                 signal=int(sig) if sig.isdigit() and sig != "0" else None)
+        out[f[0]] = AccountedJob(
+            job_id=f[0],
+            state=state_from_slurm(f[1]),
+            exit_code=int(code) if code.isdigit() else None,
+            signal=int(sig) if sig.isdigit() and sig != "0" else None,
+        )
     return out

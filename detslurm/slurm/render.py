@@ -20,8 +20,9 @@ from detslurm.errors import ConfigError
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
-_ENV = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True,
-                          trim_blocks=True, lstrip_blocks=True)
+_ENV = jinja2.Environment(
+    undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True
+)
 _ENV.filters["q"] = lambda v: shlex.quote(str(v))
 
 
@@ -99,9 +100,13 @@ def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output:
     res_args, _ = resource_args(config, site)
     sig = site.signal.upper().removeprefix("SIG")
     args = [
-        f"--job-name={ident.job_name}", f"--comment={ident.comment}", *res_args,
+        f"--job-name={ident.job_name}",
+        f"--comment={ident.comment}",
+        *res_args,
         # sbatch expands %j, %u, ... in file names: a literal % must be doubled.
-        f"--output={output}", "--open-mode=append", f"--chdir={chdir}",
+        f"--output={output}",
+        "--open-mode=append",
+        f"--chdir={chdir}",
         # detslurm resubmits from the latest checkpoint itself (counting restarts once).
         "--no-requeue",
         f"--signal=B:{sig}@{site.signal_lead_s}",
@@ -113,24 +118,54 @@ def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output:
     return args
 
 
-def _script(config: dict[str, Any], site: SiteConfig, ident: Identity, env: dict[str, str], run_dir: str,
-            python: str, tasks: list[tuple[int, list[tuple[str, str]]]] | None = None) -> str:
+def _script(
+    config: dict[str, Any],
+    site: SiteConfig,
+    ident: Identity,
+    env: dict[str, str],
+    run_dir: str,
+    python: str,
+    tasks: list[tuple[int, list[tuple[str, str]]]] | None = None,
+) -> str:
     _, nodes = resource_args(config, site)
     return _template("trial.sbatch.j2").render(
-        ident=ident, env=sorted(env.items()), setup=site.setup, run_dir=run_dir, python=python, nodes=nodes,
-        signal=site.signal.upper().removeprefix("SIG"), node_tmpdir=site.node_tmpdir, tasks=tasks or [],
+        ident=ident,
+        env=sorted(env.items()),
+        setup=site.setup,
+        run_dir=run_dir,
+        python=python,
+        nodes=nodes,
+        signal=site.signal.upper().removeprefix("SIG"),
+        node_tmpdir=site.node_tmpdir,
+        tasks=tasks or [],
     )
 
 
-def plan_trial_run(*, config: dict[str, Any], site: SiteConfig, ident: Identity, env: dict[str, str],
-                   run_dir: str, log_path: str, python: str) -> SbatchRequest:
+def plan_trial_run(
+    *,
+    config: dict[str, Any],
+    site: SiteConfig,
+    ident: Identity,
+    env: dict[str, str],
+    run_dir: str,
+    log_path: str,
+    python: str,
+) -> SbatchRequest:
     args = _job_args(config, site, ident, log_path.replace("%", "%%"), run_dir)
     script = _script(config, site, ident, env, run_dir, python)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
 
 
-def plan_array(*, config: dict[str, Any], site: SiteConfig, ident: Identity, tasks: list[ArrayTask],
-               links_dir: str, log_name: str, python: str) -> SbatchRequest:
+def plan_array(
+    *,
+    config: dict[str, Any],
+    site: SiteConfig,
+    ident: Identity,
+    tasks: list[ArrayTask],
+    links_dir: str,
+    log_name: str,
+    python: str,
+) -> SbatchRequest:
     """One sbatch for many trial runs that share resources (a job array).
 
     Task ``t`` runs trial ``ident.trial_id + t``. Each task finds its own run dir through the

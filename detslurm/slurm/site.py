@@ -60,15 +60,22 @@ class SiteConfig(Strict):
         if not self.pools:
             return name, Pool(partition=name)
         if name not in self.pools:
-            raise ConfigError([f"<config>.resources.resource_pool: resource pool {name!r} does not exist; "
-                               f"valid pools: {', '.join(sorted(self.pools))}"])
+            raise ConfigError(
+                [
+                    f"<config>.resources.resource_pool: resource pool {name!r} does not exist; "
+                    f"valid pools: {', '.join(sorted(self.pools))}"
+                ]
+            )
         return name, self.pools[name]
 
 
 def site_config_path() -> Optional[Path]:
     env = os.environ.get("DETSLURM_SITE_CONFIG")
-    candidates = [Path(env)] if env else [Path("/etc/detslurm/site.yaml"),
-                                          Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"]
+    candidates = (
+        [Path(env)]
+        if env
+        else [Path("/etc/detslurm/site.yaml"), Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"]
+    )
     return next((p for p in candidates if p.is_file()), Path(env) if env else None)
 
 

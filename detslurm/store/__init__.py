@@ -15,6 +15,16 @@ from detslurm.store.models import (
 )
 
 __all__ = [
-    "Checkpoint", "Experiment", "ExperimentState", "IngestOffset", "LogEntry", "Metric", "RunState",
-    "Store", "Trial", "TrialRun", "TrialState", "open_store",
+    "Checkpoint",
+    "Experiment",
+    "ExperimentState",
+    "IngestOffset",
+    "LogEntry",
+    "Metric",
+    "RunState",
+    "Store",
+    "Trial",
+    "TrialRun",
+    "TrialState",
+    "open_store",
 ]

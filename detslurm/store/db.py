@@ -54,9 +54,7 @@ class Store:
             if path and path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._lock_path: str | None = path + ".migrate.lock" if path else None
-            self.engine: Engine = create_engine(
-                url, connect_args={"timeout": 30, "isolation_level": None}
-            )
+            self.engine: Engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
             event.listen(self.engine, "connect", _sqlite_pragmas)
 
             # pysqlite's own transaction handling defers BEGIN; issue BEGIN IMMEDIATE ourselves
@@ -74,6 +72,7 @@ class Store:
                 @event.listens_for(self.engine, "begin")
                 def _serialize(conn: Any) -> None:
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_KEY})")
+
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     def migrate(self) -> None:

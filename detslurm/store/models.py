@@ -104,7 +104,8 @@ class Experiment(Base):
     start_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     end_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     trials: Mapped[list[Trial]] = relationship(
-        back_populates="experiment", order_by="Trial.id", cascade="all, delete-orphan", passive_deletes=True)
+        back_populates="experiment", order_by="Trial.id", cascade="all, delete-orphan", passive_deletes=True
+    )
 
 
 class Trial(Base):
@@ -137,8 +138,12 @@ class Trial(Base):
     experiment: Mapped[Experiment] = relationship(back_populates="trials")
     # selectin: a tick walks every trial's runs; one query for all of them, not one per trial.
     runs: Mapped[list[TrialRun]] = relationship(
-        back_populates="trial", order_by="TrialRun.run_id", cascade="all, delete-orphan", passive_deletes=True,
-        lazy="selectin")
+        back_populates="trial",
+        order_by="TrialRun.run_id",
+        cascade="all, delete-orphan",
+        passive_deletes=True,
+        lazy="selectin",
+    )
 
 
 class TrialRun(Base):

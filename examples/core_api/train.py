@@ -47,8 +47,9 @@ def main(ctx):
             os._exit(3)
         if batch % 5 == 0:
             val = (w - true_w) ** 2 + hparams["noise"] ** 2
-            ctx.train.report_validation_metrics(steps_completed=batch,
-                                                metrics={"validation_loss": val, "batches": batch})
+            ctx.train.report_validation_metrics(
+                steps_completed=batch, metrics={"validation_loss": val, "batches": batch}
+            )
             with ctx.checkpoint.store_path({"steps_completed": batch}) as (path, _uuid):
                 (path / "state.json").write_text(json.dumps({"w": w, "batch": batch, "trial_id": trial_id}))
             ctx.train.report_progress(batch / TOTAL_BATCHES)

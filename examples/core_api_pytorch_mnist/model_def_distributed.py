@@ -21,8 +21,9 @@ def main(core_context):
     device = torch.device("cpu")  # on GPUs: torch.device(f"cuda:{core_context.distributed.local_rank}")
     train_set, test_set = datasets(256, 64)
     # NEW: Shard the data into num_replicas non-overlapping parts.
-    sampler = DistributedSampler(train_set, num_replicas=core_context.distributed.size,
-                                 rank=core_context.distributed.rank, shuffle=True, seed=1)
+    sampler = DistributedSampler(
+        train_set, num_replicas=core_context.distributed.size, rank=core_context.distributed.rank, shuffle=True, seed=1
+    )
     train_loader = DataLoader(train_set, batch_size=16, sampler=sampler)
     torch.manual_seed(1)
     model = Net(hparams).to(device)
@@ -40,9 +41,11 @@ def main(core_context):
         # NEW: Report metrics only on rank 0.
         if core_context.distributed.rank == 0:
             core_context.train.report_training_metrics(
-                steps_completed=steps_completed, metrics={"train_loss": loss.item(), "epoch": epoch_idx})
+                steps_completed=steps_completed, metrics={"train_loss": loss.item(), "epoch": epoch_idx}
+            )
             core_context.train.report_validation_metrics(
-                steps_completed=steps_completed, metrics={"test_loss": loss.item(), "epoch": epoch_idx})
+                steps_completed=steps_completed, metrics={"test_loss": loss.item(), "epoch": epoch_idx}
+            )
     dist.barrier()
     del model, optimizer
     gc.collect()

@@ -30,9 +30,16 @@ class MyPyTorchTrial(pytorch.PyTorchTrial):
         self.context = context
         hparams = hparams or context.get_hparams()
         self.batch_size = int(hparams.get("global_batch_size", 32))
-        self.model = context.wrap_model(nn.Sequential(
-            nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Dropout(0.1), nn.Linear(128, 10), nn.LogSoftmax(dim=1),
-        ))
+        self.model = context.wrap_model(
+            nn.Sequential(
+                nn.Flatten(),
+                nn.Linear(784, 128),
+                nn.ReLU(),
+                nn.Dropout(0.1),
+                nn.Linear(128, 10),
+                nn.LogSoftmax(dim=1),
+            )
+        )
         self.optimizer = context.wrap_optimizer(torch.optim.Adadelta(self.model.parameters(), lr=hparams["lr"]))
 
     def train_batch(self, batch: pytorch.TorchData, epoch_idx: int, batch_idx: int) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
 """`python3 -m determined.launch.deepspeed` inside trials runs detslurm's launcher."""
+
 import sys
 
 from detslurm.launch.deepspeed import main

@@ -1,4 +1,5 @@
 """`python3 -m determined.launch.horovod` inside trials runs detslurm's launcher."""
+
 import sys
 
 from detslurm.launch.horovod import main

@@ -1,4 +1,5 @@
 """`python3 -m determined.launch.torch_distributed` inside trials runs detslurm's launcher."""
+
 import sys
 
 from detslurm.launch.torch_distributed import main

@@ -1,4 +1,5 @@
 """`python3 -m determined.launch.wrap_rank` inside trials runs detslurm's launcher."""
+
 import sys
 
 from detslurm.launch.wrap_rank import main
