@@ -6,6 +6,7 @@ sees every problem at once instead of fixing them one submit at a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -146,13 +147,18 @@ def _model(cls: type[BaseModel], data: Any, prefix: str, errors: list[str]) -> A
         return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExperimentConfig:
-    """A validated config with defaults filled. ``as_dict()`` is what trials see."""
+    """A validated config with defaults filled: what code downstream of validation receives.
+
+    The typed parts are the truth; ``as_dict()`` is the plain JSON form that the store keeps and
+    trials see (``DET_EXPERIMENT_CONFIG``). A config read back from the store goes through
+    :func:`from_stored`, so a hand-edited row is validated again before it can reach a script.
+    """
 
     top: s.TopLevel
-    searcher: Any
-    storage: Any
+    searcher: s.SearcherConfig
+    storage: s.StorageConfig
     hyperparameters: dict[str, Any]
     _dict: dict[str, Any] = field(repr=False, default_factory=dict)
 
@@ -171,9 +177,46 @@ class ExperimentConfig:
         return ep
 
     @property
+    def resources(self) -> s.Resources:
+        return self.top.resources
+
+    @property
+    def environment(self) -> s.Environment:
+        return self.top.environment
+
+    @property
+    def slurm(self) -> s.SlurmSection:
+        return self.top.slurm
+
+    @property
+    def max_restarts(self) -> int:
+        return self.top.max_restarts
+
+    @property
+    def storage_base(self) -> str:
+        """Where this experiment's checkpoints go (the one place that knows the storage types)."""
+        return self.storage.base_path()
+
+    @property
     def legacy_max_length(self) -> s.Length | None:
-        ml: s.Length | None = self.searcher.max_length
-        return ml
+        return self.searcher.max_length
+
+
+@functools.lru_cache(maxsize=256)
+def _from_stored_json(text: str) -> ExperimentConfig:
+    return validate(json.loads(text))
+
+
+def from_stored(data: Mapping[str, Any], where: str = "stored config") -> ExperimentConfig:
+    """Validate a config read back from the store (plain JSON) into its typed form.
+
+    Cached by content: the daemon reads the same configs every tick. A row that no longer
+    validates (edited by hand, or by another user of a shared database) raises ConfigError.
+    """
+    try:
+        return _from_stored_json(json.dumps(data, sort_keys=True))
+    except ConfigError as e:
+        raise ConfigError([f"{where}: {line}" for line in e.errors]) from None
 
 
 _FORBIDDEN_LONG = {
