@@ -21,7 +21,7 @@ from typing import Any
 
 from _common import save
 
-from detslurm.expconf import validate
+from detslurm.expconf import ExperimentConfig, validate
 from detslurm.searcher import Create, Shutdown, Stop, build
 
 HPARAMS = {
@@ -49,8 +49,8 @@ def curve(hp: dict[str, Any], t: int, seed: int) -> float:
 
 def config(
     name: str, seed: int, max_trials: int, max_time: int, workers: int, mode: str = "standard"
-) -> dict[str, Any]:
-    raw = {
+) -> ExperimentConfig:
+    raw: dict[str, Any] = {
         "name": "bench",
         "entrypoint": "x",
         "hyperparameters": HPARAMS,
@@ -73,7 +73,7 @@ def config(
             "max_length": {"batches": max_time},
             "max_concurrent_trials": workers,
         }
-    return validate(raw, {"type": "shared_fs", "host_path": "/tmp"}).as_dict()
+    return validate(raw, {"type": "shared_fs", "host_path": "/tmp"})
 
 
 def random_target(seed: int, n: int, max_time: int) -> float:

@@ -75,19 +75,15 @@ def create(
 ) -> None:
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
-    from detslurm.controller.create import execute_create, plan_create, preview_sbatch
-    from detslurm.slurm.render import resource_args
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.slurm.render import resource_plan
 
     plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
     site = None if run_local else app.site()
     if site is not None:
-        resource_args(plan.config.as_dict(), site)  # an unknown pool fails here, before anything exists
+        resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
     if dry_run:
-        click.echo(plan.describe())
-        if site is not None:
-            for req in preview_sbatch(plan, app.settings, site):
-                click.echo(req.render())
-        click.echo("dry run: nothing was created or submitted")
+        _print_dry_run(app, plan, run_local)
         return
     if not run_local:
         slurm_mod.require_slurm(app)
@@ -107,6 +103,27 @@ def create(
     click.echo(f"Experiment {exp_id} {state.value}")
     if state not in (ExperimentState.COMPLETED, ExperimentState.PAUSED):
         raise click.exceptions.Exit(1)
+
+
+def _print_dry_run(app: App, plan: Any, run_local: bool) -> None:
+    """The plan, then exactly what the first submission would run: for Slurm, the sbatch
+    command lines and scripts the executor builds (a shell script: comments and heredocs)."""
+    from detslurm.controller.create import dry_run
+
+    click.echo(plan.describe())
+    if run_local:
+        from detslurm.controller.local import LocalExecutor
+
+        for spec in dry_run(app.store, app.settings, plan, LocalExecutor(app.settings.max_local_trials)):
+            click.echo(f"# local trial run {spec.name}: {' '.join(spec.argv)} (in {spec.run_dir})")
+    else:
+        from detslurm.controller.slurm_executor import SlurmExecutor
+        from detslurm.slurm.client import client_from_env
+
+        executor = SlurmExecutor(client_from_env(), app.site(), offline=True)
+        for sub in executor.plan_many(dry_run(app.store, app.settings, plan, executor)):
+            click.echo(sub.request.render())
+    click.echo("# dry run: nothing was created or submitted")
 
 
 def _exp_rows(app: App, show_all: bool) -> list[dict[str, Any]]:

@@ -84,8 +84,7 @@ def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
         exp = s.get(Experiment, exp_id)
         assert exp is not None
         jobs = [r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id]
-    for j in jobs:
-        ctl.executor.kill(j)
+    ctl.executor.kill_many(jobs)
 
 
 __all__ = ["drive", "TrialRun"]

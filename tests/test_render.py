@@ -12,8 +12,8 @@ import pytest
 
 from detslurm.core._info import trial_env
 from detslurm.errors import ConfigError
-from detslurm.expconf import validate
-from detslurm.slurm.render import ArrayTask, Identity, index_ranges, plan_array, plan_trial_run, resource_args
+from detslurm.expconf import ExperimentConfig, validate
+from detslurm.slurm.render import ArrayTask, Identity, index_ranges, plan_array, plan_trial_run, resource_plan
 from detslurm.slurm.site import load_site_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ GOLDEN = Path(__file__).parent / "golden"
 STORAGE = {"type": "shared_fs", "host_path": "/shared/ckpt"}
 
 
-def config(**over: Any) -> dict[str, Any]:
+def config(**over: Any) -> ExperimentConfig:
     raw: dict[str, Any] = {
         "name": "golden",
         "entrypoint": "python3 train.py --flag 1",
@@ -30,11 +30,11 @@ def config(**over: Any) -> dict[str, Any]:
         "hyperparameters": {"lr": 0.1},
     }
     raw.update(over)
-    return validate(raw, STORAGE).as_dict()
+    return validate(raw, STORAGE)
 
 
 def render(
-    cfg: dict[str, Any],
+    cfg: ExperimentConfig,
     site_name: str,
     run_dir: str = "/shared/exps/exp-1/trials/2/runs/3",
     hparams: dict[str, Any] | None = None,
@@ -46,7 +46,7 @@ def render(
         run_id=3,
         seed=42,
         hparams=hparams or {"lr": 0.1},
-        config=cfg,
+        config=cfg.as_dict(),
         latest_checkpoint=None,
         steps_completed=0,
         run_dir=Path(run_dir),
@@ -91,16 +91,17 @@ def test_golden(site: str, cfg: dict[str, Any]) -> None:
 
 def test_resources() -> None:
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
-    assert resource_args(config(), site) == (
+    plan = resource_plan(config(), site)
+    assert (list(plan.args), plan.nodes) == (
         ["--partition=cpu", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1"],
         1,
     )
-    args, nodes = resource_args(config(resources={"slots_per_trial": 4, "resource_pool": "gpu"}), site)
-    assert nodes == 2 and "--gres=gpu:2" in args and "--partition=gpu" in args
-    args, nodes = resource_args(config(resources={"slots_per_trial": 3}, slurm={"slots_per_node": 1}), site)
-    assert nodes == 3 and "--cpus-per-task=1" in args
+    plan = resource_plan(config(resources={"slots_per_trial": 4, "resource_pool": "gpu"}), site)
+    assert plan.nodes == 2 and "--gres=gpu:2" in plan.args and "--partition=gpu" in plan.args
+    plan = resource_plan(config(resources={"slots_per_trial": 3}, slurm={"slots_per_node": 1}), site)
+    assert plan.nodes == 3 and "--cpus-per-task=1" in plan.args
     with pytest.raises(ConfigError, match="resource pool 'nope' does not exist; valid pools: cpu, gpu, high"):
-        resource_args(config(resources={"resource_pool": "nope"}), site)
+        resource_plan(config(resources={"resource_pool": "nope"}), site)
 
 
 def test_percent_in_log_path_is_escaped() -> None:
@@ -149,7 +150,7 @@ def array_tasks(tmp_path: Path, hps: list[Any]) -> list[ArrayTask]:
             run_id=1,
             seed=i,
             hparams={"h": h},
-            config=cfg,
+            config=cfg.as_dict(),
             latest_checkpoint=None,
             steps_completed=0,
             run_dir=run_dir,

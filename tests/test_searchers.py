@@ -5,6 +5,7 @@ from typing import Any
 
 import pytest
 
+from detslurm.expconf import validate
 from detslurm.searcher import (
     AdaptiveASHA,
     Close,
@@ -228,11 +229,13 @@ def test_state_round_trip_gives_same_decisions() -> None:
         },
         "hyperparameters": HP,
         "reproducibility": {"experiment_seed": 11},
+        "entrypoint": "x",
     }
-    a = build(cfg)
+    typed = validate(cfg, {"type": "shared_fs", "host_path": "/tmp"})
+    a = build(typed)
     ids = [x.request_id for x in a.initial_trials()]
     a.validation_completed(ids[0], {"loss": 1.0, "batches": 4}, 4)
-    b = build(cfg)
+    b = build(typed)
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))
     for s in (a, b):
         s.validation_completed(ids[1], {"loss": 5.0, "batches": 4}, 4)

@@ -154,13 +154,13 @@ def test_crash_after_array_sbatch_adopts_every_task(det: Any, tmp_path: Path, mo
     assert code == 0, err
     ops.activate(open_store(settings.load().db_url), 1)
     ctl = daemon.make_controller(settings.load())
-    real = ctl.executor.submit_array  # type: ignore[attr-defined]
+    real = ctl.executor.execute  # type: ignore[attr-defined]
 
-    def crash_after_sbatch(specs: Any) -> list[str]:
-        real(specs)
+    def crash_after_sbatch(sub: Any) -> str:
+        real(sub)
         raise KeyboardInterrupt("the controller dies right after sbatch")
 
-    ctl.executor.submit_array = crash_after_sbatch  # type: ignore[attr-defined]
+    ctl.executor.execute = crash_after_sbatch  # type: ignore[attr-defined]
     with pytest.raises(KeyboardInterrupt):
         ctl.tick()
     assert all(rs[0].job_id is None for _, rs in runs(1))  # the crash lost every job id

@@ -144,7 +144,7 @@ def test_sacct_captured() -> None:
 
 
 def test_executor_falls_back_to_sacct(tmp_path: Path) -> None:
-    from detslurm.controller.executor import JobState
+    from detslurm.controller.executor import ExitCause, JobState
     from detslurm.controller.slurm_executor import SlurmExecutor
     from detslurm.slurm.site import SiteConfig
 
@@ -162,7 +162,7 @@ def test_executor_falls_back_to_sacct(tmp_path: Path) -> None:
         status = ex.poll({"1": tmp_path})["1"]
         assert status.state is expect
         if expect is JobState.EXITED:
-            assert (status.exit_code, status.reason) == (3, "failed")
+            assert (status.exit_code, status.cause, status.detail) == (3, ExitCause.FAILED, "FAILED")
         assert any(argv[0] == "sacct" for argv, _ in runner.calls) == (expect is JobState.EXITED)
 
 

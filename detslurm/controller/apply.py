@@ -12,9 +12,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from detslurm.controller.config import stored_config
+from detslurm.controller.executor import ExitCause
 from detslurm.controller.ingest import event_files, read_new
 from detslurm.searcher import Action, Close, Create, Idle, SearchMethod, Shutdown, Stop, ValidateAfter
 from detslurm.store.models import (
@@ -100,10 +101,10 @@ def searcher_is_promotion(searcher: SearchMethod) -> bool:
 
 
 def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
-    sc = exp.config["searcher"]
-    uuid = sc.get("source_checkpoint_uuid")
-    if uuid is None and sc.get("source_trial_id") is not None:
-        src = session.get(Trial, int(sc["source_trial_id"]))
+    sc = stored_config(exp).searcher
+    uuid = sc.source_checkpoint_uuid
+    if uuid is None and sc.source_trial_id is not None:
+        src = session.get(Trial, sc.source_trial_id)
         uuid = src.latest_checkpoint if src else None
     trial.warm_start_checkpoint = uuid
 
@@ -128,11 +129,11 @@ def _on_metrics(
     )
     if group != "validation":
         return []
-    sc = exp.config["searcher"]
-    value = metrics.get(sc["metric"])
+    sc = stored_config(exp).searcher
+    value = metrics.get(sc.metric) if sc.metric else None
     if isinstance(value, (int, float)):
         better = trial.searcher_metric is None or (
-            value < trial.searcher_metric if sc["smaller_is_better"] else value > trial.searcher_metric
+            value < trial.searcher_metric if sc.smaller_is_better else value > trial.searcher_metric
         )
         if better:
             trial.searcher_metric = float(value)
@@ -182,7 +183,10 @@ def apply_event(
     elif typ == "preempt_ack":
         run.preempt_acked = True
     elif typ == "early_exit":
-        run.exit_reason = str(ev.get("reason"))[:64]
+        # InvalidHP decides how the run's exit is read (controller/decide.py); a user-requested
+        # stop is an ordinary exit.
+        if ev.get("reason") == "INVALID_HP":
+            run.exit_reason = ExitCause.INVALID_HP.value
     elif typ == "op_completed":
         trial.ops_idle = False
         trial.ops_completed = max(trial.ops_completed, int(ev.get("index", 0)) + 1)
@@ -210,7 +214,3 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
             count += 1
         off.offset = new_offset
     return count
-
-
-def trials_by_request(session: Session, exp_id: int) -> dict[str, Trial]:
-    return {t.request_id: t for t in session.scalars(select(Trial).where(Trial.experiment_id == exp_id))}

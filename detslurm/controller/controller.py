@@ -7,36 +7,52 @@ and the executor, so a controller killed at any point resumes where it was.
 
 from __future__ import annotations
 
-import getpass
 import json
 import logging
 import os
-import sys
+import pwd
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import ingest_run, note
+from detslurm.controller.config import stored_config
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
-from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec, SchedulerUnavailable
-from detslurm.controller.gc import collect_garbage
-from detslurm.controller.layout import ExpLayout, control_file, log_file
-from detslurm.core._info import trial_env
+from detslurm.controller.executor import (
+    Executor,
+    ExitCause,
+    JobState,
+    JobStatus,
+    RunSpec,
+    SchedulerUnavailable,
+    SubmitUnknown,
+)
+from detslurm.controller.gc import collect_garbage, remove_dirs
+from detslurm.controller.layout import ExpLayout, control_file
+from detslurm.controller.submit import ACTIVE_RUN, plan_runs
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
-from detslurm.store.models import Experiment, ExperimentState, Metric, RunState, Trial, TrialRun, TrialState
+from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 from detslurm.util import atomic_write_json, read_json
 
+__all__ = ["ACTIVE_RUN", "Controller", "current_user", "load_searcher"]
+
 log = logging.getLogger("detslurm.controller")
-ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
+
+# An sbatch whose reply was lost may still be in slurmctld's hands: before concluding that it
+# never created the job, give a slow controller this long to show it in the queue.
+SUBMIT_UNKNOWN_GRACE = timedelta(seconds=60)
+
+# Runs as (primary key, job id or None, run dir).
+ActiveRuns = list[tuple[int, str | None, str]]
 
 
 def load_searcher(exp: Experiment) -> SearchMethod:
-    s = build(exp.config)
+    s = build(stored_config(exp))
     if exp.searcher_state:
         # A deep copy: mutating the ORM's loaded value in place would make the later
         # assignment compare equal to it, and SQLAlchemy would skip the UPDATE.
@@ -48,49 +64,76 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _get(s: Session, exp_id: int) -> Experiment:
+    exp = s.get(Experiment, exp_id)
+    assert exp is not None, f"experiment {exp_id} vanished during a tick"
+    return exp
+
+
 class Controller:
-    def __init__(self, store: Store, executor: Executor) -> None:
+    def __init__(self, store: Store, executor: Executor, owner: str | None = None) -> None:
         self.store = store
         self.executor = executor
+        # Only this user's experiments are ever ticked: a shared database holds other users'
+        # experiments too, whose jobs this user's squeue cannot see and must never touch.
+        self.owner = owner or current_user()
 
     # -- the tick -------------------------------------------------------------------------
     def active_experiment_ids(self) -> list[int]:
         with self.store.tx() as s:
+            terminal = [st.value for st in ExperimentState if st.is_terminal]
             q = (
                 select(Experiment.id)
                 .where(Experiment.executor == self.executor.kind)
-                .where(Experiment.state.not_in([st.value for st in ExperimentState if st.is_terminal]))
+                .where(Experiment.owner == self.owner)
+                .where(Experiment.state.not_in(terminal))
             )
             return list(s.scalars(q))
 
     def tick(self, exp_ids: list[int] | None = None) -> None:
-        """One reconcile step for many experiments with ONE batched status query."""
+        """One reconcile step for many experiments with ONE batched status query.
+
+        One experiment failing its step (a bug, a bad stored config) is logged and never stops
+        the others; a scheduler that does not answer only delays what needs it."""
         ids = exp_ids if exp_ids is not None else self.active_experiment_ids()
         runs = {exp_id: self._active_runs(exp_id) for exp_id in ids}
         jobs = {job: Path(d) for rs in runs.values() for _, job, d in rs if job}
-        statuses = self.executor.poll(jobs) if jobs else {}
+        statuses: dict[str, JobStatus] | None = None
+        try:
+            statuses = self.executor.poll(jobs) if jobs else {}
+        except SchedulerUnavailable as e:
+            log.warning("scheduler unreachable; ingesting and writing control files only: %s", e)
         for exp_id in ids:
-            self.tick_experiment(exp_id, runs[exp_id], statuses)
+            try:
+                self.tick_experiment(exp_id, runs[exp_id], statuses)
+            except Exception:
+                log.exception("experiment %d: tick failed", exp_id)
 
     def tick_experiment(
-        self,
-        exp_id: int,
-        runs: list[tuple[int, str | None, str]] | None = None,
-        statuses: dict[str, JobStatus] | None = None,
+        self, exp_id: int, runs: ActiveRuns | None = None, statuses: dict[str, JobStatus] | None = None
     ) -> None:
-        if runs is None or statuses is None:
+        """One step for one experiment. ``statuses`` None after ``runs`` were given means the
+        scheduler could not be asked: events are still ingested and control files written
+        (pause, cancel and early stop need no Slurm), but no run is decided or submitted."""
+        if runs is None:
             runs = self._active_runs(exp_id)
             jobs = {job: Path(d) for _, job, d in runs if job}
-            statuses = self.executor.poll(jobs) if jobs else {}
-        self._reconcile_runs(
-            [(run_pk, statuses.get(job_id) if job_id else self._recover(run_pk)) for run_pk, job_id, _ in runs]
-        )
-        self._kill_stopping(exp_id)
+            try:
+                statuses = self.executor.poll(jobs) if jobs else {}
+            except SchedulerUnavailable as e:
+                log.warning("scheduler unreachable: %s", e)
+        reachable = statuses is not None
+        seen = statuses or {}
+        items = [(pk, (seen.get(job) if job else self._recover(pk)) if reachable else None) for pk, job, _ in runs]
+        self._reconcile_runs(items)
+        if reachable:
+            self._kill_stopping(exp_id)
         self._transitions(exp_id)
         self._sync_files(exp_id)
-        self._submit(exp_id)
+        if reachable:
+            self._submit(exp_id)
 
-    def _active_runs(self, exp_id: int) -> list[tuple[int, str | None, str]]:
+    def _active_runs(self, exp_id: int) -> ActiveRuns:
         with self.store.tx() as s:
             q = (
                 select(TrialRun.id, TrialRun.job_id, TrialRun.run_dir)
@@ -101,25 +144,30 @@ class Controller:
             return [(pk, job, d) for pk, job, d in s.execute(q)]
 
     def _recover(self, run_pk: int) -> JobStatus | None:
-        """A run recorded without a job id: the controller died around the submit."""
+        """A run recorded without a job id: the controller died around the submit, or the
+        submission's reply was lost. Its job is looked for by identity before anything else;
+        None means "no decision yet" (the next tick's batched poll sees an adopted job)."""
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
             marker = Path(run.run_dir) / "job_id"
             job_id = marker.read_text().strip() if marker.exists() else None
             if not job_id:
-                found = self.executor.recover(
-                    (run.trial.experiment_id, run.trial_id, run.run_id), run.trial.experiment.exp_dir
-                )
-                job_id = str(found) if found is not None else None
+                identity = (run.trial.experiment_id, run.trial_id, run.run_id)
+                try:
+                    job_id = self.executor.recover(identity, run.trial.experiment.exp_dir)
+                except SchedulerUnavailable:
+                    return None  # cannot look now: never guess, look again next tick
             if job_id:
                 run.job_id = job_id
                 run.state = RunState.QUEUED.value
-                return None  # the next tick's batched poll sees it
-        return JobStatus(JobState.UNKNOWN, None, "never started")
-
-    def _reconcile_run(self, exp_id: int, run_pk: int, status: JobStatus | None) -> None:
-        self._reconcile_runs([(run_pk, status)])
+                run.exit_reason = None
+                return None
+            unknown = ExitCause.parse(run.exit_reason) == ExitCause.SUBMIT_UNKNOWN
+            if unknown and _now() - _aware(run.submit_time) < SUBMIT_UNKNOWN_GRACE:
+                return None
+            run.exit_reason = None
+        return JobStatus(JobState.UNKNOWN, None, ExitCause.NEVER_STARTED)
 
     def _reconcile_runs(self, items: list[tuple[int, JobStatus | None]]) -> None:
         """Ingest and decide for runs of one experiment in one transaction, with the searcher
@@ -139,19 +187,12 @@ class Controller:
             exp.progress = searcher.progress()
 
     def _reconcile_one(
-        self, s: Any, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None, searcher: SearchMethod
+        self, s: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None, searcher: SearchMethod
     ) -> None:
         try:
             ingest_run(s, exp, trial, run, searcher)
-            if status is not None and status.state in (JobState.EXITED, JobState.UNKNOWN):
-                decide_exit(s, exp, trial, run, status, searcher)
-            elif status is not None and status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
-                run.state = RunState.RUNNING.value
-                run.start_time = _now()
-                if (trial.runner_state or "").startswith("queued"):
-                    trial.runner_state = None
-            elif status is not None and status.state == JobState.QUEUED and not exp.test_mode:
-                trial.runner_state = f"queued: {status.reason or 'waiting'}"[:64]
+            if status is not None:
+                self._observe(exp, trial, run, status, s, searcher)
             if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
                 trial.runner_state = "test_done"
                 trial.early_stopped = True  # test mode has seen enough: stop the trial
@@ -159,6 +200,20 @@ class Controller:
             exp.state = ExperimentState.STOPPING_ERROR.value
             exp.error_message = f"encountered error: {e}"
             note(s, trial.id, f"searcher error: {e}", "ERROR")
+
+    @staticmethod
+    def _observe(
+        exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus, s: Session, searcher: SearchMethod
+    ) -> None:
+        if status.state in (JobState.EXITED, JobState.UNKNOWN):
+            decide_exit(s, exp, trial, run, status, searcher)
+        elif status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
+            run.state = RunState.RUNNING.value
+            run.start_time = _now()
+            if (trial.runner_state or "").startswith("queued"):
+                trial.runner_state = None
+        elif status.state == JobState.QUEUED and not exp.test_mode:
+            trial.runner_state = f"queued: {status.detail or 'waiting'}"[:64]
 
     # -- experiment-level state -----------------------------------------------------------
     def _kill_stopping(self, exp_id: int) -> None:
@@ -171,29 +226,19 @@ class Controller:
                 .where(Trial.state == TrialState.STOPPING_KILLED.value)
             )
             jobs = [j for j in s.scalars(q) if j]
-        many = getattr(self.executor, "kill_many", None)
-        if many is not None and jobs:
-            many(jobs)  # one scancel for all of them
-            return
-        for job in jobs:
-            self.executor.kill(job)
+        if jobs:
+            self.executor.kill_many(jobs)  # one scancel for all of them
 
     def _transitions(self, exp_id: int) -> None:
         with self.store.tx() as s:
-            exp = s.get(Experiment, exp_id)
-            assert exp is not None
+            exp = _get(s, exp_id)
             searcher = load_searcher(exp)
             state = ExperimentState(exp.state)
             busy = {r.trial_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
             for t in exp.trials:
                 self._trial_transition(s, exp, state, t, t.id in busy, searcher)
             if all(TrialState(t.state).is_terminal for t in exp.trials) and not busy:
-                final = {
-                    ExperimentState.STOPPING_CANCELED: ExperimentState.CANCELED,
-                    ExperimentState.STOPPING_KILLED: ExperimentState.CANCELED,
-                    ExperimentState.STOPPING_COMPLETED: ExperimentState.COMPLETED,
-                    ExperimentState.STOPPING_ERROR: ExperimentState.ERROR,
-                }.get(state)
+                final = _FINAL.get(state)
                 if final is None and state == ExperimentState.ACTIVE and searcher.book.shut_down:
                     final = ExperimentState.COMPLETED
                 if final is not None:
@@ -201,33 +246,24 @@ class Controller:
                     exp.end_time = _now()
                     exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
             exp.searcher_state = searcher.state_dict()
+        doomed: list[Path] = []
         with self.store.tx() as s:
-            exp = s.get(Experiment, exp_id)
-            assert exp is not None
+            exp = _get(s, exp_id)
             if ExperimentState(exp.state).is_terminal:
-                collect_garbage(s, exp)
+                doomed = collect_garbage(s, exp)
+        remove_dirs(doomed)
 
+    @staticmethod
     def _trial_transition(
-        self, s: object, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: SearchMethod
+        s: Session, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: SearchMethod
     ) -> None:
-        from sqlalchemy.orm import Session
-
-        assert isinstance(s, Session)
         ts = TrialState(t.state)
         if ts.is_terminal:
             return
-        if state in (
-            ExperimentState.STOPPING_CANCELED,
-            ExperimentState.STOPPING_KILLED,
-            ExperimentState.STOPPING_ERROR,
-            ExperimentState.STOPPING_COMPLETED,
-        ):
-            target = {
-                ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
-                ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR,
-            }.get(state, TrialState.STOPPING_CANCELED)
+        if state in _STOPPING_TARGET:
+            target = _STOPPING_TARGET[state]
             if busy:
-                if ts not in (TrialState.STOPPING_KILLED,):
+                if ts != TrialState.STOPPING_KILLED:
                     t.state = target.value
             else:
                 final = TrialState.ERROR if target == TrialState.STOPPING_ERROR else TrialState.CANCELED
@@ -246,12 +282,11 @@ class Controller:
         # Ops and best-validation files are not fsynced: the next tick rewrites them from the
         # store whenever they differ. (The control file is written once, so it is.)
         with self.store.tx() as s:
-            exp = s.get(Experiment, exp_id)
-            assert exp is not None
+            exp = _get(s, exp_id)
             layout = ExpLayout(Path(exp.exp_dir))
             state = ExperimentState(exp.state)
             best: float | None = None
-            sib = exp.config["searcher"]["smaller_is_better"]
+            sib = stored_config(exp).searcher.smaller_is_better
             for t in exp.trials:
                 if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
                     best = t.searcher_metric
@@ -264,135 +299,30 @@ class Controller:
                     }
                     if read_json(layout.ops_file(t.id)) != want:
                         atomic_write_json(layout.ops_file(t.id), want, durable=False)
-                reason = self._stop_reason(exp, state, t)
+                reason = _stop_reason(state, t)
                 for r in t.runs:
                     if r.state in ACTIVE_RUN and reason and not control_file(Path(r.run_dir)).exists():
                         atomic_write_json(control_file(Path(r.run_dir)), {"preempt": True, "reason": reason})
             if best is not None and read_json(layout.best_validation, {}).get("value") != best:
                 atomic_write_json(layout.best_validation, {"value": best}, durable=False)
 
-    @staticmethod
-    def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> str | None:
-        if t.early_stopped:
-            return "early_stop"
-        if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
-            return "cancel"
-        if state == ExperimentState.PAUSED:
-            return "pause"
-        return None
-
     # -- submissions ----------------------------------------------------------------------
-    def _needs_run(self, t: Trial, busy: set[int]) -> bool:
-        if t.state != TrialState.ACTIVE.value or t.id in busy or t.early_stopped:
-            return False
-        # With 0.37-style ops, a trial whose ops are all done waits for a promotion (or closing).
-        return not (t.searcher_ops and t.ops_completed >= len(t.searcher_ops))
+    def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
+        """New runs (PENDING in ``s``) and their plans: what ``_submit`` hands the executor,
+        and what ``det e create --dry-run`` shows before rolling the session back."""
+        return plan_runs(s, exp, self.executor.capacity(), self.executor.kind, self.executor.resources_type())
 
     def _submit(self, exp_id: int) -> None:
-        cap = self.executor.capacity()
-        specs: list[tuple[int, RunSpec]] = []
         with self.store.tx() as s:
-            exp = s.get(Experiment, exp_id)
-            assert exp is not None
+            exp = _get(s, exp_id)
             if exp.state != ExperimentState.ACTIVE.value:
                 return
-            busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
-            new: list[tuple[Trial, TrialRun]] = []
-            for t in exp.trials:
-                if cap is not None and len(new) >= cap:
-                    break
-                if self._needs_run(t, busy):
-                    new.append((t, self._new_run(s, exp, t)))
-            s.flush()  # once for all new runs: their ids
-            specs = [(run.id, self._spec(exp, t, run)) for t, run in new]
-        many = getattr(self.executor, "submit_many", None)
-        if many is not None and len(specs) > 1:
-            # Runs that share resources go as job arrays: one sbatch for many trials.
-            for spec in (sp for _, sp in specs):
-                spec.run_dir.mkdir(parents=True, exist_ok=True)
-            results: list[str | Exception] = many([sp for _, sp in specs])
-            self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
+            specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp)]
+        if not specs:
             return
-        for run_pk, spec in specs:
-            self._start(run_pk, spec)
-
-    def _new_run(self, s: object, exp: Experiment, t: Trial) -> TrialRun:
-        from sqlalchemy.orm import Session
-
-        assert isinstance(s, Session)
-        t.run_count += 1
-        run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
-        run = TrialRun(
-            trial_id=t.id,
-            run_id=t.run_count,
-            state=RunState.PENDING.value,
-            executor=self.executor.kind,
-            run_dir=str(run_dir),
-            log_path=str(log_file(run_dir)),
-            preempt_acked=False,
-            restart_count_seen=0,
-        )
-        s.add(run)
-        t.runs.append(run)
-        if t.run_count > 1:
-            # Rows past the checkpoint we resume from would be reported again: archive them so
-            # no step is counted twice.
-            resume_at = t.steps_completed if t.latest_checkpoint else 0
-            s.execute(
-                update(Metric)
-                .where(Metric.trial_id == t.id)
-                .where(Metric.steps_completed > resume_at)
-                .values(archived=True)
-            )
-        return run
-
-    def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
-        layout = ExpLayout(Path(exp.exp_dir))
-        base = storage_base(exp.config)
-        # Only what the trial needs from us; the executor adds the submitting environment.
-        env = config_env(exp.config)
-        latest = t.latest_checkpoint or t.warm_start_checkpoint
-        steps = t.steps_completed if t.latest_checkpoint else 0
-        env.update(
-            trial_env(
-                experiment_id=exp.id,
-                trial_id=t.id,
-                run_id=run.run_id,
-                seed=t.seed,
-                hparams=t.hparams,
-                config=exp.config,
-                latest_checkpoint=latest,
-                steps_completed=steps,
-                run_dir=Path(run.run_dir),
-                trial_dir=layout.trial_dir(t.id),
-                exp_dir=layout.root,
-                checkpoint_base=base,
-                resources_type=f"{self.executor.kind}-process" if self.executor.kind == "local" else "slurm-job",
-                slot_ids=list(range(max(1, int(exp.config["resources"]["slots_per_trial"])))),
-                container_addrs=["127.0.0.1"],
-                user=exp.owner,
-            )
-        )
-        if exp.test_mode:
-            env["DET_TEST_MODE"] = "1"
-        return RunSpec(
-            name=f"det-e{exp.id}-t{t.id}-r{run.run_id}",
-            argv=[sys.executable, "-m", "detslurm.exec.launch"],
-            env=env,
-            run_dir=Path(run.run_dir),
-            log_path=Path(run.log_path),
-            slots=int(exp.config["resources"]["slots_per_trial"]),
-            identity=(exp.id, t.id, run.run_id),
-            config=exp.config,
-        )
-
-    def _start(self, run_pk: int, spec: RunSpec) -> None:
-        try:
-            spec.run_dir.mkdir(parents=True, exist_ok=True)
-            result: str | Exception = self.executor.submit(spec)
-        except Exception as e:
-            result = e
-        self._record([(run_pk, spec, result)])
+        # Runs that share resources go as job arrays: one sbatch for many trials.
+        results = self.executor.submit_many([sp for _, sp in specs])
+        self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not
@@ -401,20 +331,19 @@ class Controller:
         for run_pk, spec, result in results:
             if isinstance(result, SchedulerUnavailable):
                 self._unsubmit(run_pk, result)
-                continue
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                (spec.run_dir / "job_id").write_text(result)
+            elif isinstance(result, SubmitUnknown):
+                self._submit_unknown(run_pk, result)
+            elif isinstance(result, Exception):
+                self._submit_failed(run_pk, result)
+            else:
+                _write_marker(spec.run_dir / "job_id", result)
                 done[run_pk] = result
-            except Exception as e:
-                self._submit_failed(run_pk, e)
         with self.store.tx() as s:
             for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
                 run.job_id = done[run.id]
                 run.state = RunState.QUEUED.value
 
-    def _unsubmit(self, run_pk: int, error: object) -> None:
+    def _unsubmit(self, run_pk: int, error: Exception) -> None:
         """Slurm did not answer the submission: forget the run, as if this tick never made it.
         The next tick submits again; an outage of slurmctld spends no restart."""
         with self.store.tx() as s:
@@ -425,13 +354,23 @@ class Controller:
             s.delete(run)
         log.warning("submission deferred (Slurm unreachable): %s", error)
 
+    def _submit_unknown(self, run_pk: int, error: Exception) -> None:
+        """The submission's reply was lost: the job may exist. The run stays PENDING with no
+        job id, so the next ticks look for it by identity (``_recover``) before resubmitting."""
+        with self.store.tx() as s:
+            run = s.get(TrialRun, run_pk)
+            assert run is not None
+            run.exit_reason = ExitCause.SUBMIT_UNKNOWN.value
+            run.submit_time = _now()
+            note(s, run.trial_id, f"submission not confirmed; looking for the job before retrying: {error}", "WARNING")
+        log.warning("submission unconfirmed (reply lost): %s", error)
+
     def _submit_failed(self, run_pk: int, error: Exception) -> None:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            run.exit_reason = "submit failed"
             note(s, run.trial_id, f"could not start trial run {run.run_id}: {error}", "ERROR")
-        self._reconcile_run(0, run_pk, JobStatus(JobState.UNKNOWN, None, "submit failed"))
+        self._reconcile_runs([(run_pk, JobStatus(JobState.UNKNOWN, None, ExitCause.FAILED, "submit failed"))])
 
     # -- driving an experiment in the foreground -------------------------------------------
     def run_until_done(
@@ -442,44 +381,66 @@ class Controller:
             if on_tick is not None:
                 on_tick()
             with self.store.tx() as s:
-                exp = s.get(Experiment, exp_id)
-                assert exp is not None
-                state = ExperimentState(exp.state)
+                state = ExperimentState(_get(s, exp_id).state)
             if state.is_terminal:
                 return state
             time.sleep(poll_s)
 
 
-def storage_base(config: dict[str, Any]) -> str:
-    storage = config["checkpoint_storage"]
-    if storage["type"] == "directory":
-        return str(storage["container_path"])
-    return os.path.join(storage["host_path"], storage.get("storage_path") or "")
+_FINAL = {
+    ExperimentState.STOPPING_CANCELED: ExperimentState.CANCELED,
+    ExperimentState.STOPPING_KILLED: ExperimentState.CANCELED,
+    ExperimentState.STOPPING_COMPLETED: ExperimentState.COMPLETED,
+    ExperimentState.STOPPING_ERROR: ExperimentState.ERROR,
+}
+# What a stopping experiment asks of each of its live trials.
+_STOPPING_TARGET = {
+    ExperimentState.STOPPING_CANCELED: TrialState.STOPPING_CANCELED,
+    ExperimentState.STOPPING_COMPLETED: TrialState.STOPPING_CANCELED,
+    ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
+    ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR,
+}
 
 
-def config_env(config: dict[str, Any]) -> dict[str, str]:
-    """The expconf's environment_variables (a list, or per-device lists: cpu on our nodes)."""
-    items = config["environment"]["environment_variables"]
-    if isinstance(items, dict):
-        items = items.get("cpu", [])
-    return dict(item.partition("=")[::2] for item in items)
+def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
+    if t.early_stopped:
+        return "early_stop"
+    if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
+        return "cancel"
+    if state == ExperimentState.PAUSED:
+        return "pause"
+    return None
 
 
-def _tested_everything(s: object, trial: Trial) -> bool:
+def _aware(t: datetime) -> datetime:
+    # SQLite hands back naive datetimes for timezone-aware columns.
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def _write_marker(path: Path, job_id: str) -> None:
+    """The job id, in the run dir first: a controller killed before the store commit finds it
+    there. A failed write (quota, full disk) must not fail the submission: the job exists, the
+    store records it below, and a crash before that is recovered by the job's identity."""
+    try:
+        path.write_text(job_id)
+    except OSError as e:
+        log.warning("could not write %s (%s); the store records job %s", path, e, job_id)
+
+
+def _tested_everything(s: Session, trial: Trial) -> bool:
     """Test mode: one training report, one validation and one checkpoint were seen."""
     from sqlalchemy import func
-    from sqlalchemy.orm import Session
 
-    from detslurm.store.models import Checkpoint
+    from detslurm.store.models import Checkpoint, Metric
 
-    assert isinstance(s, Session)
     groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
     cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial.id))
     return {"training", "validation"} <= groups and bool(cks)
 
 
 def current_user() -> str:
+    """Who runs this process, from the OS: never from $USER/$LOGNAME, which anyone can set."""
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
         return str(os.getuid())

@@ -9,26 +9,25 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import shutil
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from sqlalchemy.orm import Session
 
 from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
-from detslurm.controller.controller import current_user, storage_base
-from detslurm.controller.layout import ExpLayout, log_file
-from detslurm.core._info import trial_env
+from detslurm.controller.controller import Controller, current_user
+from detslurm.controller.executor import Executor, RunSpec
+from detslurm.controller.layout import ExpLayout
 from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
-from detslurm.searcher import Create, build
+from detslurm.searcher import build
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
-from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
-from detslurm.slurm.site import SiteConfig
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState
 
@@ -42,15 +41,16 @@ class CreatePlan:
     paused: bool
 
     def describe(self) -> str:
-        c = self.config.as_dict()
+        """The plan in words, as shell comments (the dry run's output stays a runnable script)."""
+        cfg = self.config
         lines = [
-            f"experiment: {c['name']}",
-            f"searcher: {c['searcher']['name']} (metric {c['searcher']['metric']})",
-            f"entrypoint: {c['entrypoint']}",
+            f"experiment: {cfg.name}",
+            f"searcher: {cfg.searcher.name} (metric {cfg.searcher.metric})",
+            f"entrypoint: {cfg.entrypoint}",
             f"context: {self.bundle.root} ({len(self.bundle.entries)} entries, "
             f"{self.bundle.total_bytes / 1024:.1f} KiB, sha256 {self.bundle.sha256[:12]})",
         ]
-        return "\n".join(lines)
+        return "\n".join(f"# {line}" for line in lines)
 
 
 def default_storage(settings: Settings) -> dict[str, Any]:
@@ -99,95 +99,71 @@ def plan_create(
     return CreatePlan(config=cfg, original_yaml=text, bundle=bundle, test_mode=test_mode, paused=paused)
 
 
+def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str) -> Experiment:
+    """The experiment's rows and its first trials (no files)."""
+    cfg = plan.config
+    exp = Experiment(
+        name=cfg.name,
+        owner=current_user(),
+        description=cfg.top.description,
+        config=cfg.as_dict(),
+        original_config=plan.original_yaml,
+        context_sha256=plan.bundle.sha256,
+        exp_dir="",
+        executor=executor_kind,
+        resource_pool=cfg.resources.resource_pool,
+        test_mode=plan.test_mode,
+        state=(ExperimentState.PAUSED if plan.paused else ExperimentState.ACTIVE).value,
+        progress=0.0,
+        archived=False,
+    )
+    s.add(exp)
+    s.flush()
+    # A random part makes the dir (and the job tag derived from it) unique to this experiment:
+    # two stores sharing an experiments dir (another db_url, a reset store) both have an
+    # experiment 1, and must never write into, adopt or delete each other's.
+    exp.exp_dir = str(Path(settings.experiments_dir) / f"exp-{exp.id}-{secrets.token_hex(4)}")
+    searcher = build(cfg)
+    apply_actions(s, exp, searcher, searcher.initial_trials())
+    exp.searcher_state = searcher.state_dict()
+    return exp
+
+
 def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor: str) -> int:
-    cfg = plan.config.as_dict()
-    exp_dir: Path | None = None
+    """Create the experiment: rows and dir in one transaction; on any failure neither stays."""
+    made: Path | None = None
     try:
         with store.tx() as s:
-            exp = Experiment(
-                name=cfg["name"],
-                owner=current_user(),
-                description=cfg.get("description"),
-                config=cfg,
-                original_config=plan.original_yaml,
-                context_sha256=plan.bundle.sha256,
-                exp_dir="",
-                executor=executor,
-                resource_pool=cfg["resources"]["resource_pool"],
-                test_mode=plan.test_mode,
-                state=(ExperimentState.PAUSED if plan.paused else ExperimentState.ACTIVE).value,
-                progress=0.0,
-                archived=False,
-            )
-            s.add(exp)
-            s.flush()
-            exp_dir = Path(settings.experiments_dir) / f"exp-{exp.id}"
-            if exp_dir.exists():  # left by a create that crashed before its commit
-                shutil.rmtree(exp_dir)
-            exp_dir.mkdir(parents=True, mode=0o700)
-            exp.exp_dir = str(exp_dir)
+            exp = _insert(s, settings, plan, executor)
+            exp_dir = Path(exp.exp_dir)
+            exp_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            exp_dir.mkdir(mode=0o700)  # exclusive: an existing dir is never reused or removed
+            made = exp_dir
             layout = ExpLayout(exp_dir)
             ctxmod.write_tarball(plan.bundle, layout.context)
-            layout.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            searcher = build(cfg)
-            apply_actions(s, exp, searcher, searcher.initial_trials())
-            exp.searcher_state = searcher.state_dict()
+            layout.config.write_text(yaml.safe_dump(exp.config, sort_keys=False))
             return int(exp.id)
     except BaseException:
-        if exp_dir is not None:
-            shutil.rmtree(exp_dir, ignore_errors=True)
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
         raise
 
 
-def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> list[SbatchRequest]:
-    """What the first submission would be (ids not known yet: the experiment shows as 0, its
-    trials as 1, 2, ...): one job, or one job array for trials that share resources."""
-    cfg = plan.config.as_dict()
-    exp_dir = Path(settings.experiments_dir) / "exp-0"
-    layout = ExpLayout(exp_dir)
-    python = site.python or sys.executable
-    tasks = []
-    for i, act in enumerate(a for a in build(cfg).initial_trials() if isinstance(a, Create)):
-        run_dir = layout.run_dir(i + 1, 1)
-        env = trial_env(
-            experiment_id=0,
-            trial_id=i + 1,
-            run_id=1,
-            seed=act.seed,
-            hparams=act.hparams,
-            config=cfg,
-            latest_checkpoint=None,
-            steps_completed=0,
-            run_dir=run_dir,
-            trial_dir=layout.trial_dir(i + 1),
-            exp_dir=exp_dir,
-            checkpoint_base=storage_base(cfg),
-            resources_type="slurm-job",
-            slot_ids=[],
-            container_addrs=[],
-            user=current_user(),
-        )
-        tasks.append(ArrayTask(i + 1, str(run_dir), env))
-    if len(tasks) == 1:
-        return [
-            plan_trial_run(
-                config=cfg,
-                site=site,
-                ident=Identity(0, 1, 1),
-                env=tasks[0].env,
-                run_dir=tasks[0].run_dir,
-                log_path=str(log_file(Path(tasks[0].run_dir))),
-                python=python,
-            )
-        ]
-    return [
-        plan_array(
-            config=cfg,
-            site=site,
-            ident=Identity(0, 1, 1, array=True),
-            tasks=tasks,
-            links_dir=str(exp_dir / "arrays" / "t1-r1"),
-            log_name=log_file(exp_dir).name,
-            python=python,
-        )
-    ]
+class _DryRun(Exception):
+    """Raised inside the dry run's transaction to roll it back."""
+
+
+def dry_run(store: Store, settings: Settings, plan: CreatePlan, executor: Executor) -> list[RunSpec]:
+    """What creating the experiment would submit first, computed by the code that submits
+    (the same rows, the same run plans), inside a transaction that is then rolled back. On
+    SQLite the ids shown are the ones a create right after would get."""
+    specs: list[RunSpec] = []
+    try:
+        with store.tx() as s:
+            exp = _insert(s, settings, plan, executor.kind)
+            if exp.state == ExperimentState.ACTIVE.value:
+                specs = [spec for _, spec in Controller(store, executor).plan_submission(s, exp)]
+            raise _DryRun
+    except _DryRun:
+        pass
+    return specs

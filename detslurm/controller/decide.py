@@ -7,13 +7,16 @@ from datetime import datetime, timezone
 from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import apply_actions, note
-from detslurm.controller.executor import JobState, JobStatus
+from detslurm.controller.config import stored_config
+from detslurm.controller.executor import ExitCause, JobState, JobStatus
 from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, SearchMethod
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
-# Ends that spend none of the trial's restarts: the cluster's doing, or ours (a controller that
-# died between creating a run and submitting it).
-NOT_THE_TRIALS_FAULT = ("preempted", "node failure", "never started")
+# Ends that spend none of the trial's restarts: the cluster's doing (a preemption, a dead node), or
+# ours (a controller that died between creating a run and submitting it). Everything else that
+# ends a run without the trial's acknowledgment (a crash, a time limit hit before it could
+# checkpoint, a job that vanished) counts against max_restarts, as in Determined.
+SPENDS_NO_RESTART = frozenset({ExitCause.PREEMPTED, ExitCause.NODE_FAILURE, ExitCause.NEVER_STARTED})
 
 
 def _now() -> datetime:
@@ -62,7 +65,7 @@ def _after_ack(session: Session, exp: Experiment, trial: Trial, searcher: Search
 
 
 def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRun, searcher: SearchMethod) -> None:
-    max_restarts = int(exp.config.get("max_restarts", 5))
+    max_restarts = stored_config(exp).max_restarts
     trial.restarts += 1
     code = run.exit_code
     if trial.restarts > max_restarts:
@@ -87,74 +90,67 @@ def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRu
         trial.state = TrialState.PAUSED.value
 
 
-def decide_exit(
-    session: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus, searcher: SearchMethod
-) -> None:
+def _record_exit(trial: Trial, run: TrialRun, status: JobStatus) -> ExitCause:
+    """Note how the run ended. The trial's own report (InvalidHP, recorded while ingesting its
+    events) says more than the scheduler's view of the same exit, so it is kept."""
     run.state = RunState.EXITED.value if status.state == JobState.EXITED else RunState.LOST.value
     run.exit_code = status.exit_code
     run.end_time = _now()
-    if status.reason and not run.exit_reason:
-        run.exit_reason = status.reason[:64]
-    ok = status.exit_code == 0
+    cause = ExitCause.parse(run.exit_reason)
+    if cause is None:
+        cause = status.cause or (ExitCause.COMPLETED if status.exit_code == 0 else ExitCause.FAILED)
+        if cause == ExitCause.CANCELED_BY_USER and trial.state == TrialState.STOPPING_KILLED.value:
+            cause = ExitCause.CANCELED_BY_DETSLURM  # our own scancel (det e kill / det t kill)
+    run.exit_reason = cause.value
+    return cause
+
+
+def _after_stop_request(
+    session: Session, exp: Experiment, trial: Trial, ok: bool, code: int | None, searcher: SearchMethod
+) -> None:
+    """The run ended while the trial was being stopped by a user or by an experiment error."""
     state = TrialState(trial.state)
     if state == TrialState.STOPPING_KILLED:
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, "trial killed")
     elif state == TrialState.STOPPING_CANCELED:
-        finish_trial(
-            session,
-            exp,
-            trial,
-            TrialState.CANCELED if ok else TrialState.ERROR,
-            searcher,
-            EXIT_USER_CANCELED,
-            "trial canceled" if ok else f"trial canceled; exit code {status.exit_code}",
-        )
-    elif state == TrialState.STOPPING_ERROR:
+        final = TrialState.CANCELED if ok else TrialState.ERROR
+        why = "trial canceled" if ok else f"trial canceled; exit code {code}"
+        finish_trial(session, exp, trial, final, searcher, EXIT_USER_CANCELED, why)
+    else:
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED)
-    elif status.reason == "canceled":
+
+
+_STOPPING = (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED, TrialState.STOPPING_ERROR)
+
+
+def decide_exit(
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus, searcher: SearchMethod
+) -> None:
+    """A run ended: complete, pause, restart (spending a restart or not) or fail its trial."""
+    cause = _record_exit(trial, run, status)
+    ok = status.exit_code == 0
+    if TrialState(trial.state) in _STOPPING:
+        _after_stop_request(session, exp, trial, ok, status.exit_code, searcher)
+    elif status.cause == ExitCause.CANCELED_BY_USER:
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
-        finish_trial(
-            session,
-            exp,
-            trial,
-            TrialState.CANCELED,
-            searcher,
-            EXIT_USER_CANCELED,
-            "the Slurm job was canceled outside detslurm (scancel)",
-        )
-    elif run.exit_reason == "INVALID_HP":
-        finish_trial(
-            session,
-            exp,
-            trial,
-            TrialState.COMPLETED,
-            searcher,
-            EXIT_INVALID_HP,
-            "trial reported invalid hyperparameters",
-        )
-    elif trial.early_stopped and (ok or run.preempt_acked) or ok and not run.preempt_acked:
+        why = ExitCause.CANCELED_BY_USER.text
+        finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, why)
+    elif cause == ExitCause.INVALID_HP:
+        why = "trial reported invalid hyperparameters"
+        finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP, why)
+    elif (trial.early_stopped and (ok or run.preempt_acked)) or (ok and not run.preempt_acked):
+        # Done: it finished its work, or the searcher stopped it and it exited cleanly.
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
     elif ok:
         _after_ack(session, exp, trial, searcher)
     elif trial.early_stopped:
-        finish_trial(
-            session,
-            exp,
-            trial,
-            TrialState.COMPLETED,
-            searcher,
-            None,
-            f"trial exited with code {status.exit_code} after the searcher stopped it",
-        )
-    elif status.reason in NOT_THE_TRIALS_FAULT:
+        why = f"trial exited with code {status.exit_code} after the searcher stopped it"
+        finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, None, why)
+    elif cause in SPENDS_NO_RESTART:
         # Preempted or lost its node before it could checkpoint: resume from the latest
         # checkpoint without spending one of the trial's restarts.
-        note(
-            session,
-            trial.id,
-            f"trial run {run.run_id} ended ({status.reason}); resuming from the latest checkpoint",
-            "WARNING",
-        )
+        msg = f"trial run {run.run_id} ended ({cause.text}); resuming from the latest checkpoint"
+        note(session, trial.id, msg, "WARNING")
         if exp.state == ExperimentState.PAUSED.value:
             trial.state = TrialState.PAUSED.value
     else:

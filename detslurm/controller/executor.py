@@ -1,12 +1,18 @@
-"""What the controller needs from whatever runs trial runs: local processes or Slurm jobs."""
+"""What the controller needs from whatever runs trial runs: local processes or Slurm jobs.
+
+The controller never asks which executor it has: everything it may call is declared in
+:class:`Executor`, and how a run ended reaches it as an :class:`ExitCause`, never as text.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
+
+from detslurm.expconf import ExperimentConfig
 
 
 class JobState(enum.Enum):
@@ -16,16 +22,85 @@ class JobState(enum.Enum):
     UNKNOWN = "UNKNOWN"  # the executor has no record of the job
 
 
+class ExitCause(enum.Enum):
+    """How a trial run ended. Restart accounting decides on this (controller/decide.py); the
+    text users see is :attr:`text`, derived here and nowhere else."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    PREEMPTED = "preempted"
+    TIME_LIMIT = "time limit"
+    NODE_FAILURE = "node failure"
+    CANCELED_BY_USER = "canceled by user"
+    CANCELED_BY_DETSLURM = "canceled by detslurm"
+    # The controller died between recording a run and submitting it.
+    NEVER_STARTED = "never started"
+    # Gone from the scheduler with no exit record and no accounting to say how it ended.
+    LOST = "lost"
+    # sbatch's reply never came (timeout): the job may or may not exist until the queue says.
+    SUBMIT_UNKNOWN = "submit unknown"
+    # The trial itself reported invalid hyperparameters (Core API InvalidHP) before exiting.
+    INVALID_HP = "invalid hyperparameters"
+
+    @property
+    def text(self) -> str:
+        return _TEXT[self]
+
+    @classmethod
+    def parse(cls, stored: str | None) -> ExitCause | None:
+        """A stored value back to a cause; values written by older versions are mapped too."""
+        if stored is None:
+            return None
+        try:
+            return cls(stored)
+        except ValueError:
+            return _LEGACY.get(stored)
+
+
+_TEXT = {
+    ExitCause.COMPLETED: "exited normally",
+    ExitCause.FAILED: "failed",
+    ExitCause.PREEMPTED: "preempted by the scheduler",
+    ExitCause.TIME_LIMIT: "reached its time limit",
+    ExitCause.NODE_FAILURE: "lost its node (node failure)",
+    ExitCause.CANCELED_BY_USER: "the Slurm job was canceled outside detslurm (scancel)",
+    ExitCause.CANCELED_BY_DETSLURM: "canceled by detslurm",
+    ExitCause.NEVER_STARTED: "never started (the controller stopped before submitting it)",
+    ExitCause.LOST: "left the queue without an exit record",
+    ExitCause.SUBMIT_UNKNOWN: "submission not confirmed by the scheduler",
+    ExitCause.INVALID_HP: "reported invalid hyperparameters",
+}
+# Display strings stored by versions before the enum (TrialRun.exit_reason).
+_LEGACY = {
+    "canceled": ExitCause.CANCELED_BY_USER,
+    "job left the queue without an exit record": ExitCause.LOST,
+    "process gone without an exit record": ExitCause.LOST,
+    "killed before recording its exit": ExitCause.FAILED,
+    "submit failed": ExitCause.FAILED,
+    "out of memory": ExitCause.FAILED,
+    "boot failure": ExitCause.NODE_FAILURE,
+    "deadline": ExitCause.TIME_LIMIT,
+    "INVALID_HP": ExitCause.INVALID_HP,
+}
+
+
 class SchedulerUnavailable(Exception):
     """The scheduler did not answer a submission (down, restarting): nothing was submitted;
     the controller takes the run back and submits it again later."""
+
+
+class SubmitUnknown(Exception):
+    """The submission was sent but its reply never came: the job may exist. The controller
+    must look for it (by its identity) before it may submit the run again."""
 
 
 @dataclass(frozen=True)
 class JobStatus:
     state: JobState
     exit_code: int | None = None
-    reason: str | None = None
+    cause: ExitCause | None = None
+    # Scheduler detail shown beside the cause (e.g. Slurm's OUT_OF_MEMORY) or a pending reason.
+    detail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,26 +112,35 @@ class RunSpec:
     env: dict[str, str]
     run_dir: Path
     log_path: Path
-    slots: int = 1
-    identity: tuple[int, int, int] = (0, 0, 0)  # experiment, trial, run
-    config: dict[str, Any] = field(default_factory=dict)
+    exp_dir: Path
+    identity: tuple[int, int, int]  # experiment, trial, run
+    config: ExperimentConfig
 
 
 class Executor(Protocol):
+    """A backend for trial runs. ``submit_many`` and ``kill_many`` are the batch forms the
+    controller always uses (a backend may implement them one run at a time)."""
+
     kind: str
 
     def capacity(self) -> int | None:
         """How many more runs may start now (None: no local limit, the scheduler decides)."""
 
-    def submit(self, spec: RunSpec) -> str:
-        """Start the run; returns its job id."""
+    def resources_type(self) -> str:
+        """``DET_RESOURCES_TYPE`` for runs of this backend."""
+
+    def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
+        """Start runs; each spec's job id, or the error that kept it from starting
+        (:class:`SchedulerUnavailable`, :class:`SubmitUnknown` or any other)."""
 
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
         """One batched status query for all the given jobs (job id -> run dir)."""
 
-    def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> int | str | None:
-        """The job id of a run whose submission was not recorded (the controller crashed)."""
+    def recover(self, identity: tuple[int, int, int], exp_dir: str) -> str | None:
+        """The job id of a run whose submission was not recorded (the controller crashed, or
+        the submission's reply was lost), found by the run's identity; None if no such job."""
 
-    def kill(self, job_id: str) -> None: ...
+    def kill_many(self, job_ids: Sequence[str]) -> None:
+        """Stop these jobs now (one call for all of them where the backend allows it)."""
 
     def signal(self, job_id: str, signum: int) -> None: ...

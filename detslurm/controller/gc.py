@@ -7,12 +7,14 @@ storage and marked DELETED (the rows stay, so history still shows them).
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from detslurm.controller.config import stored_config
 from detslurm.store.models import Checkpoint, Experiment, Metric, Trial
 
 
@@ -32,10 +34,10 @@ def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float |
 
 
 def keep_set(session: Session, exp: Experiment) -> set[str]:
-    cfg = exp.config
-    policy = cfg["checkpoint_storage"]
-    metric = cfg["searcher"]["metric"]
-    sign = 1.0 if cfg["searcher"]["smaller_is_better"] else -1.0
+    cfg = stored_config(exp)
+    policy = cfg.storage
+    metric = cfg.searcher.metric or ""
+    sign = 1.0 if cfg.searcher.smaller_is_better else -1.0
     keep: set[str] = set()
     scored_all: list[tuple[float, str]] = []
     for t in session.scalars(select(Trial).where(Trial.experiment_id == exp.id)):
@@ -44,30 +46,53 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
                 select(Checkpoint)
                 .where(Checkpoint.trial_id == t.id)
                 .where(Checkpoint.state == "COMPLETED")
-                .order_by(Checkpoint.report_time)
+                .order_by(Checkpoint.steps_completed, Checkpoint.report_time)
             )
         )
-        latest = policy.get("save_trial_latest", 1)
+        latest = policy.save_trial_latest
         if latest:
             keep.update(c.uuid for c in cks[-latest:])
         scored = [(sign * v, c.uuid) for c in cks if (v := _validation_metric(session, c, metric)) is not None]
         scored.sort()
-        keep.update(u for _, u in scored[: policy.get("save_trial_best", 1)])
+        keep.update(u for _, u in scored[: policy.save_trial_best])
         scored_all += scored
     scored_all.sort()
-    keep.update(u for _, u in scored_all[: policy.get("save_experiment_best", 0)])
+    keep.update(u for _, u in scored_all[: policy.save_experiment_best])
     return keep
 
 
-def collect_garbage(session: Session, exp: Experiment) -> list[str]:
+# What a checkpoint uuid may look like: Core API uuids are uuid4 strings; anything with a path
+# separator or only dots could make "base/uuid" point outside the storage base.
+_UUID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+
+
+def checkpoint_dir(exp: Experiment, uuid: str) -> Path | None:
+    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``, resolved
+    and checked to lie under the base. The path a trial reported is never trusted for deletes
+    or copies (it could name any directory of the user's)."""
+    if not _UUID.fullmatch(uuid):
+        return None
+    base = Path(stored_config(exp).storage_base).resolve()
+    path = (base / uuid).resolve()
+    return path if path.parent == base else None
+
+
+def collect_garbage(session: Session, exp: Experiment) -> list[Path]:
+    """Mark the checkpoints the policy drops as DELETED; returns their directories, which the
+    caller removes after the commit (a big rmtree must not hold the store's write lock)."""
     keep = keep_set(session, exp)
-    deleted = []
+    doomed: list[Path] = []
     q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id).where(Checkpoint.state == "COMPLETED")
     for ck in session.scalars(q):
         if ck.uuid in keep:
             continue
-        if ck.storage_path:
-            shutil.rmtree(Path(ck.storage_path), ignore_errors=True)
+        path = checkpoint_dir(exp, ck.uuid)
+        if path is not None:
+            doomed.append(path)
         ck.state = "DELETED"
-        deleted.append(ck.uuid)
-    return deleted
+    return doomed
+
+
+def remove_dirs(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)

@@ -6,12 +6,12 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import psutil
 
-from detslurm.controller.executor import JobState, JobStatus, RunSpec
+from detslurm.controller.executor import ExitCause, JobState, JobStatus, RunSpec
 from detslurm.controller.layout import exit_file
 from detslurm.util import read_json
 
@@ -22,11 +22,22 @@ class LocalExecutor:
     def __init__(self, max_parallel: int) -> None:
         self.max_parallel = max_parallel
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._dirs: dict[str, str] = {}
 
     def capacity(self) -> int | None:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.max_parallel - running)
+
+    def resources_type(self) -> str:
+        return "local-process"
+
+    def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
+        out: list[str | Exception] = []
+        for spec in specs:
+            try:
+                out.append(self.submit(spec))
+            except Exception as e:  # this run did not start; the others may
+                out.append(e)
+        return out
 
     def submit(self, spec: RunSpec) -> str:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +71,7 @@ class LocalExecutor:
         except psutil.NoSuchProcess:
             return False
 
-    def recover(self, identity: tuple[int, int, int], exp_dir: str = "") -> str | None:
+    def recover(self, identity: tuple[int, int, int], exp_dir: str) -> str | None:
         return None  # local runs record their job id in the run dir before anything else
 
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
@@ -75,12 +86,14 @@ class LocalExecutor:
                 out[jid] = JobStatus(JobState.RUNNING)
                 continue
             record = read_json(exit_file(Path(self._parse(jid)[2])), None)
-            if record is not None:
-                out[jid] = JobStatus(JobState.EXITED, int(record["code"]))
+            recorded = record.get("code") if isinstance(record, dict) else None
+            if isinstance(recorded, int) and not isinstance(recorded, bool):
+                cause = ExitCause.COMPLETED if recorded == 0 else ExitCause.FAILED
+                out[jid] = JobStatus(JobState.EXITED, recorded, cause)
             elif code is not None:
-                out[jid] = JobStatus(JobState.EXITED, code, "killed before recording its exit")
+                out[jid] = JobStatus(JobState.EXITED, code, ExitCause.FAILED, "killed before recording its exit")
             else:
-                out[jid] = JobStatus(JobState.UNKNOWN, None, "process gone without an exit record")
+                out[jid] = JobStatus(JobState.UNKNOWN, None, ExitCause.LOST, "process gone without an exit record")
             self._procs.pop(jid, None)
         return out
 
@@ -91,6 +104,10 @@ class LocalExecutor:
         pid, _, _ = self._parse(job_id)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
+
+    def kill_many(self, job_ids: Sequence[str]) -> None:
+        for job_id in job_ids:
+            self.kill(job_id)
 
     def kill(self, job_id: str) -> None:
         """SIGKILL the whole tree: the entrypoint runs in its own session, so a process-group

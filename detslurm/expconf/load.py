@@ -216,7 +216,7 @@ def from_stored(data: Mapping[str, Any], where: str = "stored config") -> Experi
     try:
         return _from_stored_json(json.dumps(data, sort_keys=True))
     except ConfigError as e:
-        raise ConfigError([f"{where}: {line}" for line in e.errors]) from None
+        raise ConfigError([line.replace(ROOT, where, 1) for line in e.errors]) from None
 
 
 _FORBIDDEN_LONG = {

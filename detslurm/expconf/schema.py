@@ -170,11 +170,11 @@ class Environment(Strict):
     drop_capabilities: list[str] = Field(default_factory=list)
     pod_spec: dict[str, Any] | None = None
 
-    def variables(self, kind: str = "cpu") -> list[str]:
+    def variables(self, kind: str = "cpu") -> dict[str, str]:
+        """The user's variables for one device kind (a plain list applies to every kind)."""
         ev = self.environment_variables
-        if isinstance(ev, dict):
-            return list(ev.get(kind, []))
-        return list(ev)
+        items = ev.get(kind, []) if isinstance(ev, dict) else ev
+        return dict(item.partition("=")[::2] for item in items)
 
 
 class BindMount(Strict):

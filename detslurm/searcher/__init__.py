@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from detslurm.expconf import ExperimentConfig
+from detslurm.expconf.schema import AdaptiveASHASearcher, GridSearcher, RandomSearcher, SingleSearcher
 from detslurm.searcher.asha import AdaptiveASHA
 from detslurm.searcher.base import (
     EXIT_ERRORED,
@@ -41,35 +41,36 @@ __all__ = [
 ]
 
 
-def build(config: dict[str, Any]) -> SearchMethod:
-    """A searcher for a validated, defaults-filled experiment config dict."""
-    sc = config["searcher"]
-    hps = config["hyperparameters"]
-    seed = int(config["reproducibility"]["experiment_seed"])
-    ml = sc.get("max_length")
-    ops: tuple[int, ...] = (int(next(iter(ml.values()))),) if ml else ()
-    name = sc["name"]
-    if name == "single":
+def build(config: ExperimentConfig) -> SearchMethod:
+    """The searcher of a validated experiment config."""
+    sc = config.searcher
+    hps = config.hyperparameters
+    seed = config.top.reproducibility.experiment_seed
+    ops: tuple[int, ...] = (sc.max_length.value,) if sc.max_length is not None else ()
+    if isinstance(sc, SingleSearcher):
         return RandomSearch(hps, seed, max_trials=1, max_concurrent=1, ops=ops)
-    if name == "random":
-        return RandomSearch(hps, seed, sc["max_trials"], sc["max_concurrent_trials"], ops=ops)
-    if name == "grid":
-        return GridSearch(hps, seed, sc["max_concurrent_trials"], ops=ops)
-    if name == "adaptive_asha":
-        promotion = sc.get("max_time") is None and ml is not None
+    if isinstance(sc, RandomSearcher):
+        assert sc.max_trials is not None  # validation requires it
+        return RandomSearch(hps, seed, sc.max_trials, sc.max_concurrent_trials, ops=ops)
+    if isinstance(sc, GridSearcher):
+        return GridSearch(hps, seed, sc.max_concurrent_trials, ops=ops)
+    if isinstance(sc, AdaptiveASHASearcher):
+        assert sc.max_trials is not None and sc.metric is not None  # validation requires both
+        # max_length without max_time: Determined 0.37's promotion-based ASHA (searcher ops).
+        promotion = sc.max_time is None and sc.max_length is not None
         return AdaptiveASHA(
             hps,
             seed,
-            metric=sc["metric"],
-            smaller_is_better=sc["smaller_is_better"],
-            max_trials=sc["max_trials"],
-            max_time=int(sc["max_time"] or ops[0]),
-            time_metric=sc.get("time_metric"),
-            divisor=sc["divisor"],
-            max_rungs_cfg=sc["max_rungs"],
-            mode=sc["mode"],
-            explicit_rungs=sc["bracket_rungs"] or None,
-            max_concurrent=sc["max_concurrent_trials"],
+            metric=sc.metric,
+            smaller_is_better=sc.smaller_is_better,
+            max_trials=sc.max_trials,
+            max_time=int(sc.max_time or ops[0]),
+            time_metric=sc.time_metric,
+            divisor=sc.divisor,
+            max_rungs_cfg=sc.max_rungs,
+            mode=sc.mode,
+            explicit_rungs=sc.bracket_rungs or None,
+            max_concurrent=sc.max_concurrent_trials,
             promotion=promotion,
         )
-    raise SearcherError(f"unknown searcher {name!r}")
+    raise SearcherError(f"unknown searcher {sc!r}")

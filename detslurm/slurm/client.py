@@ -42,6 +42,13 @@ class SlurmCommandError(DetSlurmError):
         """slurmctld did not answer (down, restarting, overloaded): try again later."""
         return self.returncode == 124 or any(m in self.stderr for m in _UNREACHABLE)
 
+    @property
+    def reply_lost(self) -> bool:
+        """The request may have reached slurmctld, but its answer never came back (our own
+        timeout, or Slurm's socket timeout). For sbatch this means the job may exist: a busy
+        slurmctld often accepts a job and then times out the reply."""
+        return self.returncode == 124 or "Socket timed out" in self.stderr
+
 
 class SlurmUnavailable(DetSlurmError):
     pass

@@ -9,14 +9,15 @@ sbatch options go on sbatch's command line as an argv list (never through a shel
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
 
 import jinja2
 
 from detslurm.errors import ConfigError
+from detslurm.expconf import ExperimentConfig
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
@@ -24,6 +25,7 @@ _ENV = jinja2.Environment(
     undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True
 )
 _ENV.filters["q"] = lambda v: shlex.quote(str(v))
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _template(name: str) -> jinja2.Template:
@@ -39,7 +41,8 @@ class SbatchRequest:
     env: dict[str, str] = field(default_factory=dict, compare=False)
 
     def render(self) -> str:
-        return f"$ sbatch --parsable {shlex.join(self.args)} <<'SCRIPT'\n{self.script}SCRIPT\n"
+        """A runnable shell command: sbatch's command line with the script as a here-document."""
+        return f"sbatch --parsable {shlex.join(self.args)} <<'SCRIPT'\n{self.script}SCRIPT\n"
 
 
 @dataclass(frozen=True)
@@ -70,19 +73,30 @@ class ArrayTask:
     env: dict[str, str]
 
 
-def resource_args(config: dict[str, Any], site: SiteConfig) -> tuple[list[str], int]:
-    """Partition, nodes and slots for a trial; returns (args, nodes)."""
-    res, slurm = config["resources"], config["slurm"]
-    pool_name, pool = site.pool(res.get("resource_pool", ""))
-    slots = int(res["slots_per_trial"])
-    spn = int(slurm.get("slots_per_node") or pool.slots_per_node)
+@dataclass(frozen=True)
+class ResourcePlan:
+    """Where and on what a trial runs, computed once per submission from the config and the
+    site: the sbatch resource options and the node count the script's srun needs."""
+
+    args: tuple[str, ...]
+    nodes: int
+    slots: int
+
+
+def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
+    """Partition, nodes and slots for a trial. Raises ConfigError for an unknown pool."""
+    res, slurm = config.resources, config.slurm
+    _, pool = site.pool(res.resource_pool)
+    slots = res.slots_per_trial
+    spn = slurm.slots_per_node or pool.slots_per_node
     nodes = max(1, math.ceil(slots / spn)) if slots else 1
+    # Several nodes are filled whole; one node gets exactly the slots asked for.
     per_node = spn if nodes > 1 else max(slots, 1)
     args = [f"--partition={pool.partition}"] if pool.partition else []
     args += [f"--nodes={nodes}", "--ntasks-per-node=1"]
     if pool.slot_type == "gpu" and slots > 0:
-        gtype = slurm.get("gpu_type")
-        args.append(f"--gres={pool.gres_name}:{gtype}:{per_node}" if gtype else f"--gres={pool.gres_name}:{per_node}")
+        gres = f"{pool.gres_name}:{slurm.gpu_type}:{per_node}" if slurm.gpu_type else f"{pool.gres_name}:{per_node}"
+        args.append(f"--gres={gres}")
     elif slots > 0:
         args.append(f"--cpus-per-task={per_node}")
     if pool.account:
@@ -92,17 +106,17 @@ def resource_args(config: dict[str, Any], site: SiteConfig) -> tuple[list[str], 
     if pool.time_limit_min:
         args.append(f"--time={pool.time_limit_min}")
     args += pool.extra_sbatch_args
-    del pool_name
-    return args, nodes
+    return ResourcePlan(tuple(args), nodes, slots)
 
 
-def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output: str, chdir: str) -> list[str]:
-    res_args, _ = resource_args(config, site)
+def _job_args(
+    config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, ident: Identity, output: str, chdir: str
+) -> list[str]:
     sig = site.signal.upper().removeprefix("SIG")
     args = [
         f"--job-name={ident.job_name}",
         f"--comment={ident.comment}",
-        *res_args,
+        *res.args,
         # sbatch expands %j, %u, ... in file names: a literal % must be doubled.
         f"--output={output}",
         "--open-mode=append",
@@ -110,7 +124,7 @@ def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output:
         # detslurm resubmits from the latest checkpoint itself (counting restarts once).
         "--no-requeue",
         f"--signal=B:{sig}@{site.signal_lead_s}",
-        *config["slurm"].get("sbatch_args", []),
+        *config.slurm.sbatch_args,
     ]
     for a in args:
         if any(c in a for c in "\n\r\0"):
@@ -118,23 +132,33 @@ def _job_args(config: dict[str, Any], site: SiteConfig, ident: Identity, output:
     return args
 
 
+def _check_env(env: dict[str, str]) -> None:
+    """Variable names are written into the script unquoted (``export NAME=...``): re-checked
+    here, because the config they come from may have been edited since validation."""
+    bad = [k for k in env if not _ENV_NAME.fullmatch(k)]
+    if bad:
+        raise ConfigError([f"environment variable name {k!r} is not a valid shell variable name" for k in bad])
+
+
 def _script(
-    config: dict[str, Any],
     site: SiteConfig,
+    res: ResourcePlan,
     ident: Identity,
     env: dict[str, str],
     run_dir: str,
     python: str,
     tasks: list[tuple[int, list[tuple[str, str]]]] | None = None,
 ) -> str:
-    _, nodes = resource_args(config, site)
+    _check_env(env)
+    for _, task_env in tasks or []:
+        _check_env(dict(task_env))
     return _template("trial.sbatch.j2").render(
         ident=ident,
         env=sorted(env.items()),
         setup=site.setup,
         run_dir=run_dir,
         python=python,
-        nodes=nodes,
+        nodes=res.nodes,
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir,
         tasks=tasks or [],
@@ -143,7 +167,7 @@ def _script(
 
 def plan_trial_run(
     *,
-    config: dict[str, Any],
+    config: ExperimentConfig,
     site: SiteConfig,
     ident: Identity,
     env: dict[str, str],
@@ -151,14 +175,15 @@ def plan_trial_run(
     log_path: str,
     python: str,
 ) -> SbatchRequest:
-    args = _job_args(config, site, ident, log_path.replace("%", "%%"), run_dir)
-    script = _script(config, site, ident, env, run_dir, python)
+    res = resource_plan(config, site)
+    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir)
+    script = _script(site, res, ident, env, run_dir, python)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
 
 
 def plan_array(
     *,
-    config: dict[str, Any],
+    config: ExperimentConfig,
     site: SiteConfig,
     ident: Identity,
     tasks: list[ArrayTask],
@@ -174,14 +199,15 @@ def plan_array(
     array's throttle (``%N``): Slurm then runs at most N of its tasks at a time.
     """
     base = ident.trial_id
-    res = config["resources"]
-    throttle = max(1, int(res["max_slots"]) // max(1, int(res["slots_per_trial"]))) if res.get("max_slots") else 0
+    res = resource_plan(config, site)
+    max_slots = config.resources.max_slots
+    throttle = max(1, max_slots // max(1, res.slots)) if max_slots else 0
     common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
     per_task = [(t.trial_id - base, sorted((k, v) for k, v in t.env.items() if common.get(k) != v)) for t in tasks]
     spec = index_ranges([i for i, _ in per_task]) + (f"%{throttle}" if throttle > 0 else "")
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
-    args = [*_job_args(config, site, ident, output, links_dir), f"--array={spec}"]
-    script = _script(config, site, ident, common, "", python, per_task)
+    args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
+    script = _script(site, res, ident, common, "", python, per_task)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
 
 

@@ -1,0 +1,19 @@
+"""The typed config of a stored experiment.
+
+The store keeps each experiment's config as plain JSON (what trials see); everything the
+controller decides or renders goes through :func:`stored_config`, which validates it again, so
+a row edited by hand (or by another user of a shared database) cannot reach a script unchecked.
+"""
+
+from __future__ import annotations
+
+from detslurm.errors import ConfigError
+from detslurm.expconf import ExperimentConfig, from_stored
+from detslurm.store.models import Experiment
+
+
+def stored_config(exp: Experiment) -> ExperimentConfig:
+    try:
+        return from_stored(exp.config, f"<experiment {exp.id}>")
+    except ConfigError as e:
+        raise ConfigError(e.errors, source=f"stored config of experiment {exp.id}") from None

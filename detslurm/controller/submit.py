@@ -1,0 +1,115 @@
+"""Which trials need a new run, and the plan (a :class:`RunSpec`) for each.
+
+The same functions serve a real submission (``Controller._submit``) and the dry run of
+``det e create --dry-run``, so what the dry run prints is what would be submitted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from detslurm.controller.config import stored_config
+from detslurm.controller.executor import RunSpec
+from detslurm.controller.layout import ExpLayout, log_file
+from detslurm.core._info import trial_env
+from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
+
+ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
+
+
+def needs_run(t: Trial, busy: set[int]) -> bool:
+    if t.state != TrialState.ACTIVE.value or t.id in busy or t.early_stopped:
+        return False
+    # With 0.37-style ops, a trial whose ops are all done waits for a promotion (or closing).
+    return not (t.searcher_ops and t.ops_completed >= len(t.searcher_ops))
+
+
+def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialRun:
+    t.run_count += 1
+    run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
+    run = TrialRun(
+        trial_id=t.id,
+        run_id=t.run_count,
+        state=RunState.PENDING.value,
+        executor=executor_kind,
+        run_dir=str(run_dir),
+        log_path=str(log_file(run_dir)),
+        preempt_acked=False,
+        restart_count_seen=0,
+    )
+    s.add(run)
+    t.runs.append(run)
+    if t.run_count > 1:
+        # Rows past the checkpoint we resume from would be reported again: archive them so
+        # no step is counted twice.
+        resume_at = t.steps_completed if t.latest_checkpoint else 0
+        s.execute(
+            update(Metric)
+            .where(Metric.trial_id == t.id)
+            .where(Metric.steps_completed > resume_at)
+            .values(archived=True)
+        )
+    return run
+
+
+def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> RunSpec:
+    """The plan of one trial run (pure: reads the rows, writes nothing)."""
+    cfg = stored_config(exp)
+    layout = ExpLayout(Path(exp.exp_dir))
+    # Only what the trial needs from us; the executor adds the submitting environment.
+    env = cfg.environment.variables()
+    latest = t.latest_checkpoint or t.warm_start_checkpoint
+    steps = t.steps_completed if t.latest_checkpoint else 0
+    env.update(
+        trial_env(
+            experiment_id=exp.id,
+            trial_id=t.id,
+            run_id=run.run_id,
+            seed=t.seed,
+            hparams=t.hparams,
+            config=cfg.as_dict(),
+            latest_checkpoint=latest,
+            steps_completed=steps,
+            run_dir=Path(run.run_dir),
+            trial_dir=layout.trial_dir(t.id),
+            exp_dir=layout.root,
+            checkpoint_base=cfg.storage_base,
+            resources_type=resources_type,
+            slot_ids=list(range(max(1, cfg.resources.slots_per_trial))),
+            container_addrs=["127.0.0.1"],
+            user=exp.owner,
+        )
+    )
+    if exp.test_mode:
+        env["DET_TEST_MODE"] = "1"
+    return RunSpec(
+        name=f"det-e{exp.id}-t{t.id}-r{run.run_id}",
+        argv=[sys.executable, "-m", "detslurm.exec.launch"],
+        env=env,
+        run_dir=Path(run.run_dir),
+        log_path=Path(run.log_path),
+        exp_dir=layout.root,
+        identity=(exp.id, t.id, run.run_id),
+        config=cfg,
+    )
+
+
+def plan_runs(
+    s: Session, exp: Experiment, capacity: int | None, executor_kind: str, resources_type: str
+) -> list[tuple[TrialRun, RunSpec]]:
+    """New runs for every trial that needs one (up to ``capacity``), recorded in ``s`` as
+    PENDING, with their plans. The caller submits them, or rolls back (dry run)."""
+    s.flush()  # trials the searcher just created need their ids (run dirs are named by them)
+    busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
+    new: list[tuple[Trial, TrialRun]] = []
+    for t in exp.trials:
+        if capacity is not None and len(new) >= capacity:
+            break
+        if needs_run(t, busy):
+            new.append((t, new_run(s, exp, t, executor_kind)))
+    s.flush()  # once for all new runs: their ids
+    return [(run, run_spec(exp, t, run, resources_type)) for t, run in new]
