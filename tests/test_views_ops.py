@@ -159,6 +159,8 @@ def test_move_to_pool_refuses_another_stores_or_users_experiment(store: Store, t
         ops.move_to_pool(store, mine, "gpu", tag=experiment_tag("/another/store/exp"))
     with pytest.raises(StateError, match="submitted from another store"):
         ops.move_to_pool(store, mine, "gpu", tag="")
+    with pytest.raises(StateError, match="experiment 99 is not in your detslurm store"):
+        ops.move_to_pool(store, 99, "gpu", tag=experiment_tag(str(tmp_path / "a")))
     if os_user() != "root":  # root may change anyone's experiment
         theirs = add_experiment(store, tmp_path / "b", owner="someone-else")
         with pytest.raises(StateError, match="belongs to someone-else"):

@@ -112,13 +112,16 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
     alone (security review L4).
     """
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = s.get(Experiment, exp_id)
+        if exp is None:
+            raise StateError(f"experiment {exp_id} is not in your detslurm store, so it was not moved")
         if tag != experiment_tag(exp.exp_dir):
             raise StateError(
                 f"the job is not a trial of experiment {exp_id} of this detslurm store (its comment's tag "
                 f"{tag or '(none)'} does not match); it was submitted from another store, so its experiment "
                 "was not moved"
             )
+        _own(exp)
         # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
         cfg = json.loads(json.dumps(exp.config))
         cfg["resources"]["resource_pool"] = pool
