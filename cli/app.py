@@ -1,32 +1,43 @@
-"""The object every command receives: settings, and the store opened on first use."""
+"""The object every command receives: settings, store, Slurm client and site config, each made
+on first use and then shared by everything the command does (click's ``ctx.obj`` pattern).
+
+Nothing heavy is imported here: `det --help` and the read commands must not pay for
+SQLAlchemy, pydantic or the Slurm client before they use them.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
-from detslurm import settings as settings_mod
-from detslurm.settings import Settings
-
-if TYPE_CHECKING:  # imported on first use: `det --help` needs neither
+if TYPE_CHECKING:
+    from detslurm.settings import Settings
+    from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
 
+T = TypeVar("T")
+
 
 class App:
-    def __init__(self, as_json: bool = False) -> None:
-        self.settings: Settings = settings_mod.load()
+    """One per `det` process: the one place the CLI opens the store, Slurm and the configs."""
+
+    def __init__(self) -> None:
+        self._settings: Settings | None = None
         self._store: Store | None = None
+        self._client: SlurmClient | None = None
         self._site: SiteConfig | None = None
-        self.as_json = as_json
 
-    def site(self) -> SiteConfig:
-        if self._site is None:
-            from detslurm.slurm.site import load_site_config
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            from detslurm import settings as settings_mod
 
-            self._site = load_site_config()
-        return self._site
+            self._settings = settings_mod.load()
+        return self._settings
 
     @property
     def store(self) -> Store:
@@ -35,6 +46,34 @@ class App:
 
             self._store = open_store(self.settings.db_url)
         return self._store
+
+    @property
+    def client(self) -> SlurmClient:
+        """The process's one Slurm client (it caches `scontrol show config` for the process)."""
+        if self._client is None:
+            from detslurm.slurm.client import client_from_env
+
+            self._client = client_from_env()
+        return self._client
+
+    def site(self) -> SiteConfig:
+        """The site config (pools, partitions, poll floor)."""
+        if self._site is None:
+            from detslurm.slurm.site import load_site_config
+
+            self._site = load_site_config()
+        return self._site
+
+    def poll_until(self, step: Callable[[], T | None]) -> T:
+        """Call ``step`` every poll interval until it returns something other than None.
+
+        Every waiting loop of the CLI (wait, follow, drive) is this; ``step`` does one round of
+        work and says whether it is done."""
+        while True:
+            result = step()
+            if result is not None:
+                return result
+            time.sleep(self.settings.poll_interval_s)
 
 
 pass_app = click.make_pass_decorator(App)

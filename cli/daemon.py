@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import click
 
 from detslurm import daemon as daemon_mod
@@ -30,19 +28,22 @@ def start(app: App, foreground: bool) -> None:
 @pass_app
 def stop(app: App) -> None:
     """Stop the daemon. Trials keep running; the next start picks them up."""
-    pid: Optional[int] = daemon_mod.stop(app.settings)
-    click.echo("detslurm daemon was not running" if pid is None else f"stopped detslurm daemon (pid {pid})")
+    pid = daemon_mod.stop(app.settings)
+    if pid is None:
+        # Only a daemon proved ours (this host, this uid, same process) is ever signalled.
+        click.echo(f"detslurm daemon was {daemon_mod.daemon_status(app.settings).detail}")
+        return
+    click.echo(f"stopped detslurm daemon (pid {pid})")
 
 
 @daemon.command("status")
 @pass_app
 def status(app: App) -> None:
-    """Say whether the daemon runs."""
-    pid = daemon_mod.running_pid(app.settings)
-    if pid is None:
-        click.echo("detslurm daemon: not running")
+    """Say whether the daemon runs (here: a daemon on another login node is not "running")."""
+    st = daemon_mod.daemon_status(app.settings)
+    click.echo(f"detslurm daemon: {st.detail}")
+    if st.pid is None:
         raise click.exceptions.Exit(1)
-    click.echo(f"detslurm daemon: running (pid {pid})")
 
 
 @daemon.command("logs")

@@ -9,47 +9,21 @@ from typing import Any
 
 import click
 import yaml
-from sqlalchemy import select
 
 from detslurm import views
+from detslurm.cli import backend as backend_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
 from detslurm.errors import DetSlurmError
-from detslurm.store.models import Experiment, ExperimentState
-
-
-def _local() -> Any:
-    from detslurm.cli import local
-
-    return local
+from detslurm.store.models import ExperimentState
 
 
 @click.group(name="experiment")
 def experiment() -> None:
     """Create, inspect and control experiments."""
-
-
-def _test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
-    with app.store.tx() as s:
-        exp = views.get_experiment(s, exp_id)
-        trial = exp.trials[0] if exp.trials else None
-        tested = trial is not None and trial.runner_state == "test_done"
-        tid = trial.id if trial else None
-    if state == ExperimentState.COMPLETED and tested:
-        click.echo("Model definition test succeeded! 🎉")
-        return 0
-    click.echo(
-        "Model definition test failed: the trial must report training metrics, validation metrics and "
-        "a checkpoint, then exit 0. Trial logs:",
-        err=True,
-    )
-    if tid is not None:
-        for line in list(logs_mod.lines(app, tid))[-40:]:
-            click.echo(line, err=True)
-    return 1
 
 
 @experiment.command("create")
@@ -76,62 +50,21 @@ def create(
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
     from detslurm.controller.create import execute_create, plan_create
-    from detslurm.slurm.render import resource_plan
 
     plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
-    site = None if run_local else app.site()
-    if site is not None:
-        resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+    backend = backend_mod.for_create(app, local=run_local)
+    backend.site_for_create(plan)
     if dry_run:
-        _print_dry_run(app, plan, run_local)
+        click.echo(plan.describe())
+        click.echo(backend.dry_run(plan), nl=False)
+        click.echo("# dry run: nothing was created or submitted")
         return
-    if not run_local:
-        slurm_mod.require_slurm(app)
-        exp_id = execute_create(app.store, app.settings, plan, executor="slurm")
-        click.echo(f"Created experiment {exp_id}")
-        slurm_mod.after_create(app, exp_id, paused=paused, follow=follow, test_mode=test_mode)
-        return
-    exp_id = execute_create(app.store, app.settings, plan, executor="local")
+    backend.require_reachable()
+    exp_id = execute_create(app.store, app.settings, plan, executor=backend.executor)
     click.echo(f"Created experiment {exp_id}")
-    if paused:
-        return
-    if test_mode:
-        click.echo("Testing training, validation and checkpointing")
-    state = _local().drive(app, exp_id, follow=follow, quiet=test_mode)
-    if test_mode:
-        raise click.exceptions.Exit(_test_mode_report(app, exp_id, state))
-    click.echo(f"Experiment {exp_id} {state.value}")
-    if state not in (ExperimentState.COMPLETED, ExperimentState.PAUSED):
-        raise click.exceptions.Exit(1)
-
-
-def _print_dry_run(app: App, plan: Any, run_local: bool) -> None:
-    """The plan, then exactly what the first submission would run: for Slurm, the sbatch
-    command lines and scripts the executor builds (a shell script: comments and heredocs)."""
-    from detslurm.controller.create import dry_run
-
-    click.echo(plan.describe())
-    if run_local:
-        from detslurm.controller.local import LocalExecutor
-
-        for spec in dry_run(app.store, app.settings, plan, LocalExecutor(app.settings.max_local_trials)):
-            click.echo(f"# local trial run {spec.name}: {' '.join(spec.argv)} (in {spec.run_dir})")
-    else:
-        from detslurm.controller.slurm_executor import SlurmExecutor
-        from detslurm.slurm.client import client_from_env
-
-        executor = SlurmExecutor(client_from_env(), app.site(), offline=True)
-        for sub in executor.plan_many(dry_run(app.store, app.settings, plan, executor)):
-            click.echo(sub.request.render())
-    click.echo("# dry run: nothing was created or submitted")
-
-
-def _exp_rows(app: App, show_all: bool) -> list[dict[str, Any]]:
-    with app.store.tx() as s:
-        q = select(Experiment).order_by(Experiment.id)
-        if not show_all:
-            q = q.where(Experiment.archived.is_(False))
-        return [views.experiment_dict(e) for e in s.scalars(q)]
+    code = backend.after_create(exp_id, paused=paused, follow=follow, test_mode=test_mode)
+    if code:
+        raise click.exceptions.Exit(code)
 
 
 @experiment.command("list")
@@ -142,21 +75,27 @@ def list_(app: App, show_all: bool, as_json: bool) -> None:
     """List experiments."""
     slurm_mod.reconcile(app)
     if as_json:
-        dump_json(_exp_rows(app, show_all))
+        with app.store.tx() as s:
+            dicts = views.experiment_dicts(s, include_archived=show_all)
+        dump_json(dicts)
         return
-    # Only the shown columns: loading whole rows (configs, searcher states) of thousands of
-    # experiments would take seconds.
-    e = Experiment
-    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
-    if not show_all:
-        q = q.where(e.archived.is_(False))
     with app.store.tx() as s:
-        rows = list(s.execute(q.order_by(e.id)))
+        rows = views.experiment_rows(s, include_archived=show_all)
     table(
         ["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
         [
-            [i, owner, name, parent or "", state, fmt_pct(float(progress)), fmt_time(start), fmt_time(end), pool]
-            for i, owner, name, parent, state, progress, start, end, pool in rows
+            [
+                r.id,
+                r.owner,
+                r.name,
+                r.parent_id or "",
+                r.state,
+                fmt_pct(float(r.progress)),
+                fmt_time(r.start_time),
+                fmt_time(r.end_time),
+                r.resource_pool,
+            ]
+            for r in rows
         ],
     )
 
@@ -357,15 +296,7 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
     """Activate (resume) a paused experiment; local experiments run in the foreground."""
     ops.activate(app.store, exp_id)
     click.echo(f"Activated experiment {exp_id}")
-    with app.store.tx() as s:
-        kind = views.get_experiment(s, exp_id).executor
-    if kind == "local" and not detach:
-        state = _local().drive(app, exp_id)
-        click.echo(f"Experiment {exp_id} {state.value}")
-    elif kind == "slurm":
-        from detslurm import daemon as daemon_mod
-
-        daemon_mod.start(app.settings)
+    backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
 
 
 experiment.add_command(activate, "unpause")
@@ -376,28 +307,7 @@ experiment.add_command(activate, "unpause")
 @pass_app
 def wait(app: App, exp_id: int) -> None:
     """Wait for an experiment to end; exit 1 unless it COMPLETED."""
-    with app.store.tx() as s:
-        kind = views.get_experiment(s, exp_id).executor
-    import time
-
-    if kind == "slurm":
-        state = slurm_mod.wait(app, exp_id)
-        click.echo(f"Experiment {exp_id} {state.value}")
-        if state != ExperimentState.COMPLETED:
-            raise click.exceptions.Exit(1)
-        return
-    while True:
-        with app.store.tx() as s:
-            state = ExperimentState(views.get_experiment(s, exp_id).state)
-        if state.is_terminal:
-            break
-        if kind == "local" and state != ExperimentState.PAUSED:
-            try:
-                state = _local().drive(app, exp_id, quiet=True)
-                continue
-            except DetSlurmError:
-                pass  # another process drives it: poll the store
-        time.sleep(app.settings.poll_interval_s)
+    state = backend_mod.of_experiment(app, exp_id).wait(exp_id)
     click.echo(f"Experiment {exp_id} {state.value}")
     if state != ExperimentState.COMPLETED:
         raise click.exceptions.Exit(1)

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from sqlalchemy import select
 
 from detslurm import queue as q
+from detslurm import views
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
-from detslurm.controller.layout import control_file
-from detslurm.slurm.client import SlurmClient, client_from_env
-from detslurm.slurm.parse import QueuedJob, experiment_tag
+from detslurm.controller import ops as ops_mod
 from detslurm.slurm.states import SlurmState
-from detslurm.store.models import Experiment, RunState, TrialRun
-from detslurm.util import atomic_write_json
+
+if TYPE_CHECKING:
+    from detslurm.slurm.client import SlurmClient
+    from detslurm.slurm.parse import QueuedJob
 
 
 @click.group(name="job")
@@ -27,30 +25,15 @@ def job() -> None:
 
 
 def _caller(client: SlurmClient) -> q.Caller:
+    # Admin: root, or the SlurmUser slurmctld runs as. client.user is the OS's name for our uid
+    # (never $USER, which whoever starts `det` can set).
     caps = client.capabilities()
     return q.Caller(user=client.user, admin=os.geteuid() == 0 or client.user == caps.slurm_user)
 
 
-def _names(app: App, jobs: list[QueuedJob]) -> dict[str, str]:
-    """Job name for our own trials: "<experiment name> (<id>) trial <t>"."""
-    out: dict[str, str] = {}
-    ids = {j.job_id: j.identity for j in jobs}
-    wanted = {i[0] for i in ids.values() if i}
-    if not wanted:
-        return out
-    with app.store.tx() as s:
-        rows = s.execute(select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted)))
-        names = {i: (name, experiment_tag(d)) for i, name, d in rows}
-    comments = {j.job_id: j.comment for j in jobs}
-    for jid, i in ids.items():
-        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
-        if i and i[0] in names and comments[jid].endswith(f",tag={names[i[0]][1]}"):
-            out[jid] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
-    return out
-
-
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
-    names = _names(app, jobs)
+    with app.store.tx() as s:
+        names = views.trial_job_names(s, jobs)
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
     rows: list[dict[str, Any]] = []
     pos: dict[str, int] = {}
@@ -85,7 +68,7 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
 @pass_app
 def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
     """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
-    client = client_from_env()
+    client = app.client
     jobs = [j for j in client.squeue(all_users=True) if not j.state.is_terminal]
     if resource_pool is not None:
         partition = app.site().pool(resource_pool)[1].partition
@@ -139,21 +122,7 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run:
         return
     q.execute(client, [o for o in ops if isinstance(o, q.Op)])
     for move in (o for o in ops if isinstance(o, q.PoolMove)):
-        _move_experiment(app, move)
-
-
-def _move_experiment(app: App, move: q.PoolMove) -> None:
-    with app.store.tx() as s:
-        exp = s.get(Experiment, move.experiment_id)
-        if exp is None:
-            raise q.QueueError(f"experiment {move.experiment_id} is not in your detslurm store")
-        cfg = json.loads(json.dumps(exp.config))
-        cfg["resources"]["resource_pool"] = move.pool
-        exp.config = cfg
-        exp.resource_pool = move.pool
-        running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
-    for run_dir in running:
-        atomic_write_json(control_file(run_dir), {"preempt": True, "reason": "pool_move"})
+        ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag)
 
 
 @job.command("update")
@@ -178,7 +147,7 @@ def update(
     dry_run: bool,
 ) -> None:
     """Change one job in the queue."""
-    client = client_from_env()
+    client = app.client
     queue = client.squeue(all_users=True)
     ops = q.plan_update(
         queue,
@@ -204,7 +173,7 @@ def update(
 @pass_app
 def update_batch(app: App, updates: tuple[str, ...], dry_run: bool) -> None:
     """Several updates: ID.priority=N ID.resource-pool=P ID.ahead-of=ID2 ..."""
-    client = client_from_env()
+    client = app.client
     caller, caps = _caller(client), client.capabilities()
     for job_id, op, value in q.parse_batch(updates):
         queue = client.squeue(all_users=True)
@@ -214,6 +183,3 @@ def update_batch(app: App, updates: tuple[str, ...], dry_run: bool) -> None:
         if op == "priority" and not isinstance(kw["priority"], int):
             raise q.QueueError(f"{job_id}.priority={value}: priority must be an integer")
         _apply(app, client, q.plan_update(queue, job_id, caller, caps, app.site(), **kw), dry_run)
-
-
-__all__ = ["job", "TrialRun"]

@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import filelock
 
+from detslurm import views
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
-from detslurm.controller.controller import ACTIVE_RUN, Controller
-from detslurm.controller.local import LocalExecutor
+from detslurm.controller import ops
 from detslurm.errors import StateError
-from detslurm.store.models import Experiment, ExperimentState, TrialRun
+from detslurm.store.models import ExperimentState
 
+if TYPE_CHECKING:
+    from detslurm.controller.controller import Controller
 
-def _snapshot(app: App, exp_id: int) -> tuple[ExperimentState, dict[int, str], bool]:
-    with app.store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        assert exp is not None
-        states = {t.id: t.state for t in exp.trials}
-        busy = any(r.state in ACTIVE_RUN for t in exp.trials for r in t.runs)
-        return ExperimentState(exp.state), states, busy
+# The executor name `det e create --local` stores.
+EXECUTOR = "local"
 
 
 def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> ExperimentState:
+    """Run the experiment's trials as local processes until it ends or is paused.
+
+    Raises StateError when another process drives it already (one driver per experiment)."""
     with app.store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        assert exp is not None
-        lock = filelock.FileLock(str(Path(exp.exp_dir) / ".driver.lock"))
+        lock = filelock.FileLock(str(Path(views.get_experiment(s, exp_id).exp_dir) / ".driver.lock"))
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
@@ -40,39 +38,55 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         lock.release()
 
 
+class _Round:
+    """One polling round of the driver: tick, report trial state changes, pump the follower."""
+
+    def __init__(self, app: App, ctl: Controller, exp_id: int, follow: bool, quiet: bool) -> None:
+        self.app, self.ctl, self.exp_id = app, ctl, exp_id
+        self.follow, self.quiet = follow, quiet
+        self.seen: dict[int, str] = {}
+        self.follower: logs_mod.Follower | None = None
+
+    def __call__(self) -> ExperimentState | None:
+        self.ctl.tick_experiment(self.exp_id)
+        with self.app.store.tx() as s:
+            state, trials, busy = views.drive_snapshot(s, self.exp_id)
+        if not self.quiet:
+            for tid, st in sorted(trials.items()):
+                if self.seen.get(tid) != st:
+                    click.echo(f"trial {tid}: {st}")
+                    self.seen[tid] = st
+        if self.follow and self.follower is None and trials:
+            self.follower = logs_mod.Follower(self.app, min(trials))
+            click.echo(f"Following first trial with ID {min(trials)}")
+        if self.follower is not None:
+            self.follower.pump()
+        # Paused counts as done only once its trials have checkpointed and exited.
+        if not (state.is_terminal or (state == ExperimentState.PAUSED and not busy)):
+            return None
+        if self.follower is not None:
+            self.follower.pump()
+            click.echo(f"Trial log stream ended. To reopen log stream, run: det trial logs -f {self.follower.trial_id}")
+        return state
+
+
 def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
+    # The controller and its executor are imported here: reads that never drive skip them.
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.local import LocalExecutor
+
     ctl = Controller(app.store, LocalExecutor(app.settings.max_local_trials))
-    seen: dict[int, str] = {}
-    follower: logs_mod.Follower | None = None
+    step = _Round(app, ctl, exp_id, follow, quiet)
     interrupted = 0
     while True:
         try:
-            ctl.tick_experiment(exp_id)
-            state, trials, busy = _snapshot(app, exp_id)
-            if not quiet:
-                for tid, st in sorted(trials.items()):
-                    if seen.get(tid) != st:
-                        click.echo(f"trial {tid}: {st}")
-                        seen[tid] = st
-            if follow and follower is None and trials:
-                follower = logs_mod.Follower(app, min(trials))
-                click.echo(f"Following first trial with ID {min(trials)}")
-            if follower is not None:
-                follower.pump()
-            if state.is_terminal or (state == ExperimentState.PAUSED and not busy):
-                if follower is not None:
-                    follower.pump()
-                    click.echo(
-                        f"Trial log stream ended. To reopen log stream, run: det trial logs -f {follower.trial_id}"
-                    )
-                return state
-            time.sleep(app.settings.poll_interval_s)
+            return app.poll_until(step)
         except KeyboardInterrupt:
+            # First Ctrl-C: pause (trials checkpoint and stop; polling goes on until they did).
+            # Second: kill the processes now.
             interrupted += 1
             if interrupted == 1:
                 click.echo("\nPausing: trials checkpoint and stop (Ctrl-C again to kill them).", err=True)
-                from detslurm.controller import ops
-
                 ops.pause(app.store, exp_id)
             else:
                 _kill_all(app, ctl, exp_id)
@@ -81,10 +95,5 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
 
 def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
     with app.store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        assert exp is not None
-        jobs = [r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id]
+        jobs = views.active_job_ids(s, exp_id)
     ctl.executor.kill_many(jobs)
-
-
-__all__ = ["drive", "TrialRun"]

@@ -8,7 +8,6 @@ import click
 
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
-from detslurm.slurm.client import client_from_env
 
 
 @click.group(name="resource-pool")
@@ -22,7 +21,7 @@ def resource_pool() -> None:
 def list_(app: App, as_json: bool) -> None:
     """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
     site = app.site()
-    nodes = client_from_env().nodes()
+    nodes = app.client.nodes()
     names = sorted(site.pools) or sorted({p for n in nodes for p in n.partitions})
     rows = []
     for name in names:

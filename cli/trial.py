@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import click
@@ -118,16 +117,19 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
     if head is not None and tail is not None:
         raise click.UsageError("use at most one of --head and --tail")
     if follow:
-        f = logs_mod.Follower(app, trial_id, ranks)
-        while True:
-            f.pump()
+        follower = logs_mod.Follower(app, trial_id, ranks)
+
+        def step() -> bool | None:
+            follower.pump()
             slurm_mod.reconcile(app)
             with app.store.tx() as s:
                 done = TrialState(views.get_trial(s, trial_id).state).is_terminal
             if done:
-                f.pump()
-                return
-            time.sleep(app.settings.poll_interval_s)
+                follower.pump()  # what it wrote before it ended
+            return True if done else None
+
+        app.poll_until(step)
+        return
     for line in logs_mod.select_lines(list(logs_mod.lines(app, trial_id, ranks)), head, tail):
         click.echo(line)
 

@@ -7,25 +7,34 @@ the site's floor, and exits after a while with nothing to do (``det e create`` s
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import filelock
 import psutil
 
 from detslurm import settings as settings_mod
+from detslurm.errors import StateError
 from detslurm.settings import Settings
+from detslurm.util import atomic_write_text
 
 if TYPE_CHECKING:
     from detslurm.controller.controller import Controller
+    from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
+    from detslurm.store import Store
 
 # The controller, store and Slurm modules are imported on first use: a starting daemon takes
 # its lock and writes its pid first, so `det e create` waits for it only briefly.
@@ -40,16 +49,86 @@ class Paths:
         self.log = s.data_dir / "daemon.log"
 
 
-def running_pid(s: Settings) -> Optional[int]:
-    p = Paths(s)
+# psutil derives a create time from the boot time and the start tick (10 ms): the same process
+# reads the same value in every process, so a small slack is only for float noise.
+_CREATE_TIME_SLACK_S = 0.05
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    """Who the daemon is. A pid alone is not an identity: it is reused after the daemon dies,
+    means nothing on another login node that shares the home, and may be another user's
+    process (security review M1). All four fields must match before we trust or signal it."""
+
+    host: str
+    uid: int
+    pid: int
+    create_time: float
+
+    @classmethod
+    def of_this_process(cls) -> PidRecord:
+        return cls(socket.gethostname(), os.getuid(), os.getpid(), psutil.Process().create_time())
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def parse(cls, text: str) -> Optional[PidRecord]:
+        """The record, or None for anything else (an old bare-pid file, a torn or hostile one)."""
+        try:
+            d = json.loads(text)
+            rec = cls(str(d["host"]), int(d["uid"]), int(d["pid"]), float(d["create_time"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+        return rec if rec.pid > 0 else None
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    """Our daemon's pid on this host (None when it does not run here) and one line saying why."""
+
+    pid: Optional[int]
+    detail: str
+
+
+def daemon_status(s: Settings) -> DaemonStatus:
+    """Check the pid file against this host, this uid and the live process's create time."""
+    path = Paths(s).pid
     try:
-        pid = int(p.pid.read_text().strip())
-        proc = psutil.Process(pid)
-        if proc.status() != psutil.STATUS_ZOMBIE and any("detslurm.daemon" in a for a in proc.cmdline()):
-            return pid
-    except (FileNotFoundError, ValueError, psutil.NoSuchProcess, psutil.AccessDenied):
-        pass
-    return None
+        rec = PidRecord.parse(path.read_text())
+    except FileNotFoundError:
+        return DaemonStatus(None, "not running")
+    except OSError as e:
+        return DaemonStatus(None, f"not running (cannot read {path}: {e.strerror})")
+    if rec is None:
+        return DaemonStatus(None, f"not running (ignoring the unreadable pid file {path})")
+    if rec.host != socket.gethostname():
+        return DaemonStatus(
+            None,
+            f"not running here: {path} names a daemon on host {rec.host} (pid {rec.pid}); this store's "
+            f"experiments are driven there, so run det on {rec.host} or stop that daemon first",
+        )
+    if rec.uid != os.getuid():
+        return DaemonStatus(None, f"not running (the pid file {path} was written by uid {rec.uid}, not by you)")
+    pid = _live_pid(rec)
+    return DaemonStatus(pid, f"running (pid {pid})" if pid else "not running")
+
+
+def _live_pid(rec: PidRecord) -> Optional[int]:
+    """rec.pid while it is still the process that wrote the record (ours, alive, same start)."""
+    try:
+        proc = psutil.Process(rec.pid)
+        ours = proc.uids().real == os.getuid()
+        alive = proc.status() != psutil.STATUS_ZOMBIE
+        same = abs(proc.create_time() - rec.create_time) <= _CREATE_TIME_SLACK_S
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return rec.pid if ours and alive and same else None
+
+
+def running_pid(s: Settings) -> Optional[int]:
+    """The pid of this user's daemon on this host, or None (see :func:`daemon_status`)."""
+    return daemon_status(s).pid
 
 
 @contextmanager
@@ -68,28 +147,46 @@ def controller_lock(s: Settings, timeout: float = 0) -> Iterator[bool]:
         lock.release()
 
 
-def make_controller(s: Settings, site: Optional[SiteConfig] = None) -> Controller:
+def make_controller(
+    s: Settings,
+    site: Optional[SiteConfig] = None,
+    *,
+    store: Optional[Store] = None,
+    client: Optional[SlurmClient] = None,
+) -> Controller:
+    """A Slurm controller on the given store/client/site; what is not given is opened here."""
     from detslurm.controller.controller import Controller
     from detslurm.controller.slurm_executor import SlurmExecutor
     from detslurm.slurm.client import client_from_env
     from detslurm.slurm.site import load_site_config
     from detslurm.store import open_store
 
-    return Controller(open_store(s.db_url), SlurmExecutor(client_from_env(), site or load_site_config()))
+    return Controller(
+        store or open_store(s.db_url),
+        SlurmExecutor(client or client_from_env(), site or load_site_config()),
+    )
 
 
-def reconcile_once(s: Settings) -> bool:
-    """One tick, unless the daemon (or another CLI) is driving right now."""
+def reconcile_once(
+    s: Settings,
+    *,
+    store: Optional[Store] = None,
+    client: Optional[SlurmClient] = None,
+    site: Optional[SiteConfig] = None,
+) -> bool:
+    """One tick, unless the daemon (or another CLI) is driving right now. A CLI passes the
+    store, client and site it has open already, so a read does not open them twice."""
     with controller_lock(s) as got:
         if not got:
             return False
-        ctl = make_controller(s)
+        ctl = make_controller(s, site, store=store, client=client)
         if ctl.active_experiment_ids():
             ctl.tick()
         return True
 
 
 def start(s: Settings, wait_s: float = 10.0) -> int:
+    """Start the daemon in the background unless it runs here already; its pid."""
     pid = running_pid(s)
     if pid is not None:
         return pid
@@ -112,18 +209,37 @@ def start(s: Settings, wait_s: float = 10.0) -> int:
         if proc.poll() is not None:
             break
         time.sleep(0.05)
-    raise RuntimeError(f"the detslurm daemon did not start; see {p.log}")
+    # Typically another daemon holds the lock: one on another login node that shares this home.
+    raise StateError(f"the detslurm daemon did not start (daemon {daemon_status(s).detail}); see {p.log}")
 
 
 def stop(s: Settings, wait_s: float = 30.0) -> Optional[int]:
+    """SIGTERM our daemon on this host and wait for it to go; its pid, or None when none ran.
+    Only a process that :func:`running_pid` proved ours is signalled."""
     pid = running_pid(s)
     if pid is None:
         return None
-    os.kill(pid, signal.SIGTERM)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return None  # it exited between the check and the signal
+    except PermissionError:
+        raise StateError(f"process {pid} is not yours: not stopping it") from None
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and running_pid(s) is not None:
         time.sleep(0.1)
     return pid
+
+
+def _safe_url(url: str) -> str:
+    """The store URL for logs, password masked (security review L9)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparsable store URL>"
 
 
 def run_forever(s: Settings, idle_exit_s: float) -> int:
@@ -138,13 +254,14 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         if not got:
             log.error("another detslurm daemon holds %s", Paths(s).lock)
             return 1
-        Paths(s).pid.write_text(str(os.getpid()))
+        me = PidRecord.of_this_process()
+        atomic_write_text(Paths(s).pid, me.to_json(), mode=0o600, durable=False)
         from detslurm.slurm.site import load_site_config
 
         site = load_site_config()
         ctl = make_controller(s, site)
         interval = max(site.poll_interval_s, s.poll_interval_s)
-        log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), s.db_url, interval)
+        log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
         idle_since = time.monotonic()
         while not stopping["flag"]:
             try:
@@ -160,9 +277,18 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
             end = time.monotonic() + interval
             while not stopping["flag"] and time.monotonic() < end:
                 time.sleep(min(0.2, interval))
-        Paths(s).pid.unlink(missing_ok=True)
+        _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
     return 0
+
+
+def _remove_pid_file(path: Path, me: PidRecord) -> None:
+    """Remove the pid file only while it still names this process (never a successor's)."""
+    try:
+        if PidRecord.parse(path.read_text()) == me:
+            path.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import Capabilities, QueuedJob
+from detslurm.slurm.parse import Capabilities, QueuedJob, comment_tag
 from detslurm.slurm.states import SlurmState
 
 if TYPE_CHECKING:  # pydantic is not needed to list the queue
@@ -70,6 +70,9 @@ class PoolMove:
 
     experiment_id: int
     pool: str
+    # The job comment's experiment-dir tag: the id alone may be another store's experiment
+    # (security review L4), so ops.move_to_pool moves only the experiment whose dir has this tag.
+    tag: str = ""
 
     def describe(self) -> str:
         return f"move experiment {self.experiment_id} to pool {self.pool} (running trials checkpoint and resubmit)"
@@ -133,13 +136,13 @@ def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove
     if job.state == SlurmState.PENDING:
         ops: list[Op | PoolMove] = [Op("update", job.job_id, (("Partition", p.partition),))]
         if ids is not None:
-            ops.append(PoolMove(ids[0], pool))
+            ops.append(PoolMove(ids[0], pool, comment_tag(job.comment)))
         return ops
     if ids is None:
         raise QueueError(
             f"job {job.job_id} is running: Slurm cannot move a running job to another partition; cancel and resubmit it"
         )
-    return [PoolMove(ids[0], pool)]
+    return [PoolMove(ids[0], pool, comment_tag(job.comment))]
 
 
 def plan_update(

@@ -1,14 +1,31 @@
-"""Read-only views of the store as plain dicts (for the CLI tables, --json and the client)."""
+"""Read-only views of the store: typed rows and plain dicts (for the CLI tables, --json and the
+client). Every query the CLI needs lives here, so the CLI holds no SQL."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from detslurm.errors import NotFoundError
-from detslurm.store.models import Checkpoint, Experiment, LogEntry, Metric, Trial, TrialRun
+from detslurm.slurm.parse import comment_tag, experiment_tag
+from detslurm.store.models import (
+    Checkpoint,
+    Experiment,
+    ExperimentState,
+    LogEntry,
+    Metric,
+    RunState,
+    Trial,
+    TrialRun,
+    TrialState,
+)
+
+if TYPE_CHECKING:
+    from detslurm.slurm.parse import QueuedJob
 
 
 def get_experiment(s: Session, exp_id: int) -> Experiment:
@@ -131,3 +148,105 @@ def runs(s: Session, trial_id: int) -> list[TrialRun]:
 
 def notes(s: Session, trial_id: int) -> list[LogEntry]:
     return list(s.scalars(select(LogEntry).where(LogEntry.trial_id == trial_id).order_by(LogEntry.id)))
+
+
+class ExperimentRow(NamedTuple):
+    """The columns of `det e list`."""
+
+    id: int
+    owner: str
+    name: str
+    parent_id: int | None
+    state: str
+    progress: float
+    start_time: datetime | None
+    end_time: datetime | None
+    resource_pool: str
+
+
+def experiment_rows(s: Session, include_archived: bool = False) -> list[ExperimentRow]:
+    """Only the listed columns: whole rows (configs, searcher states) of thousands of
+    experiments would take seconds to load."""
+    e = Experiment
+    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    if not include_archived:
+        q = q.where(e.archived.is_(False))
+    return [ExperimentRow(*row) for row in s.execute(q.order_by(e.id))]
+
+
+def experiment_dicts(s: Session, include_archived: bool = False) -> list[dict[str, Any]]:
+    """Every experiment as :func:`experiment_dict` (`det e list --json`)."""
+    q = select(Experiment).order_by(Experiment.id)
+    if not include_archived:
+        q = q.where(Experiment.archived.is_(False))
+    return [experiment_dict(e) for e in s.scalars(q)]
+
+
+def has_unfinished(s: Session, executor: str) -> bool:
+    """Whether some experiment of this executor has not ended yet."""
+    terminal = [st.value for st in ExperimentState if st.is_terminal]
+    n = s.scalar(
+        select(func.count())
+        .select_from(Experiment)
+        .where(Experiment.executor == executor)
+        .where(Experiment.state.not_in(terminal))
+    )
+    return bool(n)
+
+
+def experiment_state(s: Session, exp_id: int) -> ExperimentState:
+    return ExperimentState(get_experiment(s, exp_id).state)
+
+
+class FirstTrial(NamedTuple):
+    """What `-f` needs: the first trial (None before the searcher made one) and whether to stop."""
+
+    trial_id: int | None
+    runner_state: str | None
+    done: bool
+
+
+def first_trial(s: Session, exp_id: int) -> FirstTrial:
+    exp = get_experiment(s, exp_id)
+    if not exp.trials:
+        return FirstTrial(None, None, ExperimentState(exp.state).is_terminal)
+    t = exp.trials[0]
+    return FirstTrial(t.id, t.runner_state, TrialState(t.state).is_terminal)
+
+
+class DriveSnapshot(NamedTuple):
+    """A locally driven experiment after one tick: its state, each trial's state, and whether
+    any run is still queued or running (a PAUSED experiment is done only when none is)."""
+
+    state: ExperimentState
+    trial_states: dict[int, str]
+    busy: bool
+
+
+def drive_snapshot(s: Session, exp_id: int) -> DriveSnapshot:
+    exp = get_experiment(s, exp_id)
+    busy = any(not RunState(r.state).is_terminal for t in exp.trials for r in t.runs)
+    return DriveSnapshot(ExperimentState(exp.state), {t.id: t.state for t in exp.trials}, busy)
+
+
+def active_job_ids(s: Session, exp_id: int) -> list[str]:
+    """Executor job ids of the experiment's runs that have not ended."""
+    exp = get_experiment(s, exp_id)
+    return [r.job_id for t in exp.trials for r in t.runs if not RunState(r.state).is_terminal and r.job_id]
+
+
+def trial_job_names(s: Session, jobs: Sequence[QueuedJob]) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials."""
+    ids = {j.job_id: j.identity for j in jobs}
+    wanted = {i[0] for i in ids.values() if i}
+    if not wanted:
+        return {}
+    rows = s.execute(select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted)))
+    names = {i: (name, experiment_tag(d)) for i, name, d in rows}
+    out: dict[str, str] = {}
+    for j in jobs:
+        i = ids[j.job_id]
+        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
+        if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
+            out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
+    return out

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import pwd
-import time
-from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -34,6 +30,7 @@ from detslurm.controller.executor import (
 from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.layout import ExpLayout, control_file
 from detslurm.controller.submit import ACTIVE_RUN, plan_runs
+from detslurm.identity import os_user
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
@@ -372,20 +369,6 @@ class Controller:
             note(s, run.trial_id, f"could not start trial run {run.run_id}: {error}", "ERROR")
         self._reconcile_runs([(run_pk, JobStatus(JobState.UNKNOWN, None, ExitCause.FAILED, "submit failed"))])
 
-    # -- driving an experiment in the foreground -------------------------------------------
-    def run_until_done(
-        self, exp_id: int, poll_s: float = 0.5, on_tick: Callable[[], None] | None = None
-    ) -> ExperimentState:
-        while True:
-            self.tick_experiment(exp_id)
-            if on_tick is not None:
-                on_tick()
-            with self.store.tx() as s:
-                state = ExperimentState(_get(s, exp_id).state)
-            if state.is_terminal:
-                return state
-            time.sleep(poll_s)
-
 
 _FINAL = {
     ExperimentState.STOPPING_CANCELED: ExperimentState.CANCELED,
@@ -440,7 +423,4 @@ def _tested_everything(s: Session, trial: Trial) -> bool:
 
 def current_user() -> str:
     """Who runs this process, from the OS: never from $USER/$LOGNAME, which anyone can set."""
-    try:
-        return pwd.getpwuid(os.getuid()).pw_name
-    except KeyError:
-        return str(os.getuid())
+    return os_user()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
-from detslurm.controller.controller import current_user
+from detslurm.controller.layout import control_file
 from detslurm.errors import NotFoundError, StateError
+from detslurm.identity import os_user
+from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialState
+from detslurm.util import atomic_write_json
 
 
 def _own(exp: Experiment) -> None:
-    if exp.owner != current_user() and current_user() != "root":
+    me = os_user()
+    if exp.owner != me and me != "root":
         raise StateError(f"experiment {exp.id} belongs to {exp.owner}; you can only change your own experiments")
 
 
@@ -95,3 +100,33 @@ def delete(store: Store, exp_id: int) -> None:
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
     shutil.rmtree(exp_dir, ignore_errors=True)
+
+
+def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
+    """Move an experiment to another resource pool: later submissions go there, and its running
+    trials checkpoint and stop (the controller resubmits them in the new pool).
+
+    ``tag`` comes from the Slurm job the user named. Job comments carry only a store-local
+    experiment id, so the id is trusted only when the tag says the job was submitted from this
+    experiment's dir: another store's (or another user's) experiment with the same id is left
+    alone (security review L4).
+    """
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        if exp is None:
+            raise StateError(f"experiment {exp_id} is not in your detslurm store, so it was not moved")
+        if tag != experiment_tag(exp.exp_dir):
+            raise StateError(
+                f"the job is not a trial of experiment {exp_id} of this detslurm store (its comment's tag "
+                f"{tag or '(none)'} does not match); it was submitted from another store, so its experiment "
+                "was not moved"
+            )
+        _own(exp)
+        # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
+        cfg = json.loads(json.dumps(exp.config))
+        cfg["resources"]["resource_pool"] = pool
+        exp.config = cfg
+        exp.resource_pool = pool
+        running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
+    for run_dir in running:
+        atomic_write_json(control_file(run_dir), {"preempt": True, "reason": "pool_move"})

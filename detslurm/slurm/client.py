@@ -6,7 +6,6 @@ command runner is injected so unit tests can pass a fake that behaves like the r
 
 from __future__ import annotations
 
-import getpass
 import os
 import subprocess
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from detslurm.errors import DetSlurmError
+from detslurm.identity import os_user
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
 
@@ -83,7 +83,8 @@ class SlurmClient:
     ) -> None:
         self._run_cmd = runner
         self.timeout_s = timeout_s
-        self.user = user or getpass.getuser()
+        # The OS's name for our uid: `squeue -u` must list this process's jobs, whatever $USER says.
+        self.user = user or os_user()
         self._caps: Optional[Capabilities] = None
         self.calls = 0  # commands issued by this client (benchmarks count controller load)
 

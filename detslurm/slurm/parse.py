@@ -249,6 +249,12 @@ def experiment_tag(exp_dir: str) -> str:
     return hashlib.sha256(exp_dir.encode()).hexdigest()[:10]
 
 
+def comment_tag(comment: str) -> str:
+    """The experiment-dir tag of one of our job comments ("" when it has none)."""
+    m = COMMENT_RE.match(comment.strip())
+    return (m.group(5) or "") if m else ""
+
+
 def parse_comment(comment: str, array_task_id: Optional[int] = None) -> Optional[tuple[int, int, int]]:
     """(experiment, trial, run) of one of our jobs, or of one task of our arrays."""
     m = COMMENT_RE.match(comment.strip())

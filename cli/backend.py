@@ -1,0 +1,205 @@
+"""Where an experiment runs, chosen once at the edge: Slurm (a per-user daemon drives it in the
+background) or local processes (this `det` process drives it in the foreground).
+
+Commands hold a :class:`Backend` and never compare executor names; this module is the only
+place that maps the name stored with an experiment to its backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import click
+
+from detslurm import daemon as daemon_mod
+from detslurm import views
+from detslurm.cli import local as local_mod
+from detslurm.cli import logs as logs_mod
+from detslurm.cli import slurm as slurm_mod
+from detslurm.cli.app import App
+from detslurm.errors import DetSlurmError
+from detslurm.store.models import ExperimentState
+
+if TYPE_CHECKING:
+    from detslurm.controller.create import CreatePlan
+    from detslurm.slurm.site import SiteConfig
+
+
+class Backend(Protocol):
+    """What the CLI does differently for Slurm and local experiments."""
+
+    @property
+    def executor(self) -> str:
+        """The executor name stored with the experiment (Experiment.executor)."""
+        ...
+
+    def site_for_create(self, plan: CreatePlan) -> SiteConfig | None:
+        """Check the plan against the site before anything exists; the site, where there is one."""
+        ...
+
+    def require_reachable(self) -> None:
+        """Fail before creating anything when the scheduler cannot be reached."""
+        ...
+
+    def dry_run(self, plan: CreatePlan) -> str:
+        """What the first submission would run, built by the code that submits."""
+        ...
+
+    def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
+        """Start the new experiment and stay with it as asked; the exit code of `det e create`."""
+        ...
+
+    def resume(self, exp_id: int, *, detach: bool) -> None:
+        """Carry on with an experiment that was just activated."""
+        ...
+
+    def wait(self, exp_id: int) -> ExperimentState:
+        """Block until the experiment ends; its final state."""
+        ...
+
+
+class SlurmBackend:
+    """Trials are Slurm jobs; the per-user daemon submits and watches them."""
+
+    executor = slurm_mod.EXECUTOR
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    def site_for_create(self, plan: CreatePlan) -> SiteConfig:
+        from detslurm.slurm.render import resource_plan
+
+        site = self.app.site()
+        resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+        return site
+
+    def require_reachable(self) -> None:
+        self.app.client.capabilities()
+
+    def dry_run(self, plan: CreatePlan) -> str:
+        """The sbatch command lines and scripts, as a runnable shell script (heredocs)."""
+        from detslurm.controller.create import dry_run
+        from detslurm.controller.slurm_executor import SlurmExecutor
+
+        executor = SlurmExecutor(self.app.client, self.app.site(), offline=True)
+        specs = dry_run(self.app.store, self.app.settings, plan, executor)
+        return "".join(sub.request.render() for sub in executor.plan_many(specs))
+
+    def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
+        slurm_mod.submit_now(self.app)
+        if paused:
+            return 0  # `det e activate` starts it later
+        pid = daemon_mod.start(self.app.settings)
+        click.echo(f"detslurm daemon running (pid {pid})")
+        if test_mode:
+            return test_mode_report(self.app, exp_id, slurm_mod.wait(self.app, exp_id))
+        if follow:
+            slurm_mod.follow_first_trial(self.app, exp_id)
+        return 0
+
+    def resume(self, exp_id: int, *, detach: bool) -> None:
+        daemon_mod.start(self.app.settings)  # the daemon runs it; there is nothing to detach from
+
+    def wait(self, exp_id: int) -> ExperimentState:
+        return slurm_mod.wait(self.app, exp_id)
+
+
+class LocalBackend:
+    """Trials are processes of this machine, driven by the `det` process that runs them."""
+
+    executor = local_mod.EXECUTOR
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    def site_for_create(self, plan: CreatePlan) -> None:
+        return None  # no pools, no partitions
+
+    def require_reachable(self) -> None:
+        pass
+
+    def dry_run(self, plan: CreatePlan) -> str:
+        from detslurm.controller.create import dry_run
+        from detslurm.controller.local import LocalExecutor
+
+        executor = LocalExecutor(self.app.settings.max_local_trials)
+        specs = dry_run(self.app.store, self.app.settings, plan, executor)
+        return "".join(f"# local trial run {s.name}: {' '.join(s.argv)} (in {s.run_dir})\n" for s in specs)
+
+    def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
+        if paused:
+            return 0
+        if test_mode:
+            click.echo("Testing training, validation and checkpointing")
+        state = local_mod.drive(self.app, exp_id, follow=follow, quiet=test_mode)
+        if test_mode:
+            return test_mode_report(self.app, exp_id, state)
+        click.echo(f"Experiment {exp_id} {state.value}")
+        return 0 if state in (ExperimentState.COMPLETED, ExperimentState.PAUSED) else 1
+
+    def resume(self, exp_id: int, *, detach: bool) -> None:
+        if not detach:
+            state = local_mod.drive(self.app, exp_id)
+            click.echo(f"Experiment {exp_id} {state.value}")
+
+    def wait(self, exp_id: int) -> ExperimentState:
+        """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""
+
+        def step() -> ExperimentState | None:
+            with self.app.store.tx() as s:
+                state = views.experiment_state(s, exp_id)
+            if state.is_terminal:
+                return state
+            if state != ExperimentState.PAUSED:
+                # DetSlurmError: another process drives it (or cannot now): poll the store.
+                with contextlib.suppress(DetSlurmError):
+                    state = local_mod.drive(self.app, exp_id, quiet=True)
+                if state.is_terminal:
+                    return state
+            return None
+
+        return self.app.poll_until(step)
+
+
+_BACKENDS: dict[str, Callable[[App], Backend]] = {
+    SlurmBackend.executor: SlurmBackend,
+    LocalBackend.executor: LocalBackend,
+}
+
+
+def for_create(app: App, *, local: bool) -> Backend:
+    """The backend `det e create` asked for (--local or Slurm)."""
+    return LocalBackend(app) if local else SlurmBackend(app)
+
+
+def of_experiment(app: App, exp_id: int) -> Backend:
+    """The backend an existing experiment was created with."""
+    with app.store.tx() as s:
+        name = views.get_experiment(s, exp_id).executor
+    cls = _BACKENDS.get(name)
+    if cls is None:
+        raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
+    return cls(app)
+
+
+def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
+    """`det e create --test-mode`'s verdict: 0 when the one trial did it all, else 1 with its logs."""
+    with app.store.tx() as s:
+        exp = views.get_experiment(s, exp_id)
+        trial = exp.trials[0] if exp.trials else None
+        tested = trial is not None and trial.runner_state == "test_done"
+        tid = trial.id if trial else None
+    if state == ExperimentState.COMPLETED and tested:
+        click.echo("Model definition test succeeded! 🎉")
+        return 0
+    click.echo(
+        "Model definition test failed: the trial must report training metrics, validation metrics and "
+        "a checkpoint, then exit 0. Trial logs:",
+        err=True,
+    )
+    if tid is not None:
+        for line in list(logs_mod.lines(app, tid))[-40:]:
+            click.echo(line, err=True)
+    return 1

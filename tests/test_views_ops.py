@@ -1,0 +1,188 @@
+"""The store reads the CLI uses (typed rows), and moving an experiment to another pool."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from detslurm import queue as q
+from detslurm import views
+from detslurm.controller import ops
+from detslurm.errors import StateError
+from detslurm.identity import os_user
+from detslurm.slurm.parse import Capabilities, QueuedJob, experiment_tag, trial_comment
+from detslurm.slurm.site import Pool, SiteConfig
+from detslurm.slurm.states import SlurmState
+from detslurm.store import Experiment, Store, Trial, TrialRun, open_store
+
+
+def add_experiment(
+    store: Store, exp_dir: Path, *, owner: str, state: str = "ACTIVE", executor: str = "slurm", archived: bool = False
+) -> int:
+    with store.tx() as s:
+        e = Experiment(
+            name=f"exp-{exp_dir.name}",
+            owner=owner,
+            config={"resources": {"resource_pool": "cpu"}, "searcher": {"metric": "loss"}},
+            original_config="",
+            context_sha256="0",
+            exp_dir=str(exp_dir),
+            executor=executor,
+            resource_pool="cpu",
+            progress=0.25,
+            archived=archived,
+            test_mode=False,
+            state=state,
+        )
+        s.add(e)
+        s.flush()
+        return int(e.id)
+
+
+def add_trial(store: Store, exp_id: int, run_dir: Path, run_state: str) -> int:
+    with store.tx() as s:
+        t = Trial(
+            experiment_id=exp_id,
+            request_id=run_dir.name,
+            hparams={},
+            seed=1,
+            restarts=0,
+            run_count=1,
+            steps_completed=0,
+            progress=0.0,
+            early_stopped=False,
+            searcher_ops=[],
+            ops_completed=0,
+            ops_closed=False,
+            ops_idle=False,
+        )
+        s.add(t)
+        s.flush()
+        s.add(
+            TrialRun(
+                trial_id=t.id,
+                run_id=1,
+                state=run_state,
+                executor="slurm",
+                job_id=f"10{t.id}",
+                run_dir=str(run_dir),
+                log_path=str(run_dir / "out.log"),
+            )
+        )
+        return int(t.id)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+def test_experiment_rows_and_states(store: Store, tmp_path: Path) -> None:
+    a = add_experiment(store, tmp_path / "a", owner="alice")
+    b = add_experiment(store, tmp_path / "b", owner="bob", state="COMPLETED", executor="local", archived=True)
+    add_trial(store, a, tmp_path / "a/run", "RUNNING")
+    with store.tx() as s:
+        rows = views.experiment_rows(s)
+        every = views.experiment_rows(s, include_archived=True)
+        assert [r.id for r in rows] == [a]  # archived ones only on request
+        assert [(r.id, r.owner, r.state, r.progress, r.resource_pool) for r in every] == [
+            (a, "alice", "ACTIVE", 0.25, "cpu"),
+            (b, "bob", "COMPLETED", 0.25, "cpu"),
+        ]
+        assert [d["id"] for d in views.experiment_dicts(s, include_archived=True)] == [a, b]
+        assert views.has_unfinished(s, "slurm") and not views.has_unfinished(s, "local")
+        assert views.experiment_state(s, b).is_terminal
+        first = views.first_trial(s, a)
+        assert first.trial_id is not None and not first.done
+        assert views.first_trial(s, b) == views.FirstTrial(None, None, True)
+        snap = views.drive_snapshot(s, a)
+        assert snap.busy and snap.trial_states == {first.trial_id: "ACTIVE"}
+        assert views.active_job_ids(s, a) == [f"10{first.trial_id}"]
+
+
+def queued(job_id: str, comment: str) -> QueuedJob:
+    return QueuedJob(
+        job_id=job_id,
+        raw_id=int(job_id),
+        array_job_id=int(job_id),
+        array_task_id=None,
+        state=SlurmState.RUNNING,
+        state_text="RUNNING",
+        partition="cpu",
+        user="alice",
+        priority=1,
+        reason="None",
+        nodelist="n1",
+        num_nodes=1,
+        num_cpus=1,
+        gres="",
+        submit_time="2026-01-01T00:00:00",
+        start_time="2026-01-01T00:00:01",
+        time_limit="UNLIMITED",
+        nice=0,
+        name="det-trial",
+        comment=comment,
+    )
+
+
+def test_trial_job_names_only_for_this_stores_experiments(store: Store, tmp_path: Path) -> None:
+    exp = add_experiment(store, tmp_path / "a", owner="alice")
+    ours = queued("1", trial_comment(exp, 3, 1, tag=experiment_tag(str(tmp_path / "a"))))
+    other_store = queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere")))
+    untagged = queued("3", trial_comment(exp, 3, 1))
+    external = queued("4", "")
+    with store.tx() as s:
+        names = views.trial_job_names(s, [ours, other_store, untagged, external])
+    assert names == {"1": f"exp-a ({exp}) trial 3"}
+
+
+def test_move_to_pool_rewrites_config_and_preempts_running_trials(store: Store, tmp_path: Path) -> None:
+    exp_dir = tmp_path / "a"
+    exp = add_experiment(store, exp_dir, owner=os_user())
+    add_trial(store, exp, exp_dir / "running", "RUNNING")
+    add_trial(store, exp, exp_dir / "queued", "QUEUED")
+    ops.move_to_pool(store, exp, "gpu", tag=experiment_tag(str(exp_dir)))
+    with store.tx() as s:
+        e = views.get_experiment(s, exp)
+        assert (e.resource_pool, e.config["resources"]["resource_pool"]) == ("gpu", "gpu")
+    assert json.loads((exp_dir / "running/control.json").read_text()) == {"preempt": True, "reason": "pool_move"}
+    assert not (exp_dir / "queued/control.json").exists()  # a queued job moved partition in Slurm
+
+
+def test_move_to_pool_refuses_another_stores_or_users_experiment(store: Store, tmp_path: Path) -> None:
+    mine = add_experiment(store, tmp_path / "a", owner=os_user())
+    add_trial(store, mine, tmp_path / "a/run", "RUNNING")
+    with pytest.raises(StateError, match="submitted from another store"):
+        ops.move_to_pool(store, mine, "gpu", tag=experiment_tag("/another/store/exp"))
+    with pytest.raises(StateError, match="submitted from another store"):
+        ops.move_to_pool(store, mine, "gpu", tag="")
+    with pytest.raises(StateError, match="experiment 99 is not in your detslurm store"):
+        ops.move_to_pool(store, 99, "gpu", tag=experiment_tag(str(tmp_path / "a")))
+    if os_user() != "root":  # root may change anyone's experiment
+        theirs = add_experiment(store, tmp_path / "b", owner="someone-else")
+        with pytest.raises(StateError, match="belongs to someone-else"):
+            ops.move_to_pool(store, theirs, "gpu", tag=experiment_tag(str(tmp_path / "b")))
+    with store.tx() as s:
+        assert views.get_experiment(s, mine).resource_pool == "cpu"
+    assert not (tmp_path / "a/run/control.json").exists()
+
+
+def test_pool_move_plan_carries_the_jobs_tag() -> None:
+    site = SiteConfig(default_pool="cpu", pools={"cpu": Pool(partition="cpu"), "gpu": Pool(partition="gpu")})
+    job = queued("7", trial_comment(5, 2, 1, tag="abc123"))
+    caller = q.Caller(user="alice", admin=False)
+    caps = Capabilities(
+        version="22.05.8",
+        accounting=False,
+        enable_user_top=True,
+        preemption=True,
+        max_array_size=1001,
+        cluster_name="t",
+        slurm_user="root",
+    )
+    assert q.plan_update([job], "7", caller, caps, site, resource_pool="gpu") == [q.PoolMove(5, "gpu", "abc123")]
+    pending = replace(job, state=SlurmState.PENDING)
+    assert q.plan_update([pending], "7", caller, caps, site, resource_pool="gpu")[-1] == q.PoolMove(5, "gpu", "abc123")
