@@ -175,3 +175,95 @@ def test_head_revision_constant_is_alembics_head() -> None:
     from detslurm.store import db
 
     assert ScriptDirectory.from_config(db._alembic_config()).get_current_head() == db.HEAD_REVISION
+
+
+def _odd_values_round_trip(url: str) -> None:
+    """Values PostgreSQL rejects unless sanitised (S3): NaN/inf in JSON, NUL in strings, a
+    200-character metric group and a 300-character job id."""
+    from datetime import datetime, timezone
+
+    from detslurm.store import Metric, TrialRun
+    from detslurm.store.sanitize import clean_text, json_safe, metric_group
+
+    exp_id = _make_experiment(url)
+    store = open_store(url)
+    group, job_id = "g" * 199 + "\x00h", "local:" + "/very/long/path" * 20
+    with store.tx() as s:
+        trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
+        s.add(TrialRun(trial_id=trial_id, run_id=1, executor="local", job_id=job_id, run_dir="/r", log_path="/l"))
+        s.add(
+            Metric(
+                trial_id=trial_id,
+                run_id=1,
+                group=metric_group(group),
+                steps_completed=1,
+                metrics=json_safe({"loss": float("nan"), "acc": float("inf"), "n\x00ame": "a\x00b"}),
+                batch_metrics=json_safe([{"x": float("-inf")}]),
+                report_time=datetime.now(timezone.utc),
+            )
+        )
+        s.add(LogEntry(trial_id=trial_id, message=clean_text("bad\x00line")))
+    with store.read() as s:
+        m = s.scalars(select(Metric).where(Metric.trial_id == trial_id)).one()
+        assert (len(m.group), m.metrics, m.batch_metrics) == (
+            200,
+            {"loss": "NaN", "acc": "Infinity", "name": "ab"},
+            [{"x": "-Infinity"}],
+        )
+        run = s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id)).one()
+        assert run.job_id == job_id and len(job_id) > 300
+        assert s.scalars(select(LogEntry.message).where(LogEntry.trial_id == trial_id)).one() == "badline"
+
+
+def test_odd_values_round_trip_sqlite(tmp_path: Path) -> None:
+    _odd_values_round_trip(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+def test_odd_values_round_trip_postgres(postgres: str) -> None:
+    _odd_values_round_trip(postgres)
+
+
+def test_postgres_reader_is_not_blocked_by_a_writer(postgres: str) -> None:
+    import time
+
+    store = open_store(postgres)
+    exp_id = _make_experiment(postgres)
+    with store.tx() as w:
+        w.get(Experiment, exp_id).state = "PAUSED"  # type: ignore[union-attr]
+        w.flush()  # holds the owner's advisory lock and the row lock until the block ends
+        start = time.monotonic()
+        with store.read() as r:
+            assert r.get(Experiment, exp_id).state == "ACTIVE"  # type: ignore[union-attr]
+        assert time.monotonic() - start < 5
+
+
+def test_postgres_lock_waits_are_bounded_and_per_owner(postgres: str) -> None:
+    import time
+
+    from sqlalchemy import create_engine, text
+
+    from detslurm.errors import StoreError
+    from detslurm.store import db
+
+    store = open_store(postgres, lock_timeout_s=1)
+    _make_experiment(postgres)
+    other = create_engine(postgres)
+    own = (db._PG_LOCK_CLASS, os.getuid() % 2**31)
+    with other.connect() as conn:
+        # Another user's lock and the migration lock do not hold this user's writes up...
+        conn.execute(text("SELECT pg_advisory_lock(:a, :b)"), {"a": own[0], "b": own[1] + 1})
+        conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": db._PG_LOCK_KEY})
+        with store.tx() as s:
+            assert s.scalars(select(func.count(Experiment.id))).one() >= 1
+        # ...this user's lock, held by a stuck client, makes the wait end in a clear error.
+        conn.execute(text("SELECT pg_advisory_lock(:a, :b)"), {"a": own[0], "b": own[1]})
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=r"is busy: .* more than 1 s") as e, store.tx() as s:
+            s.scalars(select(Experiment.id)).all()
+        assert time.monotonic() - start < 10
+        assert "postgres@127.0.0.1" in str(e.value)
+        conn.execute(text("SELECT pg_advisory_unlock_all()"))
+        conn.commit()
+    with store.tx() as s:  # the pool's connection is usable again after the timeout
+        assert s.scalars(select(func.count(Experiment.id))).one() >= 1
+    other.dispose()
