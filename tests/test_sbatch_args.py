@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -11,7 +12,16 @@ import pytest
 
 from detslurm.errors import ConfigError
 from detslurm.expconf.load import check_sbatch_args
-from detslurm.expconf.sbatch_args import BY_LONG, BY_SHORT, OPTIONS, Arg, Policy, SbatchArgError, resolve_long
+from detslurm.expconf.sbatch_args import (
+    BY_LONG,
+    BY_SHORT,
+    OPTIONS,
+    Arg,
+    Policy,
+    SbatchArgError,
+    parse_sbatch_args,
+    resolve_long,
+)
 from detslurm.slurm.site import load_site_config
 
 BYPASSES = [
@@ -86,7 +96,7 @@ LEGIT = [
     ["--nice"],
     ["--dependency", "afterok:12"],
     ["-k"],
-    ["--mem", "--time"],  # getopt takes the next word as --mem's value, whatever it looks like
+    ["--mail-user", "-J@example.org"],  # getopt takes the next word as the value, whatever it looks like
 ]
 
 
@@ -144,19 +154,43 @@ def _help_options(text: str) -> tuple[set[str], set[str]]:
     return longs, shorts
 
 
-@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch is not installed")
-def test_table_covers_the_installed_sbatch() -> None:
-    """Every option the installed ``sbatch --help`` lists is in our table with the same short form,
-    so a new Slurm option is noticed (it is refused as unknown until it is added)."""
-    out = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, timeout=30)
-    longs, shorts = _help_options(out.stdout + out.stderr)
+def _check_against(text: str) -> None:
+    longs, shorts = _help_options(text)
     missing = sorted(n for n in longs if n not in BY_LONG)
     assert missing == [], f"sbatch options missing from detslurm/expconf/sbatch_args.py: {missing}"
     assert sorted(s for s in shorts if s not in BY_SHORT) == []
-    for line in (out.stdout + out.stderr).splitlines():
+    for line in text.splitlines():
         m = re.match(r"\s+-([A-Za-z]), --([a-z0-9-]+)", line)
         if m:
             assert BY_SHORT[m.group(1)].long == m.group(2), line
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch is not installed")
+def test_table_covers_the_installed_sbatch(tmp_path: Path) -> None:
+    """Every option the installed ``sbatch --help`` lists is in our table with the same short form,
+    so a new Slurm option is noticed (it is refused as unknown until it is added)."""
+    # sbatch reads a slurm.conf before it prints its help; any syntactically valid one will do.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(
+        "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
+    )
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    out = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, timeout=30, env=env)
+    assert "--account" in out.stdout, out.stderr
+    _check_against(out.stdout)
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None or shutil.which("man") is None, reason="no sbatch man page")
+def test_table_covers_the_installed_man_page() -> None:
+    """The man page also lists the options ``--help`` leaves out."""
+    out = subprocess.run(
+        ["man", "sbatch"], capture_output=True, text=True, timeout=60, env={**os.environ, "MANWIDTH": "200"}
+    )
+    if out.returncode != 0 or "--account" not in out.stdout:
+        pytest.skip("the sbatch man page is not installed")
+    options = "\n".join(re.findall(r"(?m)^ {7}(?:-[A-Za-z], )?--[a-z][a-z0-9-]+.*$", out.stdout))
+    assert len(options.splitlines()) > 80
+    _check_against(options)
 
 
 def test_help_parser_finds_options() -> None:
@@ -169,3 +203,74 @@ def test_help_parser_finds_options() -> None:
     )
     assert _help_options(sample) == ({"account", "bb", "wait"}, {"A", "W"})
     assert BY_LONG["bb"].arg is Arg.REQUIRED
+
+
+def _sbatch_view(args: list[str], conf: Path) -> tuple[set[str], str]:
+    """The options the installed sbatch parsed from ``args`` (its ``-v`` dump, printed before it
+    contacts a controller), and its error output. The submission itself is never attempted."""
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    proc = subprocess.Popen(
+        ["sbatch", "-v", "--wrap=true", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    assert proc.stderr is not None
+    lines = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "end of defined options" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    names = {m.group(1) for line in lines if (m := re.match(r"sbatch: ([a-z][a-z0-9-]*)\s+: ", line))}
+    return names - {"verbose", "wrap"}, "".join(lines)
+
+
+# Options of Slurm releases newer than the installed 22.05, and ones that end sbatch before its
+# dump (help) or conflict with the -v that asks for it (quiet).
+_NOT_COMPARABLE = {"tres-per-task", "tres-bind", "extra", "container-id", "oom-kill-step", "stepmgr", "help", "quiet"}
+_ALIASES = {"tasks-per-node": "ntasks-per-node"}  # sbatch's dump names the option an alias stands for
+
+
+def _comparable(args: list[str]) -> bool:
+    try:
+        return not _NOT_COMPARABLE & {p.option.long for p in parse_sbatch_args(args)}
+    except SbatchArgError:
+        return False  # unparseable: test_sbatch_refuses_what_we_cannot_parse
+
+
+COMPARABLE = [a for a in LEGIT + [a for a, _ in BYPASSES] if _comparable(a)]
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch is not installed")
+@pytest.mark.parametrize("args", COMPARABLE)
+def test_sbatch_resolves_options_as_we_do(tmp_path: Path, args: list[str]) -> None:
+    """The installed sbatch reads each list as the same options our parser does, prefixes and
+    clusters included (so what we refuse is what sbatch would have applied)."""
+    conf = tmp_path / "slurm.conf"
+    # Port 1: nothing listens there, should sbatch ever get as far as submitting.
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nNodeName=localhost CPUs=1\n")
+    theirs, log = _sbatch_view(args, conf)
+    ours = {_ALIASES.get(p.option.long, p.option.long) for p in parse_sbatch_args(args)} - {"verbose", "wrap"}
+    assert theirs == ours, log
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch is not installed")
+@pytest.mark.parametrize(
+    ("args", "theirs"),
+    [
+        (["--gre=gpu:8"], "is ambiguous"),
+        (["--exp=ALL"], "is ambiguous"),
+        (["--no-such-option"], "unrecognized option"),
+        (["-y"], "invalid option"),
+        (["--hold=1"], "doesn't allow an argument"),
+        (["--time"], "requires an argument"),
+    ],
+)
+def test_sbatch_refuses_what_we_cannot_parse(tmp_path: Path, args: list[str], theirs: str) -> None:
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nNodeName=localhost CPUs=1\n")
+    _, log = _sbatch_view(args, conf)
+    assert theirs in log
+    with pytest.raises(SbatchArgError):
+        parse_sbatch_args(args)

@@ -255,6 +255,24 @@ def _parse_long(args: Sequence[str], i: int) -> tuple[Parsed, int]:
     return Parsed(i, written, opt, args[i + 1]), i + 2
 
 
+def parse_sbatch_args(args: Sequence[str]) -> list[Parsed]:
+    """The options in ``args`` as sbatch's getopt_long reads them, allowed or not. Raises
+    SbatchArgError at the first word sbatch would refuse or take as the batch script."""
+    found: list[Parsed] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "--" or not word.startswith("-") or word == "-":
+            raise SbatchArgError(f"{word!r} is not an option")
+        if word.startswith("--"):
+            parsed, i = _parse_long(args, i)
+            found.append(parsed)
+        else:
+            cluster, i = _parse_short(args, i)
+            found += cluster
+    return found
+
+
 def check_sbatch_args(args: Sequence[str], prefix: str) -> list[str]:
     """Every problem with ``args`` as extra sbatch arguments, one line each: ``<prefix>[i]: why``.
 
