@@ -9,8 +9,9 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select
+from sqlalchemy.exc import IntegrityError
 
-from detslurm.store import Experiment, LogEntry, Trial, open_store
+from detslurm.store import Experiment, IngestOffset, LogEntry, Metric, Trial, TrialRun, open_store
 from detslurm.store.models import Base
 
 
@@ -267,3 +268,79 @@ def test_postgres_lock_waits_are_bounded_and_per_owner(postgres: str) -> None:
     with store.tx() as s:  # the pool's connection is usable again after the timeout
         assert s.scalars(select(func.count(Experiment.id))).one() >= 1
     other.dispose()
+
+
+def _upgrade_keeps_rows(url: str) -> None:
+    """A store made by revision 0001, with rows in every table a migration rebuilds, upgrades to
+    head without losing any (SQLite rebuilds altered tables: a DROP TABLE with foreign keys on
+    would cascade into ingest_offsets and re-ingest every event)."""
+    from alembic import command
+    from sqlalchemy import create_engine, text
+
+    from detslurm.store import db
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = db._alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    exp_id = None
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO experiments (id, name, owner, state, config, original_config, context_sha256, exp_dir,"
+                " executor, resource_pool, progress, archived, test_mode, start_time)"
+                " VALUES (1, 'x', 'u', 'ACTIVE', '{}', '', '0', '/e', 'local', '', 0, false, false, CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO trials (id, experiment_id, request_id, state, hparams, seed, restarts, run_count,"
+                " steps_completed, progress, early_stopped, searcher_ops, ops_completed, ops_closed, ops_idle,"
+                " start_time) VALUES (1, 1, 'r', 'ACTIVE', '{}', 1, 0, 0, 0, 0, false, '[]', 0, false, false,"
+                " CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO trial_runs (id, trial_id, run_id, state, executor, job_id, run_dir, log_path,"
+                " preempt_acked, restart_count_seen, submit_time) VALUES (1, 1, 1, 'RUNNING', 'local', 'j1', '/r',"
+                " '/l', false, 0, CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(text("INSERT INTO ingest_offsets (trial_run_pk, file, \"offset\") VALUES (1, 'rank-0.jsonl', 77)"))
+        conn.execute(
+            text(
+                'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, report_time, archived)'
+                " VALUES (1, 1, 'training', 5, '{\"loss\": 1}', CURRENT_TIMESTAMP, false)"
+            )
+        )
+        exp_id = 1
+    engine.dispose()
+    store = open_store(url)
+    with store.read() as s:
+        assert s.scalars(select(func.count()).select_from(IngestOffset)).one() == 1
+        assert s.scalars(select(TrialRun.job_id)).one() == "j1"
+        assert s.scalars(select(Metric.group)).one() == "training"
+        assert s.get(Experiment, exp_id) is not None
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    with store.tx() as s:  # foreign keys are enforced again after the migration
+        s.add(LogEntry(trial_id=999, message="orphan"))
+        with pytest.raises(IntegrityError):
+            s.flush()
+        s.rollback()
+
+
+def test_upgrade_from_0001_keeps_rows_sqlite(tmp_path: Path) -> None:
+    _upgrade_keeps_rows(f"sqlite:///{tmp_path / 'old.sqlite'}")
+
+
+def test_upgrade_from_0001_keeps_rows_postgres(postgres: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(postgres, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("CREATE DATABASE upgrade_test"))
+    admin.dispose()
+    _upgrade_keeps_rows(postgres.rsplit("/", 1)[0] + "/upgrade_test")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -157,13 +157,33 @@ class Store:
             with self._reader().connect() as conn:
                 if MigrationContext.configure(conn).get_current_revision() == head:
                     return
-            with lock, migrating.begin() as conn:
-                cfg = _alembic_config()
-                cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+            with lock, migrating.connect() as conn, self._foreign_keys_off(conn):
+                with conn.begin():
+                    cfg = _alembic_config()
+                    cfg.attributes["connection"] = conn
+                    command.upgrade(cfg, "head")
         except OperationalError as e:
             why = _mask(str(e.orig), self.url)
             raise StoreError(f"cannot open the detslurm store at {self.display_url}: {why}") from None
+
+    @contextlib.contextmanager
+    def _foreign_keys_off(self, conn: Connection) -> Iterator[None]:
+        """SQLite migrations rebuild altered tables (copy, DROP, rename). With foreign keys on, the
+        DROP deletes every row first and cascades (ingest offsets would vanish, and every event be
+        ingested again). The pragma only takes effect outside a transaction, so it is set on the
+        raw connection before the migration's transaction begins, and restored after."""
+        raw = conn.connection.driver_connection if self.is_sqlite else None
+        if raw is None:
+            yield
+            return
+        raw.execute("PRAGMA foreign_keys=OFF")
+        try:
+            yield
+            problems = raw.execute("PRAGMA foreign_key_check").fetchall()
+            if problems:
+                raise StoreError(f"the store migration left rows with broken references: {problems[:5]}")
+        finally:
+            raw.execute("PRAGMA foreign_keys=ON")
 
     def _reader(self) -> Engine:
         return self.engine.execution_options(**{_TX_OPTION: TxKind.READ})
