@@ -179,3 +179,20 @@ def test_read_transaction_refuses_writes(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="read-only"), store.read() as r:
         r.add(LogEntry(trial_id=1, message="x"))
         r.flush()
+
+
+def test_unreachable_postgres_in_a_transaction_is_a_store_error() -> None:
+    from detslurm.store.db import Store
+
+    store = Store("postgresql+psycopg://alice:hunter2secret@127.0.0.1:1/detslurm")
+    for begin in (store.tx, store.read):
+        with pytest.raises(StoreError, match=r"cannot reach the detslurm store at .*alice:\*\*\*@") as e, begin() as s:
+            s.connection()
+        assert "hunter2secret" not in str(e.value)
+
+
+def test_mask_hides_both_forms_of_the_password() -> None:
+    from detslurm.store.db import _mask
+
+    url = "postgresql+psycopg://alice:p%40ss@db/x"
+    assert _mask("dsn alice:p%40ss@db and p@ss", url) == "dsn alice:***@db and ***"

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -60,7 +61,11 @@ def _mask(message: str, url: str) -> str:
         password = make_url(url).password
     except ArgumentError:
         return message
-    return message.replace(str(password), "***") if password else message
+    if not password:
+        return message
+    for form in (str(password), quote(str(password), safe="")):  # as given, and as written in the URL
+        message = message.replace(form, "***")
+    return message
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -205,6 +210,11 @@ class Store:
                     f"the detslurm store {self.display_url} is busy: another process kept it locked "
                     "for more than 30 s; try again later"
                 ) from None
+            state = getattr(e.orig, "sqlstate", None)
+            if not self.is_sqlite and (state is None or str(state).startswith("08")):
+                # No SQLSTATE, or class 08: the server could not be reached or the connection broke.
+                why = _mask(str(e.orig), self.url).strip()
+                raise StoreError(f"cannot reach the detslurm store at {self.display_url}: {why}") from None
             raise
 
     @contextlib.contextmanager
