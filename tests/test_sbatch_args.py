@@ -274,3 +274,30 @@ def test_sbatch_refuses_what_we_cannot_parse(tmp_path: Path, args: list[str], th
     assert theirs in log
     with pytest.raises(SbatchArgError):
         parse_sbatch_args(args)
+
+
+_EXITS_EARLY = {"help", "usage", "version", "quiet"}  # print and exit, or conflict with -v
+
+
+@pytest.mark.skipif(shutil.which("sbatch") is None, reason="sbatch is not installed")
+def test_table_arity_matches_the_installed_sbatch(tmp_path: Path) -> None:
+    """For every option the installed sbatch knows: it requires a value exactly when our table
+    says so, and a short option without a value leaves the rest of its cluster to be options."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\nSlurmctldPort=1\nNodeName=localhost CPUs=1\n")
+    wrong = []
+    for opt in OPTIONS:
+        if opt.long in _EXITS_EARLY | _NOT_COMPARABLE:
+            continue
+        _, log = _sbatch_view([f"--{opt.long}"], conf)
+        if "unrecognized option" in log:
+            continue  # an option of a newer Slurm, or an alias this one lacks
+        if ("requires an argument" in log) != (opt.arg is Arg.REQUIRED):
+            wrong.append(f"--{opt.long}: {log.strip().splitlines()[0]}")
+        if opt.short:
+            # -XJzz: J is an option of its own only when X takes no value (for -J: -JH and hold).
+            probe, name = ("Jzz", "job-name") if opt.short != "J" else ("H", "hold")
+            names, log = _sbatch_view([f"-{opt.short}{probe}"], conf)
+            if (name in names) != (opt.arg is Arg.NONE):
+                wrong.append(f"-{opt.short}{probe}: {log.strip().splitlines()[:2]}")
+    assert wrong == []
