@@ -63,6 +63,7 @@ BYPASSES = [
     (["--", "--mem=4G"], "'--' is not an option"),
     (["--no-such-option"], "--no-such-option is not an sbatch option"),
     (["-y"], "-y is not an sbatch option"),
+    (["--=x"], "'--' followed by '=' is not an sbatch option"),
     (["--time"], "--time requires a value"),
     (["--exclusive=user", "--hold=1"], "--hold does not take a value"),
 ]

@@ -179,6 +179,8 @@ def resolve_long(name: str) -> Option:
     """The option ``--name`` means to getopt_long: an exact match, else the one option that
     ``name`` is a prefix of. Raises SbatchArgError for unknown or ambiguous names."""
     exact = BY_LONG.get(name)
+    if not name:  # "--=value": a prefix of every option
+        raise SbatchArgError("'--' followed by '=' is not an sbatch option")
     if exact is not None:
         return exact
     matches = [o for o in OPTIONS if o.long.startswith(name)]
