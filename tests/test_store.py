@@ -16,11 +16,12 @@ from detslurm.store.models import Base
 
 
 @pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def postgres() -> Iterator[str]:
     """A real PostgreSQL server on loopback, private to this module (installed if missing)."""
     import glob
     import shutil
     import subprocess
+    import tempfile
 
     if os.geteuid() != 0:
         pytest.skip("starting a private PostgreSQL needs root (to run it as the postgres user)")
@@ -32,9 +33,10 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             capture_output=True,
         )
     bindir = Path(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1])
-    data = tmp_path_factory.mktemp("pg")
-    for d in (data.parent, data.parent.parent):  # traversable (not readable) for the server user
-        os.chmod(d, os.stat(d).st_mode | 0o011)
+    # Not under pytest's basetemp: every pytest session (other test runs on this machine too)
+    # makes /tmp/pytest-of-<user> private again, and the server user could then no longer reach
+    # its data dir (the server outlived the tests: pg_ctl stop failed with "Permission denied").
+    data = Path(tempfile.mkdtemp(prefix="detslurm-test-pg-"))
     shutil.chown(data, "postgres", "postgres")
     pg = ["runuser", "-u", "postgres", "--"]
     subprocess.run(
@@ -62,6 +64,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     subprocess.run([*pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", port, "detslurm"], check=True)
     yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/detslurm"
     subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "fast", "stop"], capture_output=True)
+    shutil.rmtree(data, ignore_errors=True)
 
 
 def _four_writers_lose_nothing(url: str, each: int) -> None:
