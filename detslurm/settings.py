@@ -2,7 +2,10 @@
 
 Precedence: environment variables > the user's config file > defaults. The SQLite store must
 live on a local disk: SQLite's locking is unreliable on NFS/Lustre (Optuna's "database disk
-image is malformed" history), so the default data dir is platformdirs' per-user *local* dir.
+image is malformed" history). The default data dir is platformdirs' per-user data dir, which is
+under $HOME and so, on most clusters, on NFS: opening a SQLite store there warns (see
+detslurm.store.fs), pointing to ``db_url``/``DETSLURM_DB_URL`` (PostgreSQL) or
+``DETSLURM_DATA_DIR`` (a local disk); ``DETSLURM_ALLOW_NETWORK_DB=1`` silences it.
 Experiment dirs must be on a filesystem every compute node sees (home or scratch).
 """
 

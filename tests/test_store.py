@@ -9,17 +9,19 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select
+from sqlalchemy.exc import IntegrityError
 
-from detslurm.store import Experiment, LogEntry, Trial, open_store
+from detslurm.store import Experiment, IngestOffset, LogEntry, Metric, Trial, TrialRun, open_store
 from detslurm.store.models import Base
 
 
 @pytest.fixture(scope="module")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def postgres() -> Iterator[str]:
     """A real PostgreSQL server on loopback, private to this module (installed if missing)."""
     import glob
     import shutil
     import subprocess
+    import tempfile
 
     if os.geteuid() != 0:
         pytest.skip("starting a private PostgreSQL needs root (to run it as the postgres user)")
@@ -31,9 +33,10 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             capture_output=True,
         )
     bindir = Path(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1])
-    data = tmp_path_factory.mktemp("pg")
-    for d in (data.parent, data.parent.parent):  # traversable (not readable) for the server user
-        os.chmod(d, os.stat(d).st_mode | 0o011)
+    # Not under pytest's basetemp: every pytest session (other test runs on this machine too)
+    # makes /tmp/pytest-of-<user> private again, and the server user could then no longer reach
+    # its data dir (the server outlived the tests: pg_ctl stop failed with "Permission denied").
+    data = Path(tempfile.mkdtemp(prefix="detslurm-test-pg-"))
     shutil.chown(data, "postgres", "postgres")
     pg = ["runuser", "-u", "postgres", "--"]
     subprocess.run(
@@ -61,6 +64,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     subprocess.run([*pg, str(bindir / "createdb"), "-h", "127.0.0.1", "-p", port, "detslurm"], check=True)
     yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/detslurm"
     subprocess.run([*pg, str(bindir / "pg_ctl"), "-D", str(data / "db"), "-m", "fast", "stop"], capture_output=True)
+    shutil.rmtree(data, ignore_errors=True)
 
 
 def _four_writers_lose_nothing(url: str, each: int) -> None:
@@ -175,3 +179,171 @@ def test_head_revision_constant_is_alembics_head() -> None:
     from detslurm.store import db
 
     assert ScriptDirectory.from_config(db._alembic_config()).get_current_head() == db.HEAD_REVISION
+
+
+def _odd_values_round_trip(url: str) -> None:
+    """Values PostgreSQL rejects unless sanitised (S3): NaN/inf in JSON, NUL in strings, a
+    200-character metric group and a 300-character job id."""
+    from datetime import datetime, timezone
+
+    from detslurm.store import Metric, TrialRun
+    from detslurm.store.sanitize import clean_text, json_safe, metric_group
+
+    exp_id = _make_experiment(url)
+    store = open_store(url)
+    group, job_id = "g" * 199 + "\x00h", "local:" + "/very/long/path" * 20
+    with store.tx() as s:
+        trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
+        s.add(TrialRun(trial_id=trial_id, run_id=1, executor="local", job_id=job_id, run_dir="/r", log_path="/l"))
+        s.add(
+            Metric(
+                trial_id=trial_id,
+                run_id=1,
+                group=metric_group(group),
+                steps_completed=1,
+                metrics=json_safe({"loss": float("nan"), "acc": float("inf"), "n\x00ame": "a\x00b"}),
+                batch_metrics=json_safe([{"x": float("-inf")}]),
+                report_time=datetime.now(timezone.utc),
+            )
+        )
+        s.add(LogEntry(trial_id=trial_id, message=clean_text("bad\x00line")))
+    with store.read() as s:
+        m = s.scalars(select(Metric).where(Metric.trial_id == trial_id)).one()
+        assert (len(m.group), m.metrics, m.batch_metrics) == (
+            200,
+            {"loss": "NaN", "acc": "Infinity", "name": "ab"},
+            [{"x": "-Infinity"}],
+        )
+        run = s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id)).one()
+        assert run.job_id == job_id and len(job_id) > 300
+        assert s.scalars(select(LogEntry.message).where(LogEntry.trial_id == trial_id)).one() == "badline"
+
+
+def test_odd_values_round_trip_sqlite(tmp_path: Path) -> None:
+    _odd_values_round_trip(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+def test_odd_values_round_trip_postgres(postgres: str) -> None:
+    _odd_values_round_trip(postgres)
+
+
+def test_postgres_reader_is_not_blocked_by_a_writer(postgres: str) -> None:
+    import time
+
+    store = open_store(postgres)
+    exp_id = _make_experiment(postgres)
+    with store.tx() as w:
+        w.get(Experiment, exp_id).state = "PAUSED"  # type: ignore[union-attr]
+        w.flush()  # holds the owner's advisory lock and the row lock until the block ends
+        start = time.monotonic()
+        with store.read() as r:
+            assert r.get(Experiment, exp_id).state == "ACTIVE"  # type: ignore[union-attr]
+        assert time.monotonic() - start < 5
+
+
+def test_postgres_lock_waits_are_bounded_and_per_owner(postgres: str) -> None:
+    import time
+
+    from sqlalchemy import create_engine, text
+
+    from detslurm.errors import StoreError
+    from detslurm.store import db
+
+    store = open_store(postgres, lock_timeout_s=1)
+    _make_experiment(postgres)
+    other = create_engine(postgres)
+    own = (db._PG_LOCK_CLASS, os.getuid() % 2**31)
+    with other.connect() as conn:
+        # Another user's lock and the migration lock do not hold this user's writes up...
+        conn.execute(text("SELECT pg_advisory_lock(:a, :b)"), {"a": own[0], "b": own[1] + 1})
+        conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": db._PG_LOCK_KEY})
+        with store.tx() as s:
+            assert s.scalars(select(func.count(Experiment.id))).one() >= 1
+        # ...this user's lock, held by a stuck client, makes the wait end in a clear error.
+        conn.execute(text("SELECT pg_advisory_lock(:a, :b)"), {"a": own[0], "b": own[1]})
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=r"is busy: .* more than 1 s") as e, store.tx() as s:
+            s.scalars(select(Experiment.id)).all()
+        assert time.monotonic() - start < 10
+        assert "postgres@127.0.0.1" in str(e.value)
+        conn.execute(text("SELECT pg_advisory_unlock_all()"))
+        conn.commit()
+    with store.tx() as s:  # the pool's connection is usable again after the timeout
+        assert s.scalars(select(func.count(Experiment.id))).one() >= 1
+    other.dispose()
+
+
+def _upgrade_keeps_rows(url: str) -> None:
+    """A store made by revision 0001, with rows in every table a migration rebuilds, upgrades to
+    head without losing any (SQLite rebuilds altered tables: a DROP TABLE with foreign keys on
+    would cascade into ingest_offsets and re-ingest every event)."""
+    from alembic import command
+    from sqlalchemy import create_engine, text
+
+    from detslurm.store import db
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = db._alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+    exp_id = None
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO experiments (id, name, owner, state, config, original_config, context_sha256, exp_dir,"
+                " executor, resource_pool, progress, archived, test_mode, start_time)"
+                " VALUES (1, 'x', 'u', 'ACTIVE', '{}', '', '0', '/e', 'local', '', 0, false, false, CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO trials (id, experiment_id, request_id, state, hparams, seed, restarts, run_count,"
+                " steps_completed, progress, early_stopped, searcher_ops, ops_completed, ops_closed, ops_idle,"
+                " start_time) VALUES (1, 1, 'r', 'ACTIVE', '{}', 1, 0, 0, 0, 0, false, '[]', 0, false, false,"
+                " CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO trial_runs (id, trial_id, run_id, state, executor, job_id, run_dir, log_path,"
+                " preempt_acked, restart_count_seen, submit_time) VALUES (1, 1, 1, 'RUNNING', 'local', 'j1', '/r',"
+                " '/l', false, 0, CURRENT_TIMESTAMP)"
+            )
+        )
+        conn.execute(text("INSERT INTO ingest_offsets (trial_run_pk, file, \"offset\") VALUES (1, 'rank-0.jsonl', 77)"))
+        conn.execute(
+            text(
+                'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, report_time, archived)'
+                " VALUES (1, 1, 'training', 5, '{\"loss\": 1}', CURRENT_TIMESTAMP, false)"
+            )
+        )
+        exp_id = 1
+    engine.dispose()
+    store = open_store(url)
+    with store.read() as s:
+        assert s.scalars(select(func.count()).select_from(IngestOffset)).one() == 1
+        assert s.scalars(select(TrialRun.job_id)).one() == "j1"
+        assert s.scalars(select(Metric.group)).one() == "training"
+        assert s.get(Experiment, exp_id) is not None
+    with store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    with store.tx() as s:  # foreign keys are enforced again after the migration
+        s.add(LogEntry(trial_id=999, message="orphan"))
+        with pytest.raises(IntegrityError):
+            s.flush()
+        s.rollback()
+
+
+def test_upgrade_from_0001_keeps_rows_sqlite(tmp_path: Path) -> None:
+    _upgrade_keeps_rows(f"sqlite:///{tmp_path / 'old.sqlite'}")
+
+
+def test_upgrade_from_0001_keeps_rows_postgres(postgres: str) -> None:
+    from sqlalchemy import create_engine, text
+
+    admin = create_engine(postgres, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text("CREATE DATABASE upgrade_test"))
+    admin.dispose()
+    _upgrade_keeps_rows(postgres.rsplit("/", 1)[0] + "/upgrade_test")

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from detslurm.errors import ConfigError
 from detslurm.expconf import schema as s
 from detslurm.expconf.hparams import check_hyperparameters, normalize_hyperparameters
+from detslurm.expconf.sbatch_args import check_sbatch_args
 
 ROOT = "<config>"
 
@@ -217,45 +218,6 @@ def from_stored(data: Mapping[str, Any], where: str = "stored config") -> Experi
         return _from_stored_json(json.dumps(data, sort_keys=True))
     except ConfigError as e:
         raise ConfigError([line.replace(ROOT, where, 1) for line in e.errors]) from None
-
-
-_FORBIDDEN_LONG = {
-    "--ntasks-per-node",
-    "--gpus",
-    "--nodes",
-    "--ntasks",
-    "--chdir",
-    "--error",
-    "--output",
-    "--partition",
-    "--no-requeue",
-    "--requeue",
-}
-# Set by detslurm itself: trial identity (contract 4), arrays, logs and the signal contract.
-_OURS_LONG = {"--job-name", "--comment", "--array", "--wrap", "--open-mode", "--export", "--signal", "--parsable"}
-_FORBIDDEN_SHORT = {"G", "N", "n", "D", "e", "o", "p", "J", "a"}
-
-
-def check_sbatch_args(args: Sequence[str], prefix: str) -> list[str]:
-    errors = []
-    for i, arg in enumerate(args):
-        where = f"{prefix}[{i}]"
-        if any(ch in arg for ch in "\n\r\0"):
-            errors.append(f"{where}: control characters are not allowed in sbatch arguments")
-            continue
-        if arg.startswith("--"):
-            name, _, value = arg.partition("=")
-            if name in _FORBIDDEN_LONG:
-                errors.append(f"{where}: slurm option {name} is not configurable")
-            elif name in _OURS_LONG:
-                errors.append(f"{where}: slurm option {name} is set by detslurm and is not configurable")
-            elif name == "--gres":
-                val = value or (args[i + 1] if i + 1 < len(args) else "")
-                if val.startswith("gpu"):
-                    errors.append(f"{where}: slurm option --gres may not be used to configure GPU resources")
-        elif arg.startswith("-") and len(arg) >= 2 and arg[1] in _FORBIDDEN_SHORT:
-            errors.append(f"{where}: slurm option -{arg[1]} is not configurable")
-    return errors
 
 
 def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any:

@@ -7,17 +7,30 @@ Found via $DETSLURM_SITE_CONFIG, then /etc/detslurm/site.yaml, then the user's c
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
 import platformdirs
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from detslurm.errors import ConfigError
 from detslurm.expconf.load import _pydantic_errors, parse_yaml
+from detslurm.expconf.sbatch_args import check_sbatch_args
 from detslurm.expconf.schema import Strict
 
 ROOT = "<site-config>"
+
+# Warning signals a site may choose. These go into the batch script unquoted (trap, kill -s), so
+# the value must be one of a fixed set. Not USR1 (NCCL's own handler), KILL/STOP (cannot be
+# caught), TERM (the script traps TERM itself: Slurm sends it to the step at preemption), CONT
+# (Slurm sends it when resuming a suspended job, which would read as a warning).
+SIGNALS = ("USR2", "HUP", "INT", "QUIT", "ALRM", "URG", "WINCH", "XCPU")
+# A path, or a shell default expansion ``${VAR:-/abs/path}``: no quotes, `;`, `$(`, backticks or
+# spaces, so the value is safe inside the script's double quotes.
+_SAFE_PATH = r"/[A-Za-z0-9_./+@%,=-]*"
+_NODE_TMPDIR = re.compile(rf"{_SAFE_PATH}|\$\{{[A-Za-z_][A-Za-z0-9_]*:-{_SAFE_PATH}\}}(/[A-Za-z0-9_./+@%,=-]*)?")
+_PYTHON = re.compile(_SAFE_PATH)
 
 
 class Pool(Strict):
@@ -37,7 +50,7 @@ class SiteConfig(Strict):
     pools: dict[str, Pool] = Field(default_factory=dict)
     # Never poll slurmctld more often than this, whatever a user asks for.
     poll_interval_s: float = Field(default=10.0, ge=0.5)
-    signal: str = "USR2"  # not USR1: NCCL installs its own USR1 handler
+    signal: str = "USR2"  # one of SIGNALS (not USR1: NCCL installs its own USR1 handler)
     signal_lead_s: int = Field(default=300, ge=0)
     container_runtime: Literal["none", "apptainer", "singularity", "pyxis"] = "none"
     # Shell lines run (verbatim: written by the site's admins) before every trial, e.g. module load.
@@ -45,14 +58,60 @@ class SiteConfig(Strict):
     python: Optional[str] = None  # the interpreter on compute nodes (default: the CLI's own)
     node_tmpdir: str = "${TMPDIR:-/tmp}"  # node-local base for trial working dirs (shell syntax)
 
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        name = value.upper().removeprefix("SIG")
+        if name in ("USR1", "KILL", "STOP"):
+            raise ValueError(f"signal {value} cannot be used (USR1 is taken by NCCL; KILL/STOP cannot be caught)")
+        if name not in SIGNALS:
+            raise ValueError(f"signal {value!r} is not one of {', '.join(SIGNALS)}")
+        return name
+
+    @field_validator("node_tmpdir")
+    @classmethod
+    def _safe_node_tmpdir(cls, value: str) -> str:
+        if not _NODE_TMPDIR.fullmatch(value):
+            raise ValueError(
+                f"node_tmpdir {value!r} must be an absolute path or ${{VAR:-/absolute/path}}, "
+                "made of letters, digits and _ . / + @ % , = - only"
+            )
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _safe_python(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not _PYTHON.fullmatch(value):
+            raise ValueError(
+                f"python {value!r} must be an absolute path made of letters, digits and _ . / + @ % , = - only"
+            )
+        return value
+
+    @field_validator("setup")
+    @classmethod
+    def _setup_lines(cls, lines: list[str]) -> list[str]:
+        # Lines stay verbatim (admins write shell here), but one line must stay one line.
+        for i, line in enumerate(lines):
+            if any(ch in line for ch in "\0\r\n"):
+                raise ValueError(
+                    f"line {i}: NUL, carriage return and newline are not allowed (one shell line per entry)"
+                )
+        return lines
+
     @model_validator(mode="after")
     def _default_pool_exists(self) -> SiteConfig:
         if self.pools and self.default_pool not in self.pools:
             valid = ", ".join(sorted(self.pools))
             raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools: {valid}")
-        if self.signal.upper().removeprefix("SIG") in ("USR1", "KILL", "STOP"):
-            raise ValueError(f"signal {self.signal} cannot be used (USR1 is taken by NCCL; KILL/STOP cannot be caught)")
         return self
+
+    def sbatch_arg_errors(self) -> list[str]:
+        """Problems with the pools' extra_sbatch_args, validated like a user's sbatch_args."""
+        return [
+            line
+            for name, pool in sorted(self.pools.items())
+            for line in check_sbatch_args(pool.extra_sbatch_args, f"{ROOT}.pools.{name}.extra_sbatch_args")
+        ]
 
     def pool(self, name: str) -> tuple[str, Pool]:
         """The pool for an expconf resource_pool ("" = the site default)."""
@@ -89,6 +148,10 @@ def load_site_config(path: Optional[Path] = None) -> SiteConfig:
         raise ConfigError([f"{path}: cannot read the site config: {e.strerror}"], source="site config") from None
     raw = parse_yaml(text, ROOT)
     try:
-        return SiteConfig.model_validate(raw)
+        site = SiteConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(sorted(_pydantic_errors(e, ROOT, SiteConfig)), source=f"site config {path}") from None
+    errors = site.sbatch_arg_errors()
+    if errors:
+        raise ConfigError(errors, source=f"site config {path}")
+    return site

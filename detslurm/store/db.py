@@ -2,38 +2,70 @@
 
 Several CLI processes and the controller may write at once. SQLite in WAL mode with a busy
 timeout serialises writers safely; every write goes through ``Store.tx()``, one transaction
-that commits or rolls back as a whole.
+that commits or rolls back as a whole. Work that only reads goes through ``Store.read()``: a
+deferred transaction that takes no write lock, so ``det e list`` never waits for a writer
+(security review M4).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
-import filelock
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from detslurm.errors import StoreError
+from detslurm.store.fs import warn_if_network_db
+from detslurm.store.locks import hold_lock
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
-_PG_LOCK_KEY = 0x64657473  # "dets": the store's one advisory lock
+# PostgreSQL advisory locks. Schema migrations take one lock for the whole database (bigint
+# form); writes take one lock per owner (the two-int form, a separate key space): users of one
+# shared database do not wait for each other, and one user's stuck client holds up only them.
+_PG_LOCK_KEY = 0x64657473  # "dets"
+_PG_LOCK_CLASS = 0x64657473
+_PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of a lock_timeout
 # The newest migration's revision. A test checks it against alembic's scripts; knowing it here
 # lets every CLI call open an up-to-date store without importing alembic (about 0.2 s).
-HEAD_REVISION = "0001"
+HEAD_REVISION = "0002"
+_TX_OPTION = "detslurm_tx"
 
 
-def _alembic_config() -> Any:
-    from alembic.config import Config
+class TxKind(str, enum.Enum):
+    """What a transaction may do, which decides the lock it takes when it begins."""
 
-    cfg = Config()
-    cfg.set_main_option("script_location", str(_MIGRATIONS))
-    return cfg
+    WRITE = "write"  # SQLite: BEGIN IMMEDIATE; PostgreSQL: the owner's advisory lock
+    READ = "read"  # SQLite: deferred BEGIN; PostgreSQL: no lock (a READ COMMITTED snapshot)
+    MIGRATE = "migrate"  # PostgreSQL: the database-wide advisory lock
+
+
+def display_url(url: str) -> str:
+    """``url`` with its password masked, for messages and logs (security review L9)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable database URL>"
+
+
+def _mask(message: str, url: str) -> str:
+    """``message`` with the URL's password replaced, should a driver have echoed it."""
+    try:
+        password = make_url(url).password
+    except ArgumentError:
+        return message
+    if not password:
+        return message
+    for form in (str(password), quote(str(password), safe="")):  # as given, and as written in the URL
+        message = message.replace(form, "***")
+    return message
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -45,9 +77,23 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def _refuse_writes(session: Session, _ctx: Any, _instances: Any) -> None:
+    raise StoreError("internal error: a write inside a read-only store transaction (use Store.tx())")
+
+
+def _owner_key() -> int:
+    # The two-int form takes int4 keys; uids beyond 2**31 wrap (a shared key only costs waiting).
+    return os.getuid() % 2**31
+
+
 class Store:
-    def __init__(self, url: str) -> None:
+    """The state store. ``lock_timeout_s`` bounds how long a PostgreSQL transaction waits for
+    the store's advisory lock before failing with StoreError."""
+
+    def __init__(self, url: str, lock_timeout_s: float = 60.0) -> None:
         self.url = url
+        self.display_url = display_url(url)
+        self.lock_timeout_s = lock_timeout_s
         self.is_sqlite = url.startswith("sqlite")
         if self.is_sqlite:
             path = url.split("///", 1)[-1]
@@ -56,24 +102,48 @@ class Store:
             self._lock_path: str | None = path + ".migrate.lock" if path else None
             self.engine: Engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
             event.listen(self.engine, "connect", _sqlite_pragmas)
-
             # pysqlite's own transaction handling defers BEGIN; issue BEGIN IMMEDIATE ourselves
             # so two writers never both read and then fail to upgrade their lock.
-            @event.listens_for(self.engine, "begin")
-            def _begin(conn: Any) -> None:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            event.listen(self.engine, "begin", self._sqlite_begin)
         else:
             self._lock_path = None
             self.engine = create_engine(url, pool_pre_ping=True)
             if self.engine.dialect.name == "postgresql":
-                # The same model as SQLite's BEGIN IMMEDIATE: one transaction at a time. Under
-                # PostgreSQL's default READ COMMITTED, two CLI processes doing read-modify-write
-                # would otherwise lose updates (seen in tests: 48 of 80 survived).
-                @event.listens_for(self.engine, "begin")
-                def _serialize(conn: Any) -> None:
-                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK_KEY})")
-
+                # The same model as SQLite's BEGIN IMMEDIATE: one writing transaction at a time
+                # (per owner). Under PostgreSQL's default READ COMMITTED, two CLI processes doing
+                # read-modify-write would otherwise lose updates (seen in tests: 48 of 80 survived).
+                event.listen(self.engine, "begin", self._pg_begin)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._read_sessions = sessionmaker(self._reader(), expire_on_commit=False)
+
+    @staticmethod
+    def _kind(conn: Any) -> TxKind:
+        return TxKind(conn.get_execution_options().get(_TX_OPTION, TxKind.WRITE))
+
+    def _sqlite_begin(self, conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN" if self._kind(conn) is TxKind.READ else "BEGIN IMMEDIATE")
+
+    def _pg_begin(self, conn: Any) -> None:
+        kind = self._kind(conn)
+        if kind is TxKind.READ:
+            return
+        lock = (
+            f"pg_advisory_xact_lock({_PG_LOCK_KEY})"
+            if kind is TxKind.MIGRATE
+            else f"pg_advisory_xact_lock({_PG_LOCK_CLASS}, {_owner_key()})"
+        )
+        try:
+            # lock_timeout covers advisory lock waits; reset after, so it bounds only this wait.
+            conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(self.lock_timeout_s * 1000)}")
+            conn.exec_driver_sql(f"SELECT {lock}")
+            conn.exec_driver_sql("SET LOCAL lock_timeout TO DEFAULT")
+        except DBAPIError as e:
+            if getattr(e.orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
+                raise StoreError(
+                    f"the detslurm store {self.display_url} is busy: another transaction held its lock "
+                    f"for more than {self.lock_timeout_s:g} s ({lock}); try again later"
+                ) from None
+            raise
 
     def migrate(self) -> None:
         """Bring the schema to head (a no-op when it already is)."""
@@ -85,30 +155,83 @@ class Store:
 
         head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
         lock: contextlib.AbstractContextManager[Any] = (
-            filelock.FileLock(self._lock_path) if self._lock_path else contextlib.nullcontext()
+            hold_lock(Path(self._lock_path), timeout=-1) if self._lock_path else contextlib.nullcontext()
         )
+        migrating = self.engine.execution_options(**{_TX_OPTION: TxKind.MIGRATE})
         try:
-            with self.engine.connect() as conn:
+            with self._reader().connect() as conn:
                 if MigrationContext.configure(conn).get_current_revision() == head:
                     return
-            with lock, self.engine.begin() as conn:
-                cfg = _alembic_config()
-                cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
+            with lock, migrating.connect() as conn, self._foreign_keys_off(conn):
+                with conn.begin():
+                    cfg = _alembic_config()
+                    cfg.attributes["connection"] = conn
+                    command.upgrade(cfg, "head")
         except OperationalError as e:
-            raise StoreError(f"cannot open the detslurm store at {self.url}: {e.orig}") from None
+            why = _mask(str(e.orig), self.url)
+            raise StoreError(f"cannot open the detslurm store at {self.display_url}: {why}") from None
+
+    @contextlib.contextmanager
+    def _foreign_keys_off(self, conn: Connection) -> Iterator[None]:
+        """SQLite migrations rebuild altered tables (copy, DROP, rename). With foreign keys on, the
+        DROP deletes every row first and cascades (ingest offsets would vanish, and every event be
+        ingested again). The pragma only takes effect outside a transaction, so it is set on the
+        raw connection before the migration's transaction begins, and restored after."""
+        raw = conn.connection.driver_connection if self.is_sqlite else None
+        if raw is None:
+            yield
+            return
+        raw.execute("PRAGMA foreign_keys=OFF")
+        try:
+            yield
+            problems = raw.execute("PRAGMA foreign_key_check").fetchall()
+            if problems:
+                raise StoreError(f"the store migration left rows with broken references: {problems[:5]}")
+        finally:
+            raw.execute("PRAGMA foreign_keys=ON")
+
+    def _reader(self) -> Engine:
+        return self.engine.execution_options(**{_TX_OPTION: TxKind.READ})
 
     def _revision(self) -> str | None:
         try:
-            with self.engine.connect() as conn:
+            with self._reader().connect() as conn:
                 return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except Exception:  # no table yet (a new store), or the store cannot be opened: migrate says
             return None
 
     @contextlib.contextmanager
+    def _busy_is_store_error(self) -> Iterator[None]:
+        try:
+            yield
+        except OperationalError as e:
+            if self.is_sqlite and "database is locked" in str(e.orig):
+                raise StoreError(
+                    f"the detslurm store {self.display_url} is busy: another process kept it locked "
+                    "for more than 30 s; try again later"
+                ) from None
+            state = getattr(e.orig, "sqlstate", None)
+            if not self.is_sqlite and (state is None or str(state).startswith("08")):
+                # No SQLSTATE, or class 08: the server could not be reached or the connection broke.
+                why = _mask(str(e.orig), self.url).strip()
+                raise StoreError(f"cannot reach the detslurm store at {self.display_url}: {why}") from None
+            raise
+
+    @contextlib.contextmanager
     def tx(self) -> Iterator[Session]:
-        """One transaction: commit on success, roll back on any error."""
-        with self._sessions() as session, session.begin():
+        """One writing transaction: commit on success, roll back on any error.
+
+        Takes the store's write lock when it begins (SQLite: BEGIN IMMEDIATE; PostgreSQL: the
+        owner's advisory lock, waiting at most ``lock_timeout_s``)."""
+        with self._busy_is_store_error(), self._sessions() as session, session.begin():
+            yield session
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Session]:
+        """One read-only transaction: a consistent view that takes no write lock, so it neither
+        waits for writers nor holds them up. Flushing a change in it raises StoreError."""
+        with self._busy_is_store_error(), self._read_sessions() as session, session.begin():
+            event.listen(session, "before_flush", _refuse_writes)
             yield session
 
     def session(self) -> Session:
@@ -118,8 +241,22 @@ class Store:
         self.engine.dispose()
 
 
-def open_store(url: str) -> Store:
-    store = Store(url)
+def _alembic_config() -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    return cfg
+
+
+def open_store(url: str, lock_timeout_s: float = 60.0) -> Store:
+    """The store at ``url``, migrated to the current schema. Warns (once per process) when a
+    SQLite store is on a network filesystem."""
+    store = Store(url, lock_timeout_s=lock_timeout_s)
+    if store.is_sqlite:
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            warn_if_network_db(Path(path))
     store.migrate()
     if store.is_sqlite:
         path = url.split("///", 1)[-1]

@@ -154,7 +154,8 @@ class TrialRun(Base):
     run_id: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), default=RunState.PENDING.value)
     executor: Mapped[str] = mapped_column(String(16))
-    job_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # Text: a --local job id holds a path (migration 0002).
+    job_id: Mapped[str | None] = mapped_column(Text, nullable=True)
     run_dir: Mapped[str] = mapped_column(Text)
     log_path: Mapped[str] = mapped_column(Text)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -173,7 +174,8 @@ class Metric(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
     run_id: Mapped[int] = mapped_column(Integer)
-    group: Mapped[str] = mapped_column(String(64))
+    # Bounded by sanitize.METRIC_GROUP_MAX, which ingest enforces (migration 0002).
+    group: Mapped[str] = mapped_column(String(256))
     steps_completed: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
     batch_metrics: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
