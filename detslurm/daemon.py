@@ -16,13 +16,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import filelock
 import psutil
 
 from detslurm import settings as settings_mod
@@ -131,20 +129,13 @@ def running_pid(s: Settings) -> Optional[int]:
     return daemon_status(s).pid
 
 
-@contextmanager
-def controller_lock(s: Settings, timeout: float = 0) -> Iterator[bool]:
-    """Held by whoever drives Slurm experiments now: the daemon, or a CLI doing one step."""
+def controller_lock(s: Settings, timeout: float = 0) -> AbstractContextManager[bool]:
+    """Held by whoever drives Slurm experiments now: the daemon, or a CLI doing one step.
+    A filesystem that refuses file locks is a clear error, not a traceback."""
+    from detslurm.store.locks import hold_lock
+
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = filelock.FileLock(str(Paths(s).lock))
-    try:
-        lock.acquire(timeout=timeout)
-    except filelock.Timeout:
-        yield False
-        return
-    try:
-        yield True
-    finally:
-        lock.release()
+    return hold_lock(Paths(s).lock, timeout)
 
 
 def make_controller(
