@@ -13,12 +13,11 @@ from sqlalchemy import select
 from detslurm import queue as q
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
-from detslurm.controller.layout import control_file
+from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.client import SlurmClient, client_from_env
 from detslurm.slurm.parse import QueuedJob, experiment_tag
 from detslurm.slurm.states import SlurmState
 from detslurm.store.models import Experiment, RunState, TrialRun
-from detslurm.util import atomic_write_json
 
 
 @click.group(name="job")
@@ -153,7 +152,7 @@ def _move_experiment(app: App, move: q.PoolMove) -> None:
         exp.resource_pool = move.pool
         running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
     for run_dir in running:
-        atomic_write_json(control_file(run_dir), {"preempt": True, "reason": "pool_move"})
+        ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)
 
 
 @job.command("update")

@@ -24,12 +24,11 @@ from detslurm.controller.apply import ingest_run, note
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec, SchedulerUnavailable
 from detslurm.controller.gc import collect_garbage
-from detslurm.controller.layout import ExpLayout, control_file, log_file
-from detslurm.core._info import trial_env
+from detslurm.protocol import BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, trial_env
+from detslurm.protocol._check import BadRecord
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, Metric, RunState, Trial, TrialRun, TrialState
-from detslurm.util import atomic_write_json, read_json
 
 log = logging.getLogger("detslurm.controller")
 ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
@@ -105,7 +104,7 @@ class Controller:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            marker = Path(run.run_dir) / "job_id"
+            marker = RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker
             job_id = marker.read_text().strip() if marker.exists() else None
             if not job_id:
                 found = self.executor.recover(
@@ -248,7 +247,7 @@ class Controller:
         with self.store.tx() as s:
             exp = s.get(Experiment, exp_id)
             assert exp is not None
-            layout = ExpLayout(Path(exp.exp_dir))
+            layout = ExpPaths(Path(exp.exp_dir))
             state = ExperimentState(exp.state)
             best: float | None = None
             sib = exp.config["searcher"]["smaller_is_better"]
@@ -256,20 +255,21 @@ class Controller:
                 if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
                     best = t.searcher_metric
                 if t.searcher_ops:
-                    want = {
-                        "ops": t.searcher_ops,
-                        "completed": t.ops_completed,
-                        "closed": t.ops_closed,
-                        "idle_after": t.ops_completed if t.ops_idle else -1,
-                    }
-                    if read_json(layout.ops_file(t.id)) != want:
-                        atomic_write_json(layout.ops_file(t.id), want, durable=False)
+                    want = SearcherOps(
+                        ops=tuple(t.searcher_ops),
+                        completed=t.ops_completed,
+                        closed=t.ops_closed,
+                        idle_after=t.ops_completed if t.ops_idle else -1,
+                    )
+                    if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
+                        want.write(layout.ops_file(t.id))
                 reason = self._stop_reason(exp, state, t)
                 for r in t.runs:
-                    if r.state in ACTIVE_RUN and reason and not control_file(Path(r.run_dir)).exists():
-                        atomic_write_json(control_file(Path(r.run_dir)), {"preempt": True, "reason": reason})
-            if best is not None and read_json(layout.best_validation, {}).get("value") != best:
-                atomic_write_json(layout.best_validation, {"value": best}, durable=False)
+                    control = RunPaths.from_run_dir(Path(r.run_dir)).control
+                    if r.state in ACTIVE_RUN and reason and not control.exists():
+                        ControlRecord(preempt=True, reason=reason).write(control)
+            if best is not None and _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
+                BestValidation(best).write(layout.best_validation)
 
     @staticmethod
     def _stop_reason(exp: Experiment, state: ExperimentState, t: Trial) -> str | None:
@@ -321,14 +321,15 @@ class Controller:
 
         assert isinstance(s, Session)
         t.run_count += 1
-        run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
+        paths = ExpPaths(Path(exp.exp_dir)).run(t.id, t.run_count)
+        run_dir = paths.dir
         run = TrialRun(
             trial_id=t.id,
             run_id=t.run_count,
             state=RunState.PENDING.value,
             executor=self.executor.kind,
             run_dir=str(run_dir),
-            log_path=str(log_file(run_dir)),
+            log_path=str(paths.output_log),
             preempt_acked=False,
             restart_count_seen=0,
         )
@@ -347,7 +348,7 @@ class Controller:
         return run
 
     def _spec(self, exp: Experiment, t: Trial, run: TrialRun) -> RunSpec:
-        layout = ExpLayout(Path(exp.exp_dir))
+        layout = ExpPaths(Path(exp.exp_dir))
         base = storage_base(exp.config)
         # Only what the trial needs from us; the executor adds the submitting environment.
         env = config_env(exp.config)
@@ -405,7 +406,7 @@ class Controller:
             try:
                 if isinstance(result, Exception):
                     raise result
-                (spec.run_dir / "job_id").write_text(result)
+                RunPaths.from_run_dir(spec.run_dir).job_id_marker.write_text(result)
                 done[run_pk] = result
             except Exception as e:
                 self._submit_failed(run_pk, e)
@@ -476,6 +477,14 @@ def _tested_everything(s: object, trial: Trial) -> bool:
     groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
     cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial.id))
     return {"training", "validation"} <= groups and bool(cks)
+
+
+def _read_or_none(read: Callable[[Path], Any], path: Path) -> Any:
+    """A record the trial side could have clobbered: unreadable counts as absent (rewritten)."""
+    try:
+        return read(path)
+    except BadRecord:
+        return None
 
 
 def current_user() -> str:

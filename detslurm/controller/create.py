@@ -21,9 +21,8 @@ import yaml
 from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import current_user, storage_base
-from detslurm.controller.layout import ExpLayout, log_file
-from detslurm.core._info import trial_env
 from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
+from detslurm.protocol import ExpPaths, trial_env
 from detslurm.searcher import Create, build
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
@@ -126,7 +125,7 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
                 shutil.rmtree(exp_dir)
             exp_dir.mkdir(parents=True, mode=0o700)
             exp.exp_dir = str(exp_dir)
-            layout = ExpLayout(exp_dir)
+            layout = ExpPaths(exp_dir)
             ctxmod.write_tarball(plan.bundle, layout.context)
             layout.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
             searcher = build(cfg)
@@ -144,7 +143,7 @@ def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> li
     trials as 1, 2, ...): one job, or one job array for trials that share resources."""
     cfg = plan.config.as_dict()
     exp_dir = Path(settings.experiments_dir) / "exp-0"
-    layout = ExpLayout(exp_dir)
+    layout = ExpPaths(exp_dir)
     python = site.python or sys.executable
     tasks = []
     for i, act in enumerate(a for a in build(cfg).initial_trials() if isinstance(a, Create)):
@@ -176,7 +175,7 @@ def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> li
                 ident=Identity(0, 1, 1),
                 env=tasks[0].env,
                 run_dir=tasks[0].run_dir,
-                log_path=str(log_file(Path(tasks[0].run_dir))),
+                log_path=str(layout.run(1, 1).output_log),
                 python=python,
             )
         ]
@@ -186,8 +185,8 @@ def preview_sbatch(plan: CreatePlan, settings: Settings, site: SiteConfig) -> li
             site=site,
             ident=Identity(0, 1, 1, array=True),
             tasks=tasks,
-            links_dir=str(exp_dir / "arrays" / "t1-r1"),
-            log_name=log_file(exp_dir).name,
+            links_dir=str(layout.array_links(1, 1)),
+            log_name=layout.run(1, 1).output_log.name,
             python=python,
         )
     ]

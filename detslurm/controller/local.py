@@ -12,8 +12,7 @@ from pathlib import Path
 import psutil
 
 from detslurm.controller.executor import JobState, JobStatus, RunSpec
-from detslurm.controller.layout import exit_file
-from detslurm.util import read_json
+from detslurm.protocol import exit_outcome, exit_record_of
 
 
 class LocalExecutor:
@@ -74,9 +73,12 @@ class LocalExecutor:
             if proc is None and self._alive(jid):
                 out[jid] = JobStatus(JobState.RUNNING)
                 continue
-            record = read_json(exit_file(Path(self._parse(jid)[2])), None)
-            if record is not None:
-                out[jid] = JobStatus(JobState.EXITED, int(record["code"]))
+            record = exit_outcome(exit_record_of(Path(self._parse(jid)[2])))
+            if record.code is not None:
+                out[jid] = JobStatus(JobState.EXITED, record.code)
+            elif record.problem is not None:
+                # What the trial left is unusable: the launcher's own exit code is the next best.
+                out[jid] = JobStatus(JobState.EXITED, code, f"unreadable exit record: {record.problem}")
             elif code is not None:
                 out[jid] = JobStatus(JobState.EXITED, code, "killed before recording its exit")
             else:

@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Optional
 
 from detslurm.controller.executor import JobState, JobStatus, RunSpec, SchedulerUnavailable
-from detslurm.controller.layout import exit_file
+from detslurm.protocol import ExitOutcome, RunPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
 from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
-from detslurm.util import read_json
 
 # Bytes of per-task exports one array script may carry (Slurm refuses scripts over its
 # max_script_size, 4 MB by default); a bigger group is split into more arrays.
@@ -50,7 +49,7 @@ class SlurmExecutor:
         return None  # Slurm queues; we never hold trials back
 
     def plan(self, spec: RunSpec) -> SbatchRequest:
-        ident = Identity(*spec.identity, tag=experiment_tag(str(spec.run_dir.parent.parent.parent.parent)))
+        ident = Identity(*spec.identity, tag=experiment_tag(str(RunPaths.from_run_dir(spec.run_dir).exp_root)))
         python = self.site.python or sys.executable
         return plan_trial_run(
             config=spec.config,
@@ -117,11 +116,11 @@ class SlurmExecutor:
 
     def plan_array(self, specs: Sequence[RunSpec]) -> SbatchRequest:
         first = specs[0]
-        exp_dir = first.run_dir.parent.parent.parent.parent
+        exp = RunPaths.from_run_dir(first.run_dir).exp
         ident = Identity(
-            first.identity[0], first.identity[1], first.identity[2], tag=experiment_tag(str(exp_dir)), array=True
+            first.identity[0], first.identity[1], first.identity[2], tag=experiment_tag(str(exp.root)), array=True
         )
-        links = exp_dir / "arrays" / f"t{ident.trial_id}-r{ident.run_id}"
+        links = exp.array_links(ident.trial_id, ident.run_id)
         tasks = [ArrayTask(s.identity[1], str(s.run_dir), s.env) for s in specs]
         return plan_array(
             config=first.config,
@@ -168,16 +167,16 @@ class SlurmExecutor:
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
-        record = read_json(exit_file(run_dir), None)
+        record = _exit_record(run_dir)
         reason = _REASONS.get(q.state) if q is not None else None
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
-            code = int(record["code"]) if record is not None else acct.exit_code
+            code = record.code if record.code is not None else acct.exit_code
             return JobStatus(JobState.EXITED, code, _REASONS.get(acct.state))
         if q is not None and q.state == SlurmState.COMPLETING:
             return JobStatus(JobState.RUNNING)  # the final state (PREEMPTED, TIMEOUT...) is next
-        if record is not None and (q is None or q.state.is_terminal):
-            return JobStatus(JobState.EXITED, int(record["code"]), reason)
+        if record.present and (q is None or q.state.is_terminal):
+            return JobStatus(JobState.EXITED, record.code, reason or _problem(record))
         if q is None:
             return JobStatus(JobState.UNKNOWN, None, "job left the queue without an exit record")
         if q.state.is_terminal:
@@ -206,6 +205,15 @@ class SlurmExecutor:
                 ended = ("Invalid job id", "already completing or completed")
                 if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
                     raise
+
+
+def _exit_record(run_dir: Path) -> ExitOutcome:
+    """The run's exit record as the trial side left it; never raises (review H1)."""
+    return exit_outcome(exit_record_of(run_dir))
+
+
+def _problem(record: ExitOutcome) -> str | None:
+    return f"unreadable exit record: {record.problem}" if record.problem else None
 
 
 def queued(executor: object) -> Sequence[QueuedJob]:
