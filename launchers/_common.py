@@ -127,16 +127,20 @@ def rendezvous_ports(
             return dict(zip(names, ports[: len(names)], strict=True))
     if nodes.nnodes == 1:
         return {n: free_port("127.0.0.1") for n in names}
-    try:
-        run = RunPaths.from_env(env)
-    except NotARunDir as e:
-        raise LaunchError(f"multi-node rendezvous needs the trial's run dir: {e}") from None
-    path = run.rendezvous(env.get("SLURM_JOB_ID", "local"), env.get("SLURM_STEP_ID", "0"))
+    path = run_paths(env).rendezvous(env.get("SLURM_JOB_ID", "local"), env.get("SLURM_STEP_ID", "0"))
     if nodes.is_chief:
         chosen = {n: free_port(nodes.chief) for n in names}
         publish(path, chosen)
         return chosen
     return {k: int(v) for k, v in wait_published(path, timeout_s).items()}
+
+
+def run_paths(env: Mapping[str, str]) -> RunPaths:
+    """The trial run's files; multi-node launchers publish their rendezvous there."""
+    try:
+        return RunPaths.from_env(env)
+    except NotARunDir as e:
+        raise LaunchError(f"multi-node rendezvous needs the trial's run dir: {e}") from None
 
 
 def _expand_ports(text: str) -> list[int]:

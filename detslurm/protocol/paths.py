@@ -167,6 +167,10 @@ class RunPaths:
         """Where a multi-node launcher's chief publishes its rendezvous ports."""
         return self.dir / f"rendezvous-{job_id}-{step_id}.json"
 
+    def horovod_rendezvous(self, job_id: str) -> Path:
+        """Where the horovod launcher's chief publishes its rendezvous server's ports."""
+        return self.dir / f"horovod-{job_id}.json"
+
     @property
     def tensorboard(self) -> Path:
         return self.dir / "tensorboard"
