@@ -241,6 +241,8 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
             off = IngestOffset(trial_run_pk=run.id, file=path.name, offset=0)
             session.add(off)
         batch = read_lines(path, off.offset)
+        # Bad lines are collected and noted once per file and pass: a trial writing millions of
+        # them adds one note per tick, not millions of rows.
         bad: list[str] = []
         for line in batch.lines:
             problem = line.problem or _decode_and_apply(session, exp, trial, run, line, searcher, off)
@@ -249,6 +251,7 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
             else:
                 bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
             off.offset = line.end
+        # Past skipped blank lines (and the rest of a too-long line) as well.
         off.offset = batch.offset
         if bad:
             _quarantined(session, trial, run, path.name, bad)
@@ -272,6 +275,8 @@ def _decode_and_apply(
     except BadEvent as e:
         return e.reason
     try:
+        # The searcher object itself is not rolled back with the savepoint; only the searcher's
+        # own bugs can fail after it changed, and they then cost this one event's decision.
         with session.begin_nested():
             apply_actions(session, exp, searcher, apply_event(session, exp, trial, run, ev, searcher))
     except SearcherError:
@@ -293,6 +298,8 @@ def _quarantined(session: Session, trial: Trial, run: TrialRun, file: str, bad: 
 
 
 def _bounded(message: str) -> str:
+    # Notes quote trial-written text: no NUL (PostgreSQL text refuses it), bounded length.
+    message = message.replace("\x00", "\\0")
     return message if len(message) <= MAX_NOTE else message[: MAX_NOTE - 3] + "..."
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
-from detslurm.protocol import ExitRecord, RunPaths, expand_nodelist, node_workdir
+from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, expand_nodelist, node_workdir
 
 LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
@@ -137,7 +137,11 @@ def _paths(env: dict[str, str], run: RunPaths) -> tuple[Path, Path, bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
-    run = RunPaths.from_env(env)
+    try:
+        run = RunPaths.from_env(env)
+    except NotARunDir as e:
+        print(f"detslurm: {e}", file=sys.stderr, flush=True)
+        return 2
     if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
         env.update(slurm_env(env))
     workdir, exit_path, node_local = _paths(env, run)

@@ -31,6 +31,8 @@ def req(obj: Mapping[str, Any], key: str) -> Any:
     return obj[key]
 
 
+# Ranges default to what a BigInteger column holds: neither SQLite nor PostgreSQL takes a
+# larger int, and the error would fail the whole transaction, not just this record.
 def integer(value: Any, key: str, lo: int = 0, hi: int = INT64_MAX) -> int:
     # bool is an int subclass: `true` is not a step count.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -43,7 +45,7 @@ def integer(value: Any, key: str, lo: int = 0, hi: int = INT64_MAX) -> int:
 def number(value: Any, key: str, allow_nonfinite: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRecord(f"{key!r} must be a number, got {_kind(value)}")
-    out = float(value)
+    out = float(value)  # an int is fine where a float is expected (`1` for `1.0`)
     if not allow_nonfinite and not math.isfinite(out):
         raise BadRecord(f"{key!r} must be a finite number, got {out}")
     return out

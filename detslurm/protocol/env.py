@@ -89,6 +89,7 @@ def trial_env(
     user: str,
 ) -> dict[str, str]:
     """The DET_* variables a trial process sees (pure: no I/O)."""
+    # Determined's names for the same ids, so scripts that log or key on them keep working.
     task = f"exp-{experiment_id}-trial-{trial_id}"
     return {
         "DET_MASTER": "",
@@ -109,6 +110,7 @@ def trial_env(
         "DET_SLOT_IDS": json.dumps(slot_ids),
         "DET_CONTAINER_ADDRS": json.dumps(container_addrs),
         "DET_USER": user,
+        # Where this run's files are: RunPaths.from_env() rebuilds them from these.
         "DET_RUN_DIR": str(run_dir),
         "DETSLURM_TRIAL_DIR": str(trial_dir),
         "DETSLURM_EXP_DIR": str(exp_dir),
@@ -117,6 +119,7 @@ def trial_env(
 
 
 def _slot_ids(env: Mapping[str, str]) -> list[int]:
+    # Without DET_SLOT_IDS (a script started by hand), count the GPUs we can see.
     raw = env.get("DET_SLOT_IDS")
     if raw:
         return [int(x) for x in json.loads(raw)]
@@ -172,6 +175,7 @@ def expand_nodelist(nodelist: str) -> list[str]:
     if not nodelist or nodelist in ("(null)", "None"):
         return []
     try:
+        # python-hostlist: the same expansion Slurm does, numeric ranges with zero padding kept.
         hosts: list[str] = hostlist.expand_hostlist(nodelist)
     except hostlist.BadHostlist as e:
         raise ValueError(f"malformed Slurm node list {nodelist!r}: {e}") from None

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Union
 from detslurm.protocol import _check as c
 from detslurm.protocol._check import BadRecord
 
+# Bumped only for a change an older controller would misread; adding an optional field is not one.
 VERSION = 1
 MAX_GROUP = 64  # Metric.group is String(64) in the store
 
@@ -144,7 +145,9 @@ Event = Union[
 # -- encoding (the trial side) -------------------------------------------------------------
 def to_dict(ev: Event) -> dict[str, Any]:
     """The record as the JSON object written to the event file (``type`` and ``v`` first)."""
+    # `type` and `v` lead each line, so a human grepping an event file sees them first.
     out: dict[str, Any] = {"type": ev.TYPE.value, "v": VERSION}
+    # Optional fields left at None are omitted: lines stay short, and decode() restores None.
     out.update({k: v for k, v in ev.__dict__.items() if not (k in ("raw", "batch_metrics") and v is None)})
     return out
 
@@ -156,6 +159,8 @@ def encode(ev: Event, default: Callable[[Any], Any] | None = None) -> str:
 
 
 # -- decoding (the controller side) --------------------------------------------------------
+# One decoder per type. Each reads only the fields it knows (a newer writer may add more) and
+# checks each one; a missing optional field gets the writer's default.
 def _metrics(d: dict[str, Any]) -> Metrics:
     group = c.text(c.req(d, "group"), "group", MAX_GROUP)
     if not group:
@@ -173,6 +178,8 @@ def _metrics(d: dict[str, Any]) -> Metrics:
 
 
 def _checkpoint(d: dict[str, Any]) -> CheckpointSaved:
+    # The uuid names a directory below the storage base that GC later deletes: it must not be
+    # able to point anywhere else (no "/", no "..").
     resources = c.mapping(d.get("resources", {}), "resources")
     for k, v in resources.items():
         c.integer(v, f"resources[{k[:64]!r}]")
@@ -188,6 +195,7 @@ def _checkpoint(d: dict[str, Any]) -> CheckpointSaved:
 
 
 def _progress(d: dict[str, Any]) -> Progress:
+    # Trial.progress is shown as a percentage and fed to the experiment's progress.
     p = c.number(c.req(d, "progress"), "progress")
     if not 0.0 <= p <= 1.0:
         raise BadEvent(f"'progress' must be between 0 and 1, got {p}")
@@ -245,11 +253,14 @@ def decode(line: bytes | str) -> Event:
     """One event line -> its record. Raises :class:`BadEvent` (or :class:`UnknownEvent`) and
     nothing else, whatever the line holds."""
     try:
+        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines.
         obj = json.loads(line)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None
     if not isinstance(obj, dict):
         raise BadEvent(f"an event must be a JSON object, got {type(obj).__name__}")
+    # A line from a newer writer could mean something else for the same field names: refuse it
+    # rather than guess (it is quarantined with a note saying so).
     version = obj.get("v", VERSION)  # lines written before versioning are version 1
     if version != VERSION or isinstance(version, bool):
         raise BadEvent(f"unsupported event version {str(version)[:20]!r} (this controller reads {VERSION})")

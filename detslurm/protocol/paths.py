@@ -27,6 +27,8 @@ OUTPUT_LOG = "output.log"
 SIGNALS = "signals"
 LOCAL_WORKDIR = "workdir"
 
+# Only files named like this are ingested: a trial dropping other files into events/ (or a
+# rank-N.jsonl.swp) adds nothing to the store.
 _EVENT_FILE = re.compile(r"^rank-(\d{1,6})\.jsonl$")
 
 
@@ -89,6 +91,8 @@ class RunPaths:
     @classmethod
     def from_run_dir(cls, run_dir: Path) -> RunPaths:
         """``<exp>/trials/<t>/runs/<r>`` -> its RunPaths; :class:`NotARunDir` otherwise."""
+        # Parsing (not .parent.parent...) so a path of another shape fails loudly here instead
+        # of silently naming the wrong experiment dir.
         parts = Path(run_dir).parts
         if len(parts) < 5 or parts[-2] != "runs" or parts[-4] != "trials":
             raise NotARunDir(f"{run_dir} is not an experiment's <exp>/trials/<t>/runs/<r> dir")
@@ -101,6 +105,7 @@ class RunPaths:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> RunPaths:
         """In a job: from the trial env contract (see :func:`detslurm.protocol.env.trial_env`)."""
+        # The ids are the source of truth; DET_RUN_DIR is kept for user scripts and as a fallback.
         root = env.get("DETSLURM_EXP_DIR")
         trial, run = env.get("DET_TRIAL_ID", ""), env.get("DET_TRIAL_RUN_ID", "")
         if root and trial.isdigit() and run.isdigit():
@@ -135,6 +140,7 @@ class RunPaths:
             names = [p.name for p in self.events_dir.iterdir()]
         except (FileNotFoundError, NotADirectoryError):
             return []
+        # Numeric order: rank-10 after rank-9 (a plain sort would not).
         ranks = sorted(int(m.group(1)) for n in names if (m := _EVENT_FILE.match(n)))
         return [self.event_file(r) for r in ranks]
 

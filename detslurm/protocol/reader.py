@@ -34,7 +34,8 @@ SKIP_BLOCK = 1 << 20
 # it is consumed) while the file was modified within NUL_QUIET_S seconds and the line lies in
 # its last NUL_WINDOW bytes, where unflushed pages can be. Once the file has been quiet that
 # long, or the line is far behind the tail, the NULs are permanent: the line is reported as a
-# problem and skipped. The cost is latency, never a lost event.
+# problem and skipped. The cost is latency, never a lost event. (mtime is set by the file
+# server's clock: skew against ours only lengthens or shortens the wait, as NTP allows.)
 NUL_QUIET_S = 30.0
 NUL_WINDOW = 16 << 20
 PREVIEW = 80

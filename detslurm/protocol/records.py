@@ -17,6 +17,7 @@ from detslurm.protocol import _check as c
 from detslurm.protocol._check import BadRecord
 from detslurm.util import atomic_write_json
 
+# Every record here is a few hundred bytes; anything larger was not written by us.
 MAX_RECORD_BYTES = 64 * 1024
 # The batch shell's printf format for the exit record (code, then job id). It is rendered into
 # the sbatch script by render.py, so ExitRecord.decode and the shell cannot disagree.
@@ -28,6 +29,7 @@ def read_record(path: Path) -> Any:
     than MAX_RECORD_BYTES, non-UTF-8 bytes or bad JSON raise BadRecord."""
     try:
         with open(path, "rb") as f:
+            # One byte over the limit is enough to know the file is too large, without reading it.
             data = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         return None
@@ -76,6 +78,7 @@ class ExitRecord:
         try:
             start, end = d.get("start"), d.get("end")
             return cls(
+                # TrialRun.exit_code is a 32-bit column; shells report 0-255, signals as 128+N.
                 code=c.integer(c.req(d, "code"), "code", lo=-(2**31), hi=c.INT32_MAX),
                 source=c.text(d.get("source", "launcher"), "source", 16),
                 job=c.text(d.get("job", ""), "job", 128),
@@ -103,6 +106,8 @@ class ExitOutcome:
 
 
 def exit_outcome(path: Path) -> ExitOutcome:
+    # An unusable record still says "the run ended": executors then fall back to what the
+    # scheduler knows (sacct's code, or the launcher process's own exit status).
     try:
         record = ExitRecord.read(path)
     except BadRecord as e:
@@ -126,6 +131,7 @@ class ControlRecord:
     @classmethod
     def decode(cls, value: Any) -> ControlRecord:
         d = _object(value, "the control file")
+        # Strict: "yes" or 1 would be a writer bug, and a wrong preemption is costly.
         preempt = d.get("preempt", False)
         if not isinstance(preempt, bool):
             raise BadRecord("control file: 'preempt' must be true or false")
