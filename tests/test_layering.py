@@ -28,6 +28,11 @@ LOGIN = (
     "detslurm.daemon",
     "detslurm.views",
     "detslurm.queue",
+    # Not in the list, but login-side all the same: none of them runs in a job.
+    "detslurm.client",
+    "detslurm.settings",
+    "detslurm.searcher",
+    "detslurm.expconf",
 )
 
 

@@ -24,8 +24,7 @@ from detslurm.controller.apply import ingest_run, note
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import Executor, JobState, JobStatus, RunSpec, SchedulerUnavailable
 from detslurm.controller.gc import collect_garbage
-from detslurm.protocol import BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, trial_env
-from detslurm.protocol._check import BadRecord
+from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, trial_env
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, Metric, RunState, Trial, TrialRun, TrialState
