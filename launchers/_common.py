@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+from detslurm.protocol import NotARunDir, RunPaths, expand_nodelist
+
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -81,9 +83,10 @@ def nodes_from_env(env: Mapping[str, str]) -> Nodes:
     raw = env.get("DET_CONTAINER_ADDRS")
     hosts = json.loads(raw) if raw else []
     if not hosts and env.get("SLURM_JOB_NODELIST"):
-        from detslurm.slurm.parse import expand_nodelist
-
-        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        try:
+            hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     hosts = hosts or ["127.0.0.1"]
     rank = int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0)
     slots = len(json.loads(env["DET_SLOT_IDS"])) if env.get("DET_SLOT_IDS") else 1
@@ -124,13 +127,20 @@ def rendezvous_ports(
             return dict(zip(names, ports[: len(names)], strict=True))
     if nodes.nnodes == 1:
         return {n: free_port("127.0.0.1") for n in names}
-    run_dir = Path(env.get("DET_RUN_DIR") or ".")
-    path = run_dir / f"rendezvous-{env.get('SLURM_JOB_ID', 'local')}-{env.get('SLURM_STEP_ID', '0')}.json"
+    path = run_paths(env).rendezvous(env.get("SLURM_JOB_ID", "local"), env.get("SLURM_STEP_ID", "0"))
     if nodes.is_chief:
         chosen = {n: free_port(nodes.chief) for n in names}
         publish(path, chosen)
         return chosen
     return {k: int(v) for k, v in wait_published(path, timeout_s).items()}
+
+
+def run_paths(env: Mapping[str, str]) -> RunPaths:
+    """The trial run's files; multi-node launchers publish their rendezvous there."""
+    try:
+        return RunPaths.from_env(env)
+    except NotARunDir as e:
+        raise LaunchError(f"multi-node rendezvous needs the trial's run dir: {e}") from None
 
 
 def _expand_ports(text: str) -> list[int]:

@@ -27,6 +27,7 @@ from detslurm.launch._common import (
     parse_args,
     publish,
     run,
+    run_paths,
     supervise,
     wait_published,
 )
@@ -78,16 +79,19 @@ def _start_rendezvous(nodes: Nodes) -> tuple[Any, int]:
     return server, int(port)
 
 
+def _ports_file(env: Mapping[str, str]) -> Path:
+    return run_paths(env).horovod_rendezvous(env.get("SLURM_JOB_ID", "local"))
+
+
 def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> int:
-    path = Path(env.get("DET_RUN_DIR") or ".") / f"horovod-{env.get('SLURM_JOB_ID', 'local')}.json"
     server = None
     if nodes.is_chief:
         server, port = _start_rendezvous(nodes)
         dist_port = free_port(nodes.chief if nodes.nnodes > 1 else "127.0.0.1")
         if nodes.nnodes > 1:
-            publish(path, {"port": port, "dist": dist_port})
+            publish(_ports_file(env), {"port": port, "dist": dist_port})
     else:
-        published = wait_published(path)
+        published = wait_published(_ports_file(env))
         port, dist_port = int(published["port"]), int(published["dist"])
     addr = nodes.chief
     iface = env.get("DETSLURM_NETWORK_INTERFACE") or interface_for(nodes.hosts[nodes.node_rank])

@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 
-from detslurm.controller.ingest import read_new
 from detslurm.core import DistributedContext, PreemptMode, get_cluster_info, init, merge_metadata
 from detslurm.core._checkpoint import CheckpointContext
 from detslurm.core._events import EventWriter
-from detslurm.core._info import from_env, trial_env
 from detslurm.core._preempt import PreemptContext
 from detslurm.errors import CheckpointNotFound
+from detslurm.protocol import CheckpointDeleted, Metrics, decode, from_env, read_lines, trial_env
 
 _port = [23000 + os.getpid() % 2000 * 10]
 
@@ -108,7 +107,7 @@ def test_from_torch_distributed_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_checkpoint_atomic_and_failure_keeps_previous(tmp_path: Path) -> None:
-    reports: list[dict[str, Any]] = []
+    reports: list[Any] = []
     with init() as core:
         ck = CheckpointContext(core.distributed, tmp_path, reports.append, require_steps=True)
         with ck.store_path({"steps_completed": 5}) as (path, first):
@@ -117,12 +116,12 @@ def test_checkpoint_atomic_and_failure_keeps_previous(tmp_path: Path) -> None:
             with ck.store_path({"steps_completed": 10}) as (path, second):
                 (path / "w.txt").write_text("half")
                 raise RuntimeError("disk full")
-        assert [r["uuid"] for r in reports] == [first]  # the failed one was never reported
+        assert [r.uuid for r in reports] == [first]  # the failed one was never reported
         assert not (tmp_path / second).exists()  # and never appears under its final name
         with ck.restore_path(first) as p:
             assert (p / "w.txt").read_text() == "five"
         assert ck.get_metadata(first) == {"steps_completed": 5}
-        assert reports[0]["resources"] == {"w.txt": 4, "metadata.json": reports[0]["resources"]["metadata.json"]}
+        assert reports[0].resources == {"w.txt": 4, "metadata.json": reports[0].resources["metadata.json"]}
         with pytest.raises(ValueError, match="steps_completed"):
             with ck.store_path({}):
                 pass
@@ -132,11 +131,11 @@ def test_checkpoint_atomic_and_failure_keeps_previous(tmp_path: Path) -> None:
         ck.download(first, tmp_path / "dl")
         assert (tmp_path / "dl/w.txt").read_text() == "five"
         ck.delete(first)
-        assert not (tmp_path / first).exists() and reports[-1] == {"type": "checkpoint_deleted", "uuid": first}
+        assert not (tmp_path / first).exists() and reports[-1] == CheckpointDeleted(uuid=first, time=reports[-1].time)
 
 
 def test_sharded_checkpoint_across_ranks(tmp_path: Path) -> None:
-    reports: list[dict[str, Any]] = []
+    reports: list[Any] = []
 
     def body(d: DistributedContext) -> str:
         ck = CheckpointContext(d, tmp_path, reports.append, require_steps=True)
@@ -147,8 +146,8 @@ def test_sharded_checkpoint_across_ranks(tmp_path: Path) -> None:
     uuids = run_ranks(4, 2, body)
     assert len(set(uuids)) == 1
     assert len(reports) == 1
-    assert sorted(k for k in reports[0]["resources"] if k.startswith("shard")) == [f"shard-{r}.bin" for r in range(4)]
-    assert reports[0]["metadata"] == {"steps_completed": 3, "rank0": True, "rank1": True, "rank2": True, "rank3": True}
+    assert sorted(k for k in reports[0].resources if k.startswith("shard")) == [f"shard-{r}.bin" for r in range(4)]
+    assert reports[0].metadata == {"steps_completed": 3, "rank0": True, "rank1": True, "rank2": True, "rank3": True}
     with pytest.raises(RuntimeError, match="metadata conflicts"):
         merge_metadata([{"a": 1}, {"a": 2}])
     assert merge_metadata([{"a": {"b": 1}}, {"a": {"c": 2}}, {"a": {"b": 1}}]) == {"a": {"b": 1, "c": 2}}
@@ -198,23 +197,35 @@ def test_should_preempt_outside_init_refused() -> None:
         PreemptContext(d, None, lambda: None).should_preempt()
 
 
+def read_new(path: Path, offset: int) -> tuple[list[int], int]:
+    """The ``steps_completed`` of the complete metrics lines after ``offset``, and the new offset."""
+    batch = read_lines(path, offset)
+    steps = []
+    for line in batch.lines:
+        ev = decode(line.data)
+        assert isinstance(ev, Metrics)
+        steps.append(ev.steps_completed)
+    return steps, batch.offset
+
+
 def test_events_exactly_once_and_torn_line(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     w = EventWriter(path)
     for i in range(100):
-        w.emit({"type": "metrics", "i": i})
+        w.emit(Metrics(group="training", steps_completed=i, metrics={}))
     w.flush()
     events, off = read_new(path, 0)
-    assert [e["i"] for e in events] == list(range(100))
+    assert events == list(range(100))
     with open(path, "a") as f:
-        f.write('{"type": "metrics", "i": 100}\n{"type": "met')  # a writer killed mid-line
+        # a writer killed mid-line
+        f.write('{"type": "metrics", "group": "g", "steps_completed": 100, "metrics": {}}\n{"type": "met')
     more, off2 = read_new(path, off)
-    assert [e["i"] for e in more] == [100]
+    assert more == [100]
     assert read_new(path, off2) == ([], off2)
     with open(path, "a") as f:
-        f.write('rics", "i": 101}\n')
+        f.write('rics", "group": "g", "steps_completed": 101, "metrics": {}}\n')
     last, _ = read_new(path, off2)
-    assert [e["i"] for e in last] == [101]
+    assert last == [101]
     w.close()
 
 

@@ -14,6 +14,7 @@ import pytest
 from detslurm.launch._common import LaunchError, Nodes, nodes_from_env, parse_args, rendezvous_ports
 from detslurm.launch.torch_distributed import build_torchrun_cmd
 from detslurm.launch.wrap_rank import resolve_rank, split_lines
+from detslurm.protocol import RunPaths
 
 
 @pytest.mark.parametrize(
@@ -78,7 +79,9 @@ def test_nodes_from_slurm_env() -> None:
 
 
 def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
-    env = {"DET_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    RunPaths(tmp_path, 1, 1).dir.mkdir(parents=True)
+    env = {"DETSLURM_EXP_DIR": str(tmp_path), "DET_TRIAL_ID": "1", "DET_TRIAL_RUN_ID": "1"}
+    env |= {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
     chief = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 0, 1), env, ["master", "dist"])
     other = rendezvous_ports(Nodes(["127.0.0.1", "127.0.0.2"], 1, 1), env, ["master", "dist"])
     assert chief == other and chief["master"] != chief["dist"]

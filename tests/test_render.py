@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from detslurm.core._info import trial_env
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig, validate
+from detslurm.protocol import trial_env
 from detslurm.slurm.render import ArrayTask, Identity, index_ranges, plan_array, plan_trial_run, resource_plan
 from detslurm.slurm.site import load_site_config
 

@@ -46,7 +46,7 @@ def add_trial(store: Store, exp_id: int, run_dir: Path, run_state: str) -> int:
     with store.tx() as s:
         t = Trial(
             experiment_id=exp_id,
-            request_id=run_dir.name,
+            request_id=str(run_dir.relative_to(run_dir.parents[3])),
             hparams={},
             seed=1,
             restarts=0,
@@ -142,19 +142,20 @@ def test_trial_job_names_only_for_this_stores_experiments(store: Store, tmp_path
 def test_move_to_pool_rewrites_config_and_preempts_running_trials(store: Store, tmp_path: Path) -> None:
     exp_dir = tmp_path / "a"
     exp = add_experiment(store, exp_dir, owner=os_user())
-    add_trial(store, exp, exp_dir / "running", "RUNNING")
-    add_trial(store, exp, exp_dir / "queued", "QUEUED")
+    add_trial(store, exp, exp_dir / "trials/1/runs/1", "RUNNING")
+    add_trial(store, exp, exp_dir / "trials/2/runs/1", "QUEUED")
     ops.move_to_pool(store, exp, "gpu", tag=experiment_tag(str(exp_dir)))
     with store.tx() as s:
         e = views.get_experiment(s, exp)
         assert (e.resource_pool, e.config["resources"]["resource_pool"]) == ("gpu", "gpu")
-    assert json.loads((exp_dir / "running/control.json").read_text()) == {"preempt": True, "reason": "pool_move"}
-    assert not (exp_dir / "queued/control.json").exists()  # a queued job moved partition in Slurm
+    control = json.loads((exp_dir / "trials/1/runs/1/control.json").read_text())
+    assert control["preempt"] is True and control["reason"] == "pool_move"
+    assert not (exp_dir / "trials/2/runs/1/control.json").exists()  # a queued job moved partition in Slurm
 
 
 def test_move_to_pool_refuses_another_stores_or_users_experiment(store: Store, tmp_path: Path) -> None:
     mine = add_experiment(store, tmp_path / "a", owner=os_user())
-    add_trial(store, mine, tmp_path / "a/run", "RUNNING")
+    add_trial(store, mine, tmp_path / "a/trials/1/runs/1", "RUNNING")
     with pytest.raises(StateError, match="submitted from another store"):
         ops.move_to_pool(store, mine, "gpu", tag=experiment_tag("/another/store/exp"))
     with pytest.raises(StateError, match="submitted from another store"):

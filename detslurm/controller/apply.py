@@ -2,22 +2,52 @@
 
 Everything here runs in one transaction per run: the metric rows, the new byte offsets, the
 searcher's new state and the trials it creates commit together or not at all (contract 2).
+Each event is applied in its own SAVEPOINT, so one event the store refuses costs only itself.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
-from detslurm.controller.ingest import event_files, read_new
-from detslurm.searcher import Action, Close, Create, Idle, SearchMethod, Shutdown, Stop, ValidateAfter
+from detslurm.protocol import (
+    Alert,
+    BadEvent,
+    CheckpointDeleted,
+    CheckpointSaved,
+    EarlyExit,
+    Event,
+    Line,
+    Metrics,
+    OpCompleted,
+    PreemptAck,
+    Progress,
+    RunMetadata,
+    RunPaths,
+    Status,
+    decode,
+    read_lines,
+)
+from detslurm.protocol.reader import preview
+from detslurm.searcher import (
+    Action,
+    Close,
+    Create,
+    Idle,
+    SearcherError,
+    SearchMethod,
+    Shutdown,
+    Stop,
+    ValidateAfter,
+)
 from detslurm.store.models import (
     Checkpoint,
     Experiment,
@@ -29,18 +59,21 @@ from detslurm.store.models import (
     TrialRun,
     TrialState,
 )
+from detslurm.store.sanitize import json_safe
 
 log = logging.getLogger("detslurm.controller")
+MAX_NOTE = 2000  # characters of one note about trial-written input
+MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
 
 
 def note(session: Session, trial_id: int, message: str, level: str = "INFO") -> None:
     session.add(LogEntry(trial_id=trial_id, message=message, level=level))
 
 
-def _ts(ev: dict[str, Any]) -> datetime:
+def _ts(t: float) -> datetime:
     try:
-        return datetime.fromtimestamp(float(ev.get("time", 0)), timezone.utc)
-    except (TypeError, ValueError, OverflowError):
+        return datetime.fromtimestamp(t, timezone.utc)
+    except (ValueError, OverflowError, OSError):
         return datetime.now(timezone.utc)
 
 
@@ -110,27 +143,24 @@ def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
 
 
 def _on_metrics(
-    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any], searcher: SearchMethod
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: Metrics, searcher: SearchMethod
 ) -> list[Action]:
-    group = str(ev.get("group", "training"))
-    steps = int(ev.get("steps_completed", 0))
-    metrics = ev.get("metrics") or {}
     session.add(
         Metric(
             trial_id=trial.id,
             run_id=run.run_id,
-            group=group,
-            steps_completed=steps,
-            metrics=metrics,
-            batch_metrics=ev.get("batch_metrics"),
-            report_time=_ts(ev),
+            group=ev.group,
+            steps_completed=ev.steps_completed,
+            metrics=json_safe(ev.metrics),
+            batch_metrics=json_safe(ev.batch_metrics),
+            report_time=_ts(ev.time),
             archived=False,
         )
     )
-    if group != "validation":
+    if ev.group != "validation":
         return []
     sc = stored_config(exp).searcher
-    value = metrics.get(sc.metric) if sc.metric else None
+    value = ev.metrics.get(sc.metric) if sc.metric else None
     if isinstance(value, (int, float)):
         better = trial.searcher_metric is None or (
             value < trial.searcher_metric if sc.smaller_is_better else value > trial.searcher_metric
@@ -139,78 +169,138 @@ def _on_metrics(
             trial.searcher_metric = float(value)
     if trial.early_stopped or TrialState(trial.state).is_terminal:
         return []
-    return searcher.validation_completed(trial.request_id, metrics, steps)
+    return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
 
 
-def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: dict[str, Any]) -> None:
-    uuid = str(ev["uuid"])
-    if session.get(Checkpoint, uuid) is not None:
+def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:
+    if session.get(Checkpoint, ev.uuid) is not None:
         return
-    steps = int(ev.get("steps_completed", 0))
     session.add(
         Checkpoint(
-            uuid=uuid,
+            uuid=ev.uuid,
             trial_id=trial.id,
             run_id=run.run_id,
-            steps_completed=steps,
-            storage_path=str(ev.get("storage_path", "")),
-            metadata_=ev.get("metadata") or {},
-            resources=ev.get("resources") or {},
-            size=int(ev.get("size", 0)),
-            report_time=_ts(ev),
+            steps_completed=ev.steps_completed,
+            storage_path=ev.storage_path,
+            metadata_=json_safe(ev.metadata),
+            resources=dict(ev.resources),
+            size=ev.size,
+            report_time=_ts(ev.time),
         )
     )
-    trial.latest_checkpoint = uuid
-    trial.steps_completed = steps
+    trial.latest_checkpoint = ev.uuid
+    trial.steps_completed = ev.steps_completed
 
 
 def apply_event(
-    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: dict[str, Any], searcher: SearchMethod
+    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: Event, searcher: SearchMethod
 ) -> list[Action]:
-    typ = ev.get("type")
-    if typ == "metrics":
-        return _on_metrics(session, exp, trial, run, ev, searcher)
-    if typ == "checkpoint":
-        _on_checkpoint(session, trial, run, ev)
-    elif typ == "checkpoint_deleted":
-        ck = session.get(Checkpoint, str(ev.get("uuid")))
-        if ck is not None:
-            ck.state = "DELETED"
-    elif typ == "progress":
-        trial.progress = float(ev.get("progress", 0.0))
-    elif typ == "status":
-        trial.runner_state = str(ev.get("state"))[:64]
-    elif typ == "preempt_ack":
-        run.preempt_acked = True
-    elif typ == "early_exit":
-        # InvalidHP decides how the run's exit is read (controller/decide.py); a user-requested
-        # stop is an ordinary exit.
-        if ev.get("reason") == "INVALID_HP":
-            run.exit_reason = ExitCause.INVALID_HP.value
-    elif typ == "op_completed":
-        trial.ops_idle = False
-        trial.ops_completed = max(trial.ops_completed, int(ev.get("index", 0)) + 1)
-        return searcher.op_completed(trial.request_id, int(ev.get("length", 0)), float(ev.get("metric", 0.0)))
-    elif typ == "alert":
-        note(session, trial.id, f"alert: {ev.get('title')}: {ev.get('description')}", "WARNING")
-    elif typ == "corrupt":
-        note(session, trial.id, f"ignored a corrupt event line: {ev.get('raw')!r}", "WARNING")
+    """Apply one decoded event of ``run`` to the store; returns the searcher's reactions."""
+    match ev:
+        case Metrics():
+            return _on_metrics(session, exp, trial, run, ev, searcher)
+        case CheckpointSaved():
+            _on_checkpoint(session, trial, run, ev)
+        case CheckpointDeleted():
+            ck = session.get(Checkpoint, ev.uuid)
+            # A trial may only mark its own checkpoints deleted.
+            if ck is not None and ck.trial_id == trial.id:
+                ck.state = "DELETED"
+        case Progress():
+            trial.progress = ev.progress
+        case Status():
+            trial.runner_state = ev.state[:64]
+        case PreemptAck():
+            run.preempt_acked = True
+        case EarlyExit():
+            # InvalidHP decides how the run's exit is read (controller/decide.py); a
+            # user-requested stop is an ordinary exit.
+            if ev.reason == "INVALID_HP":
+                run.exit_reason = ExitCause.INVALID_HP.value
+        case OpCompleted():
+            trial.ops_idle = False
+            trial.ops_completed = max(trial.ops_completed, ev.index + 1)
+            return searcher.op_completed(trial.request_id, ev.length, ev.metric)
+        case Alert():
+            note(session, trial.id, _bounded(f"alert: {ev.title}: {ev.description}"), "WARNING")
+        case RunMetadata():
+            # metadata.json in the trial dir stays the source (core's get_metadata reads it);
+            # the note makes the change visible in `det trial logs`.
+            shown = json.dumps(json_safe(ev.metadata), sort_keys=True)
+            note(session, trial.id, _bounded(f"trial metadata set (run {run.run_id}): {shown}"))
     return []
 
 
 def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, searcher: SearchMethod) -> int:
-    """Consume new events of one run. Returns how many events were applied."""
+    """Consume new events of one run; returns how many were applied.
+
+    Never raises for anything a trial wrote: a line that does not decode, or whose event the
+    store refuses, is quarantined (offset moved past it, one WARNING note per file and pass).
+    Only a SearcherError (the experiment errors) and a failing store escape."""
     count = 0
-    for path in event_files(Path(run.run_dir)):
-        key = path.name
-        off = session.get(IngestOffset, (run.id, key))
+    for path in RunPaths.from_run_dir(Path(run.run_dir)).event_files():
+        off = session.get(IngestOffset, (run.id, path.name))
         if off is None:
-            off = IngestOffset(trial_run_pk=run.id, file=key, offset=0)
+            off = IngestOffset(trial_run_pk=run.id, file=path.name, offset=0)
             session.add(off)
-        events, new_offset = read_new(path, off.offset)
-        for ev in events:
-            actions = apply_event(session, exp, trial, run, ev, searcher)
-            apply_actions(session, exp, searcher, actions)
-            count += 1
-        off.offset = new_offset
+        batch = read_lines(path, off.offset)
+        # Bad lines are collected and noted once per file and pass: a trial writing millions of
+        # them adds one note per tick, not millions of rows.
+        bad: list[str] = []
+        for line in batch.lines:
+            problem = line.problem or _decode_and_apply(session, exp, trial, run, line, searcher, off)
+            if problem is None:
+                count += 1
+            else:
+                bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
+            off.offset = line.end
+        # Past skipped blank lines (and the rest of a too-long line) as well.
+        off.offset = batch.offset
+        if bad:
+            _quarantined(session, trial, run, path.name, bad)
+        if batch.waiting:
+            log.info("trial %s run %s %s: %s", trial.id, run.run_id, path.name, batch.waiting)
     return count
+
+
+def _decode_and_apply(
+    session: Session,
+    exp: Experiment,
+    trial: Trial,
+    run: TrialRun,
+    line: Line,
+    searcher: SearchMethod,
+    off: IngestOffset,
+) -> str | None:
+    """Apply one line in its own SAVEPOINT; None when applied, else why it was not."""
+    try:
+        ev = decode(line.data)
+    except BadEvent as e:
+        return e.reason
+    try:
+        # The searcher object itself is not rolled back with the savepoint; only the searcher's
+        # own bugs can fail after it changed, and they then cost this one event's decision.
+        with session.begin_nested():
+            apply_actions(session, exp, searcher, apply_event(session, exp, trial, run, ev, searcher))
+    except SearcherError:
+        off.offset = line.end  # the experiment errors on this event: do not feed it again
+        raise
+    except (OperationalError, InterfaceError):
+        raise  # the store itself failed: the whole tick rolls back and is retried
+    except Exception as e:
+        # A value the store refuses, or a bug: this event only; the others still commit.
+        log.warning("trial %s: could not apply a %s event", trial.id, ev.TYPE.value, exc_info=True)
+        return f"could not apply {ev.TYPE.value}: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def _quarantined(session: Session, trial: Trial, run: TrialRun, file: str, bad: list[str]) -> None:
+    head = f"quarantined {len(bad)} bad event line(s) of run {run.run_id} {file}: "
+    note(session, trial.id, _bounded(head + "; ".join(bad[:MAX_LISTED])), "WARNING")
+    log.warning("trial %s: %s%s", trial.id, head, bad[0])
+
+
+def _bounded(message: str) -> str:
+    # Notes quote trial-written text: no NUL (PostgreSQL text refuses it), bounded length.
+    message = message.replace("\x00", "\\0")
+    return message if len(message) <= MAX_NOTE else message[: MAX_NOTE - 3] + "..."

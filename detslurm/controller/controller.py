@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -28,13 +30,12 @@ from detslurm.controller.executor import (
     SubmitUnknown,
 )
 from detslurm.controller.gc import collect_garbage, remove_dirs
-from detslurm.controller.layout import ExpLayout, control_file
 from detslurm.controller.submit import ACTIVE_RUN, plan_runs
 from detslurm.identity import os_user
+from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
-from detslurm.util import atomic_write_json, read_json
 
 __all__ = ["ACTIVE_RUN", "Controller", "current_user", "load_searcher"]
 
@@ -147,7 +148,7 @@ class Controller:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            marker = Path(run.run_dir) / "job_id"
+            marker = RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker
             job_id = marker.read_text().strip() if marker.exists() else None
             if not job_id:
                 identity = (run.trial.experiment_id, run.trial_id, run.run_id)
@@ -280,7 +281,7 @@ class Controller:
         # store whenever they differ. (The control file is written once, so it is.)
         with self.store.tx() as s:
             exp = _get(s, exp_id)
-            layout = ExpLayout(Path(exp.exp_dir))
+            layout = ExpPaths(Path(exp.exp_dir))
             state = ExperimentState(exp.state)
             best: float | None = None
             sib = stored_config(exp).searcher.smaller_is_better
@@ -288,20 +289,23 @@ class Controller:
                 if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
                     best = t.searcher_metric
                 if t.searcher_ops:
-                    want = {
-                        "ops": t.searcher_ops,
-                        "completed": t.ops_completed,
-                        "closed": t.ops_closed,
-                        "idle_after": t.ops_completed if t.ops_idle else -1,
-                    }
-                    if read_json(layout.ops_file(t.id)) != want:
-                        atomic_write_json(layout.ops_file(t.id), want, durable=False)
+                    want = SearcherOps(
+                        ops=tuple(t.searcher_ops),
+                        completed=t.ops_completed,
+                        closed=t.ops_closed,
+                        idle_after=t.ops_completed if t.ops_idle else -1,
+                    )
+                    if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
+                        want.write(layout.ops_file(t.id))
                 reason = _stop_reason(state, t)
                 for r in t.runs:
-                    if r.state in ACTIVE_RUN and reason and not control_file(Path(r.run_dir)).exists():
-                        atomic_write_json(control_file(Path(r.run_dir)), {"preempt": True, "reason": reason})
-            if best is not None and read_json(layout.best_validation, {}).get("value") != best:
-                atomic_write_json(layout.best_validation, {"value": best}, durable=False)
+                    if r.state not in ACTIVE_RUN or not reason:
+                        continue
+                    control = RunPaths.from_run_dir(Path(r.run_dir)).control
+                    if not control.exists():
+                        ControlRecord(preempt=True, reason=reason).write(control)
+            if best is not None and _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
+                BestValidation(best).write(layout.best_validation)
 
     # -- submissions ----------------------------------------------------------------------
     def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
@@ -333,7 +337,7 @@ class Controller:
             elif isinstance(result, Exception):
                 self._submit_failed(run_pk, result)
             else:
-                _write_marker(spec.run_dir / "job_id", result)
+                _write_marker(RunPaths.from_run_dir(spec.run_dir).job_id_marker, result)
                 done[run_pk] = result
         with self.store.tx() as s:
             for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
@@ -419,6 +423,14 @@ def _tested_everything(s: Session, trial: Trial) -> bool:
     groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
     cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial.id))
     return {"training", "validation"} <= groups and bool(cks)
+
+
+def _read_or_none(read: Callable[[Path], Any], path: Path) -> Any:
+    """A record the trial side could have clobbered: unreadable counts as absent (rewritten)."""
+    try:
+        return read(path)
+    except BadRecord:
+        return None
 
 
 def current_user() -> str:

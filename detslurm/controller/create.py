@@ -23,8 +23,8 @@ from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
-from detslurm.controller.layout import ExpLayout
 from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
+from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
@@ -139,7 +139,7 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
             exp_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             exp_dir.mkdir(mode=0o700)  # exclusive: an existing dir is never reused or removed
             made = exp_dir
-            layout = ExpLayout(exp_dir)
+            layout = ExpPaths(exp_dir)
             ctxmod.write_tarball(plan.bundle, layout.context)
             layout.config.write_text(yaml.safe_dump(exp.config, sort_keys=False))
             return int(exp.id)

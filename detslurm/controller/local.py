@@ -12,8 +12,7 @@ from pathlib import Path
 import psutil
 
 from detslurm.controller.executor import ExitCause, JobState, JobStatus, RunSpec
-from detslurm.controller.layout import exit_file
-from detslurm.util import read_json
+from detslurm.protocol import exit_outcome, exit_record_of
 
 
 class LocalExecutor:
@@ -85,11 +84,14 @@ class LocalExecutor:
             if proc is None and self._alive(jid):
                 out[jid] = JobStatus(JobState.RUNNING)
                 continue
-            record = read_json(exit_file(Path(self._parse(jid)[2])), None)
-            recorded = record.get("code") if isinstance(record, dict) else None
-            if isinstance(recorded, int) and not isinstance(recorded, bool):
-                cause = ExitCause.COMPLETED if recorded == 0 else ExitCause.FAILED
-                out[jid] = JobStatus(JobState.EXITED, recorded, cause)
+            record = exit_outcome(exit_record_of(Path(self._parse(jid)[2])))
+            if record.code is not None:
+                cause = ExitCause.COMPLETED if record.code == 0 else ExitCause.FAILED
+                out[jid] = JobStatus(JobState.EXITED, record.code, cause)
+            elif record.problem is not None:
+                # What the trial left is unusable: the launcher's own exit code is the next best.
+                why = f"unreadable exit record: {record.problem}"
+                out[jid] = JobStatus(JobState.EXITED, code, ExitCause.FAILED, why)
             elif code is not None:
                 out[jid] = JobStatus(JobState.EXITED, code, ExitCause.FAILED, "killed before recording its exit")
             else:

@@ -6,13 +6,12 @@ import json
 import shutil
 from pathlib import Path
 
-from detslurm.controller.layout import control_file
 from detslurm.errors import NotFoundError, StateError
 from detslurm.identity import os_user
+from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialState
-from detslurm.util import atomic_write_json
 
 
 def _own(exp: Experiment) -> None:
@@ -129,4 +128,4 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
         exp.resource_pool = pool
         running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
     for run_dir in running:
-        atomic_write_json(control_file(run_dir), {"preempt": True, "reason": "pool_move"})
+        ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)

@@ -23,13 +23,12 @@ from detslurm.controller.executor import (
     SchedulerUnavailable,
     SubmitUnknown,
 )
-from detslurm.controller.layout import exit_file
+from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
 from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
-from detslurm.util import read_json
 
 # Bytes of per-task exports one array script may carry (Slurm refuses scripts over its
 # max_script_size, 4 MB by default); a bigger group is split into more arrays.
@@ -141,7 +140,7 @@ class SlurmExecutor:
     def _plan_array(self, specs: Sequence[RunSpec]) -> Submission:
         first = specs[0]
         ident = Identity(*first.identity, tag=experiment_tag(str(first.exp_dir)), array=True)
-        links = first.exp_dir / "arrays" / f"t{ident.trial_id}-r{ident.run_id}"
+        links = ExpPaths(first.exp_dir).array_links(ident.trial_id, ident.run_id)
         tasks = [ArrayTask(s.identity[1], str(s.run_dir), s.env) for s in specs]
         req = plan_array(
             config=first.config,
@@ -297,10 +296,9 @@ def _classify(e: Exception) -> Exception:
 
 
 def _exit_code(run_dir: Path) -> Optional[int]:
-    """The code the batch shell recorded, or None (no record, or one we cannot read)."""
-    record = read_json(exit_file(run_dir), None)
-    code = record.get("code") if isinstance(record, dict) else None
-    return code if isinstance(code, int) and not isinstance(code, bool) else None
+    """The code the batch shell recorded, or None (no record, or one we cannot read: what a
+    trial leaves in its run dir is never trusted to parse)."""
+    return exit_outcome(exit_record_of(run_dir)).code
 
 
 def _ended(state: Optional[SlurmState], code: Optional[int]) -> JobStatus:

@@ -14,8 +14,7 @@ from sqlalchemy.orm import Session
 
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import RunSpec
-from detslurm.controller.layout import ExpLayout, log_file
-from detslurm.core._info import trial_env
+from detslurm.protocol import ExpPaths, trial_env
 from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
 
 ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
@@ -30,14 +29,14 @@ def needs_run(t: Trial, busy: set[int]) -> bool:
 
 def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialRun:
     t.run_count += 1
-    run_dir = ExpLayout(Path(exp.exp_dir)).run_dir(t.id, t.run_count)
+    paths = ExpPaths(Path(exp.exp_dir)).run(t.id, t.run_count)
     run = TrialRun(
         trial_id=t.id,
         run_id=t.run_count,
         state=RunState.PENDING.value,
         executor=executor_kind,
-        run_dir=str(run_dir),
-        log_path=str(log_file(run_dir)),
+        run_dir=str(paths.dir),
+        log_path=str(paths.output_log),
         preempt_acked=False,
         restart_count_seen=0,
     )
@@ -59,7 +58,7 @@ def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialR
 def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> RunSpec:
     """The plan of one trial run (pure: reads the rows, writes nothing)."""
     cfg = stored_config(exp)
-    layout = ExpLayout(Path(exp.exp_dir))
+    layout = ExpPaths(Path(exp.exp_dir))
     # Only what the trial needs from us; the executor adds the submitting environment.
     env = cfg.environment.variables()
     latest = t.latest_checkpoint or t.warm_start_checkpoint

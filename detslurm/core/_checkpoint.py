@@ -19,6 +19,7 @@ from typing import Any
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.errors import CheckpointNotFound
+from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
 
 
 class DownloadMode(enum.Enum):
@@ -59,7 +60,7 @@ def merge_metadata(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
 class CheckpointContext:
     def __init__(
-        self, dist: DistributedContext, base: Path, report: Callable[[dict[str, Any]], None], require_steps: bool
+        self, dist: DistributedContext, base: Path, report: Callable[[Event], None], require_steps: bool
     ) -> None:
         self._dist = dist
         self.base = Path(base)
@@ -79,15 +80,14 @@ class CheckpointContext:
         final = self.base / storage_id
         os.replace(partial, final)
         self._report(
-            {
-                "type": "checkpoint",
-                "uuid": storage_id,
-                "metadata": md,
-                "resources": resources,
-                "steps_completed": int(md.get("steps_completed", 0)),
-                "size": sum(resources.values()),
-                "storage_path": str(final),
-            }
+            CheckpointSaved(
+                uuid=storage_id,
+                metadata=md,
+                resources=resources,
+                steps_completed=int(md.get("steps_completed", 0)),
+                size=sum(resources.values()),
+                storage_path=str(final),
+            )
         )
 
     @contextlib.contextmanager
@@ -184,4 +184,4 @@ class CheckpointContext:
 
     def delete(self, storage_id: str) -> None:
         shutil.rmtree(self._path(storage_id))
-        self._report({"type": "checkpoint_deleted", "uuid": storage_id})
+        self._report(CheckpointDeleted(uuid=storage_id))

@@ -20,6 +20,7 @@ from detslurm.core._preempt import DummyPreemptContext, PreemptContext, PreemptM
 from detslurm.core._searcher import SearcherContext, SearcherContextMissing, Unit
 from detslurm.core._train import EarlyExitReason, TrainContext, Writer
 from detslurm.errors import InvalidHP
+from detslurm.protocol.events import Alert, Event, PreemptAck
 
 log = logging.getLogger("detslurm.core")
 
@@ -94,7 +95,7 @@ class Context:
     def alert(self, title: str = "", description: str = "", level: str = "warn") -> None:
         if self.info is None:
             raise ValueError("alerts are only available when running as a trial")
-        self._writer.emit({"type": "alert", "title": title, "description": description, "level": level})
+        self._writer.emit(Alert(title=title, description=description, level=level))
 
 
 def _units(config: dict[str, Any]) -> Unit | None:
@@ -116,11 +117,11 @@ def _storage_base(checkpoint_storage: str | dict[str, Any] | None, default: Path
     raise ValueError(f"unsupported checkpoint_storage {checkpoint_storage!r}")
 
 
-def _durable(writer: Writer) -> Callable[[dict[str, Any]], None]:
+def _durable(writer: Writer) -> Callable[[Event], None]:
     """Checkpoint reports are flushed before store_path() returns: a trial that is killed
     right after a checkpoint still has that checkpoint recorded for its restart."""
 
-    def report(event: dict[str, Any]) -> None:
+    def report(event: Event) -> None:
         writer.emit(event)
         writer.flush()
 
@@ -161,22 +162,19 @@ def init(
     if distributed is None and (len(info.container_addrs) > 1 or len(info.slot_ids) > 1):
         raise ValueError("you must provide a valid DistributedContext for a multi-slot task")
     dist = distributed or DummyDistributedContext()
-    run_dir = info.run_dir
-    if dist.rank == 0:
-        writer: Writer = EventWriter(run_dir / "events" / "rank-0.jsonl")
-    else:
-        writer = EventWriter(run_dir / "events" / f"rank-{dist.rank}.jsonl")
+    paths = info.run_paths
+    writer: Writer = EventWriter(paths.event_file(dist.rank))
 
     def ack() -> None:
-        writer.emit({"type": "preempt_ack"})
+        writer.emit(PreemptAck())
         writer.flush()
 
-    preempt = PreemptContext(dist, run_dir / "control.json", ack, preempt_mode)
+    preempt = PreemptContext(dist, paths.control, ack, preempt_mode)
     config = info.trial._config
     base = _storage_base(checkpoint_storage, info.checkpoint_base)
     units = _units(config)
     searcher: SearcherContext = (
-        SearcherContext(dist, writer, info.trial_dir / "searcher_ops.json", units, preempt._local_answer, ack)
+        SearcherContext(dist, writer, paths.exp.ops_file(paths.trial_id), units, preempt._local_answer, ack)
         if units is not None
         else SearcherContextMissing()
     )
@@ -186,6 +184,6 @@ def init(
         info=info,
         searcher=searcher,
         preempt=preempt,
-        train=TrainContext(writer, info.trial._trial_run_id, info.exp_dir, run_dir),
+        train=TrainContext(writer, info.trial._trial_run_id, paths),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )

@@ -1,5 +1,7 @@
 """Append-only JSON-lines event files in the trial run's dir (ARCHITECTURE.md, contract 2).
 
+Every line is a typed record of :mod:`detslurm.protocol.events`, written by its one encoder.
+
 Reports are queued and written by one background thread so that a training loop never waits
 on a shared filesystem; ``flush()`` makes everything queued so far durable (used before a
 checkpoint report returns, on preemption acks and at exit).
@@ -7,13 +9,13 @@ checkpoint report returns, on preemption acks and at exit).
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
-import time
 from pathlib import Path
 from typing import Any
+
+from detslurm.protocol.events import Event, encode
 
 
 def _default(o: Any) -> Any:
@@ -32,22 +34,21 @@ class EventWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._q: queue.SimpleQueue[tuple[dict[str, Any], threading.Event | None] | None] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Event | None, threading.Event | None] | None] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="detslurm-events", daemon=True)
         self._closed = False
         self._thread.start()
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: Event) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"writing trial events to {self.path} failed: {err}") from err
-        event.setdefault("time", time.time())
         self._q.put((event, None))
 
     def flush(self) -> None:
         done = threading.Event()
-        self._q.put(({}, done))
+        self._q.put((None, done))
         while not done.wait(1.0):
             if not self._thread.is_alive():
                 raise RuntimeError("the trial event writer thread died")
@@ -74,14 +75,16 @@ class EventWriter:
                     batch.append(nxt)
                 self._write(f, batch)
 
-    def _write(self, f: Any, batch: list[tuple[dict[str, Any], threading.Event | None]]) -> None:
+    def _write(self, f: Any, batch: list[tuple[Event | None, threading.Event | None]]) -> None:
         waiters = []
         for event, done in batch:
             if done is not None:
                 waiters.append(done)
                 continue
+            if event is None:
+                continue
             try:
-                f.write(json.dumps(event, default=_default, allow_nan=True) + "\n")
+                f.write(encode(event, default=_default))
             except (TypeError, ValueError) as e:
                 self._error = e
         # Hand every batch to the OS: a process that crashes (or os._exit()s) right after a
@@ -111,9 +114,9 @@ class NullWriter:
     """Off-cluster twin: events are only logged."""
 
     def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: Event) -> None:
         self.events.append(event)
 
     def flush(self) -> None:

@@ -1,159 +1,16 @@
-"""Cluster info from the trial env contract (ARCHITECTURE.md, contract 1).
+"""Cluster info for in-job code: the trial env contract, read once per process.
 
-The controller builds the environment with :func:`trial_env`; in-job code reads it back with
-:func:`get_cluster_info`, which returns ``None`` off-cluster (no ``DET_TRIAL_ID``).
+The contract itself (``trial_env`` and its reader ``from_env``) lives in
+:mod:`detslurm.protocol.env`; :func:`get_cluster_info` returns ``None`` off-cluster.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
+from detslurm.protocol.env import ClusterInfo, TrialInfo, from_env
 
-@dataclass(frozen=True)
-class TrialInfo:
-    trial_id: int
-    experiment_id: int
-    trial_seed: int
-    hparams: dict[str, Any]
-    _config: dict[str, Any] = field(repr=False)
-    _steps_completed: int = 0
-    _trial_run_id: int = 1
-    _debug: bool = False
-    _inter_node_network_interface: str | None = None
-
-
-@dataclass(frozen=True)
-class ClusterInfo:
-    master_url: str
-    cluster_id: str
-    agent_id: str
-    slot_ids: list[int]
-    task_id: str
-    allocation_id: str
-    session_token: str
-    task_type: str
-    latest_checkpoint: str | None
-    container_addrs: list[str]
-    container_rank: int
-    trial: TrialInfo
-    run_dir: Path
-    trial_dir: Path
-    exp_dir: Path
-    checkpoint_base: Path
-    resources_type: str = "local-process"
-    master_cert_name: str | None = None
-    master_cert_file: str | None = None
-    gpu_uuids: list[str] = field(default_factory=list)
-
-    @property
-    def user_data(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.trial._config.get("data", {})
-        return data
-
-    @property
-    def container_slot_counts(self) -> list[int]:
-        return [len(self.slot_ids)] * len(self.container_addrs)
-
-
-def trial_env(
-    *,
-    experiment_id: int,
-    trial_id: int,
-    run_id: int,
-    seed: int,
-    hparams: dict[str, Any],
-    config: dict[str, Any],
-    latest_checkpoint: str | None,
-    steps_completed: int,
-    run_dir: Path,
-    trial_dir: Path,
-    exp_dir: Path,
-    checkpoint_base: str,
-    resources_type: str,
-    slot_ids: list[int],
-    container_addrs: list[str],
-    user: str,
-) -> dict[str, str]:
-    """The DET_* variables a trial process sees (pure: no I/O)."""
-    task = f"exp-{experiment_id}-trial-{trial_id}"
-    return {
-        "DET_MASTER": "",
-        "DET_CLUSTER_ID": "detslurm",
-        "DET_TASK_ID": task,
-        "DET_ALLOCATION_ID": f"{task}-run-{run_id}",
-        "DET_SESSION_TOKEN": "",
-        "DET_TASK_TYPE": "TRIAL",
-        "DET_EXPERIMENT_ID": str(experiment_id),
-        "DET_TRIAL_ID": str(trial_id),
-        "DET_TRIAL_RUN_ID": str(run_id),
-        "DET_TRIAL_SEED": str(seed),
-        "DET_HPARAMS": json.dumps(hparams),
-        "DET_EXPERIMENT_CONFIG": json.dumps(config),
-        "DET_LATEST_CHECKPOINT": latest_checkpoint or "",
-        "DET_STEPS_COMPLETED": str(steps_completed),
-        "DET_RESOURCES_TYPE": resources_type,
-        "DET_SLOT_IDS": json.dumps(slot_ids),
-        "DET_CONTAINER_ADDRS": json.dumps(container_addrs),
-        "DET_USER": user,
-        "DET_RUN_DIR": str(run_dir),
-        "DETSLURM_TRIAL_DIR": str(trial_dir),
-        "DETSLURM_EXP_DIR": str(exp_dir),
-        "DETSLURM_CHECKPOINT_BASE": checkpoint_base,
-    }
-
-
-def _slot_ids(env: Mapping[str, str]) -> list[int]:
-    raw = env.get("DET_SLOT_IDS")
-    if raw:
-        return [int(x) for x in json.loads(raw)]
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    if cvd:
-        return list(range(len(cvd.split(","))))
-    return [0]
-
-
-def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
-    if not env.get("DET_TRIAL_ID"):
-        return None
-    config = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}")
-    trial = TrialInfo(
-        trial_id=int(env["DET_TRIAL_ID"]),
-        experiment_id=int(env.get("DET_EXPERIMENT_ID", "0")),
-        trial_seed=int(env.get("DET_TRIAL_SEED", "0")),
-        hparams=json.loads(env.get("DET_HPARAMS") or "{}"),
-        _config=config,
-        _steps_completed=int(env.get("DET_STEPS_COMPLETED") or 0),
-        _trial_run_id=int(env.get("DET_TRIAL_RUN_ID") or 1),
-        _debug=bool(config.get("debug", False)),
-        _inter_node_network_interface=env.get("DET_INTER_NODE_NETWORK_INTERFACE"),
-    )
-    run_dir = Path(env.get("DET_RUN_DIR") or ".")
-    addrs = json.loads(env.get("DET_CONTAINER_ADDRS") or '["127.0.0.1"]')
-    return ClusterInfo(
-        master_url=env.get("DET_MASTER", ""),
-        cluster_id=env.get("DET_CLUSTER_ID", "detslurm"),
-        agent_id=env.get("SLURMD_NODENAME") or env.get("DET_AGENT_ID") or os.uname().nodename,
-        slot_ids=_slot_ids(env),
-        task_id=env.get("DET_TASK_ID", ""),
-        allocation_id=env.get("DET_ALLOCATION_ID", ""),
-        session_token=env.get("DET_SESSION_TOKEN", ""),
-        task_type=env.get("DET_TASK_TYPE", "TRIAL"),
-        latest_checkpoint=env.get("DET_LATEST_CHECKPOINT") or None,
-        container_addrs=list(addrs),
-        container_rank=int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0),
-        trial=trial,
-        run_dir=run_dir,
-        trial_dir=Path(env.get("DETSLURM_TRIAL_DIR") or run_dir.parent.parent),
-        exp_dir=Path(env.get("DETSLURM_EXP_DIR") or "."),
-        checkpoint_base=Path(env.get("DETSLURM_CHECKPOINT_BASE") or "."),
-        resources_type=env.get("DET_RESOURCES_TYPE", "local-process"),
-    )
-
+__all__ = ["ClusterInfo", "TrialInfo", "get_cluster_info"]
 
 _cached: dict[str, ClusterInfo | None] = {}
 

@@ -18,7 +18,7 @@ from types import FrameType
 from typing import Any, Union
 
 from detslurm.core._distributed import DistributedContext
-from detslurm.util import read_json
+from detslurm.protocol import BadRecord, ControlRecord
 
 log = logging.getLogger("detslurm.core")
 POLL_S = 0.5
@@ -98,12 +98,14 @@ class PreemptContext:
     def _watch(self) -> None:
         assert self._control is not None
         while not self._stop.wait(POLL_S):
-            if self._control.exists():
-                data = read_json(self._control, {})
-                if data.get("preempt"):
-                    self.reason = str(data.get("reason", "preempt"))
-                    self._flag.set()
-                    return
+            try:
+                record = ControlRecord.read(self._control)
+            except BadRecord:
+                continue  # mid-replace on some filesystems: read again at the next poll
+            if record is not None and record.preempt:
+                self.reason = record.reason
+                self._flag.set()
+                return
 
     def close(self) -> None:
         self._stop.set()

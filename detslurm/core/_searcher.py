@@ -16,7 +16,8 @@ from typing import Any
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.core._train import Writer
-from detslurm.util import read_json
+from detslurm.protocol import BadRecord, SearcherOps
+from detslurm.protocol.events import OpCompleted, Progress
 
 POLL_S = 0.25
 
@@ -50,7 +51,7 @@ class SearcherOperation:
         if self._completed:
             raise RuntimeError("you must not call op.report_progress() after op.report_completed()")
         frac = max(0.0, min(1.0, float(length) / self._length)) if self._length else 1.0
-        self._ctx._writer.emit({"type": "progress", "progress": frac, "raw": float(length)})
+        self._ctx._writer.emit(Progress(progress=frac, raw=float(length)))
 
     def report_completed(self, searcher_metric: Any) -> None:
         if not self._is_chief:
@@ -58,9 +59,7 @@ class SearcherOperation:
         if self._completed:
             raise RuntimeError("you may only call op.report_completed() once")
         self._completed = True
-        self._ctx._writer.emit(
-            {"type": "op_completed", "index": self._index, "length": self._length, "metric": float(searcher_metric)}
-        )
+        self._ctx._writer.emit(OpCompleted(index=self._index, length=self._length, metric=float(searcher_metric)))
         self._ctx._writer.flush()
 
 
@@ -86,13 +85,20 @@ class SearcherContext:
         if self._ops_path is None:
             return 1 if index == 0 else None
         while True:
-            state: dict[str, Any] = read_json(self._ops_path, {})
-            ops = state.get("ops", [])
-            if index < len(ops):
-                return int(ops[index])
-            if state.get("closed") or state.get("idle_after", -1) >= index or self._should_stop():
+            state = self._read_ops()
+            if index < len(state.ops):
+                return state.ops[index]
+            if state.closed or state.idle_after >= index or self._should_stop():
                 return None
             time.sleep(POLL_S)
+
+    def _read_ops(self) -> SearcherOps:
+        """The controller's ops file; absent or mid-replace reads as "nothing yet"."""
+        assert self._ops_path is not None
+        try:
+            return SearcherOps.read(self._ops_path) or SearcherOps(ops=())
+        except BadRecord:
+            return SearcherOps(ops=())
 
     def operations(
         self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
@@ -100,7 +106,7 @@ class SearcherContext:
         chief = self._dist.rank == 0
         start = 0
         if self._ops_path is not None:
-            start = int(read_json(self._ops_path, {}).get("completed", 0))
+            start = self._read_ops().completed
         index = start
         while True:
             length = self._next(index) if chief else None

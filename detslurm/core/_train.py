@@ -10,13 +10,16 @@ import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
-from detslurm.util import atomic_write_json, read_json
+from detslurm.protocol import BadRecord, BestValidation, RunPaths
+from detslurm.protocol.events import MAX_GROUP, EarlyExit, Event, Metrics, Progress, RunMetadata, Status
+from detslurm.protocol.records import read_record
+from detslurm.util import atomic_write_json
 
 log = logging.getLogger("detslurm.core")
 
 
 class Writer(Protocol):
-    def emit(self, event: dict[str, Any]) -> None: ...
+    def emit(self, event: Event) -> None: ...
     def flush(self) -> None: ...
 
 
@@ -26,11 +29,10 @@ class EarlyExitReason(enum.Enum):
 
 
 class TrainContext:
-    def __init__(self, writer: Writer, run_id: int, exp_dir: Path | None = None, run_dir: Path | None = None) -> None:
+    def __init__(self, writer: Writer, run_id: int, paths: RunPaths | None = None) -> None:
         self._w = writer
         self._run_id = run_id
-        self._exp_dir = exp_dir
-        self._run_dir = run_dir
+        self._paths = paths  # None off-cluster
 
     def _metrics(
         self,
@@ -39,17 +41,16 @@ class TrainContext:
         metrics: dict[str, Any],
         batch_metrics: list[dict[str, Any]] | None = None,
     ) -> None:
-        if not group or "." in group:
-            raise ValueError(f"metric group {group!r} must be non-empty and contain no '.'")
-        ev: dict[str, Any] = {
-            "type": "metrics",
-            "group": group,
-            "steps_completed": int(steps_completed),
-            "metrics": dict(metrics),
-        }
-        if batch_metrics is not None:
-            ev["batch_metrics"] = list(batch_metrics)
-        self._w.emit(ev)
+        if not group or "." in group or len(group) > MAX_GROUP:
+            raise ValueError(f"metric group {group!r} must be non-empty, at most {MAX_GROUP} characters, without '.'")
+        self._w.emit(
+            Metrics(
+                group=group,
+                steps_completed=int(steps_completed),
+                metrics=dict(metrics),
+                batch_metrics=None if batch_metrics is None else list(batch_metrics),
+            )
+        )
 
     def report_training_metrics(
         self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
@@ -73,37 +74,41 @@ class TrainContext:
     def report_progress(self, progress: float) -> None:
         if not (0.0 <= float(progress) <= 1.0) or math.isnan(progress):
             raise ValueError(f"progress must be between 0 and 1, got {progress}")
-        self._w.emit({"type": "progress", "progress": float(progress)})
+        self._w.emit(Progress(progress=float(progress)))
 
     def report_early_exit(self, reason: EarlyExitReason) -> None:
-        self._w.emit({"type": "early_exit", "reason": EarlyExitReason(reason).name})
+        self._w.emit(EarlyExit(reason=EarlyExitReason(reason).name))
         self._w.flush()
 
     def set_status(self, status: str) -> None:
-        self._w.emit({"type": "status", "state": str(status)})
+        self._w.emit(Status(state=str(status)))
 
     def get_experiment_best_validation(self) -> float | None:
-        if self._exp_dir is None:
+        if self._paths is None:
             return None
-        best = read_json(self._exp_dir / "best_validation.json", {})
-        value = best.get("value")
-        return None if value is None else float(value)
+        try:
+            best = BestValidation.read(self._paths.exp.best_validation)
+        except BadRecord:
+            return None
+        return None if best is None else best.value
 
     def set_metadata(self, metadata: dict[str, Any]) -> None:
         json.dumps(metadata)  # fail here, not in the writer thread
-        if self._run_dir is not None:
-            atomic_write_json(self._run_dir.parent / "metadata.json", metadata)
-        self._w.emit({"type": "run_metadata", "metadata": metadata})
+        if self._paths is not None:
+            atomic_write_json(self._paths.exp.trial_metadata(self._paths.trial_id), metadata)
+        self._w.emit(RunMetadata(metadata=dict(metadata)))
 
     def get_metadata(self) -> dict[str, Any] | None:
-        if self._run_dir is None:
+        if self._paths is None:
             return None
-        md: dict[str, Any] | None = read_json(self._run_dir.parent / "metadata.json", None)
-        return md
+        try:
+            md = read_record(self._paths.exp.trial_metadata(self._paths.trial_id))
+        except BadRecord:
+            return None
+        return md if isinstance(md, dict) else None
 
     def get_tensorboard_path(self) -> Path:
-        base = self._run_dir or Path(".")
-        return base / "tensorboard"
+        return self._paths.tensorboard if self._paths is not None else Path("tensorboard")
 
     def upload_tensorboard_files(self, *args: Any, **kwargs: Any) -> None:
         log.debug("tensorboard files stay in %s", self.get_tensorboard_path())

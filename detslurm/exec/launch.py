@@ -4,8 +4,8 @@
 2. run ``startup-hook.sh`` if the context has one;
 3. run the entrypoint (legacy ``model_def:Trial`` -> torch_distributed --trial; a string -> sh -c;
    a list as is), forwarding signals to its process group;
-4. write ``exit.json`` atomically, so the controller learns the exit code even when it was not
-   the parent (a restarted controller, or a Slurm job).
+4. write the exit record (``RunPaths.exit_record``) atomically, so the controller learns the
+   exit code even when it was not the parent (a restarted controller, or a Slurm job).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -24,10 +23,9 @@ from pathlib import Path
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
-from detslurm.util import atomic_write_json
+from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, expand_nodelist, node_workdir
 
 LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
 
 
@@ -112,8 +110,6 @@ def slurm_env(env: dict[str, str]) -> dict[str, str]:
     Addresses come from the job's node list (never `hostname`, which can be the same on all
     nodes); the chief is the first node of the list.
     """
-    from detslurm.slurm.parse import expand_nodelist
-
     out: dict[str, str] = {}
     nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
     if nodes:
@@ -129,28 +125,31 @@ def slurm_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _paths(env: dict[str, str], run_dir: Path) -> tuple[Path, Path]:
-    """(working dir, exit record). In a Slurm job the working dir is node-local and each node
-    writes its own record; the batch shell writes the run's exit.json."""
+def _paths(env: dict[str, str], run: RunPaths) -> tuple[Path, Path, bool]:
+    """(working dir, exit record, node-local?). In a Slurm job the working dir is node-local
+    and each node writes its own record; the batch shell writes the run's exit record."""
     if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
         node = env.get("SLURM_NODEID", "0")
         base = env.get("DETSLURM_WORKDIR") or f"/tmp/detslurm-{env['SLURM_JOB_ID']}"
-        return Path(f"{base}-node{node}"), run_dir / f"exit-node{node}.json"
-    return Path(env.get("DETSLURM_WORKDIR") or run_dir / "workdir"), run_dir / "exit.json"
+        return node_workdir(base, node), run.node_exit_record(node), True
+    return Path(env.get("DETSLURM_WORKDIR") or run.local_workdir), run.exit_record, False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
-    run_dir = Path(env["DET_RUN_DIR"])
-    exp_dir = Path(env["DETSLURM_EXP_DIR"])
+    try:
+        run = RunPaths.from_env(env)
+    except NotARunDir as e:
+        print(f"detslurm: {e}", file=sys.stderr, flush=True)
+        return 2
     if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
         env.update(slurm_env(env))
-    workdir, exit_path = _paths(env, run_dir)
+    workdir, exit_path, node_local = _paths(env, run)
     config = json.loads(env["DET_EXPERIMENT_CONFIG"])
     started = time.time()
     rc = 1
     try:
-        extract(exp_dir / "context.tar.gz", workdir)
+        extract(run.exp.context, workdir)
         cenv = child_env(env, workdir)
         rc = _run_hook(workdir, cenv)
         if rc != 0:
@@ -164,8 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"detslurm: cannot run the entrypoint: {e}", file=sys.stderr, flush=True)
         rc = 127
     finally:
-        atomic_write_json(exit_path, {"code": rc, "start": started, "end": time.time()})
-        if exit_path.name != "exit.json":
+        ExitRecord(code=rc, start=started, end=time.time()).write(exit_path)
+        if node_local:
             shutil.rmtree(workdir, ignore_errors=True)  # node-local scratch
     return rc
 

@@ -18,6 +18,8 @@ import jinja2
 
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
+from detslurm.protocol import BATCH_EXIT_PRINTF
+from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
@@ -162,6 +164,10 @@ def _script(
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir,
         tasks=tasks or [],
+        # The run-dir files the batch shell writes: named and formatted by the protocol module.
+        exit_record=EXIT_RECORD,
+        exit_printf=BATCH_EXIT_PRINTF,
+        signals=SIGNALS,
     )
 
 

@@ -1,0 +1,88 @@
+"""The shared-filesystem protocol between the controller and its trials: the only module both
+sides import.
+
+* Login side (controller, slurm, store, cli, daemon, views, queue): builds paths with
+  :class:`ExpPaths`/:class:`RunPaths`, the trial environment with :func:`trial_env`, writes the
+  control/ops/best-validation records, and reads events with :func:`read_lines` + :func:`decode`
+  and exit records with :func:`exit_outcome`; it never imports core, pytorch, exec or launch.
+* In-job side (core, pytorch, exec, launch): reads the environment with :func:`from_env`,
+  writes events with :func:`encode` and exit records with :class:`ExitRecord`, and reads the
+  control/ops records; it imports only this package and leaf modules (util, errors, context).
+
+Layout of an experiment dir: ``context.tar.gz``, ``config.yaml``, ``best_validation.json``,
+``arrays/t<T>-r<R>/``, ``trials/<t>/{searcher_ops.json,metadata.json}`` and per run
+``trials/<t>/runs/<r>/{events/rank-<N>.jsonl,control.json,exit.json,exit-node<N>.json,job_id,
+output.log,signals,rendezvous-*.json}``. ``tests/test_layering.py`` enforces the import rules.
+"""
+
+from detslurm.protocol._check import BadRecord
+from detslurm.protocol.env import ClusterInfo, TrialInfo, expand_nodelist, from_env, trial_env
+from detslurm.protocol.events import (
+    Alert,
+    BadEvent,
+    CheckpointDeleted,
+    CheckpointSaved,
+    EarlyExit,
+    Event,
+    EventType,
+    Metrics,
+    OpCompleted,
+    PreemptAck,
+    Progress,
+    RunMetadata,
+    Status,
+    UnknownEvent,
+    decode,
+    encode,
+)
+from detslurm.protocol.paths import ExpPaths, NotARunDir, RunPaths, exit_record_of, node_workdir
+from detslurm.protocol.reader import Batch, Line, read_lines
+from detslurm.protocol.records import (
+    BATCH_EXIT_PRINTF,
+    BestValidation,
+    ControlRecord,
+    ExitOutcome,
+    ExitRecord,
+    SearcherOps,
+    exit_outcome,
+)
+
+__all__ = [
+    "BATCH_EXIT_PRINTF",
+    "Alert",
+    "BadEvent",
+    "BadRecord",
+    "Batch",
+    "BestValidation",
+    "CheckpointDeleted",
+    "CheckpointSaved",
+    "ClusterInfo",
+    "ControlRecord",
+    "EarlyExit",
+    "Event",
+    "EventType",
+    "ExitOutcome",
+    "ExitRecord",
+    "ExpPaths",
+    "Line",
+    "Metrics",
+    "NotARunDir",
+    "OpCompleted",
+    "PreemptAck",
+    "Progress",
+    "RunMetadata",
+    "RunPaths",
+    "SearcherOps",
+    "Status",
+    "TrialInfo",
+    "UnknownEvent",
+    "decode",
+    "encode",
+    "exit_outcome",
+    "exit_record_of",
+    "expand_nodelist",
+    "from_env",
+    "node_workdir",
+    "read_lines",
+    "trial_env",
+]

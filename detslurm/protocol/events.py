@@ -1,0 +1,274 @@
+"""Trial events: one typed, versioned record per event type, one encoder, one decoder.
+
+The trial appends records to its event files (``RunPaths.event_file``) with :func:`encode`;
+the controller turns each line back into a record with :func:`decode`, which checks every
+field's type and range and raises :class:`BadEvent` for anything else. A line is untrusted
+input: the decoder is the only thing standing between it and the store.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time as _time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+from detslurm.protocol import _check as c
+from detslurm.protocol._check import BadRecord
+
+# Bumped only for a change an older controller would misread; adding an optional field is not one.
+VERSION = 1
+MAX_GROUP = 64  # Metric.group is String(64) in the store
+
+
+class BadEvent(BadRecord):
+    """An event line the controller will not apply (quarantined with a note)."""
+
+
+class UnknownEvent(BadEvent):
+    """A well-formed line whose type this controller does not know (a newer writer?)."""
+
+
+class EventType(enum.Enum):
+    METRICS = "metrics"
+    CHECKPOINT = "checkpoint"
+    CHECKPOINT_DELETED = "checkpoint_deleted"
+    PROGRESS = "progress"
+    STATUS = "status"
+    PREEMPT_ACK = "preempt_ack"
+    EARLY_EXIT = "early_exit"
+    OP_COMPLETED = "op_completed"
+    ALERT = "alert"
+    RUN_METADATA = "run_metadata"
+
+
+def _now() -> float:
+    return _time.time()
+
+
+# kw_only: the common `time` field has a default, and fields are always named in the encoding.
+@dataclass(frozen=True, kw_only=True)
+class _Event:
+    TYPE: ClassVar[EventType]
+    # When the trial reported it (the compute node's clock); stamped by the writer.
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metrics(_Event):
+    TYPE = EventType.METRICS
+    group: str
+    steps_completed: int
+    metrics: dict[str, Any]
+    batch_metrics: list[Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSaved(_Event):
+    TYPE = EventType.CHECKPOINT
+    uuid: str
+    steps_completed: int
+    storage_path: str
+    metadata: dict[str, Any]
+    resources: dict[str, int]
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointDeleted(_Event):
+    TYPE = EventType.CHECKPOINT_DELETED
+    uuid: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress(_Event):
+    TYPE = EventType.PROGRESS
+    progress: float
+    raw: float | None = None  # an op's raw length, for 0.37-style searcher operations
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(_Event):
+    TYPE = EventType.STATUS
+    state: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreemptAck(_Event):
+    TYPE = EventType.PREEMPT_ACK
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyExit(_Event):
+    TYPE = EventType.EARLY_EXIT
+    reason: str  # an EarlyExitReason name, e.g. INVALID_HP
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpCompleted(_Event):
+    TYPE = EventType.OP_COMPLETED
+    index: int
+    length: int
+    metric: float  # may be NaN: a diverged trial still completes its operation
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alert(_Event):
+    TYPE = EventType.ALERT
+    title: str
+    description: str
+    level: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMetadata(_Event):
+    TYPE = EventType.RUN_METADATA
+    metadata: dict[str, Any]
+
+
+Event = Union[
+    Metrics,
+    CheckpointSaved,
+    CheckpointDeleted,
+    Progress,
+    Status,
+    PreemptAck,
+    EarlyExit,
+    OpCompleted,
+    Alert,
+    RunMetadata,
+]
+
+
+# -- encoding (the trial side) -------------------------------------------------------------
+def to_dict(ev: Event) -> dict[str, Any]:
+    """The record as the JSON object written to the event file (``type`` and ``v`` first)."""
+    # `type` and `v` lead each line, so a human grepping an event file sees them first.
+    out: dict[str, Any] = {"type": ev.TYPE.value, "v": VERSION}
+    # Optional fields left at None are omitted: lines stay short, and decode() restores None.
+    out.update({k: v for k, v in ev.__dict__.items() if not (k in ("raw", "batch_metrics") and v is None)})
+    return out
+
+
+def encode(ev: Event, default: Callable[[Any], Any] | None = None) -> str:
+    """One line (newline included). ``default`` converts values json cannot (numpy scalars).
+    NaN is written as ``NaN``: Python's json reads it back, and the controller sanitizes it."""
+    return json.dumps(to_dict(ev), default=default, allow_nan=True) + "\n"
+
+
+# -- decoding (the controller side) --------------------------------------------------------
+# One decoder per type. Each reads only the fields it knows (a newer writer may add more) and
+# checks each one; a missing optional field gets the writer's default.
+def _metrics(d: dict[str, Any]) -> Metrics:
+    group = c.text(c.req(d, "group"), "group", MAX_GROUP)
+    if not group:
+        raise BadEvent("'group' is empty")
+    batch = d.get("batch_metrics")
+    if batch is not None and not isinstance(batch, list):
+        raise BadEvent(f"'batch_metrics' must be a list, got {type(batch).__name__}")
+    return Metrics(
+        group=group,
+        steps_completed=c.integer(c.req(d, "steps_completed"), "steps_completed"),
+        metrics=c.mapping(c.req(d, "metrics"), "metrics"),
+        batch_metrics=None if batch is None else c.json_tree(batch, "batch_metrics"),
+        time=_time_of(d),
+    )
+
+
+def _checkpoint(d: dict[str, Any]) -> CheckpointSaved:
+    # The uuid names a directory below the storage base that GC later deletes: it must not be
+    # able to point anywhere else (no "/", no "..").
+    resources = c.mapping(d.get("resources", {}), "resources")
+    for k, v in resources.items():
+        c.integer(v, f"resources[{k[:64]!r}]")
+    return CheckpointSaved(
+        uuid=c.uuid(c.req(d, "uuid")),
+        steps_completed=c.integer(c.req(d, "steps_completed"), "steps_completed"),
+        storage_path=c.text(d.get("storage_path", ""), "storage_path"),
+        metadata=c.mapping(d.get("metadata", {}), "metadata"),
+        resources=resources,
+        size=c.integer(d.get("size", 0), "size"),
+        time=_time_of(d),
+    )
+
+
+def _progress(d: dict[str, Any]) -> Progress:
+    # Trial.progress is shown as a percentage and fed to the experiment's progress.
+    p = c.number(c.req(d, "progress"), "progress")
+    if not 0.0 <= p <= 1.0:
+        raise BadEvent(f"'progress' must be between 0 and 1, got {p}")
+    raw = d.get("raw")
+    return Progress(progress=p, raw=None if raw is None else c.number(raw, "raw"), time=_time_of(d))
+
+
+def _op_completed(d: dict[str, Any]) -> OpCompleted:
+    return OpCompleted(
+        index=c.integer(c.req(d, "index"), "index", hi=c.INT32_MAX - 1),
+        length=c.integer(c.req(d, "length"), "length"),
+        metric=c.number(c.req(d, "metric"), "metric", allow_nonfinite=True),
+        time=_time_of(d),
+    )
+
+
+def _alert(d: dict[str, Any]) -> Alert:
+    return Alert(
+        title=c.text(d.get("title", ""), "title"),
+        description=c.text(d.get("description", ""), "description"),
+        level=c.text(d.get("level", "warn"), "level", 16),
+        time=_time_of(d),
+    )
+
+
+_DECODERS: dict[EventType, Callable[[dict[str, Any]], Event]] = {
+    EventType.METRICS: _metrics,
+    EventType.CHECKPOINT: _checkpoint,
+    EventType.CHECKPOINT_DELETED: lambda d: CheckpointDeleted(uuid=c.uuid(c.req(d, "uuid")), time=_time_of(d)),
+    EventType.PROGRESS: _progress,
+    EventType.STATUS: lambda d: Status(state=c.text(c.req(d, "state"), "state"), time=_time_of(d)),
+    EventType.PREEMPT_ACK: lambda d: PreemptAck(time=_time_of(d)),
+    EventType.EARLY_EXIT: lambda d: EarlyExit(reason=c.text(c.req(d, "reason"), "reason", 64), time=_time_of(d)),
+    EventType.OP_COMPLETED: _op_completed,
+    EventType.ALERT: _alert,
+    EventType.RUN_METADATA: lambda d: RunMetadata(
+        metadata=c.mapping(c.req(d, "metadata"), "metadata"), time=_time_of(d)
+    ),
+}
+_TYPES = {t.value: t for t in EventType}
+
+
+def _time_of(d: dict[str, Any]) -> float:
+    # The trial's clock: within datetime's range, or the report is dated "now" on ingest.
+    t = d.get("time")
+    if t is None:
+        return _now()
+    value = c.number(t, "time")
+    if not 0 <= value < 1e11:
+        raise BadEvent(f"'time' {value} is not a timestamp")
+    return value
+
+
+def decode(line: bytes | str) -> Event:
+    """One event line -> its record. Raises :class:`BadEvent` (or :class:`UnknownEvent`) and
+    nothing else, whatever the line holds."""
+    try:
+        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines.
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise BadEvent(f"not JSON: {str(e)[:120]}") from None
+    if not isinstance(obj, dict):
+        raise BadEvent(f"an event must be a JSON object, got {type(obj).__name__}")
+    # A line from a newer writer could mean something else for the same field names: refuse it
+    # rather than guess (it is quarantined with a note saying so).
+    version = obj.get("v", VERSION)  # lines written before versioning are version 1
+    if version != VERSION or isinstance(version, bool):
+        raise BadEvent(f"unsupported event version {str(version)[:20]!r} (this controller reads {VERSION})")
+    name = obj.get("type")
+    typ = _TYPES.get(name) if isinstance(name, str) else None
+    if typ is None:
+        raise UnknownEvent(f"unknown event type {str(name)[:64]!r}")
+    try:
+        return _DECODERS[typ](obj)
+    except BadRecord as e:
+        raise BadEvent(f"{typ.value}: {e.reason}") from None

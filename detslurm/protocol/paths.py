@@ -1,0 +1,197 @@
+"""Where an experiment's files live on the shared filesystem: the one place that spells them.
+
+Modelled on submitit's ``JobPaths``: the controller (login node) and the trial (compute node)
+build the same objects, so a file name changed here changes on both sides at once. Nothing
+here does I/O except :meth:`RunPaths.event_files` (a directory listing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# File names, one constant each. The batch script template receives EXIT_RECORD and SIGNALS
+# from render.py, so the shell side cannot drift from these either.
+CONTEXT = "context.tar.gz"
+CONFIG = "config.yaml"
+BEST_VALIDATION = "best_validation.json"
+SEARCHER_OPS = "searcher_ops.json"
+TRIAL_METADATA = "metadata.json"
+EVENTS_DIR = "events"
+CONTROL = "control.json"
+EXIT_RECORD = "exit.json"
+JOB_ID_MARKER = "job_id"
+OUTPUT_LOG = "output.log"
+SIGNALS = "signals"
+LOCAL_WORKDIR = "workdir"
+
+# Only files named like this are ingested: a trial dropping other files into events/ (or a
+# rank-N.jsonl.swp) adds nothing to the store.
+_EVENT_FILE = re.compile(r"^rank-(\d{1,6})\.jsonl$")
+
+
+class NotARunDir(ValueError):
+    """A path that is not ``<exp>/trials/<t>/runs/<r>``."""
+
+
+@dataclass(frozen=True)
+class ExpPaths:
+    """An experiment's directory: what the controller writes once, and per-trial files."""
+
+    root: Path
+
+    @property
+    def context(self) -> Path:
+        return self.root / CONTEXT
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def best_validation(self) -> Path:
+        return self.root / BEST_VALIDATION
+
+    @property
+    def arrays(self) -> Path:
+        return self.root / "arrays"
+
+    def array_links(self, trial_id: int, run_id: int) -> Path:
+        """The dir of symlinks (task index -> run dir) that one job array runs in."""
+        return self.arrays / f"t{trial_id}-r{run_id}"
+
+    def trial_dir(self, trial_id: int) -> Path:
+        return self.root / "trials" / str(trial_id)
+
+    def ops_file(self, trial_id: int) -> Path:
+        return self.trial_dir(trial_id) / SEARCHER_OPS
+
+    def trial_metadata(self, trial_id: int) -> Path:
+        """``set_metadata()``'s file: per trial, so it survives the trial's restarts."""
+        return self.trial_dir(trial_id) / TRIAL_METADATA
+
+    def run_dir(self, trial_id: int, run_id: int) -> Path:
+        return self.trial_dir(trial_id) / "runs" / str(run_id)
+
+    def run(self, trial_id: int, run_id: int) -> RunPaths:
+        return RunPaths(self.root, trial_id, run_id)
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """One trial run's files. Built from (experiment root, trial id, run id), never by walking
+    up from a path; :meth:`from_run_dir` is the one inverse, for paths read back from the store."""
+
+    exp_root: Path
+    trial_id: int
+    run_id: int
+
+    @classmethod
+    def from_run_dir(cls, run_dir: Path) -> RunPaths:
+        """``<exp>/trials/<t>/runs/<r>`` -> its RunPaths; :class:`NotARunDir` otherwise."""
+        # Parsing (not .parent.parent...) so a path of another shape fails loudly here instead
+        # of silently naming the wrong experiment dir.
+        parts = Path(run_dir).parts
+        if len(parts) < 5 or parts[-2] != "runs" or parts[-4] != "trials":
+            raise NotARunDir(f"{run_dir} is not an experiment's <exp>/trials/<t>/runs/<r> dir")
+        try:
+            trial_id, run_id = int(parts[-3]), int(parts[-1])
+        except ValueError:
+            raise NotARunDir(f"{run_dir}: trial and run must be numbers") from None
+        return cls(Path(*parts[:-4]), trial_id, run_id)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RunPaths:
+        """In a job: from the trial env contract (see :func:`detslurm.protocol.env.trial_env`)."""
+        # The ids are the source of truth; DET_RUN_DIR is kept for user scripts and as a fallback.
+        root = env.get("DETSLURM_EXP_DIR")
+        trial, run = env.get("DET_TRIAL_ID", ""), env.get("DET_TRIAL_RUN_ID", "")
+        if root and trial.isdigit() and run.isdigit():
+            return cls(Path(root), int(trial), int(run))
+        if env.get("DET_RUN_DIR"):
+            return cls.from_run_dir(Path(env["DET_RUN_DIR"]))
+        raise NotARunDir("not in a trial run: DETSLURM_EXP_DIR/DET_TRIAL_ID/DET_TRIAL_RUN_ID are not set")
+
+    @property
+    def exp(self) -> ExpPaths:
+        return ExpPaths(self.exp_root)
+
+    @property
+    def trial_dir(self) -> Path:
+        return self.exp.trial_dir(self.trial_id)
+
+    @property
+    def dir(self) -> Path:
+        return self.exp.run_dir(self.trial_id, self.run_id)
+
+    @property
+    def events_dir(self) -> Path:
+        return self.dir / EVENTS_DIR
+
+    def event_file(self, rank: int) -> Path:
+        """Each rank appends to its own file: no two writers ever share one."""
+        return self.events_dir / f"rank-{int(rank)}.jsonl"
+
+    def event_files(self) -> list[Path]:
+        """The event files present now, by rank (anything else in the dir is not ours)."""
+        try:
+            names = [p.name for p in self.events_dir.iterdir()]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        # Numeric order: rank-10 after rank-9 (a plain sort would not).
+        ranks = sorted(int(m.group(1)) for n in names if (m := _EVENT_FILE.match(n)))
+        return [self.event_file(r) for r in ranks]
+
+    @property
+    def control(self) -> Path:
+        return self.dir / CONTROL
+
+    @property
+    def exit_record(self) -> Path:
+        return self.dir / EXIT_RECORD
+
+    def node_exit_record(self, node: int | str) -> Path:
+        """In a Slurm job each node's launcher records its own exit; the batch shell writes
+        :attr:`exit_record` for the run."""
+        return self.dir / f"exit-node{node}.json"
+
+    @property
+    def job_id_marker(self) -> Path:
+        return self.dir / JOB_ID_MARKER
+
+    @property
+    def output_log(self) -> Path:
+        return self.dir / OUTPUT_LOG
+
+    @property
+    def signals(self) -> Path:
+        return self.dir / SIGNALS
+
+    def rendezvous(self, job_id: str, step_id: str) -> Path:
+        """Where a multi-node launcher's chief publishes its rendezvous ports."""
+        return self.dir / f"rendezvous-{job_id}-{step_id}.json"
+
+    def horovod_rendezvous(self, job_id: str) -> Path:
+        """Where the horovod launcher's chief publishes its rendezvous server's ports."""
+        return self.dir / f"horovod-{job_id}.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.dir / "tensorboard"
+
+    @property
+    def local_workdir(self) -> Path:
+        """The working dir of a run that is not a Slurm job (``--local``)."""
+        return self.dir / LOCAL_WORKDIR
+
+
+def exit_record_of(run_dir: Path) -> Path:
+    """The run's exit record, for callers that only hold a run dir (executors' job tables)."""
+    return Path(run_dir) / EXIT_RECORD
+
+
+def node_workdir(base: str, node: int | str) -> Path:
+    """A Slurm job's node-local working dir: one per node, below the site's node tmpdir."""
+    return Path(f"{base}-node{node}")

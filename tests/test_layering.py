@@ -1,0 +1,114 @@
+"""The two sides of the shared-filesystem protocol stay apart (see detslurm/protocol/__init__.py).
+
+In-job code (core, pytorch, exec, launch) runs on compute nodes inside the user's job: it may
+import only detslurm.protocol and leaf modules, never the store, Slurm parsing or the
+controller. Login-side code never imports the in-job packages. Both talk only through
+detslurm.protocol. Imports are read with ``ast`` (function-local ones included), so nothing is
+executed.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Source dir -> the package name it is installed as (pyproject's package-dir).
+SOURCES = {"detslurm": "detslurm", "cli": "detslurm.cli", "launchers": "detslurm.launch"}
+
+IN_JOB = ("detslurm.core", "detslurm.pytorch", "detslurm.exec", "detslurm.launch")
+LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context")
+PROTOCOL = "detslurm.protocol"
+LOGIN = (
+    "detslurm.controller",
+    "detslurm.slurm",
+    "detslurm.store",
+    "detslurm.cli",
+    "detslurm.daemon",
+    "detslurm.views",
+    "detslurm.queue",
+    # Not in the issue's list, but login-side all the same: none of them runs in a job.
+    "detslurm.client",
+    "detslurm.settings",
+    "detslurm.searcher",
+    "detslurm.expconf",
+)
+
+
+def _within(module: str, packages: tuple[str, ...] | str) -> bool:
+    pkgs = (packages,) if isinstance(packages, str) else packages
+    return any(module == p or module.startswith(p + ".") for p in pkgs)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    parts = [SOURCES[rel.parts[0]], *rel.with_suffix("").parts[1:]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(source: str, module: str, is_package: bool) -> Iterator[str]:
+    """Every detslurm module ``module`` imports (``from a import b`` yields a and a.b)."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def forbidden(importer: str, imported: str) -> str | None:
+    """Why ``importer`` may not import ``imported``, or None."""
+    if not _within(imported, "detslurm") or imported == "detslurm":
+        return None
+    if _within(importer, IN_JOB) and not _within(imported, (*IN_JOB, *LEAVES, PROTOCOL)):
+        return "in-job code may import only detslurm.protocol and leaf modules"
+    if _within(importer, PROTOCOL) and not _within(imported, (PROTOCOL, *LEAVES)):
+        return "the protocol is shared by both sides: it may import only leaf modules"
+    if _within(importer, LEAVES) and not _within(imported, LEAVES):
+        return "leaf modules import no other detslurm module"
+    if _within(importer, LOGIN) and _within(imported, IN_JOB):
+        return "the login side reaches trials only through detslurm.protocol"
+    return None
+
+
+def edges() -> Iterator[tuple[str, str]]:
+    for src in SOURCES:
+        for path in sorted((ROOT / src).rglob("*.py")):
+            mod = module_name(path)
+            yield from ((mod, imp) for imp in imports(path.read_text(), mod, path.name == "__init__.py"))
+
+
+def test_no_forbidden_import_edges() -> None:
+    seen = list(edges())
+    assert any(a.startswith("detslurm.core") and b.startswith(PROTOCOL) for a, b in seen)  # the walk works
+    bad = sorted({f"{a} -> {b}: {why}" for a, b in seen if (why := forbidden(a, b))})
+    assert bad == []
+
+
+def test_the_checker_catches_each_kind_of_edge() -> None:
+    cases = {
+        ("detslurm.core._info", "from detslurm.slurm.parse import expand_nodelist"): "in-job",
+        ("detslurm.launch._common", "from detslurm.store import open_store"): "in-job",
+        ("detslurm.controller.apply", "import detslurm.core._info"): "login side",
+        ("detslurm.cli.job", "from ..exec import launch"): "login side",
+        ("detslurm.protocol.env", "from detslurm.controller import apply"): "protocol",
+        ("detslurm.util", "from detslurm.store import db"): "leaf",
+    }
+    for (mod, source), want in cases.items():
+        whys = [w for imp in imports(source, mod, False) if (w := forbidden(mod, imp))]
+        assert whys and want in whys[0], (mod, source)
+    allowed = [
+        ("detslurm.core._train", "from detslurm.protocol import RunPaths"),
+        ("detslurm.controller.apply", "from detslurm.protocol import decode"),
+        ("detslurm.exec.launch", "from detslurm.context import extract"),
+    ]
+    for mod, source in allowed:
+        assert not [imp for imp in imports(source, mod, False) if forbidden(mod, imp)], source
