@@ -256,6 +256,8 @@ class _Gate:
         except ValueError:
             raise _BadPeer("a malformed handshake") from None
         if not hmac.compare_digest(mac_bytes, _mac(self.secret, "hello", self.tag, p.nonce, nonce, rank)):
+            # Say so: a rank started with another secret then fails at once instead of retrying.
+            self._reply(p, {"ok": False, "error": "authentication failed (not this run's secret)"})
             raise _BadPeer("failed authentication (it does not hold this run's secret)")
         # Authenticated from here on: a rank problem is a bug in the launch, so say it plainly.
         if rank not in self.expected or rank in self.joined:
