@@ -36,10 +36,11 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from detslurm.secret import secret_from_env
+from detslurm.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret, secret_from_env
 
 DEFAULT_PORT = 12360
 # How long a server waits for all of its members, and a member for its server; long enough for
@@ -438,6 +439,7 @@ class DistributedContext:
         pull_port: int | None = None,
         port_offset: int = 0,
         force_tcp: bool = False,
+        _secret: bytes | None = None,
     ) -> None:
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
@@ -448,7 +450,9 @@ class DistributedContext:
         env_port = os.environ.get("DETSLURM_DIST_PORT")
         self.port = port or pub_port or (int(env_port) if env_port else DEFAULT_PORT + port_offset)
         # No secret, no group: there is deliberately no fallback key (see detslurm.secret).
-        secret = secret_from_env(os.environ) if size > 1 else b""
+        if _secret is None:
+            _secret = secret_from_env(os.environ) if size > 1 else b""
+        secret = _secret
         global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)
         self._global = _Group(rank, size, global_addr, "AF_INET", secret, "global")
         if force_tcp:
@@ -512,6 +516,7 @@ class DistributedContext:
             cross_rank=int(e["GROUP_RANK"]),
             cross_size=int(e["GROUP_WORLD_SIZE"]),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP") or e.get("MASTER_ADDR"),
+            _secret=_shared_secret(int(e["WORLD_SIZE"]), _torch_share),
         )
 
     @classmethod
@@ -525,6 +530,7 @@ class DistributedContext:
             cross_rank=int(e["CROSS_RANK"]),
             cross_size=int(e["CROSS_SIZE"]),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP") or e.get("MASTER_ADDR"),
+            _secret=_shared_secret(int(e["WORLD_SIZE"]), _torch_share),
         )
 
     @classmethod
@@ -543,7 +549,35 @@ class DistributedContext:
             cross_rank=cross("cross_rank", "HOROVOD_CROSS_RANK"),
             cross_size=cross("cross_size", "HOROVOD_CROSS_SIZE"),
             chief_ip=chief_ip or e.get("DET_CHIEF_IP"),
+            _secret=_shared_secret(hvd.size(), lambda: _horovod_share(hvd)),
         )
+
+
+def _shared_secret(size: int, share: Callable[[], str | None]) -> bytes | None:
+    """The secret for a framework's constructor: None (read the environment, as always) where a
+    launcher or the login node gave one. Under a plain torchrun or horovodrun off-cluster nobody
+    did; then rank 0 makes a fresh one and the framework's own group, already formed between the
+    ranks, carries it to the others (never our sockets, never anything derived from ids)."""
+    if size <= 1 or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV):
+        return None
+    shared = share()
+    return bytes.fromhex(shared) if shared else None
+
+
+def _torch_share() -> str | None:
+    dist = sys.modules.get("torch.distributed")  # only if the script uses it: never import torch here
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    box = [new_secret().hex() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _horovod_share(hvd: Any) -> str | None:
+    broadcast = getattr(hvd, "broadcast_object", None)
+    if not callable(broadcast):
+        return None
+    return str(broadcast(new_secret().hex() if hvd.rank() == 0 else None, root_rank=0))
 
 
 class DummyDistributedContext(DistributedContext):
