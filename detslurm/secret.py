@@ -68,6 +68,20 @@ def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NA
     return final
 
 
+def ensure_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NAME) -> Path:
+    """The run's secret file for a submission: created if missing; if the same run is submitted
+    again (recovery, a retried sbatch), the existing file is kept once it passes the checks."""
+    path = Path(run_dir) / name
+    if not os.path.lexists(path):
+        try:
+            return write_run_secret(run_dir, name)
+        except RunSecretError:
+            if not os.path.lexists(path):  # not lost to a concurrent writer: a real failure
+                raise
+    read_run_secret(path)
+    return path
+
+
 def read_run_secret(path: os.PathLike[str] | str) -> bytes:
     """The secret in ``path``, after checking that only we could have written or read it.
 

@@ -25,7 +25,15 @@ from security_harness import Attacker
 from detslurm.core import DistributedContext
 from detslurm.core._distributed import HANDSHAKE_TIMEOUT_S, DistributedError, _Group, _local_address
 from detslurm.launch._common import Nodes, free_port, run_secret_env
-from detslurm.secret import SECRET_ENV, SECRET_FILE_ENV, RunSecretError, new_secret, read_run_secret, write_run_secret
+from detslurm.secret import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    RunSecretError,
+    ensure_run_secret,
+    new_secret,
+    read_run_secret,
+    write_run_secret,
+)
 
 # A rank as a launcher starts it; rank 0 first, the others only once GO exists, so that the
 # chief sits in group formation (the window of C1b) while the attacker works.
@@ -277,6 +285,15 @@ def test_run_secret_file_checks(tmp_path: Path) -> None:
     assert oct(path.stat().st_mode & 0o777) == "0o600" and len(read_run_secret(path)) == 32
     with pytest.raises(RunSecretError, match="already exists: a run secret is never reused"):
         write_run_secret(tmp_path)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    fresh = ensure_run_secret(sub)
+    assert fresh == sub / "run-secret" and read_run_secret(fresh) != read_run_secret(path)
+    before = read_run_secret(fresh)
+    assert ensure_run_secret(sub) == fresh and read_run_secret(fresh) == before  # the same run, again: kept
+    fresh.chmod(0o640)
+    with pytest.raises(RunSecretError, match="mode 640: it must be 600"):
+        ensure_run_secret(sub)
     link = tmp_path / "link"
     link.symlink_to(path)
     with pytest.raises(RunSecretError, match="is a symlink"):
