@@ -329,3 +329,61 @@ def test_server_survives_a_client_that_vanishes_mid_handshake(secret_env: bytes)
     for t in (server, *members):
         t.join(30)
     assert out == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+
+
+# -- on the real Slurm test cluster -----------------------------------------------------------------
+LATE = Path(__file__).parent / "fixtures/core_dist_late.py"
+
+
+def chief_dist_port(timeout_s: float = 120) -> int:
+    """The port the trial's chief serves its group on, from the rendezvous file its launcher
+    publishes (an attacker gets the same from ss -ltn on a shared node, or a port scan)."""
+    from sqlalchemy import select
+
+    from detslurm import settings
+    from detslurm.store import TrialRun, open_store
+
+    found: list[Path] = []
+
+    def published() -> bool:
+        with open_store(settings.load().db_url).tx() as s:
+            dirs = [Path(d) for d in s.scalars(select(TrialRun.run_dir)).all() if d]
+        found[:] = [f for d in dirs for f in d.glob("rendezvous-*.json")]
+        return bool(found)
+
+    wait_for(published, "the chief's rendezvous file", timeout_s)
+    port = int(json.loads(found[0].read_text())["dist"])
+    wait_for(lambda: tcp_listening(port), "the chief to listen", timeout_s)
+    return port
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.security
+@pytest.mark.usefixtures("slurm_env")
+def test_c1_on_the_cluster_two_nodes_two_ranks(det: Any, mallory: Attacker, marker: Path, tmp_path: Path) -> None:
+    """Review C1's reproduction, replayed: a neighbour attacks the chief of a 2x2 trial on c1
+    with every key it can derive while the other ranks are still joining. The trial completes."""
+    from conftest import write
+
+    go = tmp_path / "go"
+    write(tmp_path / "ctx/late.py", LATE.read_text())
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 -m determined.launch.torch_distributed python3 late.py\n"
+        "searcher: {name: single, metric: loss}\nmax_restarts: 0\nresources: {slots_per_trial: 4}\n"
+        f"environment: {{environment_variables: [GO_FILE={go}]}}\n",
+    )
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx")
+    assert code == 0, out + err
+    r = mallory.python_snippet(C1_COLLECTIVE_PORT, f"c1:{chief_dist_port()}", str(marker))
+    go.touch()
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    assert r.returncode == 0, r.stderr
+    attempts = json.loads(r.stdout)
+    assert len(attempts) == 36 and not [a for a in attempts if a["accepted"]]
+    assert not marker.exists()
+    code, logs, _ = det("t", "logs", "1")
+    assert "rank 3: group [[0, 'c1'], [1, 'c1'], [2, 'c2'], [3, 'c2']]" in logs
+    assert "global/4 group: closed a connection from" in logs and "failed authentication" in logs
