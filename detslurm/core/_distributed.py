@@ -135,16 +135,26 @@ class _Channel:
         _send_frame(self.sock, mac + payload)
 
     def recv(self) -> Any:
-        frame = _recv_frame(self.sock, FRAME_MAX_BYTES + _MAC_BYTES)
+        try:
+            frame = _recv_frame(self.sock, FRAME_MAX_BYTES + _MAC_BYTES)
+        except _BadPeer as e:
+            raise DistributedError(f"a group member sent {e}") from None
         mac, payload = frame[:_MAC_BYTES], frame[_MAC_BYTES:]
         want = _frame_mac(self._key, self._in, self._received, payload)
         if not hmac.compare_digest(mac, want):
             raise DistributedError("a collective frame failed authentication (tampered or out of order)")
         self._received += 1
-        return _decode_json(payload)
+        try:
+            return _decode_json(payload)
+        except _BadPeer as e:
+            raise DistributedError(f"a group member sent {e}") from None
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and all(c in "0123456789abcdef" for c in text)
 
 
 def _frame_mac(key: bytes, direction: str, seq: int, payload: bytes) -> bytes:
@@ -250,7 +260,7 @@ class _Gate:
         if not isinstance(hello, dict):
             raise _BadPeer("a handshake that is not a JSON object")
         rank, nonce, mac = hello.get("rank"), hello.get("nonce"), hello.get("mac")
-        if not (type(rank) is int and isinstance(nonce, str) and isinstance(mac, str) and len(nonce) == 64):
+        if not (type(rank) is int and isinstance(nonce, str) and isinstance(mac, str) and _is_hex(nonce, 64)):
             raise _BadPeer("a malformed handshake")
         try:
             mac_bytes = bytes.fromhex(mac)
