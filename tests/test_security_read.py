@@ -52,3 +52,18 @@ def test_checkpoints_are_private(mallory: Attacker, finished_experiment: Path) -
     files = sorted((finished_experiment / "ckpts").rglob("metadata.json"))
     assert files
     assert not [f for f in files if mallory.can_read(f)]
+
+
+def test_run_secret_file_is_private(mallory: Attacker) -> None:
+    """The collectives' key (review C1): even in a directory others may enter, only its owner reads it."""
+    from detslurm.secret import write_run_secret
+
+    base = victim_base()
+    try:
+        control = base / "public.txt"
+        control.write_text("x")
+        control.chmod(0o644)
+        secret = write_run_secret(base)
+        assert mallory.can_read(control) and not mallory.can_read(secret)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
