@@ -403,7 +403,7 @@ class _Group:
             joined = _Gate(listener, secret, self.tag, set(range(1, size))).run(_join_timeout_s())
         finally:
             listener.close()
-            if self._path is not None:
+            if self._path is not None and os.path.lexists(self._path):
                 os.unlink(self._path)
         self.peers = [joined[r] for r in range(1, size)]
 
@@ -460,9 +460,7 @@ class DistributedContext:
         env_port = os.environ.get("DETSLURM_DIST_PORT")
         self.port = port or pub_port or (int(env_port) if env_port else DEFAULT_PORT + port_offset)
         # No secret, no group: there is deliberately no fallback key (see detslurm.secret).
-        if _secret is None:
-            _secret = secret_from_env(os.environ) if size > 1 else b""
-        secret = _secret
+        secret = _secret if _secret is not None else (secret_from_env(os.environ) if size > 1 else b"")
         global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)
         self._global = _Group(rank, size, global_addr, "AF_INET", secret, "global")
         if force_tcp:
