@@ -18,6 +18,15 @@ from types import FrameType
 from typing import Any, Optional
 
 from detslurm.protocol import NotARunDir, RunPaths, expand_nodelist
+from detslurm.protocol.secret import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    RunSecretError,
+    new_secret,
+    read_run_secret,
+    wait_run_secret,
+    write_run_secret,
+)
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -101,6 +110,34 @@ def prepare(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], lis
     overrides, script = parse_args(argv)
     nodes = nodes_from_env(env)
     return overrides, script, nodes, rendezvous_ports(nodes, env, ["master", "dist"])
+
+
+def run_secret_env(env: Mapping[str, str], nodes: Nodes, timeout_s: float = 120) -> dict[str, str]:
+    """The variables that give every rank of this step the run's secret (security review C1).
+
+    The login node normally creates the secret per run and names it in DETSLURM_RUN_SECRET_FILE;
+    then we only check here that it is usable, so a bad file fails the launch in one clear line.
+    Without one (local dev, a launcher run by hand, tests) this launcher makes a fresh random
+    secret itself, never derived from ids: on one node it hands it to its ranks in their
+    environment (only our user and root can read /proc/PID/environ); across nodes, where the
+    launchers share nothing but the run dir, the chief writes it 0600 there and the others read it.
+    """
+    try:
+        if env.get(SECRET_FILE_ENV):
+            read_run_secret(env[SECRET_FILE_ENV])
+            return {}
+        if nodes.nnodes == 1:
+            return {SECRET_ENV: new_secret().hex()}
+        run_dir = Path(env.get("DET_RUN_DIR") or ".")
+        name = f"run-secret-{env.get('SLURM_JOB_ID', 'local')}-{env.get('SLURM_STEP_ID', '0')}"
+        if nodes.is_chief:
+            path = write_run_secret(run_dir, name)
+        else:
+            path = run_dir / name
+            wait_run_secret(path, timeout_s)
+    except RunSecretError as e:
+        raise LaunchError(str(e)) from None
+    return {SECRET_FILE_ENV: str(path)}
 
 
 def free_port(host: str = "") -> int:

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run
+from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_secret_env
 
 
 def hostfile_text(nodes: Nodes) -> str:
@@ -69,12 +69,13 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: s
 def main(argv: Sequence[str]) -> int:
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
+        secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))
     hostfile = Path.cwd() / f"hostfile-{os.environ.get('SLURM_JOB_ID', 'local')}.txt"
     hostfile.write_text(hostfile_text(nodes))
     cmd = build_deepspeed_cmd(nodes, str(hostfile), ports["master"], overrides, script)
-    return run(cmd, launch_env(os.environ, nodes, ports["dist"], str(hostfile)))
+    return run(cmd, {**launch_env(os.environ, nodes, ports["dist"], str(hostfile)), **secret})
 
 
 if __name__ == "__main__":

@@ -28,9 +28,11 @@ from detslurm.launch._common import (
     publish,
     run,
     run_paths,
+    run_secret_env,
     supervise,
     wait_published,
 )
+from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV
 
 
 def worker_env(
@@ -84,6 +86,10 @@ def _ports_file(env: Mapping[str, str]) -> Path:
 
 
 def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> int:
+    try:
+        secret = run_secret_env(env, nodes)
+    except LaunchError as e:
+        return fail(str(e))
     server = None
     if nodes.is_chief:
         server, port = _start_rendezvous(nodes)
@@ -95,7 +101,7 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> in
         port, dist_port = int(published["port"]), int(published["dist"])
     addr = nodes.chief
     iface = env.get("DETSLURM_NETWORK_INTERFACE") or interface_for(nodes.hosts[nodes.node_rank])
-    base = dict(env, DETSLURM_DIST_PORT=str(dist_port))
+    base = dict(env, DETSLURM_DIST_PORT=str(dist_port), **secret)
     procs = [
         subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
         for i in range(nodes.slots)
@@ -107,8 +113,16 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> in
             server.stop()
 
 
-def mpi_cmd(nodes: Nodes, overrides: Sequence[str], script: Sequence[str], python: str = sys.executable) -> list[str]:
-    """Pure: mpirun on the chief; Open MPI starts its daemons through Slurm (srun), not ssh."""
+def mpi_cmd(
+    nodes: Nodes,
+    overrides: Sequence[str],
+    script: Sequence[str],
+    python: str = sys.executable,
+    exported: Sequence[str] = (),
+) -> list[str]:
+    """Pure: mpirun on the chief; Open MPI starts its daemons through Slurm (srun), not ssh.
+    ``exported`` names more variables for every rank (``-x NAME``: the name, never the value,
+    goes on the command line, which every user can read in ps)."""
     rest = [o for o in overrides if o != "--mpi"]
     return [
         "mpirun",
@@ -128,6 +142,7 @@ def mpi_cmd(nodes: Nodes, overrides: Sequence[str], script: Sequence[str], pytho
         "DET_CHIEF_IP",
         "-x",
         "DETSLURM_DIST_PORT",
+        *(arg for name in exported for arg in ("-x", name)),
         *rest,
         python,
         "-m",
@@ -148,10 +163,16 @@ def main(argv: Sequence[str]) -> int:
         if not nodes.is_chief:
             return 0  # the chief's mpirun starts this node's ranks
         dist_port = free_port(nodes.chief if nodes.nnodes > 1 else "127.0.0.1")
+        try:
+            secret = run_secret_env(os.environ, nodes)
+        except LaunchError as e:
+            return fail(str(e))
         env = dict(
             os.environ, OMPI_MCA_plm_slurm_args="--overlap", DET_CHIEF_IP=nodes.chief, DETSLURM_DIST_PORT=str(dist_port)
         )
-        return run(mpi_cmd(nodes, overrides, script), env)
+        env.update(secret)
+        exported = [n for n in (SECRET_FILE_ENV, SECRET_ENV) if env.get(n)]
+        return run(mpi_cmd(nodes, overrides, script, exported=exported), env)
     if overrides:
         return fail(f"unsupported horovod overrides {overrides}: only --mpi is understood without horovodrun")
     return gloo_main(nodes, script, os.environ)

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run
+from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_secret_env
 
 
 def build_torchrun_cmd(
@@ -60,10 +60,11 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str
 def main(argv: Sequence[str]) -> int:
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
+        secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))
     cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
-    return run(cmd, launch_env(os.environ, nodes, ports["dist"]))
+    return run(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret})
 
 
 if __name__ == "__main__":

@@ -94,3 +94,20 @@ def slurm_env(det_env: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatc
         if not out.strip():
             break
         __import__("time").sleep(0.3)
+
+
+@pytest.fixture(scope="session")
+def mallory() -> Iterator[object]:
+    """A second Unix user on this machine (tests/security_harness.py), for the security tests."""
+    import shutil
+
+    from security_harness import HarnessUnavailable, make_attacker
+
+    try:
+        attacker = make_attacker()
+    except HarnessUnavailable as e:
+        if os.environ.get("CI"):
+            pytest.fail(f"the security tests need a second Unix user, and CI runs as root: {e}")
+        pytest.skip(str(e))
+    yield attacker
+    shutil.rmtree(attacker.home, ignore_errors=True)

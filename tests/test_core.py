@@ -16,8 +16,16 @@ from detslurm.core._events import EventWriter
 from detslurm.core._preempt import PreemptContext
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol import CheckpointDeleted, Metrics, decode, from_env, read_lines, trial_env
+from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 
 _port = [23000 + os.getpid() % 2000 * 10]
+
+
+@pytest.fixture(autouse=True)
+def run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a launcher gives its ranks: a fresh random secret (groups refuse to form without one)."""
+    monkeypatch.delenv(SECRET_FILE_ENV, raising=False)
+    monkeypatch.setenv(SECRET_ENV, new_secret().hex())
 
 
 def next_port() -> int:

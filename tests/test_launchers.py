@@ -231,3 +231,43 @@ def test_supervise_stops_the_rest_when_one_fails() -> None:
     procs = [subprocess.Popen(c, start_new_session=True) for c in (stubborn, failing)]
     t0 = time.time()
     assert supervise(procs, grace_s=1) == 3 and time.time() - t0 < 5  # SIGKILL after the grace period
+
+
+def test_run_secret_env_one_node_is_fresh_and_random() -> None:
+    from detslurm.launch._common import run_secret_env
+    from detslurm.protocol.secret import SECRET_ENV, secret_from_env
+
+    one = Nodes(["127.0.0.1"], 0, 2)
+    a, b = run_secret_env({"DET_ALLOCATION_ID": "exp-1-trial-1-run-1"}, one), run_secret_env({}, one)
+    assert set(a) == {SECRET_ENV} and len(secret_from_env(a)) == 32 and a != b
+
+
+def test_run_secret_env_across_nodes_shares_one_private_file(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from detslurm.launch._common import run_secret_env
+    from detslurm.protocol.secret import SECRET_FILE_ENV, read_run_secret, write_run_secret
+
+    env = {"DET_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    chief = run_secret_env(env, Nodes(["c1", "c2"], 0, 1))
+    other = run_secret_env(env, Nodes(["c1", "c2"], 1, 1))
+    path = Path(chief[SECRET_FILE_ENV])
+    assert chief == other and path.parent == tmp_path and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert len(read_run_secret(path)) == 32
+    with pytest.raises(LaunchError, match="did not create the run secret"):
+        run_secret_env({**env, "SLURM_JOB_ID": "8"}, Nodes(["c1", "c2"], 1, 1), timeout_s=0.2)
+    # A file the login node named is checked before any rank starts: a readable one fails the launch.
+    given = write_run_secret(tmp_path)
+    assert run_secret_env({SECRET_FILE_ENV: str(given)}, Nodes(["c1", "c2"], 1, 1)) == {}
+    os.chmod(given, 0o644)
+    with pytest.raises(LaunchError, match="mode 644: it must be 600"):
+        run_secret_env({SECRET_FILE_ENV: str(given)}, Nodes(["c1"], 0, 1))
+
+
+def test_mpi_cmd_exports_secret_names_never_values() -> None:
+    from detslurm.launch.horovod import mpi_cmd
+
+    cmd = mpi_cmd(Nodes(["c1"], 0, 2), ["--mpi"], ["t.py"], python="PY", exported=["DETSLURM_DIST_SECRET"])
+    i = cmd.index("DETSLURM_DIST_SECRET")
+    assert cmd[i - 1] == "-x" and not any(a.startswith("DETSLURM_DIST_SECRET=") for a in cmd)

@@ -33,6 +33,7 @@ from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, plan_runs
 from detslurm.identity import os_user
 from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps
+from detslurm.protocol.secret import ensure_run_secret
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
@@ -321,6 +322,9 @@ class Controller:
             specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp)]
         if not specs:
             return
+        for _, spec in specs:
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
+            ensure_run_secret(spec.run_dir)  # a resubmitted run keeps its (checked) secret
         # Runs that share resources go as job arrays: one sbatch for many trials.
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])

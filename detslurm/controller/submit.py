@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import RunSpec
 from detslurm.protocol import ExpPaths, trial_env
+from detslurm.protocol.secret import SECRET_FILE_ENV, SECRET_FILE_NAME
 from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
 
 ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
@@ -85,6 +86,9 @@ def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> R
     )
     if exp.test_mode:
         env["DET_TEST_MODE"] = "1"
+    # The run's collectives authenticate with a random secret in a 0600 file of the private run
+    # dir (written before submission): never derived from ids every user can read in squeue.
+    env[SECRET_FILE_ENV] = str(Path(run.run_dir) / SECRET_FILE_NAME)
     return RunSpec(
         name=f"det-e{exp.id}-t{t.id}-r{run.run_id}",
         argv=[sys.executable, "-m", "detslurm.exec.launch"],

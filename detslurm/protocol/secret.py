@@ -1,0 +1,142 @@
+"""The per-run secret that authenticates a trial's collectives (security review C1).
+
+Created on the login node for every run (``write_run_secret``), 0600 in the run's private dir, and
+named to the job by ``DETSLURM_RUN_SECRET_FILE``; every rank reads it with ``read_run_secret``,
+which refuses a file another user could have written or read. It is random, never derived from
+ids: the job name, the trial and experiment ids are all public in ``squeue``.
+
+Where no file is named (local dev, a launcher run by hand, tests), the launcher makes a fresh
+secret and hands it to its ranks in ``DETSLURM_DIST_SECRET`` (hex): a process's environment is
+readable only by its own user and root. Stdlib only: the login side and every rank import this.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
+# The name starts with DETSLURM_DIST so the local controller's env filter drops it from the
+# daemon's own environment before a trial starts (a trial must get a fresh one).
+SECRET_ENV = "DETSLURM_DIST_SECRET"
+SECRET_FILE_NAME = "run-secret"
+SECRET_BYTES = 32
+_MAX_FILE_BYTES = 4096
+
+
+class RunSecretError(Exception):
+    """The run secret is missing, unreadable, or not private to this user."""
+
+
+def new_secret() -> bytes:
+    """A fresh random secret (32 bytes from the OS CSPRNG)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NAME) -> Path:
+    """Create ``run_dir/name`` holding a fresh secret (hex), mode 0600; its path.
+
+    Refuses to reuse or follow anything already there (O_EXCL|O_NOFOLLOW). Readers on other nodes
+    never see a half-written file: the secret is written under a random temporary name first and
+    then hard-linked into place, which fails if the name exists.
+    """
+    final = Path(run_dir) / name
+    tmp = final.with_name(f".{name}.{secrets.token_hex(8)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except OSError as e:
+        raise RunSecretError(f"cannot create the run secret in {run_dir}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask: owner read/write only
+            f.write(new_secret().hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, final)
+    except FileExistsError:
+        raise RunSecretError(f"{final} already exists: a run secret is never reused") from None
+    except OSError as e:
+        raise RunSecretError(f"cannot write the run secret {final}: {e.strerror}") from None
+    finally:
+        os.unlink(tmp)
+    return final
+
+
+def ensure_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NAME) -> Path:
+    """The run's secret file for a submission: created if missing; if the same run is submitted
+    again (recovery, a retried sbatch), the existing file is kept once it passes the checks."""
+    path = Path(run_dir) / name
+    if not os.path.lexists(path):
+        try:
+            return write_run_secret(run_dir, name)
+        except RunSecretError:
+            if not os.path.lexists(path):  # not lost to a concurrent writer: a real failure
+                raise
+    read_run_secret(path)
+    return path
+
+
+def read_run_secret(path: os.PathLike[str] | str) -> bytes:
+    """The secret in ``path``, after checking that only we could have written or read it.
+
+    The checks run on the opened file (fstat), so the file cannot be swapped between the check
+    and the read; O_NOFOLLOW refuses a symlink, O_NONBLOCK keeps a planted FIFO from hanging us.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        why = "is a symlink" if e.errno == errno.ELOOP else e.strerror
+        raise RunSecretError(f"cannot open the run secret {path}: {why}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise RunSecretError(f"the run secret {path} is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise RunSecretError(f"the run secret {path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise RunSecretError(f"the run secret {path} has mode {stat.S_IMODE(st.st_mode):o}: it must be 600")
+        raw = f.read(_MAX_FILE_BYTES)
+    return _decode(raw.decode("ascii", "replace"), str(path))
+
+
+def wait_run_secret(path: os.PathLike[str] | str, timeout_s: float = 120.0) -> bytes:
+    """``read_run_secret`` once another node has created ``path`` (polls until ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.lexists(path):
+        if time.monotonic() > deadline:
+            raise RunSecretError(f"the chief node did not create the run secret {path} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return read_run_secret(path)
+
+
+def secret_from_env(env: Mapping[str, str]) -> bytes:
+    """This run's secret: the file named by DETSLURM_RUN_SECRET_FILE, else DETSLURM_DIST_SECRET.
+
+    There is deliberately no default: without a secret, distributed groups do not form.
+    """
+    path = env.get(SECRET_FILE_ENV)
+    if path:
+        return read_run_secret(path)
+    if env.get(SECRET_ENV):
+        return _decode(env[SECRET_ENV], SECRET_ENV)
+    raise RunSecretError(
+        f"no run secret: neither {SECRET_FILE_ENV} nor {SECRET_ENV} is set. Start distributed ranks with a "
+        "detslurm launcher (python -m determined.launch.torch_distributed ...), or set one of them"
+    )
+
+
+def _decode(text: str, where: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise RunSecretError(f"the run secret in {where} is not hex") from None
+    if len(secret) < SECRET_BYTES:
+        raise RunSecretError(f"the run secret in {where} has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
+    return secret

@@ -1,0 +1,111 @@
+"""A second Unix user on the same machine, for the security tests (the `security` marker).
+
+The tests run as root (CI does; the Slurm test cluster needs it anyway). The session fixture
+``mallory`` (tests/conftest.py) creates the system user ``detslurm-mallory`` if it is missing and
+hands out an :class:`Attacker`, which runs stdlib-only Python snippets as that user, with a clean
+environment, from a private directory of its own. The attacker uses the system ``python3``: the
+repository and its venv may sit under paths the second user cannot enter (a fresh clone in CI,
+/root here), and stdlib is all an attacker needs.
+
+Victim data that a test wants attacked must live under :func:`victim_base`, a directory only
+traversable by others (0711): then nothing but the product's own modes protects it, and a test
+cannot pass just because pytest's private tmp dir (0700) is in the way.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+USER = "detslurm-mallory"
+_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3")
+
+
+class HarnessUnavailable(Exception):
+    """The machine cannot host a second user (not root, no useradd, no usable python3)."""
+
+
+def ensure_user(name: str = USER) -> pwd.struct_passwd:
+    """The system user ``name``, created (no home, no login shell) if missing; needs root."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    if os.geteuid() != 0:
+        raise HarnessUnavailable("creating a second Unix user needs root")
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    r = subprocess.run(
+        [useradd, "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        capture_output=True,
+        text=True,
+    )
+    try:  # a parallel session may have created it meanwhile: useradd then fails, and that is fine
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise HarnessUnavailable(f"useradd {name} failed: {r.stderr.strip()}") from None
+
+
+def run_as(user: pwd.struct_passwd, argv: Sequence[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as ``user`` (real and effective uid/gid, no supplementary groups) with a clean
+    environment: nothing of the victim's (secrets in the environment included) leaks into it."""
+    env = kw.pop("env", None) or {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/nonexistent"}
+    cmd = ["setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}", "--clear-groups", "--", *argv]
+    kw.setdefault("capture_output", True)
+    kw.setdefault("text", True)
+    kw.setdefault("timeout", 120)
+    return subprocess.run(cmd, env=env, **kw)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Attacker:
+    """The second user: runs Python snippets as itself, from a directory only it can write."""
+
+    user: pwd.struct_passwd
+    python: str
+    home: Path
+
+    @property
+    def uid(self) -> int:
+        return self.user.pw_uid
+
+    def python_snippet(self, code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """Run ``code`` (dedented) as the attacker; its argv[1:] are ``args``."""
+        script = Path(tempfile.mkstemp(dir=self.home, suffix=".py")[1])
+        script.write_text(textwrap.dedent(code))
+        os.chown(script, self.uid, self.user.pw_gid)
+        return run_as(self.user, [self.python, str(script), *args], cwd=str(self.home), timeout=timeout)
+
+    def can_read(self, path: Path) -> bool:
+        """Whether the attacker can list (a directory) or read (a file) ``path``."""
+        code = "import os,sys\np=sys.argv[1]\nos.listdir(p) if os.path.isdir(p) else open(p,'rb').read(1)\n"
+        r = self.python_snippet(code, str(path))
+        if r.returncode not in (0, 1) or (r.returncode == 1 and "PermissionError" not in r.stderr):
+            raise AssertionError(f"the read probe of {path} failed unexpectedly: {r.stderr}")
+        return r.returncode == 0
+
+
+def make_attacker(user_name: str = USER) -> Attacker:
+    """The user (created if needed), a usable system python3, and a private 0700 home in /tmp."""
+    user = ensure_user(user_name)
+    home = Path(tempfile.mkdtemp(prefix="detslurm-mallory-"))
+    os.chown(home, user.pw_uid, user.pw_gid)
+    for python in [*_PYTHONS, shutil.which("python3") or ""]:
+        if python and run_as(user, [python, "-c", "import hmac, pickle, socket"], cwd=str(home)).returncode == 0:
+            return Attacker(user, python, home)
+    shutil.rmtree(home, ignore_errors=True)
+    raise HarnessUnavailable(f"no python3 that {user_name} can run (tried {', '.join(_PYTHONS)})")
+
+
+def victim_base() -> Path:
+    """A fresh directory the attacker may traverse but not list (0711): victim data goes below."""
+    base = Path(tempfile.mkdtemp(prefix="detslurm-victim-"))
+    os.chmod(base, 0o711)
+    return base
