@@ -162,4 +162,12 @@ def extract(tarball: Path, dest: Path) -> None:
         members = tar.getmembers()
         for m in members:
             _safe_member(m, dest)
-        tar.extractall(dest, members=members, filter="data")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, members=members, filter="data")
+        else:
+            # Pythons before 3.10.12/3.11.4 (Debian 12's 3.11.2, say) have no extraction
+            # filters: _safe_member already refused what escapes; also drop setuid/setgid/
+            # sticky and group/other write bits, as the "data" filter would.
+            for m in members:
+                m.mode &= 0o755
+            tar.extractall(dest, members=members)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +100,21 @@ def test_queue_as_root(det: Any) -> None:
     assert code == 0 and squeue(b, "%y") == "800"
 
 
-@pytest.mark.fault
-def test_queue_as_ordinary_user(det: Any, tester: str, user_det: Path, tmp_path: Path) -> None:
-    os.chmod(tmp_path, 0o711)  # the user reaches its own home below; nothing else here is readable
-    home = tmp_path / "home"
-    home.mkdir()
+@pytest.fixture
+def tester_home(tester: str) -> Iterator[Path]:
+    """A private home the test user owns. Not under pytest's tmp dir: that is private to root
+    (0700 parents), so the user could not even look for its own config there."""
+    home = Path(tempfile.mkdtemp(prefix="detslurm-tester-home-"))
     os.chown(home, pwd.getpwnam(tester).pw_uid, pwd.getpwnam(tester).pw_gid)
+    yield home
+    # The user's jobs outlive a failed test otherwise (the slurm_env teardown cancels root's).
+    subprocess.run(["scancel", "-u", tester], check=False)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.fault
+def test_queue_as_ordinary_user(det: Any, tester: str, user_det: Path, tester_home: Path) -> None:
+    home = tester_home
     blockers = [sbatch("-c", "2", "-w", "c1"), sbatch("-c", "2", "-w", "c2")]
     running(*blockers)
     roots = sbatch("-c", "2")
