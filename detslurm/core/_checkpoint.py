@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import json
 import errno
+import json
 import os
 import re
 import shutil
@@ -36,7 +36,6 @@ from typing import Any, Optional
 from detslurm.core._distributed import DistributedContext
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
-
 
 SHARE_ENV = "DETSLURM_CHECKPOINT_SHARE"
 STALE_PARTIAL_AFTER_S = 6 * 3600
