@@ -37,6 +37,9 @@ class DaemonEnv:
     env: dict[str, str]
     dropped: tuple[str, ...]
     allocation: Optional[str]
+    # slurmd sets SLURMD_NODENAME in batch scripts and steps, salloc does not: the daemon would
+    # run on a compute node, inside the job's processes.
+    on_compute_node: bool = False
 
 
 def _job_scratch(tmpdir: str, job_id: str, env: Mapping[str, str]) -> bool:
@@ -57,7 +60,7 @@ def daemon_env(environ: Mapping[str, str]) -> DaemonEnv:
     if allocation and _job_scratch(environ.get("TMPDIR", ""), allocation, environ):
         dropped.append("TMPDIR")
     env = {k: v for k, v in environ.items() if k not in set(dropped)}
-    return DaemonEnv(env, tuple(dropped), allocation)
+    return DaemonEnv(env, tuple(dropped), allocation, bool(allocation and environ.get("SLURMD_NODENAME")))
 
 
 def warn_once(scrubbed: DaemonEnv) -> Optional[str]:
@@ -65,10 +68,18 @@ def warn_once(scrubbed: DaemonEnv) -> Optional[str]:
     if scrubbed.allocation is None or scrubbed.allocation in _warned:
         return None
     _warned.add(scrubbed.allocation)
+    # Measured on the test cluster (proctrack/linuxproc): a daemon started from salloc's shell,
+    # from an srun step or from a batch script outlives the allocation (its own session). With
+    # proctrack/cgroup, what slurmd started stays in the job's cgroup and dies with the job.
+    where = (
+        "on a compute node: where the site tracks jobs with cgroups it is killed when the allocation ends"
+        if scrubbed.on_compute_node
+        else "detached from the allocation (its own session): it outlives it"
+    )
     msg = (
-        f"detslurm: det runs inside Slurm allocation {scrubbed.allocation}; the daemon it starts is "
-        "detached from it (its own session) and submits jobs without this allocation's SLURM_*/SBATCH_* "
-        "variables. Start the daemon from a login shell (det daemon start) if this node is not a login node."
+        f"detslurm: det runs inside Slurm allocation {scrubbed.allocation}; the daemon it starts runs {where}, "
+        "and submits jobs without this allocation's SLURM_*/SBATCH_* variables. "
+        "Prefer starting it from a login shell (det daemon start)."
     )
     log.warning("%s", msg)
     return msg

@@ -56,9 +56,11 @@ def test_inside_an_allocation_its_variables_and_scratch_are_dropped() -> None:
 def test_the_allocation_warning_comes_once(caplog: pytest.LogCaptureFixture) -> None:
     out = daemon_env({"SLURM_JOB_ID": "777001"})
     msg = warn_once(out)
-    assert msg is not None and "inside Slurm allocation 777001" in msg and "detached" in msg
+    assert msg is not None and "inside Slurm allocation 777001" in msg and "it outlives it" in msg
     assert warn_once(out) is None
     assert [r.getMessage() for r in caplog.records].count(msg) == 1
+    step = warn_once(daemon_env({"SLURM_JOB_ID": "777002", "SLURMD_NODENAME": "c1"}))
+    assert step is not None and "on a compute node" in step and "cgroups" in step
 
 
 def environ_of(pid: int) -> dict[str, str]:
