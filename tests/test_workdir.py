@@ -102,6 +102,10 @@ def test_base_prefers_private_job_scratch_then_site_then_shared(tmp_path: Path) 
     # A shared TMPDIR (1777) is not per-job: the site's node_tmpdir comes first, then it.
     assert workdir.choose_base({**env, "SLURM_TMPDIR": "", "TMPDIR": str(shared)}) == site
     assert workdir.choose_base({"TMPDIR": str(shared)}) == shared
+    loose = tmp_path / "loose"  # world-writable without the sticky bit: others could swap our dir
+    loose.mkdir()
+    loose.chmod(0o777)
+    assert workdir.choose_base({"TMPDIR": str(loose), NODE_TMPDIR_ENV: str(loose)}) == Path("/tmp")
     assert workdir.choose_base({"TMPDIR": "relative", NODE_TMPDIR_ENV: str(tmp_path / "missing")}) == Path("/tmp")
     assert workdir.choose_base({}) == Path("/tmp")
 

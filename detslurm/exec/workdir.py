@@ -15,6 +15,9 @@ Where the dir goes (:func:`choose_base`), first match wins:
 3. the site config's ``node_tmpdir`` (``$DETSLURM_NODE_TMPDIR``, expanded by the batch shell);
 4. ``$TMPDIR`` even when shared (a site's big node-local scratch), then ``/tmp``.
 
+A base others may write without the sticky bit is never used: there they could rename our dir
+away and put their own in its place after we checked it.
+
 Bases 1-2 are usually removed by the site at the job's end. For the others a launcher killed by
 SIGKILL leaves its dir behind (L5), so each launcher first sweeps the dirs of *its own user's*
 dead launchers on this node: a marker file names the job, the host and the launcher's pid and
@@ -67,7 +70,16 @@ def _private_dir(path: str) -> bool:
 
 
 def _usable_dir(path: str) -> bool:
-    return bool(path) and os.path.isabs(path) and os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+    """An absolute dir we may create in, where nobody else can move our dir away: writable by
+    others only with the sticky bit (/tmp's 1777), never a plain 777 dir."""
+    if not (path and os.path.isabs(path) and os.access(path, os.W_OK | os.X_OK)):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    loose = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+    return stat.S_ISDIR(st.st_mode) and not loose
 
 
 def choose_base(env: Mapping[str, str]) -> Path:
