@@ -63,6 +63,8 @@ def checkpoint_modes(env: Mapping[str, str]) -> Modes:
 
 def ensure_base(base: Path, modes: Modes) -> None:
     """Create ``base`` and any missing parents with the private dir mode; existing dirs keep theirs."""
+    if base.is_dir():  # the usual case, once per checkpoint: one stat
+        return
     missing = [p for p in (base, *base.parents) if not p.exists()]
     for p in reversed(missing):
         with contextlib.suppress(FileExistsError):  # another rank or trial made it meanwhile
