@@ -9,6 +9,7 @@ Interleaved repeats; medians. Goal >= 0.9x for both.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,15 @@ def state(mb: int) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(8)}
 
 
+def durable(path: Path) -> None:
+    for target, flags in ((path, os.O_RDONLY), (path.parent, os.O_RDONLY | os.O_DIRECTORY)):
+        fd = os.open(target, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
@@ -39,12 +49,18 @@ def main() -> int:
     sd = state(args.mb)
     writer = EventWriter(work / "events.jsonl")
     ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
-    t: dict[str, list[float]] = {"raw_save": [], "det_save": [], "raw_load": [], "det_load": []}
+    t: dict[str, list[float]] = {"raw_save": [], "raw_save_fsync": [], "det_save": [], "raw_load": [], "det_load": []}
     try:
         for i in range(args.repeats):
             t0 = time.perf_counter()
             torch.save(sd, work / f"raw-{i}.pt")
             t["raw_save"].append(time.perf_counter() - t0)
+            # The same save made durable (what store_path does since review L8): file, then dir.
+            t0 = time.perf_counter()
+            torch.save(sd, work / f"rawf-{i}.pt")
+            durable(work / f"rawf-{i}.pt")
+            t["raw_save_fsync"].append(time.perf_counter() - t0)
+            (work / f"rawf-{i}.pt").unlink()
             t0 = time.perf_counter()
             with ckpt.store_path({"steps_completed": i}) as (path, uuid):
                 torch.save(sd, path / "state.pt")
@@ -71,6 +87,7 @@ def main() -> int:
             "samples_s": t,
             "median_s": med,
             "save_throughput_ratio": med["raw_save"] / med["det_save"],
+            "durable_save_ratio": med["raw_save_fsync"] / med["det_save"],
             "restore_throughput_ratio": med["raw_load"] / med["det_load"],
             "goal_ratio_min": 0.9,
         },

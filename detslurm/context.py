@@ -155,19 +155,33 @@ def _safe_member(m: tarfile.TarInfo, dest: Path) -> None:
             raise ContextError(f"refusing to extract link {m.name!r} -> {m.linkname!r}: it escapes the destination")
 
 
+def _private_mode(m: tarfile.TarInfo) -> int:
+    """Owner-only modes for the extracted code (security review C2): 0700 dirs, 0600 files,
+    0700 files the owner could execute. Nobody else on the node needs to read a trial's code."""
+    if m.isdir() or (m.isfile() and m.mode & 0o100):
+        return 0o700
+    return 0o600
+
+
 def extract(tarball: Path, dest: Path) -> None:
-    """Extract a context tarball, refusing traversal, absolute paths and escaping links."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """Extract a context tarball into ``dest`` (created 0700 if missing), private to the owner,
+    refusing traversal, absolute paths and escaping links."""
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tarfile.open(tarball, "r:*") as tar:
         members = tar.getmembers()
         for m in members:
             _safe_member(m, dest)
+            if not m.issym():
+                m.mode = _private_mode(m)
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, members=members, filter="data")
         else:
             # Pythons before 3.10.12/3.11.4 (Debian 12's 3.11.2, say) have no extraction
-            # filters: _safe_member already refused what escapes; also drop setuid/setgid/
-            # sticky and group/other write bits, as the "data" filter would.
-            for m in members:
-                m.mode &= 0o755
+            # filters: _safe_member already refused what escapes and the modes are private.
             tar.extractall(dest, members=members)
+    # The "data" filter leaves directories at the umask's mode (755 typically): tighten them,
+    # including parents a tarball implies without listing them. os.walk follows no symlinks.
+    for dirpath, dirnames, _ in os.walk(dest):
+        for d in dirnames:
+            if not os.path.islink(os.path.join(dirpath, d)):
+                os.chmod(os.path.join(dirpath, d), 0o700)

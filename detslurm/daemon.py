@@ -25,6 +25,7 @@ import psutil
 
 from detslurm import settings as settings_mod
 from detslurm.errors import StateError
+from detslurm.jobenv import daemon_env, warn_once
 from detslurm.settings import Settings
 from detslurm.util import atomic_write_text
 
@@ -183,9 +184,17 @@ def start(s: Settings, wait_s: float = 10.0) -> int:
         return pid
     p = Paths(s)
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Jobs inherit the daemon's environment (sbatch --export=ALL): start it without what must
+    # not reach them (security review S5; detslurm/jobenv.py).
+    scrubbed = daemon_env(os.environ)
+    warn_once(scrubbed)
     with open(p.log, "ab") as out:
+        if scrubbed.dropped:  # names only: values may be private
+            out.write(f"detslurm: not passing to jobs: {', '.join(scrubbed.dropped)}\n".encode())
+            out.flush()
         proc = subprocess.Popen(
             [sys.executable, "-m", "detslurm.daemon", "run"],
+            env=scrubbed.env,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -18,6 +19,15 @@ from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_
 
 def hostfile_text(nodes: Nodes) -> str:
     return "".join(f"{host} slots={nodes.slots}\n" for host in nodes.hosts)
+
+
+def write_hostfile(directory: Path, nodes: Nodes) -> Path:
+    """The hostfile, 0600 under a fresh random name in ``directory`` (the trial's private
+    working dir): a predictable name there could have been a planted symlink (review C2)."""
+    fd, name = tempfile.mkstemp(prefix="hostfile-", suffix=".txt", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        f.write(hostfile_text(nodes))
+    return Path(name)
 
 
 def build_deepspeed_cmd(
@@ -72,8 +82,7 @@ def main(argv: Sequence[str]) -> int:
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))
-    hostfile = Path.cwd() / f"hostfile-{os.environ.get('SLURM_JOB_ID', 'local')}.txt"
-    hostfile.write_text(hostfile_text(nodes))
+    hostfile = write_hostfile(Path.cwd(), nodes)
     cmd = build_deepspeed_cmd(nodes, str(hostfile), ports["master"], overrides, script)
     return run(cmd, {**launch_env(os.environ, nodes, ports["dist"], str(hostfile)), **secret})
 

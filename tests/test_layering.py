@@ -26,6 +26,7 @@ LOGIN = (
     "detslurm.store",
     "detslurm.cli",
     "detslurm.daemon",
+    "detslurm.jobenv",
     "detslurm.views",
     "detslurm.queue",
     # Not in the list, but login-side all the same: none of them runs in a job.

@@ -47,11 +47,13 @@ def test_experiment_dir_data_dir_and_store_are_private(mallory: Attacker, finish
         assert target.exists() and not mallory.can_read(target), f"{mallory.user.pw_name} can read {target}"
 
 
-@pytest.mark.xfail(strict=True, reason="security review M5: checkpoints are created with the umask's mode (755/644)")
 def test_checkpoints_are_private(mallory: Attacker, finished_experiment: Path) -> None:
-    files = sorted((finished_experiment / "ckpts").rglob("metadata.json"))
+    """Review M5: the checkpoint base and every checkpoint are the owner's alone."""
+    ckpts = finished_experiment / "ckpts"
+    files = sorted(ckpts.rglob("metadata.json"))
     assert files
     assert not [f for f in files if mallory.can_read(f)]
+    assert not mallory.can_read(ckpts) and not [f.parent for f in files if mallory.can_read(f.parent)]
 
 
 def test_run_secret_file_is_private(mallory: Attacker) -> None:

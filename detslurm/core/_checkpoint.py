@@ -3,23 +3,128 @@
 A checkpoint is written into ``<base>/.<uuid>.partial`` and renamed to ``<base>/<uuid>`` only
 when complete, after ``metadata.json``; a crash mid-write leaves the previous checkpoint as the
 latest usable one. Sharded checkpoints: every rank writes into the same partial directory.
+
+Private by default (security review M5): checkpoints hold weights and pickles that the Trainer
+loads on restart, so a base dir we create is 0700 and every checkpoint is 0700 dirs and 0600
+files (0700 where the owner may execute), whatever the umask. A base that already exists keeps
+its mode (a group project dir set up on purpose). To share checkpoints with the group, set
+``DETSLURM_CHECKPOINT_SHARE=group`` (e.g. in ``environment.environment_variables``): the group
+may then read them (0750/0640), never write them, since a writable pickle runs as the owner.
+
+Before the rename every file and directory is fsynced (L8), so the rename cannot reach the disk
+before the data on a node crash. Partial dirs left by a killed writer are swept by the next
+writer on the same base once they are :data:`STALE_PARTIAL_AFTER_S` old and ours (L5).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import os
+import re
 import shutil
+import stat
+import time
 import uuid as uuidlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from detslurm.core._distributed import DistributedContext
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
+
+SHARE_ENV = "DETSLURM_CHECKPOINT_SHARE"
+STALE_PARTIAL_AFTER_S = 6 * 3600
+_PARTIAL = re.compile(r"^\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.partial$")
+
+
+@dataclass(frozen=True)
+class Modes:
+    """The modes a checkpoint's dirs, files and owner-executable files get."""
+
+    dir: int = 0o700
+    file: int = 0o600
+    exe: int = 0o700
+
+
+def checkpoint_modes(env: Mapping[str, str]) -> Modes:
+    """Owner-only, or group-readable with ``DETSLURM_CHECKPOINT_SHARE=group``."""
+    share = env.get(SHARE_ENV, "").strip().lower()
+    if share == "group":
+        return Modes(0o750, 0o640, 0o750)
+    if share not in ("", "none", "private"):
+        raise ValueError(f"{SHARE_ENV}={share!r}: expected 'group' or nothing")
+    return Modes()
+
+
+def ensure_base(base: Path, modes: Modes) -> None:
+    """Create ``base`` and any missing parents with the private dir mode; existing dirs keep theirs."""
+    if base.is_dir():  # the usual case, once per checkpoint: one stat
+        return
+    missing = [p for p in (base, *base.parents) if not p.exists()]
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank or trial made it meanwhile
+            p.mkdir(mode=modes.dir)
+            os.chmod(p, modes.dir)  # the umask may have cleared bits the share mode wants
+
+
+def _fsync_path(path: str, flags: int) -> None:
+    fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot fsync a directory; the data is what matters
+        if e.errno not in (errno.EINVAL, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: Path, modes: Optional[Modes]) -> None:
+    """fsync every file and directory below ``root`` (and ``root``), setting ``modes`` on the
+    way when given. Symlinks are neither followed nor changed."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            if modes is not None:
+                os.chmod(path, modes.exe if st.st_mode & 0o100 else modes.file)
+            _fsync_path(path, os.O_RDONLY)
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if modes is not None and not os.path.islink(path):
+                os.chmod(path, modes.dir)
+        _fsync_path(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def sweep_partials(base: Path, now: Optional[float] = None) -> list[Path]:
+    """Remove ``.<uuid>.partial`` dirs in ``base`` that a killed writer left: ours, a real dir,
+    untouched (itself and its top entries) for :data:`STALE_PARTIAL_AFTER_S`. Never raises."""
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        names = [n for n in os.listdir(base) if _PARTIAL.match(n)]
+    except OSError:
+        return removed
+    for name in names:
+        path = base / name
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            # A writer still busy on a large file changes only that file's mtime.
+            newest = max([st.st_mtime, *(e.stat(follow_symlinks=False).st_mtime for e in os.scandir(path))])
+        except OSError:
+            continue
+        if now - newest >= STALE_PARTIAL_AFTER_S:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class DownloadMode(enum.Enum):
@@ -66,6 +171,8 @@ class CheckpointContext:
         self.base = Path(base)
         self._report = report
         self._require_steps = require_steps
+        self._modes = checkpoint_modes(os.environ)
+        self._swept = False
 
     # -- writing ---------------------------------------------------------------------------
     def _check_metadata(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,9 +183,12 @@ class CheckpointContext:
 
     def _finish(self, partial: Path, storage_id: str, md: dict[str, Any]) -> None:
         (partial / "metadata.json").write_text(json.dumps(md, sort_keys=True, indent=2))
+        # Private modes and fsync of everything before the rename, then of the base (the rename).
+        sync_tree(partial, self._modes)
         resources = list_resources(partial)
         final = self.base / storage_id
         os.replace(partial, final)
+        _fsync_path(str(self.base), os.O_RDONLY | os.O_DIRECTORY)
         self._report(
             CheckpointSaved(
                 uuid=storage_id,
@@ -90,6 +200,14 @@ class CheckpointContext:
             )
         )
 
+    def _prepare_base(self) -> None:
+        """Rank 0, before each write: the base exists (private if we make it); once per
+        context, partial dirs of killed writers are swept."""
+        ensure_base(self.base, self._modes)
+        if not self._swept:
+            self._swept = True
+            sweep_partials(self.base)
+
     @contextlib.contextmanager
     def store_path(self, metadata: dict[str, Any] | None = None, *, shard: bool = False) -> Iterator[tuple[Path, str]]:
         if not shard and self._dist.rank != 0:
@@ -100,7 +218,9 @@ class CheckpointContext:
             storage_id = self._dist.broadcast(storage_id)
         partial = self.base / f".{storage_id}.partial"
         if self._dist.rank == 0:
-            partial.mkdir(parents=True, exist_ok=False)
+            self._prepare_base()
+            partial.mkdir(mode=self._modes.dir)
+            os.chmod(partial, self._modes.dir)
         if shard:
             self._dist.allgather(None)  # the directory exists before any rank writes
         try:
@@ -112,6 +232,9 @@ class CheckpointContext:
                 shutil.rmtree(partial, ignore_errors=True)
             raise
         if shard:
+            if self._dist.rank != 0 and self._dist.get_local_rank() == 0:
+                # One fsync pass per node: its ranks' writes share this node's page cache.
+                sync_tree(partial, None)
             parts = self._dist.allgather(md)
             if self._dist.rank == 0:
                 self._finish(partial, storage_id, merge_metadata(parts))

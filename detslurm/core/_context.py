@@ -12,7 +12,7 @@ from typing import Any
 
 import platformdirs
 
-from detslurm.core._checkpoint import CheckpointContext
+from detslurm.core._checkpoint import CheckpointContext, checkpoint_modes, ensure_base
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
 from detslurm.core._events import EventWriter, NullWriter
 from detslurm.core._info import ClusterInfo, get_cluster_info
@@ -135,7 +135,7 @@ def _dummy_init(
     writer = NullWriter()
     data_dir = os.environ.get("DETSLURM_DATA_DIR") or platformdirs.user_data_dir("detslurm")
     base = _storage_base(checkpoint_storage, Path(data_dir) / "checkpoints")
-    base.mkdir(parents=True, exist_ok=True)
+    ensure_base(base, checkpoint_modes(os.environ))
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(
         distributed=dist,

@@ -14,16 +14,18 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
-from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, expand_nodelist, node_workdir
+from detslurm.exec import workdir as workdir_mod
+from detslurm.exec.workdir import Workdir, WorkdirError
+from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, expand_nodelist
 
 LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
@@ -78,19 +80,34 @@ def child_env(env: dict[str, str], workdir: Path) -> dict[str, str]:
     return out
 
 
+# Variables of the hook's shell that are not the hook's exports.
+_SHELL_NOISE = ("PWD", "SHLVL", "_", "OLDPWD")
+
+
 def _run_hook(workdir: Path, env: dict[str, str]) -> int:
     hook = workdir / "startup-hook.sh"
     if not hook.exists():
         return 0
     print(f"detslurm: running {hook.name}", flush=True)
-    # The hook may export variables for the entrypoint, so source it and dump the environment.
-    script = f"set -e; . ./startup-hook.sh; env -0 > {shlex.quote(str(workdir / '.hook-env'))}"
-    rc = subprocess.call(["bash", "-c", script], cwd=workdir, env=env)
+    # The hook may export variables for the entrypoint, so source it and read the environment
+    # back. Through a pipe, never a file: the environment holds the experiment config and every
+    # environment_variables secret (security review C2: the old .hook-env file was world-readable
+    # and its predictable name could be a planted symlink). The hook runs with the pipe closed,
+    # so a background process it starts cannot hold it open and hang us.
+    read_fd, write_fd = os.pipe()
+    fd = str(write_fd)
+    script = f"set -e; . ./startup-hook.sh {fd}>&-; env -0 >&{fd}; exec {fd}>&-"
+    try:
+        proc = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=env, pass_fds=(write_fd,))
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as pipe:
+        dump = pipe.read()
+    rc = proc.wait()
     if rc == 0:
-        data = (workdir / ".hook-env").read_bytes().split(b"\0")
-        for item in data:
+        for item in dump.split(b"\0"):
             k, sep, v = item.decode(errors="replace").partition("=")
-            if sep and k not in ("PWD", "SHLVL", "_", "OLDPWD"):
+            if sep and k not in _SHELL_NOISE:
                 env[k] = v
     return rc
 
@@ -125,14 +142,23 @@ def slurm_env(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _paths(env: dict[str, str], run: RunPaths) -> tuple[Path, Path, bool]:
-    """(working dir, exit record, node-local?). In a Slurm job the working dir is node-local
-    and each node writes its own record; the batch shell writes the run's exit record."""
-    if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
-        node = env.get("SLURM_NODEID", "0")
-        base = env.get("DETSLURM_WORKDIR") or f"/tmp/detslurm-{env['SLURM_JOB_ID']}"
-        return node_workdir(base, node), run.node_exit_record(node), True
-    return Path(env.get("DETSLURM_WORKDIR") or run.local_workdir), run.exit_record, False
+def _in_slurm_job(env: dict[str, str]) -> bool:
+    return bool(env.get("SLURM_JOB_ID")) and env.get("DET_RESOURCES_TYPE") == "slurm-job"
+
+
+def _workdir(env: dict[str, str], run: RunPaths) -> tuple[Path, Optional[Workdir]]:
+    """(working dir, the node-local dir to remove at the end).
+
+    In a Slurm job the working dir is node-local, fresh and private (detslurm/exec/workdir.py);
+    our own dirs that dead launchers left on this node are swept first. A run that is not a
+    Slurm job works in its run dir (inside the 0700 experiment dir).
+    """
+    if _in_slurm_job(env):
+        base = workdir_mod.choose_base(env)
+        workdir_mod.sweep_stale(base)
+        wd = workdir_mod.create(base, env["SLURM_JOB_ID"], env.get("SLURM_NODEID", "0"))
+        return wd.path, wd
+    return Path(env.get("DETSLURM_WORKDIR") or run.local_workdir), None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,13 +168,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotARunDir as e:
         print(f"detslurm: {e}", file=sys.stderr, flush=True)
         return 2
-    if env.get("SLURM_JOB_ID") and env.get("DET_RESOURCES_TYPE") == "slurm-job":
+    # In a Slurm job each node's launcher records its own exit; the batch shell writes the run's.
+    exit_path = run.exit_record
+    if _in_slurm_job(env):
         env.update(slurm_env(env))
-    workdir, exit_path, node_local = _paths(env, run)
+        exit_path = run.node_exit_record(env.get("SLURM_NODEID", "0"))
     config = json.loads(env["DET_EXPERIMENT_CONFIG"])
     started = time.time()
     rc = 1
+    node_local: Optional[Workdir] = None
     try:
+        workdir, node_local = _workdir(env, run)
         extract(run.exp.context, workdir)
         cenv = child_env(env, workdir)
         rc = _run_hook(workdir, cenv)
@@ -156,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"detslurm: startup-hook.sh failed with exit code {rc}", file=sys.stderr, flush=True)
         else:
             rc = _run(entrypoint_argv(config["entrypoint"]), workdir, cenv)
-    except ContextError as e:
+    except (ContextError, WorkdirError) as e:
         print(f"detslurm: {e}", file=sys.stderr, flush=True)
         rc = 1
     except FileNotFoundError as e:
@@ -164,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc = 127
     finally:
         ExitRecord(code=rc, start=started, end=time.time()).write(exit_path)
-        if node_local:
-            shutil.rmtree(workdir, ignore_errors=True)  # node-local scratch
+        if node_local is not None:
+            workdir_mod.remove(node_local)  # node-local scratch
     return rc
 
 

@@ -35,7 +35,7 @@ from detslurm.protocol.events import (
     decode,
     encode,
 )
-from detslurm.protocol.paths import ExpPaths, NotARunDir, RunPaths, exit_record_of, node_workdir
+from detslurm.protocol.paths import NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
 from detslurm.protocol.reader import Batch, Line, read_lines
 from detslurm.protocol.records import (
     BATCH_EXIT_PRINTF,
@@ -49,6 +49,7 @@ from detslurm.protocol.records import (
 
 __all__ = [
     "BATCH_EXIT_PRINTF",
+    "NODE_TMPDIR_ENV",
     "Alert",
     "BadEvent",
     "BadRecord",
@@ -82,7 +83,6 @@ __all__ = [
     "exit_record_of",
     "expand_nodelist",
     "from_env",
-    "node_workdir",
     "read_lines",
     "trial_env",
 ]

@@ -192,6 +192,6 @@ def exit_record_of(run_dir: Path) -> Path:
     return Path(run_dir) / EXIT_RECORD
 
 
-def node_workdir(base: str, node: int | str) -> Path:
-    """A Slurm job's node-local working dir: one per node, below the site's node tmpdir."""
-    return Path(f"{base}-node{node}")
+# The site config's node_tmpdir, expanded by the batch shell, reaches each node's launcher in
+# this variable; the launcher makes its private working dir below it (detslurm/exec/workdir.py).
+NODE_TMPDIR_ENV = "DETSLURM_NODE_TMPDIR"

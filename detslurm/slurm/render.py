@@ -18,7 +18,7 @@ import jinja2
 
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
-from detslurm.protocol import BATCH_EXIT_PRINTF
+from detslurm.protocol import BATCH_EXIT_PRINTF, NODE_TMPDIR_ENV
 from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
@@ -162,7 +162,8 @@ def _script(
         python=python,
         nodes=res.nodes,
         signal=site.signal.upper().removeprefix("SIG"),
-        node_tmpdir=site.node_tmpdir,
+        node_tmpdir=site.node_tmpdir or "",
+        node_tmpdir_env=NODE_TMPDIR_ENV,
         tasks=tasks or [],
         # The run-dir files the batch shell writes: named and formatted by the protocol module.
         exit_record=EXIT_RECORD,

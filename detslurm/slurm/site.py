@@ -56,7 +56,9 @@ class SiteConfig(Strict):
     # Shell lines run (verbatim: written by the site's admins) before every trial, e.g. module load.
     setup: list[str] = Field(default_factory=list)
     python: Optional[str] = None  # the interpreter on compute nodes (default: the CLI's own)
-    node_tmpdir: str = "${TMPDIR:-/tmp}"  # node-local base for trial working dirs (shell syntax)
+    # Node-local base for trial working dirs (shell syntax, expanded by the batch shell). Unset:
+    # $SLURM_TMPDIR, then a private per-job $TMPDIR, then $TMPDIR, then /tmp (exec/workdir.py).
+    node_tmpdir: Optional[str] = None
 
     @field_validator("signal")
     @classmethod
@@ -70,8 +72,8 @@ class SiteConfig(Strict):
 
     @field_validator("node_tmpdir")
     @classmethod
-    def _safe_node_tmpdir(cls, value: str) -> str:
-        if not _NODE_TMPDIR.fullmatch(value):
+    def _safe_node_tmpdir(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not _NODE_TMPDIR.fullmatch(value):
             raise ValueError(
                 f"node_tmpdir {value!r} must be an absolute path or ${{VAR:-/absolute/path}}, "
                 "made of letters, digits and _ . / + @ % , = - only"
