@@ -15,8 +15,8 @@ RANK = re.compile(r"\[rank=(\d+)\]")
 
 
 def lines(app: App, trial_id: int, ranks: Sequence[int] = ()) -> Iterator[str]:
-    with app.store.tx() as s:
-        views.get_trial(s, trial_id)
+    with app.store.read() as s:
+        views.get_trial(s, trial_id, app.scope)
         runs = [(r.run_id, r.log_path) for r in views.runs(s, trial_id)]
         notes = [(n.time, n.level, n.message) for n in views.notes(s, trial_id)]
     for run_id, path in runs:
@@ -45,7 +45,7 @@ class Follower:
         self.offsets: dict[str, int] = {}
 
     def pump(self) -> None:
-        with self.app.store.tx() as s:
+        with self.app.store.read() as s:
             paths = [r.log_path for r in views.runs(s, self.trial_id)]
         for path in paths:
             p = Path(path)

@@ -29,8 +29,8 @@ def trial() -> None:
 def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     """Show a trial, its runs and (optionally) its metrics."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        t = views.get_trial(s, trial_id)
+    with app.store.read() as s:
+        t = views.get_trial(s, trial_id, app.scope)
         d = views.trial_dict(s, t)
         runs: list[dict[str, Any]] = [
             {
@@ -122,8 +122,8 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
         def step() -> bool | None:
             follower.pump()
             slurm_mod.reconcile(app)
-            with app.store.tx() as s:
-                done = TrialState(views.get_trial(s, trial_id).state).is_terminal
+            with app.store.read() as s:
+                done = TrialState(views.get_trial(s, trial_id, app.scope).state).is_terminal
             if done:
                 follower.pump()  # what it wrote before it ended
             return True if done else None
@@ -139,5 +139,5 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
 @pass_app
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
-    ops.kill_trial(app.store, trial_id)
+    ops.kill_trial(app.store, trial_id, app.scope)
     click.echo(f"Killed trial {trial_id}")
