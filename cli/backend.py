@@ -208,6 +208,6 @@ def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
         err=True,
     )
     if tid is not None:
-        for line in list(logs_mod.lines(app, tid))[-40:]:
+        for line in logs_mod.tail(app, tid, 40):
             click.echo(line, err=True)
     return 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import click
@@ -130,7 +131,13 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
 
         app.poll_until(step)
         return
-    for line in logs_mod.select_lines(list(logs_mod.lines(app, trial_id, ranks)), head, tail):
+    if head is not None:
+        shown: Iterable[str] = logs_mod.head(app, trial_id, head, ranks)
+    elif tail is not None:
+        shown = logs_mod.tail(app, trial_id, tail, ranks)
+    else:
+        shown = logs_mod.lines(app, trial_id, ranks)
+    for line in shown:
         click.echo(line)
 
 
