@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from sqlalchemy import create_engine, select, text
 from test_views_ops import add_experiment, add_trial
 
 from detslurm.identity import os_user
-from detslurm.store import Experiment, LogEntry, Trial, TrialRun, open_store
+from detslurm.store import Experiment, LogEntry, Store, Trial, TrialRun, open_store
 
 pytestmark = pytest.mark.security
 CORE = EXAMPLES / "core_api"
@@ -96,10 +97,18 @@ def as_mallory(mallory: Attacker, mallory_det: Path, shared_url: str) -> Mallory
     return Mallory(mallory, mallory_det, shared_url)
 
 
+@contextmanager
+def shared_store(url: str) -> Iterator[Store]:
+    store = open_store(url)
+    try:
+        yield store
+    finally:
+        store.dispose()
+
+
 def snapshot(url: str) -> dict[str, Any]:
     """Every row a tick or an operation could change."""
-    store = open_store(url)
-    with store.read() as s:
+    with shared_store(url) as store, store.read() as s:
         return {
             "experiments": [(e.id, e.owner, e.state, e.resource_pool, e.config) for e in s.scalars(select(Experiment))],
             "trials": [(t.id, t.state, t.restarts, t.run_count) for t in s.scalars(select(Trial))],
@@ -114,11 +123,11 @@ def _alice_experiments(det: Any, url: str, tmp_path: Path) -> tuple[int, int, in
     experiment ids and the trial id."""
     code, out, err = det("e", "create", "--local", "--paused", CORE / "const.yaml", CORE)
     assert code == 0, out + err
-    store = open_store(url)
-    slurm_exp = add_experiment(store, tmp_path / "alice-slurm", owner=os_user())
-    trial = add_trial(store, slurm_exp, tmp_path / "alice-slurm/trials/1/runs/1", "QUEUED")
-    with store.tx() as s:
-        s.scalars(select(TrialRun).where(TrialRun.trial_id == trial)).one().job_id = "999999"
+    with shared_store(url) as store:
+        slurm_exp = add_experiment(store, tmp_path / "alice-slurm", owner=os_user())
+        trial = add_trial(store, slurm_exp, tmp_path / "alice-slurm/trials/1/runs/1", "QUEUED")
+        with store.tx() as s:
+            s.scalars(select(TrialRun).where(TrialRun.trial_id == trial)).one().job_id = "999999"
     return 1, slurm_exp, trial
 
 
@@ -131,7 +140,7 @@ def test_other_users_experiments_are_not_found_and_never_ticked(
     mine = int(r.stdout.split("Created experiment ")[1].split()[0])
     # Mallory's own experiment counts as an unfinished Slurm one: her read commands then really
     # reconcile (a tick, as her) on every call.
-    with open_store(shared_url).tx() as s:
+    with shared_store(shared_url) as store, store.tx() as s:
         s.get(Experiment, mine).executor = "slurm"  # type: ignore[union-attr]
     before = snapshot(shared_url)
 
@@ -193,10 +202,10 @@ def test_root_reaches_other_users_only_when_asked_and_never_runs_them(
     # Activating someone else's local experiment changes its state only: root never runs their code.
     code, out, err = det("--all-users", "e", "activate", 1)
     assert code == 0 and "Activated experiment 1" in out, err
-    with open_store(shared_url).read() as s:
+    with shared_store(shared_url) as store, store.read() as s:
         exp = s.get(Experiment, 1)
-        assert exp is not None and exp.state == "ACTIVE" and not exp.trials
+        assert exp is not None and exp.state == "ACTIVE" and not [r for t in exp.trials for r in t.runs]
     code, _, err = det("--all-users", "e", "kill", 1)
     assert code == 0, err
-    with open_store(shared_url).read() as s:
+    with shared_store(shared_url) as store, store.read() as s:
         assert s.get(Experiment, 1).state == "STOPPING_KILLED"  # type: ignore[union-attr]
