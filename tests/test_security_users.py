@@ -207,5 +207,7 @@ def test_root_reaches_other_users_only_when_asked_and_never_runs_them(
         assert exp is not None and exp.state == "ACTIVE" and not [r for t in exp.trials for r in t.runs]
     code, _, err = det("--all-users", "e", "kill", 1)
     assert code == 0, err
+    code, _, err = det("--all-users", "e", "delete", "--yes", 1)  # files are the owner's to delete
+    assert code == 1 and "only its owner can delete it" in err, err
     with shared_store(shared_url) as store, store.read() as s:
         assert s.get(Experiment, 1).state == "STOPPING_KILLED"  # type: ignore[union-attr]

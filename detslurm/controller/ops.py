@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from detslurm.controller.gc import checkpoint_dir
 from detslurm.errors import StateError
-from detslurm.identity import Scope
+from detslurm.identity import Scope, os_user
 from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
@@ -88,9 +88,12 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     tree on NFS never holds the store's write lock: review M4) its checkpoints and its dir.
 
     Only ``<storage base>/<uuid>`` is removed for a checkpoint, never the path the trial
-    reported (review H2)."""
+    reported (review H2). Only the owner deletes: root's --all-users would otherwise remove, as
+    root, directories named by rows that anyone with the database password can edit."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
+        if exp.owner != os_user():
+            raise StateError(f"experiment {exp_id} belongs to {exp.owner}; only its owner can delete it and its files")
         if not ExperimentState(exp.state).is_terminal:
             raise StateError(f"experiment {exp_id} is {exp.state}; kill it or wait for it to end before deleting")
         busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED.value, RunState.RUNNING.value)]
@@ -100,23 +103,22 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         doomed = [p for uuid in s.scalars(q) if (p := checkpoint_dir(exp, uuid)) is not None]
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    _remove_exp_dir(exp_dir)
+    for path in [*doomed, exp_dir]:
+        _remove_own_dir(path)
 
 
-def _remove_exp_dir(exp_dir: Path) -> None:
-    """Remove the experiment dir if it is a real directory of this user's. The path comes from
-    the store, which other users of a shared database can write (review C3): a symlink, or a
-    directory someone else owns, is left alone."""
+def _remove_own_dir(path: Path) -> None:
+    """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
+    which other users of a shared database can write (review C3): a symlink, or a directory
+    someone else owns, is left alone."""
     try:
-        st = os.lstat(exp_dir)
+        st = os.lstat(path)
     except FileNotFoundError:
         return
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        log.warning("not removing %s: not a directory of this user's", exp_dir)
+        log.warning("not removing %s: not a directory of this user's", path)
         return
-    shutil.rmtree(exp_dir, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope | None = None) -> None:
@@ -144,5 +146,11 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
         exp.config = cfg
         exp.resource_pool = pool
         running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
+        if exp.owner != os_user():
+            # Root moving another user's experiment (--all-users) changes its rows only: writing
+            # files as root into run dirs named by editable rows is not safe. Its running trials
+            # move when they next restart.
+            log.warning("experiment %d belongs to %s: its running trials were not preempted", exp_id, exp.owner)
+            running = []
     for run_dir in running:
         ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)
