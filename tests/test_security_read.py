@@ -40,7 +40,7 @@ def test_experiment_dir_data_dir_and_store_are_private(mallory: Attacker, finish
     base = finished_experiment
     assert mallory.can_read(base / "public.txt")  # control: the probe reads what it is allowed to
     s = settings.load()
-    exp_dir = base / "exps/exp-1"
+    exp_dir = next((base / "exps").glob("exp-1-*"))  # exp-<id>-<random suffix>
     store_files = sorted(s.data_dir.glob("*.db"))
     assert exp_dir.is_dir() and store_files and s.data_dir.is_relative_to(base)
     for target in (exp_dir, exp_dir / "config.yaml", exp_dir / "context.tar.gz", s.data_dir, *store_files):
