@@ -199,6 +199,7 @@ class Follower:
 
     def pump(self) -> None:
         with self.app.store.read() as s:
+            views.get_trial(s, self.trial_id, self.app.scope)  # another user's trial is "not found"
             paths = [r.log_path for r in views.runs(s, self.trial_id)]
         for path in paths:
             p = Path(path)

@@ -169,7 +169,8 @@ def test_other_users_experiments_are_not_found_and_never_ticked(
     for args in attempts:
         r = as_mallory(*args)
         assert r.returncode == 1 and f"Error: experiment {args[-1]} not found" in r.stderr, (args, r.stderr)
-    for args in [("t", "describe", alice_trial), ("t", "logs", alice_trial), ("t", "kill", alice_trial)]:
+    trial_cmds = [("describe",), ("logs",), ("logs", "-f"), ("logs", "--tail", "3"), ("kill",)]
+    for args in [("t", *cmd, alice_trial) for cmd in trial_cmds]:
         r = as_mallory(*args)
         assert r.returncode == 1 and f"Error: trial {alice_trial} not found" in r.stderr, (args, r.stderr)
     # Names in the environment are not identities: the uid decides.
