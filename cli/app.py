@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+from detslurm.identity import Scope
+
 if TYPE_CHECKING:
     from detslurm.settings import Settings
     from detslurm.slurm.client import SlurmClient
@@ -25,7 +27,9 @@ T = TypeVar("T")
 class App:
     """One per `det` process: the one place the CLI opens the store, Slurm and the configs."""
 
-    def __init__(self) -> None:
+    def __init__(self, all_users: bool = False) -> None:
+        self.all_users = all_users
+        self._scope: Scope | None = None
         self._settings: Settings | None = None
         self._store: Store | None = None
         self._client: SlurmClient | None = None
@@ -46,6 +50,14 @@ class App:
 
             self._store = open_store(self.settings.db_url)
         return self._store
+
+    @property
+    def scope(self) -> Scope:
+        """Whose experiments this command sees and changes: the caller's own, or every user's
+        for root's explicit `det --all-users` (anyone else asking gets a clear error)."""
+        if self._scope is None:
+            self._scope = Scope.all_users() if self.all_users else Scope.mine()
+        return self._scope
 
     @property
     def client(self) -> SlurmClient:

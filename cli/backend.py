@@ -20,6 +20,7 @@ from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App
 from detslurm.errors import DetSlurmError
+from detslurm.identity import os_user
 from detslurm.store.models import ExperimentState
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ class SlurmBackend:
         return 0
 
     def resume(self, exp_id: int, *, detach: bool) -> None:
-        daemon_mod.start(self.app.settings)  # the daemon runs it; there is nothing to detach from
+        if is_mine(self.app, exp_id):  # another user's (root's --all-users) is their daemon's to run
+            daemon_mod.start(self.app.settings)  # the daemon runs it; there is nothing to detach from
 
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
@@ -140,7 +142,7 @@ class LocalBackend:
         return 0 if state in (ExperimentState.COMPLETED, ExperimentState.PAUSED) else 1
 
     def resume(self, exp_id: int, *, detach: bool) -> None:
-        if not detach:
+        if not detach and is_mine(self.app, exp_id):  # only the owner runs its trials
             state = local_mod.drive(self.app, exp_id)
             click.echo(f"Experiment {exp_id} {state.value}")
 
@@ -148,8 +150,8 @@ class LocalBackend:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""
 
         def step() -> ExperimentState | None:
-            with self.app.store.tx() as s:
-                state = views.experiment_state(s, exp_id)
+            with self.app.store.read() as s:
+                state = views.experiment_state(s, exp_id, self.app.scope)
             if state.is_terminal:
                 return state
             if state != ExperimentState.PAUSED:
@@ -176,18 +178,24 @@ def for_create(app: App, *, local: bool) -> Backend:
 
 def of_experiment(app: App, exp_id: int) -> Backend:
     """The backend an existing experiment was created with."""
-    with app.store.tx() as s:
-        name = views.get_experiment(s, exp_id).executor
+    with app.store.read() as s:
+        name = views.get_experiment(s, exp_id, app.scope).executor
     cls = _BACKENDS.get(name)
     if cls is None:
         raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
     return cls(app)
 
 
+def is_mine(app: App, exp_id: int) -> bool:
+    """Whether the experiment is the caller's own (only then may this process run or tick it)."""
+    with app.store.read() as s:
+        return views.get_experiment(s, exp_id, app.scope).owner == os_user()
+
+
 def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
     """`det e create --test-mode`'s verdict: 0 when the one trial did it all, else 1 with its logs."""
-    with app.store.tx() as s:
-        exp = views.get_experiment(s, exp_id)
+    with app.store.read() as s:
+        exp = views.get_experiment(s, exp_id, app.scope)
         trial = exp.trials[0] if exp.trials else None
         tested = trial is not None and trial.runner_state == "test_done"
         tid = trial.id if trial else None
@@ -200,6 +208,6 @@ def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
         err=True,
     )
     if tid is not None:
-        for line in list(logs_mod.lines(app, tid))[-40:]:
+        for line in logs_mod.tail(app, tid, 40):
             click.echo(line, err=True)
     return 1

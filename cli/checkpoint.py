@@ -47,9 +47,8 @@ _HEADERS = [
 @pass_app
 def list_(app: App, exp_id: int, as_json: bool) -> None:
     """List an experiment's checkpoints."""
-    with app.store.tx() as s:
-        views.get_experiment(s, exp_id)
-        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id)]
+    with app.store.read() as s:
+        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
     if as_json:
         dump_json(cks)
         return
@@ -62,7 +61,7 @@ def list_(app: App, exp_id: int, as_json: bool) -> None:
 @pass_app
 def describe(app: App, uuid: str, as_json: bool) -> None:
     """Describe one checkpoint."""
-    c = client.Client(app.store).get_checkpoint(uuid).info
+    c = client.Client(app.store, app.scope).get_checkpoint(uuid).info
     if as_json:
         dump_json(c)
         return
@@ -76,7 +75,7 @@ def describe(app: App, uuid: str, as_json: bool) -> None:
 @pass_app
 def download(app: App, uuid: str, output_dir: Path | None, quiet: bool) -> None:
     """Copy a checkpoint to a local directory (default checkpoints/<uuid>)."""
-    ck = client.Client(app.store).get_checkpoint(uuid)
+    ck = client.Client(app.store, app.scope).get_checkpoint(uuid)
     path = ck.download(output_dir)
     if quiet:
         click.echo(str(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from detslurm import daemon as daemon_mod
+from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
 
 
@@ -55,5 +56,5 @@ def logs(app: App, tail: int) -> None:
     if not path.exists():
         click.echo(f"no daemon log yet at {path}")
         return
-    for line in path.read_text(errors="replace").splitlines()[-tail:]:
+    for line in logs_mod.file_tail(path, tail):
         click.echo(line)

@@ -75,12 +75,12 @@ def list_(app: App, show_all: bool, as_json: bool) -> None:
     """List experiments."""
     slurm_mod.reconcile(app)
     if as_json:
-        with app.store.tx() as s:
-            dicts = views.experiment_dicts(s, include_archived=show_all)
+        with app.store.read() as s:
+            dicts = views.experiment_dicts(s, app.scope, include_archived=show_all)
         dump_json(dicts)
         return
-    with app.store.tx() as s:
-        rows = views.experiment_rows(s, include_archived=show_all)
+    with app.store.read() as s:
+        rows = views.experiment_rows(s, app.scope, include_archived=show_all)
     table(
         ["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
         [
@@ -110,8 +110,8 @@ experiment.add_command(list_, "ls")
 def describe(app: App, exp_id: int, as_json: bool) -> None:
     """Show an experiment, its trials and their workloads."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        exp = views.get_experiment(s, exp_id)
+    with app.store.read() as s:
+        exp = views.get_experiment(s, exp_id, app.scope)
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
         metric = exp.config["searcher"]["metric"]
@@ -179,8 +179,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
 @pass_app
 def config(app: App, exp_id: int) -> None:
     """Print the experiment's config with defaults filled."""
-    with app.store.tx() as s:
-        click.echo(yaml.safe_dump(views.get_experiment(s, exp_id).config, sort_keys=False), nl=False)
+    with app.store.read() as s:
+        click.echo(yaml.safe_dump(views.get_experiment(s, exp_id, app.scope).config, sort_keys=False), nl=False)
 
 
 @experiment.command("list-trials")
@@ -190,8 +190,8 @@ def config(app: App, exp_id: int) -> None:
 def list_trials(app: App, exp_id: int, as_json: bool) -> None:
     """List an experiment's trials."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        trials = [views.trial_dict(s, t) for t in views.get_experiment(s, exp_id).trials]
+    with app.store.read() as s:
+        trials = [views.trial_dict(s, t) for t in views.get_experiment(s, exp_id, app.scope).trials]
     if as_json:
         dump_json(trials)
         return
@@ -222,10 +222,10 @@ experiment.add_command(list_trials, "lt")
 def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> None:
     """List an experiment's checkpoints."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        exp = views.get_experiment(s, exp_id)
+    with app.store.read() as s:
+        exp = views.get_experiment(s, exp_id, app.scope)
         sib = exp.config["searcher"]["smaller_is_better"]
-        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id)]
+        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
     if best is not None:
         scored = [c for c in cks if c["validation_metric"] is not None and c["state"] == "COMPLETED"]
         scored.sort(key=lambda c: float(c["validation_metric"]) * (1 if sib else -1))
@@ -263,8 +263,8 @@ experiment.add_command(list_checkpoints, "lc")
 def logs(app: App, exp_id: int) -> None:
     """Show the first trial's logs."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        exp = views.get_experiment(s, exp_id)
+    with app.store.read() as s:
+        exp = views.get_experiment(s, exp_id, app.scope)
         if not exp.trials:
             raise DetSlurmError(f"experiment {exp_id} has no trials yet")
         tid = exp.trials[0].id
@@ -272,12 +272,12 @@ def logs(app: App, exp_id: int) -> None:
         click.echo(line)
 
 
-def _state_change(verb: str, past: str, fn: Callable[[Any, int], None]) -> click.Command:
+def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None]) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
     @pass_app
     def cmd(app: App, exp_id: int) -> None:
-        fn(app.store, exp_id)
+        fn(app.store, exp_id, app.scope)
         click.echo(f"{past} experiment {exp_id}")
 
     return cmd
@@ -294,7 +294,7 @@ experiment.add_command(_state_change("kill", "Killed", ops.kill))
 @pass_app
 def activate(app: App, exp_id: int, detach: bool) -> None:
     """Activate (resume) a paused experiment; local experiments run in the foreground."""
-    ops.activate(app.store, exp_id)
+    ops.activate(app.store, exp_id, app.scope)
     click.echo(f"Activated experiment {exp_id}")
     backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
 
@@ -321,5 +321,5 @@ def delete(app: App, exp_id: int, yes: bool) -> None:
     """Delete an ended experiment, its files and checkpoints."""
     if not yes:
         click.confirm(f"Delete experiment {exp_id}, its files and all its checkpoints?", abort=True)
-    ops.delete(app.store, exp_id)
+    ops.delete(app.store, exp_id, app.scope)
     click.echo(f"Deleted experiment {exp_id}")

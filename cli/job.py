@@ -32,8 +32,8 @@ def _caller(client: SlurmClient) -> q.Caller:
 
 
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
-    with app.store.tx() as s:
-        names = views.trial_job_names(s, jobs)
+    with app.store.read() as s:
+        names = views.trial_job_names(s, jobs, app.scope)
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
     rows: list[dict[str, Any]] = []
     pos: dict[str, int] = {}
@@ -122,7 +122,7 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run:
         return
     q.execute(client, [o for o in ops if isinstance(o, q.Op)])
     for move in (o for o in ops if isinstance(o, q.PoolMove)):
-        ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag)
+        ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag, scope=app.scope)
 
 
 @job.command("update")

@@ -13,6 +13,7 @@ from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
 from detslurm.controller import ops
 from detslurm.errors import StateError
+from detslurm.identity import os_user
 from detslurm.store.models import ExperimentState
 
 if TYPE_CHECKING:
@@ -25,9 +26,15 @@ EXECUTOR = "local"
 def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> ExperimentState:
     """Run the experiment's trials as local processes until it ends or is paused.
 
-    Raises StateError when another process drives it already (one driver per experiment)."""
-    with app.store.tx() as s:
-        lock = filelock.FileLock(str(Path(views.get_experiment(s, exp_id).exp_dir) / ".driver.lock"))
+    Raises StateError when another process drives it already (one driver per experiment), or
+    when it is another user's (root's --all-users may change it, never run it: its trials would
+    run as root)."""
+    with app.store.read() as s:
+        exp = views.get_experiment(s, exp_id, app.scope)
+        owner, exp_dir = exp.owner, exp.exp_dir
+    if owner != os_user():
+        raise StateError(f"experiment {exp_id} belongs to {owner}; only its owner's detslurm runs its trials")
+    lock = filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
@@ -49,8 +56,8 @@ class _Round:
 
     def __call__(self) -> ExperimentState | None:
         self.ctl.tick_experiment(self.exp_id)
-        with self.app.store.tx() as s:
-            state, trials, busy = views.drive_snapshot(s, self.exp_id)
+        with self.app.store.read() as s:
+            state, trials, busy = views.drive_snapshot(s, self.exp_id, self.app.scope)
         if not self.quiet:
             for tid, st in sorted(trials.items()):
                 if self.seen.get(tid) != st:
@@ -94,6 +101,6 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
 
 
 def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
-    with app.store.tx() as s:
-        jobs = views.active_job_ids(s, exp_id)
+    with app.store.read() as s:
+        jobs = views.active_job_ids(s, exp_id, app.scope)
     ctl.executor.kill_many(jobs)

@@ -57,12 +57,17 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="detslurm")
+@click.option(
+    "--all-users",
+    is_flag=True,
+    help="Root only: see and change every user's experiments in a shared store (they are never run here).",
+)
 @click.pass_context
-def cli(ctx: click.Context) -> None:
+def cli(ctx: click.Context, all_users: bool) -> None:
     """detslurm: Determined-style experiments on Slurm, with no master server."""
     from detslurm.cli.app import App
 
-    ctx.obj = App()
+    ctx.obj = App(all_users=all_users)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ from detslurm import daemon as daemon_mod
 from detslurm import views
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
+from detslurm.identity import os_user
 from detslurm.store.models import ExperimentState
 
 # The executor name `det e create` stores for Slurm experiments.
@@ -19,8 +20,8 @@ def reconcile(app: App) -> None:
     on the store, client and site this command has open already."""
     if daemon_mod.running_pid(app.settings) is not None:
         return
-    with app.store.tx() as s:
-        unfinished = views.has_unfinished(s, EXECUTOR)
+    with app.store.read() as s:
+        unfinished = views.has_unfinished(s, EXECUTOR, os_user())
     if unfinished:
         daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
 
@@ -38,8 +39,8 @@ def follow_first_trial(app: App, exp_id: int) -> None:
 
     def step() -> bool | None:
         nonlocal follower, shown_reason
-        with app.store.tx() as s:
-            tid, runner, done = views.first_trial(s, exp_id)
+        with app.store.read() as s:
+            tid, runner, done = views.first_trial(s, exp_id, app.scope)
         if tid is not None and follower is None:
             follower = logs_mod.Follower(app, tid)
             click.echo(f"Following first trial with ID {tid}")
@@ -63,8 +64,8 @@ def wait(app: App, exp_id: int) -> ExperimentState:
 
     def step() -> ExperimentState | None:
         reconcile(app)
-        with app.store.tx() as s:
-            state = views.experiment_state(s, exp_id)
+        with app.store.read() as s:
+            state = views.experiment_state(s, exp_id, app.scope)
         return state if state.is_terminal else None
 
     return app.poll_until(step)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import click
@@ -29,8 +30,8 @@ def trial() -> None:
 def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     """Show a trial, its runs and (optionally) its metrics."""
     slurm_mod.reconcile(app)
-    with app.store.tx() as s:
-        t = views.get_trial(s, trial_id)
+    with app.store.read() as s:
+        t = views.get_trial(s, trial_id, app.scope)
         d = views.trial_dict(s, t)
         runs: list[dict[str, Any]] = [
             {
@@ -122,15 +123,21 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
         def step() -> bool | None:
             follower.pump()
             slurm_mod.reconcile(app)
-            with app.store.tx() as s:
-                done = TrialState(views.get_trial(s, trial_id).state).is_terminal
+            with app.store.read() as s:
+                done = TrialState(views.get_trial(s, trial_id, app.scope).state).is_terminal
             if done:
                 follower.pump()  # what it wrote before it ended
             return True if done else None
 
         app.poll_until(step)
         return
-    for line in logs_mod.select_lines(list(logs_mod.lines(app, trial_id, ranks)), head, tail):
+    if head is not None:
+        shown: Iterable[str] = logs_mod.head(app, trial_id, head, ranks)
+    elif tail is not None:
+        shown = logs_mod.tail(app, trial_id, tail, ranks)
+    else:
+        shown = logs_mod.lines(app, trial_id, ranks)
+    for line in shown:
         click.echo(line)
 
 
@@ -139,5 +146,5 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
 @pass_app
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
-    ops.kill_trial(app.store, trial_id)
+    ops.kill_trial(app.store, trial_id, app.scope)
     click.echo(f"Killed trial {trial_id}")

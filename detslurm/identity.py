@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import pwd
+from dataclasses import dataclass
+
+from detslurm.errors import StateError
 
 
 def os_user() -> str:
@@ -19,3 +22,32 @@ def os_user() -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose experiments a command may see and change.
+
+    A shared PostgreSQL store holds every user's experiments. Each query and each operation is
+    limited to one owner; another user's experiment is reported "not found", exactly like one
+    that does not exist, so a user cannot even learn which ids are taken (security review C3).
+    Only root, asking explicitly (``det --all-users``), gets a scope of every user, and even then
+    nothing of another user's is ever run or ticked (that stays with its owner's daemon)."""
+
+    owner: str | None  # None: every user's experiments (root's --all-users)
+
+    @classmethod
+    def mine(cls) -> Scope:
+        """The caller's own experiments, the owner named by the OS (never by $USER)."""
+        return cls(os_user())
+
+    @classmethod
+    def all_users(cls) -> Scope:
+        """Every user's experiments; only root may ask (the uid, not a name, decides)."""
+        if os.geteuid() != 0:
+            raise StateError(f"--all-users is only for root; {os_user()} sees and changes only their own experiments")
+        return cls(None)
+
+    def sees(self, owner: str) -> bool:
+        """Whether an experiment of ``owner`` is visible in this scope."""
+        return self.owner is None or owner == self.owner

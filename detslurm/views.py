@@ -1,5 +1,10 @@
 """Read-only views of the store: typed rows and plain dicts (for the CLI tables, --json and the
-client). Every query the CLI needs lives here, so the CLI holds no SQL."""
+client). Every query the CLI needs lives here, so the CLI holds no SQL.
+
+Every entry point takes the caller's :class:`~detslurm.identity.Scope`: in a store shared by
+several users, another user's experiment, trial or checkpoint is "not found" (security review
+C3). Helpers that take a trial id (metrics, runs, notes) come after ``get_trial``/``get_experiment``
+has checked it. Call them inside ``Store.read()``: nothing here writes."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from detslurm.errors import NotFoundError
+from detslurm.identity import Scope
 from detslurm.slurm.parse import comment_tag, experiment_tag
 from detslurm.store.models import (
     Checkpoint,
@@ -28,18 +34,35 @@ if TYPE_CHECKING:
     from detslurm.slurm.parse import QueuedJob
 
 
-def get_experiment(s: Session, exp_id: int) -> Experiment:
+def get_experiment(s: Session, exp_id: int, scope: Scope) -> Experiment:
+    """The experiment, if ``scope`` sees it; another user's raises the same NotFoundError as a
+    missing one (its existence is not leaked)."""
     exp = s.get(Experiment, exp_id)
-    if exp is None:
+    if exp is None or not scope.sees(exp.owner):
         raise NotFoundError("experiment", exp_id)
     return exp
 
 
-def get_trial(s: Session, trial_id: int) -> Trial:
+def get_trial(s: Session, trial_id: int, scope: Scope) -> Trial:
     t = s.get(Trial, trial_id)
-    if t is None:
+    if t is None or not scope.sees(t.experiment.owner):
         raise NotFoundError("trial", trial_id)
     return t
+
+
+def get_checkpoint(s: Session, uuid: str, scope: Scope) -> Checkpoint:
+    ck = s.get(Checkpoint, uuid)
+    trial = s.get(Trial, ck.trial_id) if ck is not None else None
+    if ck is None or trial is None or not scope.sees(trial.experiment.owner):
+        raise NotFoundError("checkpoint", uuid)
+    return ck
+
+
+def trial_checkpoints(s: Session, trial_id: int, scope: Scope) -> list[Checkpoint]:
+    """A trial's checkpoints, oldest first."""
+    get_trial(s, trial_id, scope)
+    q = select(Checkpoint).where(Checkpoint.trial_id == trial_id).order_by(Checkpoint.steps_completed)
+    return list(s.scalars(q))
 
 
 def batches(s: Session, trial_id: int) -> int:
@@ -125,7 +148,8 @@ def checkpoint_dict(s: Session, ck: Checkpoint) -> dict[str, Any]:
     }
 
 
-def checkpoints(s: Session, exp_id: int) -> list[Checkpoint]:
+def checkpoints(s: Session, exp_id: int, scope: Scope) -> list[Checkpoint]:
+    get_experiment(s, exp_id, scope)
     q = (
         select(Checkpoint)
         .join(Trial)
@@ -164,38 +188,44 @@ class ExperimentRow(NamedTuple):
     resource_pool: str
 
 
-def experiment_rows(s: Session, include_archived: bool = False) -> list[ExperimentRow]:
+def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
     """Only the listed columns: whole rows (configs, searcher states) of thousands of
     experiments would take seconds to load."""
     e = Experiment
     q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    if scope.owner is not None:
+        q = q.where(e.owner == scope.owner)
     if not include_archived:
         q = q.where(e.archived.is_(False))
     return [ExperimentRow(*row) for row in s.execute(q.order_by(e.id))]
 
 
-def experiment_dicts(s: Session, include_archived: bool = False) -> list[dict[str, Any]]:
-    """Every experiment as :func:`experiment_dict` (`det e list --json`)."""
+def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -> list[dict[str, Any]]:
+    """Every experiment of the scope as :func:`experiment_dict` (`det e list --json`)."""
     q = select(Experiment).order_by(Experiment.id)
+    if scope.owner is not None:
+        q = q.where(Experiment.owner == scope.owner)
     if not include_archived:
         q = q.where(Experiment.archived.is_(False))
     return [experiment_dict(e) for e in s.scalars(q)]
 
 
-def has_unfinished(s: Session, executor: str) -> bool:
-    """Whether some experiment of this executor has not ended yet."""
+def has_unfinished(s: Session, executor: str, owner: str) -> bool:
+    """Whether some experiment of this executor and owner has not ended yet (a read reconciles
+    only its own user's experiments: other users' are their daemons' business)."""
     terminal = [st.value for st in ExperimentState if st.is_terminal]
     n = s.scalar(
         select(func.count())
         .select_from(Experiment)
         .where(Experiment.executor == executor)
+        .where(Experiment.owner == owner)
         .where(Experiment.state.not_in(terminal))
     )
     return bool(n)
 
 
-def experiment_state(s: Session, exp_id: int) -> ExperimentState:
-    return ExperimentState(get_experiment(s, exp_id).state)
+def experiment_state(s: Session, exp_id: int, scope: Scope) -> ExperimentState:
+    return ExperimentState(get_experiment(s, exp_id, scope).state)
 
 
 class FirstTrial(NamedTuple):
@@ -206,8 +236,8 @@ class FirstTrial(NamedTuple):
     done: bool
 
 
-def first_trial(s: Session, exp_id: int) -> FirstTrial:
-    exp = get_experiment(s, exp_id)
+def first_trial(s: Session, exp_id: int, scope: Scope) -> FirstTrial:
+    exp = get_experiment(s, exp_id, scope)
     if not exp.trials:
         return FirstTrial(None, None, ExperimentState(exp.state).is_terminal)
     t = exp.trials[0]
@@ -223,25 +253,29 @@ class DriveSnapshot(NamedTuple):
     busy: bool
 
 
-def drive_snapshot(s: Session, exp_id: int) -> DriveSnapshot:
-    exp = get_experiment(s, exp_id)
+def drive_snapshot(s: Session, exp_id: int, scope: Scope) -> DriveSnapshot:
+    exp = get_experiment(s, exp_id, scope)
     busy = any(not RunState(r.state).is_terminal for t in exp.trials for r in t.runs)
     return DriveSnapshot(ExperimentState(exp.state), {t.id: t.state for t in exp.trials}, busy)
 
 
-def active_job_ids(s: Session, exp_id: int) -> list[str]:
+def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
     """Executor job ids of the experiment's runs that have not ended."""
-    exp = get_experiment(s, exp_id)
+    exp = get_experiment(s, exp_id, scope)
     return [r.job_id for t in exp.trials for r in t.runs if not RunState(r.state).is_terminal and r.job_id]
 
 
-def trial_job_names(s: Session, jobs: Sequence[QueuedJob]) -> dict[str, str]:
-    """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials."""
+def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
+    in ``scope`` (another user's experiment names are not shown)."""
     ids = {j.job_id: j.identity for j in jobs}
     wanted = {i[0] for i in ids.values() if i}
     if not wanted:
         return {}
-    rows = s.execute(select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted)))
+    q = select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted))
+    if scope.owner is not None:
+        q = q.where(Experiment.owner == scope.owner)
+    rows = s.execute(q)
     names = {i: (name, experiment_tag(d)) for i, name, d in rows}
     out: dict[str, str] = {}
     for j in jobs:

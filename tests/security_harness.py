@@ -109,3 +109,25 @@ def victim_base() -> Path:
     base = Path(tempfile.mkdtemp(prefix="detslurm-victim-"))
     os.chmod(base, 0o711)
     return base
+
+
+def shared_det(root: Path) -> Path:
+    """A ``det`` every user can run: this checkout installed (with the PostgreSQL driver) into a
+    venv built from the system python3 under ``root/.state``. The project's own venv may use an
+    interpreter under a private home (root's pyenv) that other users cannot execute. The venv
+    is kept between runs; only the checkout is reinstalled, so it runs the code under test."""
+    venv = root / ".state" / "shared-venv"
+    # The system python3 may be older than requires-python's floor (3.11.2 here), which exists
+    # only for tarfile's extraction filters: extracting a context happens inside trials, never
+    # in the CLI commands a second user runs in these tests.
+    pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
+    if not (venv / "bin" / "pip").exists():
+        subprocess.run([_PYTHONS[0], "-m", "venv", str(venv)], check=True)
+        subprocess.run([*pip, f"{root}[postgres]"], check=True)
+    else:
+        subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True)
+        if subprocess.run([str(venv / "bin/python"), "-c", "import psycopg"], capture_output=True).returncode:
+            subprocess.run([*pip, "psycopg[binary]>=3.1"], check=True)
+    for d in (root / ".state", venv):
+        os.chmod(d, 0o755)
+    return venv / "bin" / "det"

@@ -13,6 +13,7 @@ import pytest
 from conftest import EXAMPLES
 
 from detslurm import settings, views
+from detslurm.identity import Scope
 from detslurm.store import open_store
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
@@ -36,7 +37,7 @@ def running_jobs() -> dict[str, str]:
 
 def pool_of(exp_id: int) -> str:
     with open_store(settings.load().db_url).tx() as s:
-        return views.get_experiment(s, exp_id).resource_pool
+        return views.get_experiment(s, exp_id, Scope.mine()).resource_pool
 
 
 def run_states(trial_id: int) -> list[str]:

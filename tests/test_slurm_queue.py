@@ -51,19 +51,10 @@ def tester() -> str:
 
 @pytest.fixture(scope="module")
 def user_det() -> Path:
-    """A `det` other users can run. The project's venv may use an interpreter under a private
-    home (here: root's pyenv), so build one from the system Python in the repo's .state/."""
-    venv = ROOT / ".state" / "shared-venv"
-    if not (venv / "bin" / "pip").exists():
-        subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(venv / "bin/pip"), "install", "-q", str(ROOT)], check=True)
-    else:
-        subprocess.run(
-            [str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)], check=True
-        )
-    for d in (ROOT / ".state", venv):
-        os.chmod(d, 0o755)
-    return venv / "bin" / "det"
+    """A `det` other users can run (security_harness.shared_det: a venv from the system Python)."""
+    from security_harness import shared_det
+
+    return shared_det(ROOT)
 
 
 def as_user(det_bin: Path, user: str, home: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ from detslurm import queue as q
 from detslurm import views
 from detslurm.controller import ops
 from detslurm.errors import StateError
-from detslurm.identity import os_user
+from detslurm.identity import Scope, os_user
 from detslurm.slurm.parse import Capabilities, QueuedJob, experiment_tag, trial_comment
 from detslurm.slurm.site import Pool, SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -84,23 +84,25 @@ def test_experiment_rows_and_states(store: Store, tmp_path: Path) -> None:
     a = add_experiment(store, tmp_path / "a", owner="alice")
     b = add_experiment(store, tmp_path / "b", owner="bob", state="COMPLETED", executor="local", archived=True)
     add_trial(store, a, tmp_path / "a/run", "RUNNING")
-    with store.tx() as s:
-        rows = views.experiment_rows(s)
-        every = views.experiment_rows(s, include_archived=True)
+    everyone = Scope(None)
+    with store.read() as s:
+        rows = views.experiment_rows(s, everyone)
+        every = views.experiment_rows(s, everyone, include_archived=True)
         assert [r.id for r in rows] == [a]  # archived ones only on request
         assert [(r.id, r.owner, r.state, r.progress, r.resource_pool) for r in every] == [
             (a, "alice", "ACTIVE", 0.25, "cpu"),
             (b, "bob", "COMPLETED", 0.25, "cpu"),
         ]
-        assert [d["id"] for d in views.experiment_dicts(s, include_archived=True)] == [a, b]
-        assert views.has_unfinished(s, "slurm") and not views.has_unfinished(s, "local")
-        assert views.experiment_state(s, b).is_terminal
-        first = views.first_trial(s, a)
+        assert [d["id"] for d in views.experiment_dicts(s, everyone, include_archived=True)] == [a, b]
+        assert views.has_unfinished(s, "slurm", "alice") and not views.has_unfinished(s, "local", "bob")
+        assert not views.has_unfinished(s, "slurm", "bob")  # alice's are not bob's to reconcile
+        assert views.experiment_state(s, b, everyone).is_terminal
+        first = views.first_trial(s, a, everyone)
         assert first.trial_id is not None and not first.done
-        assert views.first_trial(s, b) == views.FirstTrial(None, None, True)
-        snap = views.drive_snapshot(s, a)
+        assert views.first_trial(s, b, everyone) == views.FirstTrial(None, None, True)
+        snap = views.drive_snapshot(s, a, everyone)
         assert snap.busy and snap.trial_states == {first.trial_id: "ACTIVE"}
-        assert views.active_job_ids(s, a) == [f"10{first.trial_id}"]
+        assert views.active_job_ids(s, a, everyone) == [f"10{first.trial_id}"]
 
 
 def queued(job_id: str, comment: str) -> QueuedJob:
@@ -134,8 +136,9 @@ def test_trial_job_names_only_for_this_stores_experiments(store: Store, tmp_path
     other_store = queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere")))
     untagged = queued("3", trial_comment(exp, 3, 1))
     external = queued("4", "")
-    with store.tx() as s:
-        names = views.trial_job_names(s, [ours, other_store, untagged, external])
+    with store.read() as s:
+        names = views.trial_job_names(s, [ours, other_store, untagged, external], Scope("alice"))
+        assert views.trial_job_names(s, [ours], Scope("bob")) == {}  # alice's names are not shown to bob
     assert names == {"1": f"exp-a ({exp}) trial 3"}
 
 
@@ -146,7 +149,7 @@ def test_move_to_pool_rewrites_config_and_preempts_running_trials(store: Store, 
     add_trial(store, exp, exp_dir / "trials/2/runs/1", "QUEUED")
     ops.move_to_pool(store, exp, "gpu", tag=experiment_tag(str(exp_dir)))
     with store.tx() as s:
-        e = views.get_experiment(s, exp)
+        e = views.get_experiment(s, exp, Scope.mine())
         assert (e.resource_pool, e.config["resources"]["resource_pool"]) == ("gpu", "gpu")
     control = json.loads((exp_dir / "trials/1/runs/1/control.json").read_text())
     assert control["preempt"] is True and control["reason"] == "pool_move"
@@ -162,12 +165,16 @@ def test_move_to_pool_refuses_another_stores_or_users_experiment(store: Store, t
         ops.move_to_pool(store, mine, "gpu", tag="")
     with pytest.raises(StateError, match="experiment 99 is not in your detslurm store"):
         ops.move_to_pool(store, 99, "gpu", tag=experiment_tag(str(tmp_path / "a")))
-    if os_user() != "root":  # root may change anyone's experiment
-        theirs = add_experiment(store, tmp_path / "b", owner="someone-else")
-        with pytest.raises(StateError, match="belongs to someone-else"):
-            ops.move_to_pool(store, theirs, "gpu", tag=experiment_tag(str(tmp_path / "b")))
-    with store.tx() as s:
-        assert views.get_experiment(s, mine).resource_pool == "cpu"
+    # Another user's experiment is "not in your store" even for root, unless root asks for every user's.
+    theirs = add_experiment(store, tmp_path / "b", owner="someone-else")
+    with pytest.raises(StateError, match=f"experiment {theirs} is not in your detslurm store"):
+        ops.move_to_pool(store, theirs, "gpu", tag=experiment_tag(str(tmp_path / "b")))
+    with store.read() as s:
+        assert views.get_experiment(s, mine, Scope.mine()).resource_pool == "cpu"
+        assert views.get_experiment(s, theirs, Scope(None)).resource_pool == "cpu"
+    ops.move_to_pool(store, theirs, "gpu", tag=experiment_tag(str(tmp_path / "b")), scope=Scope(None))
+    with store.read() as s:
+        assert views.get_experiment(s, theirs, Scope(None)).resource_pool == "gpu"
     assert not (tmp_path / "a/run/control.json").exists()
 
 

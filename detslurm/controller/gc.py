@@ -66,11 +66,16 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
 _UUID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 
 
+def valid_checkpoint_uuid(uuid: str) -> bool:
+    """Whether ``uuid`` may name a directory: one path component, no separators, no dot-names."""
+    return _UUID.fullmatch(uuid) is not None
+
+
 def checkpoint_dir(exp: Experiment, uuid: str) -> Path | None:
     """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``, resolved
     and checked to lie under the base. The path a trial reported is never trusted for deletes
     or copies (it could name any directory of the user's)."""
-    if not _UUID.fullmatch(uuid):
+    if not valid_checkpoint_uuid(uuid):
         return None
     base = Path(stored_config(exp).storage_base).resolve()
     path = (base / uuid).resolve()

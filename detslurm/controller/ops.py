@@ -1,39 +1,43 @@
-"""User operations on experiments and trials: state changes the controller then carries out."""
+"""User operations on experiments and trials: state changes the controller then carries out.
+
+Every operation acts only inside the caller's :class:`Scope` (default: the caller's own
+experiments, by the OS's name for the uid). Another user's experiment is "not found", exactly
+like a missing one; root reaches other users' experiments only with an explicit all-users
+scope (`det --all-users`), and even then only changes rows: the owner's daemon carries it out.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import stat
 from pathlib import Path
 
-from detslurm.errors import NotFoundError, StateError
-from detslurm.identity import os_user
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from detslurm.controller.gc import checkpoint_dir
+from detslurm.errors import StateError
+from detslurm.identity import Scope, os_user
 from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
-from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialState
+from detslurm.store.models import Checkpoint, Experiment, ExperimentState, RunState, Trial, TrialState
+from detslurm.views import get_experiment, get_trial
+
+log = logging.getLogger("detslurm.ops")
 
 
-def _own(exp: Experiment) -> None:
-    me = os_user()
-    if exp.owner != me and me != "root":
-        raise StateError(f"experiment {exp.id} belongs to {exp.owner}; you can only change your own experiments")
+def _get(s: Session, exp_id: int, scope: Scope | None) -> Experiment:
+    return get_experiment(s, exp_id, scope or Scope.mine())
 
 
-def _get(store_session: object, exp_id: int) -> Experiment:
-    from sqlalchemy.orm import Session
-
-    assert isinstance(store_session, Session)
-    exp = store_session.get(Experiment, exp_id)
-    if exp is None:
-        raise NotFoundError("experiment", exp_id)
-    _own(exp)
-    return exp
-
-
-def pause(store: Store, exp_id: int) -> None:
+def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
+    """Pause an active experiment (``scope`` None: the caller's own experiments)."""
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = _get(s, exp_id, scope)
         st = ExperimentState(exp.state)
         if st == ExperimentState.PAUSED:
             return
@@ -42,9 +46,9 @@ def pause(store: Store, exp_id: int) -> None:
         exp.state = ExperimentState.PAUSED.value
 
 
-def activate(store: Store, exp_id: int) -> None:
+def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = _get(s, exp_id, scope)
         st = ExperimentState(exp.state)
         if st == ExperimentState.ACTIVE:
             return
@@ -53,55 +57,71 @@ def activate(store: Store, exp_id: int) -> None:
         exp.state = ExperimentState.ACTIVE.value
 
 
-def cancel(store: Store, exp_id: int) -> None:
+def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = _get(s, exp_id, scope)
         st = ExperimentState(exp.state)
         if st.is_terminal or st.is_stopping:
             return
         exp.state = ExperimentState.STOPPING_CANCELED.value
 
 
-def kill(store: Store, exp_id: int) -> None:
+def kill(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = _get(s, exp_id, scope)
         st = ExperimentState(exp.state)
         if st.is_terminal or st == ExperimentState.STOPPING_KILLED:
             return
         exp.state = ExperimentState.STOPPING_KILLED.value
 
 
-def kill_trial(store: Store, trial_id: int) -> None:
+def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
-        t = s.get(Trial, trial_id)
-        if t is None:
-            raise NotFoundError("trial", trial_id)
-        _own(t.experiment)
+        t: Trial = get_trial(s, trial_id, scope or Scope.mine())
         if TrialState(t.state).is_terminal:
             return
         t.state = TrialState.STOPPING_KILLED.value
 
 
-def delete(store: Store, exp_id: int) -> None:
+def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
+    """Delete an ended experiment: its rows in one transaction, then (after the commit, so a big
+    tree on NFS never holds the store's write lock: review M4) its checkpoints and its dir.
+
+    Only ``<storage base>/<uuid>`` is removed for a checkpoint, never the path the trial
+    reported (review H2). Only the owner deletes: root's --all-users would otherwise remove, as
+    root, directories named by rows that anyone with the database password can edit."""
     with store.tx() as s:
-        exp = _get(s, exp_id)
+        exp = _get(s, exp_id, scope)
+        if exp.owner != os_user():
+            raise StateError(f"experiment {exp_id} belongs to {exp.owner}; only its owner can delete it and its files")
         if not ExperimentState(exp.state).is_terminal:
             raise StateError(f"experiment {exp_id} is {exp.state}; kill it or wait for it to end before deleting")
         busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED.value, RunState.RUNNING.value)]
         if busy:
             raise StateError(f"experiment {exp_id} still has running trial runs")
-        from detslurm.store.models import Checkpoint
-
-        for t in exp.trials:
-            for ck in s.query(Checkpoint).filter(Checkpoint.trial_id == t.id):
-                if ck.storage_path:
-                    shutil.rmtree(Path(ck.storage_path), ignore_errors=True)
+        q = select(Checkpoint.uuid).join(Trial).where(Trial.experiment_id == exp.id)
+        doomed = [p for uuid in s.scalars(q) if (p := checkpoint_dir(exp, uuid)) is not None]
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
-    shutil.rmtree(exp_dir, ignore_errors=True)
+    for path in [*doomed, exp_dir]:
+        _remove_own_dir(path)
 
 
-def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
+def _remove_own_dir(path: Path) -> None:
+    """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
+    which other users of a shared database can write (review C3): a symlink, or a directory
+    someone else owns, is left alone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        log.warning("not removing %s: not a directory of this user's", path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope | None = None) -> None:
     """Move an experiment to another resource pool: later submissions go there, and its running
     trials checkpoint and stop (the controller resubmits them in the new pool).
 
@@ -112,7 +132,7 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
     """
     with store.tx() as s:
         exp = s.get(Experiment, exp_id)
-        if exp is None:
+        if exp is None or not (scope or Scope.mine()).sees(exp.owner):
             raise StateError(f"experiment {exp_id} is not in your detslurm store, so it was not moved")
         if tag != experiment_tag(exp.exp_dir):
             raise StateError(
@@ -120,12 +140,17 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str) -> None:
                 f"{tag or '(none)'} does not match); it was submitted from another store, so its experiment "
                 "was not moved"
             )
-        _own(exp)
         # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
         cfg = json.loads(json.dumps(exp.config))
         cfg["resources"]["resource_pool"] = pool
         exp.config = cfg
         exp.resource_pool = pool
         running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
+        if exp.owner != os_user():
+            # Root moving another user's experiment (--all-users) changes its rows only: writing
+            # files as root into run dirs named by editable rows is not safe. Its running trials
+            # move when they next restart.
+            log.warning("experiment %d belongs to %s: its running trials were not preempted", exp_id, exp.owner)
+            running = []
     for run_dir in running:
         ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from detslurm.errors import StoreError
@@ -107,7 +107,12 @@ class Store:
             event.listen(self.engine, "begin", self._sqlite_begin)
         else:
             self._lock_path = None
-            self.engine = create_engine(url, pool_pre_ping=True)
+            try:
+                self.engine = create_engine(url, pool_pre_ping=True)
+            except (ArgumentError, NoSuchModuleError, ImportError) as e:
+                # A mistyped URL or a missing driver: say so, naming the URL without its password.
+                why = _mask(str(e), url)
+                raise StoreError(f"cannot open the detslurm store at {self.display_url}: {why}") from None
             if self.engine.dialect.name == "postgresql":
                 # The same model as SQLite's BEGIN IMMEDIATE: one writing transaction at a time
                 # (per owner). Under PostgreSQL's default READ COMMITTED, two CLI processes doing
