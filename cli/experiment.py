@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
@@ -19,6 +19,16 @@ from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
 from detslurm.errors import DetSlurmError
 from detslurm.store.models import ExperimentState
+
+if TYPE_CHECKING:
+    from detslurm.expconf import ExperimentConfig
+
+
+def _typed(config: dict[str, Any]) -> ExperimentConfig:
+    # Imported here: pydantic costs ~0.3 s, and list/logs/pause never need the typed config.
+    from detslurm.expconf import from_stored
+
+    return from_stored(config)
 
 
 @click.group(name="experiment")
@@ -114,7 +124,7 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         exp = views.get_experiment(s, exp_id, app.scope)
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
-        metric = exp.config["searcher"]["metric"]
+        metric = _typed(exp.config).searcher.metric
         work = [
             (t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
             for t in trials
@@ -224,7 +234,7 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
     slurm_mod.reconcile(app)
     with app.store.read() as s:
         exp = views.get_experiment(s, exp_id, app.scope)
-        sib = exp.config["searcher"]["smaller_is_better"]
+        sib = _typed(exp.config).searcher.smaller_is_better
         cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
     if best is not None:
         scored = [c for c in cks if c["validation_metric"] is not None and c["state"] == "COMPLETED"]

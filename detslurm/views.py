@@ -131,7 +131,9 @@ def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
 def checkpoint_dict(s: Session, ck: Checkpoint) -> dict[str, Any]:
     trial = s.get(Trial, ck.trial_id)
     assert trial is not None
-    metric = trial.experiment.config["searcher"]["metric"]
+    from detslurm.expconf import from_stored  # pydantic: only for commands that show checkpoints
+
+    metric = from_stored(trial.experiment.config).searcher.metric or ""
     return {
         "uuid": ck.uuid,
         "trial_id": ck.trial_id,

@@ -25,7 +25,7 @@ from detslurm.context import extract
 from detslurm.errors import ContextError
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
-from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, expand_nodelist
+from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, entrypoint_from_env, expand_nodelist
 
 LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
@@ -173,11 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if _in_slurm_job(env):
         env.update(slurm_env(env))
         exit_path = run.node_exit_record(env.get("SLURM_NODEID", "0"))
-    config = json.loads(env["DET_EXPERIMENT_CONFIG"])
     started = time.time()
     rc = 1
     node_local: Optional[Workdir] = None
     try:
+        entrypoint = entrypoint_from_env(env)
         workdir, node_local = _workdir(env, run)
         extract(run.exp.context, workdir)
         cenv = child_env(env, workdir)
@@ -185,8 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rc != 0:
             print(f"detslurm: startup-hook.sh failed with exit code {rc}", file=sys.stderr, flush=True)
         else:
-            rc = _run(entrypoint_argv(config["entrypoint"]), workdir, cenv)
-    except (ContextError, WorkdirError) as e:
+            rc = _run(entrypoint_argv(entrypoint), workdir, cenv)
+    except (ContextError, WorkdirError, ValueError) as e:
         print(f"detslurm: {e}", file=sys.stderr, flush=True)
         rc = 1
     except FileNotFoundError as e:

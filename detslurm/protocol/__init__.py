@@ -16,7 +16,7 @@ output.log,signals,rendezvous-*.json}``. ``tests/test_layering.py`` enforces the
 """
 
 from detslurm.protocol._check import BadRecord
-from detslurm.protocol.env import ClusterInfo, TrialInfo, expand_nodelist, from_env, trial_env
+from detslurm.protocol.env import ClusterInfo, TrialInfo, entrypoint_from_env, expand_nodelist, from_env, trial_env
 from detslurm.protocol.events import (
     Alert,
     BadEvent,
@@ -79,6 +79,7 @@ __all__ = [
     "UnknownEvent",
     "decode",
     "encode",
+    "entrypoint_from_env",
     "exit_outcome",
     "exit_record_of",
     "expand_nodelist",

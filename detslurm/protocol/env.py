@@ -169,6 +169,20 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
     )
 
 
+def entrypoint_from_env(env: Mapping[str, str]) -> str | list[str]:
+    """The experiment's entrypoint, decoded from ``DET_EXPERIMENT_CONFIG`` (the config the
+    controller validated; a job's environment can still be edited, so its shape is checked)."""
+    try:
+        entrypoint = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}").get("entrypoint")
+    except (json.JSONDecodeError, AttributeError):
+        entrypoint = None
+    if isinstance(entrypoint, str) and entrypoint:
+        return entrypoint
+    if isinstance(entrypoint, list) and entrypoint and all(isinstance(w, str) for w in entrypoint):
+        return list(entrypoint)
+    raise ValueError("DET_EXPERIMENT_CONFIG has no entrypoint (a string or a list of strings)")
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """A Slurm node list (``c[1-2],g1``) -> host names, in Slurm's order. In-job code uses this
     instead of the login side's squeue parser; ValueError on a malformed list."""
