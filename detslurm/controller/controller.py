@@ -31,6 +31,7 @@ from detslurm.controller.executor import (
 )
 from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, plan_runs
+from detslurm.errors import StateError
 from detslurm.identity import os_user
 from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps
 from detslurm.protocol.secret import ensure_run_secret
@@ -115,6 +116,7 @@ class Controller:
         scheduler could not be asked: events are still ingested and control files written
         (pause, cancel and early stop need no Slurm), but no run is decided or submitted."""
         if runs is None:
+            self._check_owner(exp_id)
             runs = self._active_runs(exp_id)
             jobs = {job: Path(d) for _, job, d in runs if job}
             try:
@@ -131,6 +133,14 @@ class Controller:
         self._sync_files(exp_id)
         if reachable:
             self._submit(exp_id)
+
+    def _check_owner(self, exp_id: int) -> None:
+        """Driving another user's experiment would submit their code as this user (and their
+        jobs look lost to our squeue): refused even for root (review C3)."""
+        with self.store.read() as s:
+            owner = s.scalar(select(Experiment.owner).where(Experiment.id == exp_id))
+        if owner is not None and owner != self.owner:
+            raise StateError(f"experiment {exp_id} belongs to {owner}; detslurm drives only your own experiments")
 
     def _active_runs(self, exp_id: int) -> ActiveRuns:
         with self.store.tx() as s:
