@@ -194,3 +194,14 @@ def test_pool_move_plan_carries_the_jobs_tag() -> None:
     assert q.plan_update([job], "7", caller, caps, site, resource_pool="gpu") == [q.PoolMove(5, "gpu", "abc123")]
     pending = replace(job, state=SlurmState.PENDING)
     assert q.plan_update([pending], "7", caller, caps, site, resource_pool="gpu")[-1] == q.PoolMove(5, "gpu", "abc123")
+
+
+def test_controller_refuses_to_drive_another_users_experiment(store: Store, tmp_path: Path) -> None:
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.local import LocalExecutor
+
+    theirs = add_experiment(store, tmp_path / "theirs", owner="someone-else", executor="local")
+    ctl = Controller(store, LocalExecutor(1))
+    assert theirs not in ctl.active_experiment_ids()  # never ticked
+    with pytest.raises(StateError, match="belongs to someone-else"):
+        ctl.tick_experiment(theirs)  # nor driven when asked by id
