@@ -46,7 +46,7 @@ def test_ended_job_cause(state: SlurmState | None, code: int | None, cause: Exit
 
 
 def test_causes_that_spend_no_restart_are_the_clusters_or_ours() -> None:
-    assert SPENDS_NO_RESTART == {ExitCause.PREEMPTED, ExitCause.NODE_FAILURE, ExitCause.NEVER_STARTED}
+    assert {ExitCause.PREEMPTED, ExitCause.NODE_FAILURE, ExitCause.NEVER_STARTED} == SPENDS_NO_RESTART
 
 
 def test_every_cause_has_its_text_and_legacy_strings_map() -> None:
