@@ -134,34 +134,7 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         dump_json([{"experiment": e, "trials": trials}])
         return
     click.echo("Experiment:")
-    table(
-        [
-            "Experiment ID",
-            "State",
-            "Progress",
-            "Started",
-            "Ended",
-            "Name",
-            "Description",
-            "Archived",
-            "Resource Pool",
-            "Labels",
-        ],
-        [
-            [
-                e["id"],
-                e["state"],
-                fmt_pct(float(e["progress"])),
-                fmt_time(e["start_time"]),
-                fmt_time(e["end_time"]),
-                e["name"],
-                e["description"] or "",
-                e["archived"],
-                e["resource_pool"],
-                ", ".join(e["labels"]),
-            ]
-        ],
-    )
+    _print_experiment(e)
     click.echo("\nTrials:")
     table(
         ["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
@@ -182,6 +155,21 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         ["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
         [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work],
     )
+
+
+def _print_experiment(e: dict[str, Any]) -> None:
+    headers = ["Experiment ID", "State", "Progress", "Started", "Ended", "Name", "Description", "Archived"]
+    row = [
+        e["id"],
+        e["state"],
+        fmt_pct(float(e["progress"])),
+        fmt_time(e["start_time"]),
+        fmt_time(e["end_time"]),
+        e["name"],
+        e["description"] or "",
+        e["archived"],
+    ]
+    table([*headers, "Resource Pool", "Labels"], [[*row, e["resource_pool"], ", ".join(e["labels"])]])
 
 
 @experiment.command("config")

@@ -31,22 +31,8 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     """Show a trial, its runs and (optionally) its metrics."""
     slurm_mod.reconcile(app)
     with app.store.read() as s:
-        t = views.get_trial(s, trial_id, app.scope)
-        d = views.trial_dict(s, t)
-        runs: list[dict[str, Any]] = [
-            {
-                "run_id": r.run_id,
-                "state": r.state,
-                "job_id": r.job_id,
-                "exit_code": r.exit_code,
-                "exit_reason": r.exit_reason,
-                "preempt_acked": r.preempt_acked,
-                "log": r.log_path,
-                "start_time": r.start_time,
-                "end_time": r.end_time,
-            }
-            for r in views.runs(s, trial_id)
-        ]
+        d = views.trial_dict(s, views.get_trial(s, trial_id, app.scope))
+        runs = [views.run_dict(r) for r in views.runs(s, trial_id)]
         rows: list[dict[str, Any]] = [
             {"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics, "report_time": m.report_time}
             for m in views.metrics(s, trial_id)
@@ -54,31 +40,28 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     if as_json:
         dump_json({"trial": d, "runs": runs, "metrics": rows if metrics else None})
         return
-    table(
-        [
-            "Trial ID",
-            "Experiment ID",
-            "State",
-            "Restarts",
-            "Batches",
-            "Latest Checkpoint",
-            "Searcher Metric",
-            "H-Params",
-        ],
-        [
-            [
-                d["id"],
-                d["experiment_id"],
-                d["state"],
-                d["restarts"],
-                d["batches"],
-                d["latest_checkpoint"] or "",
-                "" if d["searcher_metric"] is None else d["searcher_metric"],
-                json.dumps(d["hparams"], sort_keys=True),
-            ]
-        ],
-    )
+    _print_trial(d)
     click.echo("\nRuns:")
+    _print_runs(runs)
+    if metrics:
+        click.echo("\nMetrics:")
+        table(
+            ["Group", "Steps", "Report Time", "Metrics"],
+            [
+                [m["group"], m["steps_completed"], fmt_time(m["report_time"]), json.dumps(m["metrics"], sort_keys=True)]
+                for m in rows
+            ],
+        )
+
+
+def _print_trial(d: dict[str, Any]) -> None:
+    headers = ["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric"]
+    metric = "" if d["searcher_metric"] is None else d["searcher_metric"]
+    row = [d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "", metric]
+    table([*headers, "H-Params"], [[*row, json.dumps(d["hparams"], sort_keys=True)]])
+
+
+def _print_runs(runs: list[dict[str, Any]]) -> None:
     table(
         ["Run", "State", "Job ID", "Exit Code", "Exit Reason", "Started", "Ended"],
         [
@@ -94,15 +77,6 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
             for r in runs
         ],
     )
-    if metrics:
-        click.echo("\nMetrics:")
-        table(
-            ["Group", "Steps", "Report Time", "Metrics"],
-            [
-                [m["group"], m["steps_completed"], fmt_time(m["report_time"]), json.dumps(m["metrics"], sort_keys=True)]
-                for m in rows
-            ],
-        )
 
 
 @trial.command("logs")

@@ -128,6 +128,20 @@ def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
     return None
 
 
+def run_dict(r: TrialRun) -> dict[str, Any]:
+    return {
+        "run_id": r.run_id,
+        "state": r.state,
+        "job_id": r.job_id,
+        "exit_code": r.exit_code,
+        "exit_reason": r.exit_reason,
+        "preempt_acked": r.preempt_acked,
+        "log": r.log_path,
+        "start_time": r.start_time,
+        "end_time": r.end_time,
+    }
+
+
 def checkpoint_dict(s: Session, ck: Checkpoint) -> dict[str, Any]:
     trial = s.get(Trial, ck.trial_id)
     assert trial is not None
