@@ -235,3 +235,20 @@ def test_array_golden(tmp_path: Path) -> None:
     if os.environ.get("DETSLURM_UPDATE_GOLDEN") == "1":
         path.write_text(req.render())
     assert req.render() == path.read_text()
+
+
+def test_env_names_are_checked_again_at_render() -> None:
+    """A stored config edited after validation (review L2/C3): a variable name that is shell code
+    never reaches the script, where names are written unquoted."""
+    site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
+    for evil in ("X;touch PWNED;Y", "A B", "1X", "$(id)"):
+        with pytest.raises(ConfigError, match="not a valid shell variable name"):
+            plan_trial_run(
+                config=config(),
+                site=site,
+                ident=Identity(1, 2, 3),
+                env={evil: "1"},
+                run_dir="/r",
+                log_path="/r/output.log",
+                python="/p",
+            )
