@@ -24,10 +24,8 @@ from detslurm.store.models import (
     ExperimentState,
     LogEntry,
     Metric,
-    RunState,
     Trial,
     TrialRun,
-    TrialState,
 )
 
 if TYPE_CHECKING:
@@ -229,7 +227,7 @@ def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -
 def has_unfinished(s: Session, executor: str, owner: str) -> bool:
     """Whether some experiment of this executor and owner has not ended yet (a read reconciles
     only its own user's experiments: other users' are their daemons' business)."""
-    terminal = [st.value for st in ExperimentState if st.is_terminal]
+    terminal = [st for st in ExperimentState if st.is_terminal]
     n = s.scalar(
         select(func.count())
         .select_from(Experiment)
@@ -255,9 +253,9 @@ class FirstTrial(NamedTuple):
 def first_trial(s: Session, exp_id: int, scope: Scope) -> FirstTrial:
     exp = get_experiment(s, exp_id, scope)
     if not exp.trials:
-        return FirstTrial(None, None, ExperimentState(exp.state).is_terminal)
+        return FirstTrial(None, None, exp.state.is_terminal)
     t = exp.trials[0]
-    return FirstTrial(t.id, t.runner_state, TrialState(t.state).is_terminal)
+    return FirstTrial(t.id, t.runner_state, t.state.is_terminal)
 
 
 class DriveSnapshot(NamedTuple):
@@ -271,14 +269,14 @@ class DriveSnapshot(NamedTuple):
 
 def drive_snapshot(s: Session, exp_id: int, scope: Scope) -> DriveSnapshot:
     exp = get_experiment(s, exp_id, scope)
-    busy = any(not RunState(r.state).is_terminal for t in exp.trials for r in t.runs)
-    return DriveSnapshot(ExperimentState(exp.state), {t.id: t.state for t in exp.trials}, busy)
+    busy = any(not r.state.is_terminal for t in exp.trials for r in t.runs)
+    return DriveSnapshot(exp.state, {t.id: t.state for t in exp.trials}, busy)
 
 
 def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
     """Executor job ids of the experiment's runs that have not ended."""
     exp = get_experiment(s, exp_id, scope)
-    return [r.job_id for t in exp.trials for r in t.runs if not RunState(r.state).is_terminal and r.job_id]
+    return [r.job_id for t in exp.trials for r in t.runs if not r.state.is_terminal and r.job_id]
 
 
 def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:

@@ -88,7 +88,7 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
                 seed=a.seed,
                 searcher_ops=list(a.ops),
                 ops_closed=bool(a.ops) and not searcher_is_promotion(searcher),
-                state=TrialState.ACTIVE.value if exp.state == ExperimentState.ACTIVE.value else TrialState.PAUSED.value,
+                state=TrialState.ACTIVE if exp.state == ExperimentState.ACTIVE else TrialState.PAUSED,
                 restarts=0,
                 run_count=0,
                 steps_completed=0,
@@ -103,7 +103,7 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
             trials[a.request_id] = t
         elif isinstance(a, Stop) and a.request_id in trials:
             t = trials[a.request_id]
-            if not t.early_stopped and not TrialState(t.state).is_terminal:
+            if not t.early_stopped and not t.state.is_terminal:
                 t.early_stopped = True
                 session.flush()
                 note(session, t.id, "searcher decided to early stop trial")
@@ -117,16 +117,16 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
             t = trials[a.request_id]
             t.ops_closed = True
         elif isinstance(a, Shutdown):
-            current = ExperimentState(exp.state)
+            current = exp.state
             if current.is_stopping or current.is_terminal:
                 continue  # a user's cancel/kill already decides how the experiment ends
             if a.failure:
                 exp.error_message = "hp search failed: every trial errored"
-                exp.state = ExperimentState.STOPPING_ERROR.value
+                exp.state = ExperimentState.STOPPING_ERROR
             elif a.cancel:
-                exp.state = ExperimentState.STOPPING_CANCELED.value
+                exp.state = ExperimentState.STOPPING_CANCELED
             else:
-                exp.state = ExperimentState.STOPPING_COMPLETED.value
+                exp.state = ExperimentState.STOPPING_COMPLETED
 
 
 def searcher_is_promotion(searcher: SearchMethod) -> bool:
@@ -167,7 +167,7 @@ def _on_metrics(
         )
         if better:
             trial.searcher_metric = float(value)
-    if trial.early_stopped or TrialState(trial.state).is_terminal:
+    if trial.early_stopped or trial.state.is_terminal:
         return []
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
 

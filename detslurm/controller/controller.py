@@ -81,7 +81,7 @@ class Controller:
     # -- the tick -------------------------------------------------------------------------
     def active_experiment_ids(self) -> list[int]:
         with self.store.tx() as s:
-            terminal = [st.value for st in ExperimentState if st.is_terminal]
+            terminal = [st for st in ExperimentState if st.is_terminal]
             q = (
                 select(Experiment.id)
                 .where(Experiment.executor == self.executor.kind)
@@ -169,7 +169,7 @@ class Controller:
                     return None  # cannot look now: never guess, look again next tick
             if job_id:
                 run.job_id = job_id
-                run.state = RunState.QUEUED.value
+                run.state = RunState.QUEUED
                 run.exit_reason = None
                 return None
             unknown = ExitCause.parse(run.exit_reason) == ExitCause.SUBMIT_UNKNOWN
@@ -206,7 +206,7 @@ class Controller:
                 trial.runner_state = "test_done"
                 trial.early_stopped = True  # test mode has seen enough: stop the trial
         except SearcherError as e:
-            exp.state = ExperimentState.STOPPING_ERROR.value
+            exp.state = ExperimentState.STOPPING_ERROR
             exp.error_message = f"encountered error: {e}"
             note(s, trial.id, f"searcher error: {e}", "ERROR")
 
@@ -216,8 +216,8 @@ class Controller:
     ) -> None:
         if status.state in (JobState.EXITED, JobState.UNKNOWN):
             decide_exit(s, exp, trial, run, status, searcher)
-        elif status.state == JobState.RUNNING and run.state != RunState.RUNNING.value:
-            run.state = RunState.RUNNING.value
+        elif status.state == JobState.RUNNING and run.state != RunState.RUNNING:
+            run.state = RunState.RUNNING
             run.start_time = _now()
             if (trial.runner_state or "").startswith("queued"):
                 trial.runner_state = None
@@ -232,7 +232,7 @@ class Controller:
                 .join(Trial)
                 .where(Trial.experiment_id == exp_id)
                 .where(TrialRun.state.in_(ACTIVE_RUN))
-                .where(Trial.state == TrialState.STOPPING_KILLED.value)
+                .where(Trial.state == TrialState.STOPPING_KILLED)
             )
             jobs = [j for j in s.scalars(q) if j]
         if jobs:
@@ -242,23 +242,23 @@ class Controller:
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             searcher = load_searcher(exp)
-            state = ExperimentState(exp.state)
+            state = exp.state
             busy = {r.trial_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
             for t in exp.trials:
                 self._trial_transition(s, exp, state, t, t.id in busy, searcher)
-            if all(TrialState(t.state).is_terminal for t in exp.trials) and not busy:
+            if all(t.state.is_terminal for t in exp.trials) and not busy:
                 final = _FINAL.get(state)
                 if final is None and state == ExperimentState.ACTIVE and searcher.book.shut_down:
                     final = ExperimentState.COMPLETED
                 if final is not None:
-                    exp.state = final.value
+                    exp.state = final
                     exp.end_time = _now()
                     exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
             exp.searcher_state = searcher.state_dict()
         doomed: list[Path] = []
         with self.store.tx() as s:
             exp = _get(s, exp_id)
-            if ExperimentState(exp.state).is_terminal:
+            if exp.state.is_terminal:
                 doomed = collect_garbage(s, exp)
         remove_dirs(doomed)
 
@@ -266,23 +266,23 @@ class Controller:
     def _trial_transition(
         s: Session, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: SearchMethod
     ) -> None:
-        ts = TrialState(t.state)
+        ts = t.state
         if ts.is_terminal:
             return
         if state in _STOPPING_TARGET:
             target = _STOPPING_TARGET[state]
             if busy:
                 if ts != TrialState.STOPPING_KILLED:
-                    t.state = target.value
+                    t.state = target
             else:
                 final = TrialState.ERROR if target == TrialState.STOPPING_ERROR else TrialState.CANCELED
                 finish_trial(s, exp, t, final, searcher, "USER_CANCELED")
         elif ts in (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED) and not busy:
             finish_trial(s, exp, t, TrialState.CANCELED, searcher, "USER_CANCELED", "trial killed")
         elif state == ExperimentState.PAUSED and ts == TrialState.ACTIVE and not busy:
-            t.state = TrialState.PAUSED.value
+            t.state = TrialState.PAUSED
         elif state == ExperimentState.ACTIVE and ts == TrialState.PAUSED:
-            t.state = TrialState.ACTIVE.value
+            t.state = TrialState.ACTIVE
         elif not busy and (ops_done(t) or t.early_stopped):
             finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
 
@@ -293,7 +293,7 @@ class Controller:
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             layout = ExpPaths(Path(exp.exp_dir))
-            state = ExperimentState(exp.state)
+            state = exp.state
             best: float | None = None
             sib = stored_config(exp).searcher.smaller_is_better
             for t in exp.trials:
@@ -327,7 +327,7 @@ class Controller:
     def _submit(self, exp_id: int) -> None:
         with self.store.tx() as s:
             exp = _get(s, exp_id)
-            if exp.state != ExperimentState.ACTIVE.value:
+            if exp.state != ExperimentState.ACTIVE:
                 return
             specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp)]
         if not specs:
@@ -356,7 +356,7 @@ class Controller:
         with self.store.tx() as s:
             for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
                 run.job_id = done[run.id]
-                run.state = RunState.QUEUED.value
+                run.state = RunState.QUEUED
 
     def _unsubmit(self, run_pk: int, error: Exception) -> None:
         """Slurm did not answer the submission: forget the run, as if this tick never made it.
@@ -406,7 +406,7 @@ _STOPPING_TARGET = {
 def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
     if t.early_stopped:
         return "early_stop"
-    if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
+    if t.state in (TrialState.STOPPING_CANCELED, TrialState.STOPPING_ERROR):
         return "cancel"
     if state == ExperimentState.PAUSED:
         return "pause"

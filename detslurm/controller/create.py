@@ -161,7 +161,7 @@ def dry_run(store: Store, settings: Settings, plan: CreatePlan, executor: Execut
     try:
         with store.tx() as s:
             exp = _insert(s, settings, plan, executor.kind)
-            if exp.state == ExperimentState.ACTIVE.value:
+            if exp.state == ExperimentState.ACTIVE:
                 specs = [spec for _, spec in Controller(store, executor).plan_submission(s, exp)]
             raise _DryRun
     except _DryRun:

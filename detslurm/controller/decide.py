@@ -33,9 +33,9 @@ def finish_trial(
     why: str | None = None,
 ) -> None:
     """Move a trial to a terminal state and tell the searcher, exactly once."""
-    if TrialState(trial.state).is_terminal:
+    if trial.state.is_terminal:
         return
-    trial.state = state.value
+    trial.state = state
     trial.end_time = _now()
     trial.exit_reason = why
     if why:
@@ -55,8 +55,8 @@ def _after_ack(session: Session, exp: Experiment, trial: Trial, searcher: Search
     """A zero exit after an acknowledged stop request: preempted, paused, or out of ops."""
     if ops_done(trial):
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher)
-    elif exp.state == ExperimentState.PAUSED.value or trial.state == TrialState.PAUSED.value:
-        trial.state = TrialState.PAUSED.value
+    elif exp.state == ExperimentState.PAUSED or trial.state == TrialState.PAUSED:
+        trial.state = TrialState.PAUSED
         note(session, trial.id, "trial paused after checkpointing")
     elif trial.ops_idle:
         note(session, trial.id, "no searcher operation for now; the trial resumes if promoted")
@@ -86,20 +86,20 @@ def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRu
         "resuming from the latest checkpoint",
         "WARNING",
     )
-    if exp.state == ExperimentState.PAUSED.value:
-        trial.state = TrialState.PAUSED.value
+    if exp.state == ExperimentState.PAUSED:
+        trial.state = TrialState.PAUSED
 
 
 def _record_exit(trial: Trial, run: TrialRun, status: JobStatus) -> ExitCause:
     """Note how the run ended. The trial's own report (InvalidHP, recorded while ingesting its
     events) says more than the scheduler's view of the same exit, so it is kept."""
-    run.state = RunState.EXITED.value if status.state == JobState.EXITED else RunState.LOST.value
+    run.state = RunState.EXITED if status.state == JobState.EXITED else RunState.LOST
     run.exit_code = status.exit_code
     run.end_time = _now()
     cause = ExitCause.parse(run.exit_reason)
     if cause is None:
         cause = status.cause or (ExitCause.COMPLETED if status.exit_code == 0 else ExitCause.FAILED)
-        if cause == ExitCause.CANCELED_BY_USER and trial.state == TrialState.STOPPING_KILLED.value:
+        if cause == ExitCause.CANCELED_BY_USER and trial.state == TrialState.STOPPING_KILLED:
             cause = ExitCause.CANCELED_BY_DETSLURM  # our own scancel (det e kill / det t kill)
     run.exit_reason = cause.value
     return cause
@@ -109,7 +109,7 @@ def _after_stop_request(
     session: Session, exp: Experiment, trial: Trial, ok: bool, code: int | None, searcher: SearchMethod
 ) -> None:
     """The run ended while the trial was being stopped by a user or by an experiment error."""
-    state = TrialState(trial.state)
+    state = trial.state
     if state == TrialState.STOPPING_KILLED:
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, "trial killed")
     elif state == TrialState.STOPPING_CANCELED:
@@ -129,7 +129,7 @@ def decide_exit(
     """A run ended: complete, pause, restart (spending a restart or not) or fail its trial."""
     cause = _record_exit(trial, run, status)
     ok = status.exit_code == 0
-    if TrialState(trial.state) in _STOPPING:
+    if trial.state in _STOPPING:
         _after_stop_request(session, exp, trial, ok, status.exit_code, searcher)
     elif status.cause == ExitCause.CANCELED_BY_USER:
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
@@ -151,7 +151,7 @@ def decide_exit(
         # checkpoint without spending one of the trial's restarts.
         msg = f"trial run {run.run_id} ended ({cause.text}); resuming from the latest checkpoint"
         note(session, trial.id, msg, "WARNING")
-        if exp.state == ExperimentState.PAUSED.value:
-            trial.state = TrialState.PAUSED.value
+        if exp.state == ExperimentState.PAUSED:
+            trial.state = TrialState.PAUSED
     else:
         _after_failure(session, exp, trial, run, searcher)

@@ -38,49 +38,49 @@ def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Pause an active experiment (``scope`` None: the caller's own experiments)."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
-        st = ExperimentState(exp.state)
+        st = exp.state
         if st == ExperimentState.PAUSED:
             return
         if st != ExperimentState.ACTIVE:
             raise StateError(f"experiment {exp_id} is in incompatible state {st.value}")
-        exp.state = ExperimentState.PAUSED.value
+        exp.state = ExperimentState.PAUSED
 
 
 def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
-        st = ExperimentState(exp.state)
+        st = exp.state
         if st == ExperimentState.ACTIVE:
             return
         if st != ExperimentState.PAUSED:
             raise StateError(f"experiment {exp_id} is in incompatible state {st.value}")
-        exp.state = ExperimentState.ACTIVE.value
+        exp.state = ExperimentState.ACTIVE
 
 
 def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
-        st = ExperimentState(exp.state)
+        st = exp.state
         if st.is_terminal or st.is_stopping:
             return
-        exp.state = ExperimentState.STOPPING_CANCELED.value
+        exp.state = ExperimentState.STOPPING_CANCELED
 
 
 def kill(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
-        st = ExperimentState(exp.state)
+        st = exp.state
         if st.is_terminal or st == ExperimentState.STOPPING_KILLED:
             return
-        exp.state = ExperimentState.STOPPING_KILLED.value
+        exp.state = ExperimentState.STOPPING_KILLED
 
 
 def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
         t: Trial = get_trial(s, trial_id, scope or Scope.mine())
-        if TrialState(t.state).is_terminal:
+        if t.state.is_terminal:
             return
-        t.state = TrialState.STOPPING_KILLED.value
+        t.state = TrialState.STOPPING_KILLED
 
 
 def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
@@ -94,9 +94,9 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         exp = _get(s, exp_id, scope)
         if exp.owner != os_user():
             raise StateError(f"experiment {exp_id} belongs to {exp.owner}; only its owner can delete it and its files")
-        if not ExperimentState(exp.state).is_terminal:
+        if not exp.state.is_terminal:
             raise StateError(f"experiment {exp_id} is {exp.state}; kill it or wait for it to end before deleting")
-        busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED.value, RunState.RUNNING.value)]
+        busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED, RunState.RUNNING)]
         if busy:
             raise StateError(f"experiment {exp_id} still has running trial runs")
         q = select(Checkpoint.uuid).join(Trial).where(Trial.experiment_id == exp.id)
@@ -145,7 +145,7 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
         cfg["resources"]["resource_pool"] = pool
         exp.config = cfg
         exp.resource_pool = pool
-        running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING.value]
+        running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING]
         if exp.owner != os_user():
             # Root moving another user's experiment (--all-users) changes its rows only: writing
             # files as root into run dirs named by editable rows is not safe. Its running trials

@@ -18,11 +18,11 @@ from detslurm.protocol import ExpPaths, trial_env
 from detslurm.protocol.secret import SECRET_FILE_ENV, SECRET_FILE_NAME
 from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
 
-ACTIVE_RUN = (RunState.PENDING.value, RunState.QUEUED.value, RunState.RUNNING.value)
+ACTIVE_RUN = (RunState.PENDING, RunState.QUEUED, RunState.RUNNING)
 
 
 def needs_run(t: Trial, busy: set[int]) -> bool:
-    if t.state != TrialState.ACTIVE.value or t.id in busy or t.early_stopped:
+    if t.state != TrialState.ACTIVE or t.id in busy or t.early_stopped:
         return False
     # With 0.37-style ops, a trial whose ops are all done waits for a promotion (or closing).
     return not (t.searcher_ops and t.ops_completed >= len(t.searcher_ops))
@@ -34,7 +34,7 @@ def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialR
     run = TrialRun(
         trial_id=t.id,
         run_id=t.run_count,
-        state=RunState.PENDING.value,
+        state=RunState.PENDING,
         executor=executor_kind,
         run_dir=str(paths.dir),
         log_path=str(paths.output_log),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -20,11 +20,36 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
 
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class EnumColumn(TypeDecorator[E]):
+    """An enum kept as its value in a plain VARCHAR: the schema (and the Alembic migrations)
+    stay as they were, code reads and writes enum members, and a value this version does not
+    know (a newer detslurm wrote it) fails loudly on read instead of passing as a string."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum_cls: type[E], length: int) -> None:
+        super().__init__(length)
+        self.enum_cls = enum_cls
+
+    def process_bind_param(self, value: E | str | None, dialect: Dialect) -> str | None:
+        # Accepts the members and their values alike (queries may pass either).
+        return None if value is None else str(self.enum_cls(value).value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> E | None:
+        return None if value is None else self.enum_cls(value)
 
 
 class Base(DeclarativeBase):
@@ -87,7 +112,7 @@ class Experiment(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(512))
     owner: Mapped[str] = mapped_column(String(128))
-    state: Mapped[str] = mapped_column(String(32), default=ExperimentState.ACTIVE.value)
+    state: Mapped[ExperimentState] = mapped_column(EnumColumn(ExperimentState, 32), default=ExperimentState.ACTIVE)
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     original_config: Mapped[str] = mapped_column(Text)
@@ -114,7 +139,7 @@ class Trial(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
     request_id: Mapped[str] = mapped_column(String(64))
-    state: Mapped[str] = mapped_column(String(32), default=TrialState.ACTIVE.value)
+    state: Mapped[TrialState] = mapped_column(EnumColumn(TrialState, 32), default=TrialState.ACTIVE)
     hparams: Mapped[dict[str, Any]] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(BigInteger)
     restarts: Mapped[int] = mapped_column(Integer, default=0)
@@ -152,7 +177,7 @@ class TrialRun(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"), index=True)
     run_id: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), default=RunState.PENDING.value)
+    state: Mapped[RunState] = mapped_column(EnumColumn(RunState, 16), default=RunState.PENDING)
     executor: Mapped[str] = mapped_column(String(16))
     # Text: a --local job id holds a path (migration 0002).
     job_id: Mapped[str | None] = mapped_column(Text, nullable=True)
