@@ -30,16 +30,21 @@ NICE_STEP = 100
 
 
 class QueueError(DetSlurmError):
+    """A queue edit that cannot be done; the message says why and what to do instead."""
+
     pass
 
 
 def nice_for(priority: int) -> int:
+    """The Slurm nice value for a Determined priority (1..99, smaller is higher; see the module doc)."""
     if not 1 <= priority <= 99:
+        # Determined's own range and message.
         raise QueueError("priority must be between 1 and 99")
     return (priority - DEFAULT_PRIORITY) * NICE_STEP
 
 
 def priority_for(nice: int) -> int:
+    """The Determined priority shown for a job's nice value, clamped to 1..99 (nice set by hand may be off-scale)."""
     return max(1, min(99, DEFAULT_PRIORITY + round(nice / NICE_STEP)))
 
 
@@ -79,6 +84,7 @@ class PoolMove:
 
 
 def _find(queue: Sequence[QueuedJob], job_id: str) -> QueuedJob:
+    # Accept both forms users see: ``123_4`` (squeue's array task) and the raw job id.
     for j in queue:
         if j.job_id == job_id or str(j.raw_id) == job_id:
             if j.state.is_terminal:
@@ -94,6 +100,8 @@ def _own(job: QueuedJob, caller: Caller) -> None:
 
 def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op]:
     nice = nice_for(priority)
+    # Check before calling scontrol: Slurm's own refusal ("Access/permission denied") would not say
+    # that only the direction is the problem.
     if nice < job.nice and not caller.admin:
         raise QueueError(
             f"cannot raise job {job.job_id} to priority {priority}: Slurm lets ordinary users only lower the "
@@ -107,8 +115,12 @@ def plan_ahead_of(job: QueuedJob, other: QueuedJob, caller: Caller, caps: Capabi
     if job.priority > other.priority:
         return []
     if caller.admin:
+        # An explicit Priority pins the job's priority (Slurm stops recomputing it), which only admins may
+        # set; one above the other job is enough.
         return [Op("update", job.job_id, (("Priority", str(other.priority + 1)),))]
     if caps.enable_user_top and other.user == caller.user and other.partition == job.partition:
+        # scontrol top lets a user reorder their own pending jobs, but only where the site enabled it,
+        # and only within one partition.
         return [Op("top", job.job_id)]
     if other.user == caller.user:
         # Lowering the other job is always allowed for its owner.
@@ -126,6 +138,8 @@ def plan_ahead_of(job: QueuedJob, other: QueuedJob, caller: Caller, caps: Capabi
 def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]:
     if job.priority < other.priority:
         return []
+    # Slurm subtracts nice from the computed priority, so raising nice by the gap (+1) puts the job
+    # just behind; users may always raise the nice of their own jobs.
     delta = job.priority - other.priority + 1
     return [Op("update", job.job_id, (("Nice", str(job.nice + delta)),))]
 
@@ -133,6 +147,8 @@ def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]
 def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove]:
     _name, p = site.pool(pool)
     ids = job.identity
+    # A pending job can switch partition in place; the store must follow (PoolMove), or the next
+    # resubmission would go back to the old pool.
     if job.state == SlurmState.PENDING:
         ops: list[Op | PoolMove] = [Op("update", job.job_id, (("Partition", p.partition),))]
         if ids is not None:
@@ -142,6 +158,8 @@ def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove
         raise QueueError(
             f"job {job.job_id} is running: Slurm cannot move a running job to another partition; cancel and resubmit it"
         )
+    # Running: Slurm cannot move it, but a detslurm trial can checkpoint and be resubmitted in the new
+    # pool, as Determined does (its master restarts the trials in the new pool).
     return [PoolMove(ids[0], pool, comment_tag(job.comment))]
 
 
@@ -161,6 +179,7 @@ def plan_update(
 ) -> list[Op | PoolMove]:
     job = _find(queue, job_id)
     _own(job, caller)
+    # One change per call, as Determined's ``det job update`` takes one of its options.
     chosen = [x for x in (priority, ahead_of, behind_of, resource_pool) if x is not None] + [1] * (hold + release)
     if len(chosen) != 1:
         raise QueueError("give exactly one of --priority, --ahead-of, --behind-of, --resource-pool, --hold, --release")
@@ -178,6 +197,7 @@ def plan_update(
 
 
 def execute(client: SlurmClient, ops: Sequence[Op]) -> None:
+    """Run planned scontrol operations in order through the one Slurm client (contract 6)."""
     for op in ops:
         if op.verb == "update":
             client.update(op.job_id, **dict(op.fields))
@@ -195,6 +215,7 @@ def parse_batch(items: Sequence[str]) -> list[tuple[str, str, str]]:
     for item in items:
         head, sep, value = item.partition("=")
         job, dot, op = head.partition(".")
+        # Determined accepts both ``resource_pool`` and ``resource-pool``.
         op = op.replace("_", "-")
         if not sep or not dot or not job or op not in ("priority", "resource-pool", "ahead-of", "behind-of"):
             raise QueueError(

@@ -21,11 +21,15 @@ import yaml
 
 from detslurm.errors import ConfigError
 
+# A closed set: a typo in the user config must fail loudly, not silently fall back to a default
+# store (which would hide every experiment recorded in the real one).
 _KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s"}
 
 
 @dataclass(frozen=True)
 class Settings:
+    """The user's resolved settings; load() fills every field, so callers never see a missing value."""
+
     data_dir: Path
     db_url: str
     experiments_dir: Path
@@ -39,6 +43,7 @@ class Settings:
 
 
 def config_path() -> Path:
+    """The user config file: $DETSLURM_CONFIG, else platformdirs' per-user config dir."""
     env = os.environ.get("DETSLURM_CONFIG")
     if env:
         return Path(env)
@@ -55,6 +60,7 @@ def _read_user_config() -> dict[str, Any]:
         raise ConfigError([f"{path}: cannot read: {e.strerror}"], source="detslurm user config") from None
     except yaml.YAMLError as e:
         raise ConfigError([f"{path}: {e}"], source="detslurm user config") from None
+    # An empty file (or one of only comments) is the same as no file.
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -69,15 +75,19 @@ def _read_user_config() -> dict[str, Any]:
 
 
 def load() -> Settings:
+    """Settings from the environment, the user config file and defaults, in that order of precedence."""
     cfg = _read_user_config()
 
     def pick(key: str, default: Any) -> Any:
+        # An empty variable counts as unset, so ``DETSLURM_DB_URL= det ...`` falls back instead of
+        # producing an empty database URL.
         env = os.environ.get(f"DETSLURM_{key.upper()}")
         if env:
             return env
         return cfg.get(key, default)
 
     data_dir = Path(pick("data_dir", platformdirs.user_data_dir("detslurm"))).expanduser()
+    # Under $HOME by default: home is the filesystem every compute node is most likely to mount.
     exp_dir = Path(pick("experiments_dir", Path.home() / "detslurm" / "experiments")).expanduser()
     ckpt_dir = Path(pick("checkpoint_dir", exp_dir.parent / "checkpoints")).expanduser()
     db_url = str(pick("db_url", f"sqlite:///{data_dir / 'detslurm.db'}"))
@@ -91,6 +101,8 @@ def load() -> Settings:
         db_url=db_url,
         experiments_dir=exp_dir,
         checkpoint_dir=ckpt_dir,
+        # Clamped rather than rejected: 0 local slots would hang --local runs forever, and a near-zero
+        # poll interval would spin a CPU on the login node.
         max_local_trials=max(1, max_local),
         poll_interval_s=max(0.05, poll),
     )

@@ -67,17 +67,20 @@ MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
 
 
 def note(session: Session, trial_id: int, message: str, level: str = "INFO") -> None:
+    """Add a controller message to the trial's log (shown by ``det trial logs``), in this transaction."""
     session.add(LogEntry(trial_id=trial_id, message=message, level=level))
 
 
 def _ts(t: float) -> datetime:
     try:
         return datetime.fromtimestamp(t, timezone.utc)
+    # The time comes from the trial (untrusted): an absurd one is replaced, not allowed to fail ingest.
     except (ValueError, OverflowError, OSError):
         return datetime.now(timezone.utc)
 
 
 def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, actions: Iterable[Action]) -> None:
+    """Record the searcher's actions (new trials, stops, ops, shutdown) in the store."""
     trials = {t.request_id: t for t in exp.trials}
     for a in actions:
         if isinstance(a, Create):
@@ -87,7 +90,10 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
                 hparams=a.hparams,
                 seed=a.seed,
                 searcher_ops=list(a.ops),
+                # A legacy max_length gives one op and nothing after it, unless ASHA promotion hands out more
+                # (it then closes the trial itself with Close).
                 ops_closed=bool(a.ops) and not searcher_is_promotion(searcher),
+                # A trial created while the experiment is paused waits, paused, for ``det experiment activate``.
                 state=TrialState.ACTIVE if exp.state == ExperimentState.ACTIVE else TrialState.PAUSED,
                 restarts=0,
                 run_count=0,
@@ -104,7 +110,9 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
         elif isinstance(a, Stop) and a.request_id in trials:
             t = trials[a.request_id]
             if not t.early_stopped and not t.state.is_terminal:
+                # Recorded only: the trial's next exit then completes it instead of restarting it (decide.py).
                 t.early_stopped = True
+                # Flush so a trial created earlier in this batch has its id before the note refers to it.
                 session.flush()
                 note(session, t.id, "searcher decided to early stop trial")
         elif isinstance(a, ValidateAfter) and a.request_id in trials:
@@ -130,11 +138,13 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
 
 
 def searcher_is_promotion(searcher: SearchMethod) -> bool:
+    """Whether the searcher hands out more ops over time (0.37 ASHA promotion)."""
     return bool(getattr(searcher, "promotion", False))
 
 
 def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
     sc = stored_config(exp).searcher
+    # Determined's warm start: an explicit checkpoint wins, else the source trial's latest one.
     uuid = sc.source_checkpoint_uuid
     if uuid is None and sc.source_trial_id is not None:
         src = session.get(Trial, sc.source_trial_id)
@@ -157,22 +167,27 @@ def _on_metrics(
             archived=False,
         )
     )
+    # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
         return []
     sc = stored_config(exp).searcher
     value = ev.metrics.get(sc.metric) if sc.metric else None
+    # The trial's best searcher metric so far, shown by ``det trial describe``.
     if isinstance(value, (int, float)):
         better = trial.searcher_metric is None or (
             value < trial.searcher_metric if sc.smaller_is_better else value > trial.searcher_metric
         )
         if better:
             trial.searcher_metric = float(value)
+    # A stopped trial may still report while it winds down; the searcher has already decided on it.
     if trial.early_stopped or trial.state.is_terminal:
         return []
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
 
 
 def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:
+    # The first report of a uuid wins: a trial cannot re-point a recorded checkpoint at another path
+    # or take over one that belongs to another trial.
     if session.get(Checkpoint, ev.uuid) is not None:
         return
     session.add(
@@ -188,6 +203,8 @@ def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: Checkpoint
             report_time=_ts(ev.time),
         )
     )
+    # A restart resumes from the most recently reported checkpoint, and DET_STEPS_COMPLETED says
+    # how far that was.
     trial.latest_checkpoint = ev.uuid
     trial.steps_completed = ev.steps_completed
 
@@ -219,6 +236,7 @@ def apply_event(
                 run.exit_reason = ExitCause.INVALID_HP.value
         case OpCompleted():
             trial.ops_idle = False
+            # max: an op reported twice, or out of order, never moves the count back.
             trial.ops_completed = max(trial.ops_completed, ev.index + 1)
             return searcher.op_completed(trial.request_id, ev.length, ev.metric)
         case Alert():

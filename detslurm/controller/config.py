@@ -13,7 +13,12 @@ from detslurm.store.models import Experiment
 
 
 def stored_config(exp: Experiment) -> ExperimentConfig:
+    """The experiment's config, validated again from its stored JSON (cached by content)."""
     try:
+        # The experiment id goes into the error paths: the daemon handles many experiments per tick,
+        # and the message must say which row is broken.
         return from_stored(exp.config, f"<experiment {exp.id}>")
     except ConfigError as e:
+        # from None: the re-raised ConfigError already lists every problem; the chained one would only
+        # repeat them in a traceback.
         raise ConfigError(e.errors, source=f"stored config of experiment {exp.id}") from None

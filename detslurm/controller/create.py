@@ -34,6 +34,8 @@ from detslurm.store.models import Experiment, ExperimentState
 
 @dataclass(frozen=True)
 class CreatePlan:
+    """A validated config and a packaged context: everything a create needs, before any side effect."""
+
     config: ExperimentConfig
     original_yaml: str
     bundle: ctxmod.ContextBundle
@@ -54,6 +56,7 @@ class CreatePlan:
 
 
 def default_storage(settings: Settings) -> dict[str, Any]:
+    """Checkpoint storage for a config that names none: shared_fs under the user's checkpoint_dir."""
     return {"type": "shared_fs", "host_path": str(settings.checkpoint_dir)}
 
 
@@ -61,6 +64,8 @@ def test_mode_config(raw: dict[str, Any], seed: int) -> dict[str, Any]:
     """Determined's test mode: one trial, one batch, no restarts, hparams fixed to a sample."""
     out: dict[str, Any] = json.loads(json.dumps(raw))
     sc: dict[str, Any] = out["searcher"] if isinstance(out.get("searcher"), dict) else {}
+    # The fields Determined's test mode sets (its _make_test_experiment_config): a single searcher
+    # trained for one batch, validated after it, and never restarted.
     out["searcher"] = {
         "name": "single",
         "metric": sc.get("metric"),
@@ -70,6 +75,7 @@ def test_mode_config(raw: dict[str, Any], seed: int) -> dict[str, Any]:
     out["max_restarts"] = 0
     out["min_validation_period"] = {"batches": 1}
     out["scheduling_unit"] = 1
+    # The same prefix Determined uses, so test experiments are recognisable in ``det experiment list``.
     out["description"] = f"[test-mode] {out.get('description') or ''}".strip()
     return out
 
@@ -82,6 +88,7 @@ def plan_create(
     test_mode: bool = False,
     paused: bool = False,
 ) -> CreatePlan:
+    """Read, override, validate and package an experiment: the printable plan, with no side effects."""
     try:
         text = Path(config_path).read_text()
     except OSError as e:
@@ -91,10 +98,14 @@ def plan_create(
     raw = apply_overrides(parse_yaml(text), overrides)
     cfg = validate(raw, default_storage(settings))
     if test_mode:
+        # Sampled from the experiment seed, so a repeated test run with a fixed seed tries the same values.
         fixed = sample(cfg.hyperparameters, random.Random(cfg.top.reproducibility.experiment_seed))
         raw = test_mode_config(raw, cfg.top.reproducibility.experiment_seed)
         raw["hyperparameters"] = fixed
+        # Validated again: the test config is what is stored and run, so it passes the same checks.
         cfg = validate(raw, default_storage(settings))
+    # Packaged now, on the login node: a trial later sees the context as it was at submit time,
+    # however the user's directory changes while the experiment runs.
     bundle = ctxmod.package(Path(context_dir))
     return CreatePlan(config=cfg, original_yaml=text, bundle=bundle, test_mode=test_mode, paused=paused)
 
@@ -118,6 +129,7 @@ def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str
         archived=False,
     )
     s.add(exp)
+    # Flush for the id: the experiment dir is named after it.
     s.flush()
     # A random part makes the dir (and the job tag derived from it) unique to this experiment:
     # two stores sharing an experiments dir (another db_url, a reset store) both have an
@@ -125,6 +137,7 @@ def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str
     exp.exp_dir = str(Path(settings.experiments_dir) / f"exp-{exp.id}-{secrets.token_hex(4)}")
     searcher = build(cfg)
     apply_actions(s, exp, searcher, searcher.initial_trials())
+    # The searcher state is saved with the trials it created, so the daemon resumes right after them.
     exp.searcher_state = searcher.state_dict()
     return exp
 
@@ -141,8 +154,10 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
             made = exp_dir
             layout = ExpPaths(exp_dir)
             ctxmod.write_tarball(plan.bundle, layout.context)
+            # The validated config with defaults, next to the context: the experiment dir alone says what ran.
             layout.config.write_text(yaml.safe_dump(exp.config, sort_keys=False))
             return int(exp.id)
+    # BaseException: a Ctrl-C during the tarball write must not leave a dir without rows either.
     except BaseException:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
@@ -163,6 +178,7 @@ def dry_run(store: Store, settings: Settings, plan: CreatePlan, executor: Execut
             exp = _insert(s, settings, plan, executor.kind)
             if exp.state == ExperimentState.ACTIVE:
                 specs = [spec for _, spec in Controller(store, executor).plan_submission(s, exp)]
+            # Roll back: the dry run must leave no rows, though it ran the real code path to get its answer.
             raise _DryRun
     except _DryRun:
         pass

@@ -48,6 +48,7 @@ def finish_trial(
 
 
 def ops_done(trial: Trial) -> bool:
+    """0.37 searcher operations: every ValidateAfter is done and the searcher has closed the trial."""
     return bool(trial.searcher_ops) and trial.ops_closed and trial.ops_completed >= len(trial.searcher_ops)
 
 
@@ -68,6 +69,8 @@ def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRu
     max_restarts = stored_config(exp).max_restarts
     trial.restarts += 1
     code = run.exit_code
+    # Strictly greater, as in Determined: max_restarts 5 allows five restarts, so the sixth failure
+    # ends the trial.
     if trial.restarts > max_restarts:
         finish_trial(
             session,
@@ -111,12 +114,15 @@ def _after_stop_request(
     """The run ended while the trial was being stopped by a user or by an experiment error."""
     state = trial.state
     if state == TrialState.STOPPING_KILLED:
+        # A kill ends the trial whatever the exit code: the process was killed, so a non-zero code is
+        # expected, not a failure.
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, "trial killed")
     elif state == TrialState.STOPPING_CANCELED:
         final = TrialState.CANCELED if ok else TrialState.ERROR
         why = "trial canceled" if ok else f"trial canceled; exit code {code}"
         finish_trial(session, exp, trial, final, searcher, EXIT_USER_CANCELED, why)
     else:
+        # STOPPING_ERROR: the experiment is failing, and its trials end as errors too, as in Determined.
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED)
 
 

@@ -16,6 +16,8 @@ from detslurm.expconf import ExperimentConfig
 
 
 class JobState(enum.Enum):
+    """The executor's coarse view of a job; how it ended is in JobStatus.cause."""
+
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     EXITED = "EXITED"
@@ -29,6 +31,8 @@ class ExitCause(enum.Enum):
     COMPLETED = "completed"
     FAILED = "failed"
     PREEMPTED = "preempted"
+    # Spends a restart (controller/decide.py): a run that never checkpoints before its limit would
+    # otherwise be resubmitted forever.
     TIME_LIMIT = "time limit"
     NODE_FAILURE = "node failure"
     CANCELED_BY_USER = "canceled by user"
@@ -96,6 +100,8 @@ class SubmitUnknown(Exception):
 
 @dataclass(frozen=True)
 class JobStatus:
+    """What poll() reports for one job; exit_code and cause are set once it has ended."""
+
     state: JobState
     exit_code: int | None = None
     cause: ExitCause | None = None

@@ -23,7 +23,10 @@ def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float |
         select(Metric.metrics)
         .where(Metric.trial_id == ck.trial_id)
         .where(Metric.group == "validation")
+        # A checkpoint is scored by the validation taken at its own step, as Determined does; one
+        # without such a validation can only be kept as a latest checkpoint.
         .where(Metric.steps_completed == ck.steps_completed)
+        # Archived rows belong to a run that was rolled back past this step.
         .where(Metric.archived.is_(False))
     )
     for row in session.scalars(q):
@@ -34,6 +37,7 @@ def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float |
 
 
 def keep_set(session: Session, exp: Experiment) -> set[str]:
+    """The uuids the experiment's GC policy keeps (latest and best per trial, best of the experiment)."""
     cfg = stored_config(exp)
     policy = cfg.storage
     metric = cfg.searcher.metric or ""
@@ -46,6 +50,8 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
                 select(Checkpoint)
                 .where(Checkpoint.trial_id == t.id)
                 .where(Checkpoint.state == "COMPLETED")
+                # Oldest first, so the slice from the end is the newest; report_time breaks ties between runs
+                # that checkpointed at the same step.
                 .order_by(Checkpoint.steps_completed, Checkpoint.report_time)
             )
         )
@@ -94,10 +100,13 @@ def collect_garbage(session: Session, exp: Experiment) -> list[Path]:
         path = checkpoint_dir(exp, ck.uuid)
         if path is not None:
             doomed.append(path)
+        # Marked even when the path check failed: the directory is then not ours to remove, but the
+        # policy has still dropped the checkpoint.
         ck.state = "DELETED"
     return doomed
 
 
 def remove_dirs(paths: list[Path]) -> None:
+    """Remove the doomed checkpoint dirs; errors are ignored, as the rows are already marked DELETED."""
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)

@@ -16,6 +16,8 @@ from detslurm.protocol import exit_outcome, exit_record_of
 
 
 class LocalExecutor:
+    """Trial runs as child processes of the controller, at most ``max_parallel`` at a time."""
+
     kind = "local"
 
     def __init__(self, max_parallel: int) -> None:
@@ -40,6 +42,9 @@ class LocalExecutor:
 
     def submit(self, spec: RunSpec) -> str:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
+        # A controller started inside a Slurm job (or a trial) must not pass its own ids on: inherited
+        # SLURM_* would make the launcher treat a local run as a job step, DET_* would name another
+        # trial, and DETSLURM_DIST_SECRET must be fresh per run (protocol/secret.py).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
         env.update(spec.env)
         with open(spec.log_path, "ab") as log:
@@ -50,15 +55,19 @@ class LocalExecutor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # Its own session: a Ctrl-C at the user's terminal reaches the CLI, not the trial directly.
                 start_new_session=True,
             )
         create = psutil.Process(proc.pid).create_time()
+        # pid plus start time survives a controller restart and cannot match a later process that reuses
+        # the pid; the run dir lets poll() find the exit record with no other state.
         job_id = f"{proc.pid}@{create:.3f}@{spec.run_dir}"
         self._procs[job_id] = proc
         return job_id
 
     @staticmethod
     def _parse(job_id: str) -> tuple[int, float, str]:
+        # maxsplit 2: the run dir may itself contain "@".
         pid, create, run_dir = job_id.split("@", 2)
         return int(pid), float(create), run_dir
 
@@ -66,6 +75,7 @@ class LocalExecutor:
         pid, create, _ = self._parse(job_id)
         try:
             p = psutil.Process(pid)
+            # A zombie has already exited and only awaits reaping: treat it as gone.
             return abs(p.create_time() - create) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
@@ -81,9 +91,12 @@ class LocalExecutor:
             if proc is not None and code is None:
                 out[jid] = JobStatus(JobState.RUNNING)
                 continue
+            # Not our child (the controller restarted since it started): psutil is the only way to ask.
             if proc is None and self._alive(jid):
                 out[jid] = JobStatus(JobState.RUNNING)
                 continue
+            # The exit record the launcher wrote is preferred to the process's own code: it is what the
+            # trial's launcher saw from the entrypoint.
             record = exit_outcome(exit_record_of(Path(self._parse(jid)[2])))
             if record.code is not None:
                 cause = ExitCause.COMPLETED if record.code == 0 else ExitCause.FAILED

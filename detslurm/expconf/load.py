@@ -23,6 +23,8 @@ from detslurm.expconf import schema as s
 from detslurm.expconf.hparams import check_hyperparameters, normalize_hyperparameters
 from detslurm.expconf.sbatch_args import check_sbatch_args
 
+# Determined prints config paths from this literal root ("<config>.searcher.metric: ..."), and
+# from_stored() swaps it for "stored config" so a bad database row is told apart from a bad file.
 ROOT = "<config>"
 
 
@@ -39,6 +41,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str, where: str = ROOT) -> dict[str, Any]:
+    """Parse one YAML document into a mapping, or raise ConfigError naming the line and column."""
     if not text.strip():
         raise ConfigError([f"{where}: the file is empty; an experiment config is a YAML mapping"])
     try:
@@ -48,6 +51,8 @@ def parse_yaml(text: str, where: str = ROOT) -> dict[str, Any]:
         pos = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError([f"{where}: invalid YAML{pos}: {problem}"]) from None
+    # A file holding only comments parses to None, not to {}; report it as empty rather than
+    # as "got NoneType".
     if data is None:
         raise ConfigError([f"{where}: the file is empty; an experiment config is a YAML mapping"])
     if not isinstance(data, dict):
@@ -63,12 +68,15 @@ def _kind(value: Any) -> str:
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``--config key.sub=value`` overrides (value parsed as YAML; ``a,b`` is a list)."""
+    # Deep copy through JSON: the caller's dict stays untouched, and the result is plain JSON types.
     out = json.loads(json.dumps(config))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key or any(not p for p in key.split(".")):
             raise ConfigError([f"--config {item!r}: expected key.sub=value"])
         try:
+            # ``tags=a,b`` is a list; an explicit YAML flow value (``[a, b]`` or ``{k: v}``) keeps its own
+            # commas, so a flow mapping can still be passed.
             if "," in text and not text.strip().startswith(("[", "{")):
                 value: Any = [yaml.load(v, Loader=_Loader) for v in text.split(",")]
             else:
@@ -79,6 +87,8 @@ def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[st
         parts = key.split(".")
         for p in parts[:-1]:
             nxt = node.get(p)
+            # Missing or scalar intermediate keys are replaced by a mapping: an override may create a section
+            # the file did not have (``--config slurm.gpu_type=a100``).
             if not isinstance(nxt, dict):
                 nxt = {}
                 node[p] = nxt
@@ -122,8 +132,11 @@ def _inner_model(ann: Any) -> Any:
 def _pydantic_errors(exc: ValidationError, prefix: str, model: type[BaseModel]) -> list[str]:
     lines = []
     for err in exc.errors():
+        # Pydantic puts union-member tags (``str``, ``list[str]``, ``function-after[...]``) into the
+        # location; drop them so the path reads like the config the user wrote.
         loc = [p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        # An unknown key is most often a typo, so name every valid key at that level.
         if err["type"] == "extra_forbidden" and loc:
             bad = loc.pop()
             msg = f"unknown key {bad!r}; valid keys: {', '.join(_valid_keys(model, loc))}"
@@ -132,6 +145,8 @@ def _pydantic_errors(exc: ValidationError, prefix: str, model: type[BaseModel]) 
             msg = f"{field_name} is a required property"
         elif (
             "input" in err
+            # Our own validators already name the bad value, and echoing a whole mapping or list would
+            # flood the line, so only scalar inputs are appended.
             and err["type"] not in ("value_error", "assertion_error")
             and not isinstance(err["input"], (dict, list))
         ):
@@ -163,6 +178,7 @@ class ExperimentConfig:
     hyperparameters: dict[str, Any]
     _dict: dict[str, Any] = field(repr=False, default_factory=dict)
 
+    # A fresh copy each call: callers store or mutate it, and the frozen config must not change.
     def as_dict(self) -> dict[str, Any]:
         copy: dict[str, Any] = json.loads(json.dumps(self._dict))
         return copy
@@ -229,6 +245,8 @@ def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any
         errors.append(f"{where}: must be a mapping, got {_kind(raw)}")
         return None
     name = raw.get("name")
+    # Determined's AssertCurrent message for end-of-life searchers, kept verbatim so old configs
+    # fail with the wording users will search for.
     if name in s.REMOVED_SEARCHERS:
         errors.append(f"{where}.name: the '{name}' searcher has been removed and is not valid for new experiments")
         return None
@@ -240,13 +258,18 @@ def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any
     sc = _model(cls, raw, where, errors)
     if sc is None:
         return None
+    # Determined's "eventually required" fields: optional in the schema, checked once defaults are
+    # filled, with its "is a required property" wording.
     if not sc.metric:
         errors.append(f"{where}: metric is a required property")
     if name in ("random", "adaptive_asha") and sc.max_trials is None:
         errors.append(f"{where}: max_trials is a required property")
+    # The 0.37 form (max_length) is still accepted; 0.38 requires max_time plus time_metric instead.
     if name == "adaptive_asha" and sc.max_length is None and (sc.max_time is None or not sc.time_metric):
         errors.append(f"{where}: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set")
     if name == "grid":
+        # Grid needs a count on every numeric hparam; only_grid keeps the generic errors, already
+        # reported by validate(), from appearing twice.
         errors.extend(check_hyperparameters(hparams, f"{ROOT}.hyperparameters", grid=True, only_grid=True))
     return sc
 
@@ -254,16 +277,19 @@ def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any
 def _check_storage(raw: Any, default: Mapping[str, Any] | None, errors: list[str]) -> Any:
     where = f"{ROOT}.checkpoint_storage"
     if raw is None:
+        # The site config may supply a default storage, so users of one cluster need not repeat it.
         raw = dict(default) if default else None
     if raw is None:
         errors.append(f"{ROOT}: checkpoint_storage is a required property")
         return None
+    # Determined's string shortcut: a bare path means shared_fs rooted at that path.
     if isinstance(raw, str):
         raw = {"type": "shared_fs", "host_path": raw}
     if not isinstance(raw, dict):
         errors.append(f"{where}: must be a mapping, got {_kind(raw)}")
         return None
     typ = raw.get("type")
+    # Valid in Determined but deliberately unsupported: trials only reach the shared filesystem.
     if typ in ("s3", "gcs", "azure"):
         errors.append(f"{where}.type: {typ} storage is not supported by detslurm; use shared_fs or directory")
         return None
@@ -287,10 +313,14 @@ def _check_top(top: s.TopLevel, errors: list[str]) -> None:
         base = f"{ROOT}.environment.environment_variables" + (f".{kind}" if kind else "")
         for i, item in enumerate(items):
             key, sep, _ = item.partition("=")
+            # The name is exported in the sbatch script, so it must be a shell identifier; anything else
+            # would be rejected by the shell only after the job has waited in the queue.
             if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 errors.append(f"{base}[{i}]: expected NAME=VALUE with a valid variable name, got {item!r}")
 
 
+# Determined names an unnamed experiment "Experiment (<petname>)"; two small word lists give the
+# same shape without a petname dependency.
 _PET_A = ["brave", "calm", "eager", "fancy", "gentle", "happy", "jolly", "kind", "lively", "proud", "quick", "witty"]
 _PET_B = ["otter", "falcon", "badger", "heron", "lynx", "marten", "osprey", "panda", "raven", "tapir", "wombat", "yak"]
 
@@ -309,6 +339,7 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
         errors.extend(hp_errors)
         if not hp_errors:
             hparams = normalize_hyperparameters(hp_raw)
+    # With hparam errors already reported, the grid count check would repeat them on broken input.
     searcher = _check_searcher(raw.get("searcher"), hp_raw if not errors else {}, errors)
     storage = _check_storage(raw.get("checkpoint_storage"), default_storage, errors)
     if top is not None:
@@ -316,8 +347,10 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
     slurm = raw.get("slurm") if isinstance(raw, Mapping) else None
     sargs = slurm.get("sbatch_args") if isinstance(slurm, dict) else None
     if isinstance(sargs, list) and all(isinstance(a, str) for a in sargs):
+        # Only a well-typed list is checked here; a wrong type is already reported by the TopLevel model.
         errors.extend(check_sbatch_args(sargs, f"{ROOT}.slurm.sbatch_args"))
     if errors:
+        # Sorted and de-duplicated, as Determined prints them, so every problem shows in one run.
         raise ConfigError(sorted(set(errors)))
     assert top is not None
     if top.name is None:
@@ -326,6 +359,8 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
     full = top.model_dump(mode="json")
     full["searcher"] = searcher.model_dump(mode="json", exclude_none=False)
     if searcher.max_length is not None:
+        # model_dump would write all three units with two of them null; store the one-key form the
+        # user wrote.
         full["searcher"]["max_length"] = searcher.max_length.to_json()
     full["checkpoint_storage"] = storage.model_dump(mode="json")
     full["hyperparameters"] = hparams

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
+    """Base for every expconf model: unknown keys and wrong types are errors, never dropped or coerced."""
+
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
@@ -28,8 +30,11 @@ class Length(Strict):
     @model_validator(mode="before")
     @classmethod
     def _from_any(cls, data: Any) -> Any:
+        # Determined accepts a bare integer as a number of batches (the pre-0.38 ``max_length: 100``);
+        # bool is an int subclass, and ``true`` must not read as one batch.
         if isinstance(data, int) and not isinstance(data, bool):
             return {"batches": data}
+        # Determined's own wording, so users searching the message find its docs.
         if isinstance(data, dict) and len(data) != 1:
             raise ValueError('a length object must have one attribute named "batches", "records", or "epochs"')
         return data
@@ -47,6 +52,7 @@ class Length(Strict):
         return int(v) if v is not None else 0
 
     def to_json(self) -> dict[str, int]:
+        """The one-key form a user writes (``{"epochs": 2}``), as stored and shown back."""
         return {self.unit: self.value}
 
 
@@ -58,6 +64,8 @@ class SearcherCommon(Strict):
     max_length: Length | None = None
 
 
+# The Literal ``name`` on each searcher lets load.py pick the model from SEARCHERS by name,
+# so errors point into that searcher's own fields instead of a union's mixed message.
 class SingleSearcher(SearcherCommon):
     name: Literal["single"] = "single"
 
@@ -83,6 +91,7 @@ class AdaptiveASHASearcher(SearcherCommon):
     bracket_rungs: list[int] = Field(default_factory=list)
     time_metric: str | None = None
     max_time: int | None = Field(default=None, ge=1)
+    # Deprecated in Determined 0.38; still accepted so older configs validate.
     stop_once: bool = False
 
 
@@ -93,22 +102,30 @@ SEARCHERS: dict[str, type[Strict]] = {
     "grid": GridSearcher,
     "adaptive_asha": AdaptiveASHASearcher,
 }
+# End-of-life in Determined (its AssertCurrent rejects them); async_halving is rejected here too,
+# as this port implements only the four searchers above.
 REMOVED_SEARCHERS = ("custom", "adaptive", "adaptive_simple", "sync_halving", "async_halving")
 
 
 class Resources(Strict):
+    # 0 slots is a CPU-only trial as in Determined: slurm/render.py then asks for no gres and no CPUs.
     slots_per_trial: int = Field(default=1, ge=0)
     resource_pool: str = ""
+    # Determined's 1..99 range (smaller = higher in its agent RM).
     priority: int | None = Field(default=None, ge=1, le=99)
     weight: float = Field(default=1.0, ge=0)
     max_slots: int | None = Field(default=None, ge=0)
     is_single_node: bool | None = None
+    # shm_size, devices, native_parallel and agent_label are container or agent settings with no
+    # Slurm counterpart: accepted so Determined configs load unchanged, and not acted on.
     shm_size: int | str | None = None
     devices: list[Any] = Field(default_factory=list)
     native_parallel: bool = False
     agent_label: str | None = None
 
 
+# Determined's checkpoint GC defaults: keep each trial's best and latest, nothing extra per
+# experiment.
 class GCPolicy(Strict):
     save_experiment_best: int = Field(default=0, ge=0)
     save_trial_best: int = Field(default=1, ge=0)
@@ -125,9 +142,12 @@ class SharedFSStorage(GCPolicy):
 
     @model_validator(mode="after")
     def _paths(self) -> SharedFSStorage:
+        # A relative host_path would resolve against whichever directory each node's job starts in.
         if self.host_path is not None and not os.path.isabs(self.host_path):
             raise ValueError("host_path must be an absolute path")
         sp, hp = self.storage_path, self.host_path
+        # Determined's rule: checkpoints stay below host_path, so storage_path is relative (without
+        # "..") or an absolute path inside host_path.
         if sp and hp and os.path.isabs(sp) and os.path.commonpath([sp, hp]) != os.path.normpath(hp):
             raise ValueError("storage_path must either be a relative directory or a subdirectory of host_path")
         if self.storage_path and not os.path.isabs(self.storage_path) and ".." in self.storage_path.split("/"):
@@ -135,6 +155,8 @@ class SharedFSStorage(GCPolicy):
         return self
 
     def base_path(self) -> str:
+        # load.py reports a missing host_path before a config is ever built, so this cannot fire on
+        # user input.
         assert self.host_path is not None
         if not self.storage_path:
             return self.host_path
@@ -159,6 +181,8 @@ StorageConfig = Union[SharedFSStorage, DirectoryStorage]
 STORAGES: dict[str, type[Strict]] = {"shared_fs": SharedFSStorage, "directory": DirectoryStorage}
 
 
+# Only environment_variables is applied (exported in the sbatch script); image, registry_auth,
+# ports, capabilities and pod_spec are container settings kept so Determined configs validate.
 class Environment(Strict):
     image: str | dict[str, str] | None = None
     environment_variables: list[str] | dict[str, list[str]] = Field(default_factory=list)
@@ -174,9 +198,12 @@ class Environment(Strict):
         """The user's variables for one device kind (a plain list applies to every kind)."""
         ev = self.environment_variables
         items = ev.get(kind, []) if isinstance(ev, dict) else ev
+        # Split at the first "=", so a value may itself contain "=".
         return dict(item.partition("=")[::2] for item in items)
 
 
+# Not applied (no container runtime is wired into the script, so nothing is mounted), but checked
+# with Determined's messages so a config that works there is not silently different here.
 class BindMount(Strict):
     host_path: str
     container_path: str
@@ -198,12 +225,14 @@ class SlurmSection(Strict):
     slots_per_node: int | None = Field(default=None, ge=1)
 
 
+# Determined's PBS section; accepted so one config can serve both schedulers, and ignored here.
 class PBSSection(Strict):
     pbsbatch_args: list[str] = Field(default_factory=list)
     slots_per_node: int | None = Field(default=None, ge=1)
 
 
 class Reproducibility(Strict):
+    # Determined defaults the seed to the current time; the modulus keeps it a non-negative int32.
     experiment_seed: int = Field(default_factory=lambda: int(time.time()) % (2**31), ge=0)
 
 
@@ -213,6 +242,8 @@ class TopLevel(Strict):
 
     bind_mounts: list[BindMount] = Field(default_factory=list)
     checkpoint_policy: Literal["best", "all", "none"] = "best"
+    # The Any fields are validated separately by load.py; typed here they would be checked twice,
+    # with less precise error paths.
     checkpoint_storage: Any = None
     data: dict[str, Any] = Field(default_factory=dict)
     debug: bool = False
@@ -222,6 +253,7 @@ class TopLevel(Strict):
     hyperparameters: Any = Field(default_factory=dict)
     labels: list[str] = Field(default_factory=list)
     log_policies: list[Any] = Field(default_factory=list)
+    # Counts per trial, not per experiment, as in Determined (see controller/decide.py).
     max_restarts: int = Field(default=5, ge=0)
     min_checkpoint_period: Length = Field(default_factory=lambda: Length(batches=0))
     min_validation_period: Length = Field(default_factory=lambda: Length(batches=0))

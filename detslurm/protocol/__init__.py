@@ -15,8 +15,16 @@ Layout of an experiment dir: ``context.tar.gz``, ``config.yaml``, ``best_validat
 output.log,signals,rendezvous-*.json}``. ``tests/test_layering.py`` enforces the import rules.
 """
 
+# Trial-written files are untrusted input: every decoder here turns malformed content into
+# BadRecord/BadEvent, which the controller reports instead of crashing on.
 from detslurm.protocol._check import BadRecord
+
+# Contract 1: trial_env (login side) and from_env (in the job) sit in one module, so the DET_*
+# variables one side writes are exactly those the other reads.
 from detslurm.protocol.env import ClusterInfo, TrialInfo, entrypoint_from_env, expand_nodelist, from_env, trial_env
+
+# Contract 2: the append-only event lines (metrics, progress, checkpoints, exits); one encoder and
+# one decoder, so a format change cannot reach only one side.
 from detslurm.protocol.events import (
     Alert,
     BadEvent,
@@ -35,8 +43,16 @@ from detslurm.protocol.events import (
     decode,
     encode,
 )
+
+# Both sides compute every path from here: a file named differently on one side would leave the
+# controller waiting for something the trial wrote elsewhere.
 from detslurm.protocol.paths import NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
+
+# Bounded, exactly-once reading of event files from a byte offset the store commits with the rows.
 from detslurm.protocol.reader import Batch, Line, read_lines
+
+# Whole-file JSON records, unlike the append-only events: control requests one way (contract 3),
+# exit records the other, each read with a size bound.
 from detslurm.protocol.records import (
     BATCH_EXIT_PRINTF,
     BestValidation,
@@ -47,6 +63,8 @@ from detslurm.protocol.records import (
     exit_outcome,
 )
 
+# What the rest of detslurm may import from the protocol; tests/test_layering.py keeps the login
+# side and the in-job side from importing each other around it.
 __all__ = [
     "BATCH_EXIT_PRINTF",
     "NODE_TMPDIR_ENV",

@@ -20,10 +20,14 @@ from detslurm.protocol.paths import ExpPaths, RunPaths
 
 @dataclass(frozen=True)
 class TrialInfo:
+    """Determined's ``det.TrialInfo``, field for field: user code that reads it keeps working."""
+
     trial_id: int
     experiment_id: int
     trial_seed: int
     hparams: dict[str, Any]
+    # The underscored fields are private in Determined too, but scripts read them (``_config`` for the
+    # full experiment config), so they keep Determined's names.
     _config: dict[str, Any] = field(repr=False)
     _steps_completed: int = 0
     _trial_run_id: int = 1
@@ -33,6 +37,9 @@ class TrialInfo:
 
 @dataclass(frozen=True)
 class ClusterInfo:
+    # There is no master: master_url and session_token are empty, kept so code that logs them runs.
+    """Determined's ``det.ClusterInfo`` plus where this run's files live on the shared filesystem."""
+
     master_url: str
     cluster_id: str
     agent_id: str
@@ -45,6 +52,8 @@ class ClusterInfo:
     container_addrs: list[str]
     container_rank: int
     trial: TrialInfo
+    # detslurm's own fields (not in Determined): the run's, trial's and experiment's dirs, and the
+    # checkpoint storage base.
     run_dir: Path
     trial_dir: Path
     exp_dir: Path
@@ -61,6 +70,8 @@ class ClusterInfo:
 
     @property
     def container_slot_counts(self) -> list[int]:
+        # Every node of a trial gets the same slots (render.resource_plan fills whole nodes), so one
+        # node's count stands for all.
         return [len(self.slot_ids)] * len(self.container_addrs)
 
     @property
@@ -108,6 +119,8 @@ def trial_env(
         "DET_STEPS_COMPLETED": str(steps_completed),
         "DET_RESOURCES_TYPE": resources_type,
         "DET_SLOT_IDS": json.dumps(slot_ids),
+        # On Slurm, exec/launch.py replaces this with the job's node list at start-up: the nodes are
+        # only known once the job runs.
         "DET_CONTAINER_ADDRS": json.dumps(container_addrs),
         "DET_USER": user,
         # Where this run's files are: RunPaths.from_env() rebuilds them from these.
@@ -125,12 +138,15 @@ def _slot_ids(env: Mapping[str, str]) -> list[int]:
         return [int(x) for x in json.loads(raw)]
     cvd = env.get("CUDA_VISIBLE_DEVICES")
     if cvd:
+        # CUDA renumbers the visible devices from 0, so slot ids are 0..n-1 whatever the physical ids.
         return list(range(len(cvd.split(","))))
     return [0]
 
 
 def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
     """The decoder of :func:`trial_env`; None off-cluster (no ``DET_TRIAL_ID``)."""
+    # No trial id means off-cluster: det.get_cluster_info() then returns None, as in Determined
+    # (contract 1).
     if not env.get("DET_TRIAL_ID"):
         return None
     config = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}")
@@ -151,6 +167,7 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
     return ClusterInfo(
         master_url=env.get("DET_MASTER", ""),
         cluster_id=env.get("DET_CLUSTER_ID", "detslurm"),
+        # Slurm's name for the node first, as squeue and sacct show it.
         agent_id=env.get("SLURMD_NODENAME") or env.get("DET_AGENT_ID") or os.uname().nodename,
         slot_ids=_slot_ids(env),
         task_id=env.get("DET_TASK_ID", ""),
@@ -159,6 +176,7 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
         task_type=env.get("DET_TASK_TYPE", "TRIAL"),
         latest_checkpoint=env.get("DET_LATEST_CHECKPOINT") or None,
         container_addrs=list(addrs),
+        # One launcher per node, so the node's index in the job is its container rank.
         container_rank=int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0),
         trial=trial,
         run_dir=run_dir,

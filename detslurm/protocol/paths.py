@@ -22,8 +22,12 @@ TRIAL_METADATA = "metadata.json"
 EVENTS_DIR = "events"
 CONTROL = "control.json"
 EXIT_RECORD = "exit.json"
+# Written right after sbatch returns, before the store commit: a controller that dies in between
+# reads the job id back from here (contract 4) instead of searching squeue.
 JOB_ID_MARKER = "job_id"
 OUTPUT_LOG = "output.log"
+# The batch shell appends each signal it receives here (see the template): a diagnostic trail
+# of how a run was told to stop; the controller does not read it.
 SIGNALS = "signals"
 LOCAL_WORKDIR = "workdir"
 
@@ -55,6 +59,8 @@ class ExpPaths:
         return self.root / BEST_VALIDATION
 
     @property
+    # Slurm's --output for an array can vary only by task index (%a), so each array gets a dir of
+    # numbered symlinks to its runs' dirs.
     def arrays(self) -> Path:
         return self.root / "arrays"
 
@@ -62,6 +68,7 @@ class ExpPaths:
         """The dir of symlinks (task index -> run dir) that one job array runs in."""
         return self.arrays / f"t{trial_id}-r{run_id}"
 
+    # Named by store ids only, never by user strings: nothing a user writes can shape a path.
     def trial_dir(self, trial_id: int) -> Path:
         return self.root / "trials" / str(trial_id)
 
@@ -72,6 +79,8 @@ class ExpPaths:
         """``set_metadata()``'s file: per trial, so it survives the trial's restarts."""
         return self.trial_dir(trial_id) / TRIAL_METADATA
 
+    # A new dir per run (restart): a restarted trial never reads the events or exit record of the
+    # run before it, and each run's files are ingested with their own offsets.
     def run_dir(self, trial_id: int, run_id: int) -> Path:
         return self.trial_dir(trial_id) / "runs" / str(run_id)
 
@@ -132,6 +141,7 @@ class RunPaths:
 
     def event_file(self, rank: int) -> Path:
         """Each rank appends to its own file: no two writers ever share one."""
+        # int(): a rank taken from the environment cannot put a separator or ".." into the name.
         return self.events_dir / f"rank-{int(rank)}.jsonl"
 
     def event_files(self) -> list[Path]:
@@ -171,6 +181,7 @@ class RunPaths:
 
     def rendezvous(self, job_id: str, step_id: str) -> Path:
         """Where a multi-node launcher's chief publishes its rendezvous ports."""
+        # Keyed by job and step, so a file left by an earlier step is never mistaken for this one's.
         return self.dir / f"rendezvous-{job_id}-{step_id}.json"
 
     def horovod_rendezvous(self, job_id: str) -> Path:

@@ -25,7 +25,9 @@ SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
 # daemon's own environment before a trial starts (a trial must get a fresh one).
 SECRET_ENV = "DETSLURM_DIST_SECRET"
 SECRET_FILE_NAME = "run-secret"
+# 256 bits: the secret keys an HMAC that anyone on the cluster may try to forge.
 SECRET_BYTES = 32
+# The file is 65 bytes when we write it; reading at most this much bounds a planted huge file.
 _MAX_FILE_BYTES = 4096
 
 
@@ -46,6 +48,8 @@ def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NA
     then hard-linked into place, which fails if the name exists.
     """
     final = Path(run_dir) / name
+    # A random temp name: a predictable one could be pre-created (or symlinked) by another user in a
+    # shared directory.
     tmp = final.with_name(f".{name}.{secrets.token_hex(8)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -58,6 +62,8 @@ def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NA
             f.write(new_secret().hex() + "\n")
             f.flush()
             os.fsync(f.fileno())
+        # link(), not rename(): rename would silently replace an existing secret, link fails instead,
+        # and either way readers only ever see the complete file.
         os.link(tmp, final)
     except FileExistsError:
         raise RunSecretError(f"{final} already exists: a run secret is never reused") from None
@@ -98,6 +104,8 @@ def read_run_secret(path: os.PathLike[str] | str) -> bytes:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise RunSecretError(f"the run secret {path} is not a regular file")
+        # Another user's file could hold a secret they know; a group- or world-readable one could have been
+        # read by them. Either would let them join or impersonate our ranks.
         if st.st_uid != os.geteuid():
             raise RunSecretError(f"the run secret {path} is owned by uid {st.st_uid}, not by us ({os.geteuid()})")
         if st.st_mode & 0o077:
@@ -109,6 +117,8 @@ def read_run_secret(path: os.PathLike[str] | str) -> bytes:
 def wait_run_secret(path: os.PathLike[str] | str, timeout_s: float = 120.0) -> bytes:
     """``read_run_secret`` once another node has created ``path`` (polls until ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
+    # The shared filesystem may show a file created on another node only after a delay (attribute
+    # caching on NFS), so poll rather than fail on the first look.
     while not os.path.lexists(path):
         if time.monotonic() > deadline:
             raise RunSecretError(f"the chief node did not create the run secret {path} within {timeout_s:.0f} s")
@@ -137,6 +147,7 @@ def _decode(text: str, where: str) -> bytes:
         secret = bytes.fromhex(text.strip())
     except ValueError:
         raise RunSecretError(f"the run secret in {where} is not hex") from None
+    # A short secret (a hand-set DETSLURM_DIST_SECRET) would make the HMAC guessable.
     if len(secret) < SECRET_BYTES:
         raise RunSecretError(f"the run secret in {where} has {len(secret)} bytes; at least {SECRET_BYTES} are needed")
     return secret

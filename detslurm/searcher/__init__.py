@@ -45,9 +45,13 @@ def build(config: ExperimentConfig) -> SearchMethod:
     """The searcher of a validated experiment config."""
     sc = config.searcher
     hps = config.hyperparameters
+    # One seed for the whole search, as in Determined: the same config and seed give the same trials.
     seed = config.top.reproducibility.experiment_seed
+    # A legacy max_length (0.37 configs) becomes each trial's first ValidateAfter target; without it
+    # the trial decides its own length, as in 0.38.
     ops: tuple[int, ...] = (sc.max_length.value,) if sc.max_length is not None else ()
     if isinstance(sc, SingleSearcher):
+        # Determined implements single exactly this way (random.go).
         return RandomSearch(hps, seed, max_trials=1, max_concurrent=1, ops=ops)
     if isinstance(sc, RandomSearcher):
         assert sc.max_trials is not None  # validation requires it
@@ -64,6 +68,7 @@ def build(config: ExperimentConfig) -> SearchMethod:
             metric=sc.metric,
             smaller_is_better=sc.smaller_is_better,
             max_trials=sc.max_trials,
+            # In 0.37 mode the rungs are measured in max_length units instead of time_metric units.
             max_time=int(sc.max_time or ops[0]),
             time_metric=sc.time_metric,
             divisor=sc.divisor,

@@ -27,16 +27,20 @@ from detslurm.searcher.base import (
 )
 from detslurm.searcher.hparams import sample
 
+# Determined inserts MaxFloat64 for a trial that exited early: it ranks last in its rung, yet
+# still counts towards the rung size that decides how many others continue.
 WORST = sys.float_info.max
 
 
 def max_rungs(max_rungs_cfg: int, max_time: int, max_trials: int, divisor: float) -> int:
+    """Determined's rung cap: no more rungs than the time budget or the trial count can fill."""
     by_time = int(math.log(max_time) / math.log(divisor)) + 1
     by_trials = int(math.log(max_trials) / math.log(divisor)) + 1
     return min(max_rungs_cfg, by_time, by_trials)
 
 
 def bracket_rungs(mode: str, n: int, explicit: list[int] | None = None) -> list[int]:
+    """Rungs per bracket for a mode, most rungs (most aggressive bracket) first, as Determined orders them."""
     if explicit:
         rungs = list(explicit)
     elif mode == "aggressive":
@@ -49,17 +53,21 @@ def bracket_rungs(mode: str, n: int, explicit: list[int] | None = None) -> list[
 
 
 def bracket_max_trials(max_trials: int, divisor: float, rungs: list[int]) -> list[int]:
+    """Split max_trials over brackets by Determined's weights (divisor**(rungs-1)/rungs)."""
     weights = [divisor ** (r - 1) / r for r in rungs]
     total = sum(weights)
     split = [max(int(w / total * max_trials), 1) for w in weights]
+    # Rounding leftovers go to the first (most aggressive) bracket, so the total is exactly max_trials.
     split[0] += max_trials - sum(split)
     return split
 
 
 def bracket_max_concurrent(mct: int, divisor: float, trials: list[int]) -> list[int]:
+    """Split max_concurrent_trials over brackets (0 = no limit), remainder to the first brackets."""
     n = len(trials)
     if mct == 0:
         return [max(trials[-1], int(divisor))] * n
+    # Every bracket needs at least one running trial, or it would never start.
     mct = max(mct, n)
     out = [mct // n] * n
     for i in range(mct % n):
@@ -68,7 +76,9 @@ def bracket_max_concurrent(mct: int, divisor: float, trials: list[int]) -> list[
 
 
 def rung_units(num_rungs: int, max_time: int, divisor: float, cumulative: bool = False) -> list[int]:
+    """The training length (in time_metric units) a trial must reach to enter each rung."""
     units = [max(int(max_time / divisor ** (num_rungs - 1 - i)), 1) for i in range(num_rungs)]
+    # 0.37 rungs are cumulative: a promoted trial is told to train the difference to the next rung.
     if cumulative:
         return [sum(units[: i + 1]) for i in range(num_rungs)]
     return units
@@ -83,16 +93,19 @@ class _Bracket:
         self.max_trials = max_trials
         self.max_concurrent = max_concurrent
         self.divisor = divisor
+        # Pairs are lists, not tuples, so the state survives a JSON round trip through the store unchanged.
         self.rungs: list[list[list[Any]]] = [[] for _ in range(num_rungs)]  # [[metric, rid], ...]
         self.trial_rung: dict[str, int] = {}
         self.promoted: list[list[str]] = [[] for _ in range(num_rungs)]
         self.created = 0
+        # Trials that exited with invalid hparams do not use up the budget (see under_budget).
         self.invalid = 0
         self.closed: list[str] = []
 
     def initial_count(self) -> int:
         if self.max_concurrent > 0:
             return min(self.max_concurrent, self.max_trials)
+        # With no concurrency limit, start enough trials that halving R-1 times still leaves one at the top.
         return max(1, min(int(self.divisor ** (self.num_rungs - 1)), self.max_trials))
 
     def under_budget(self) -> bool:
@@ -100,6 +113,8 @@ class _Bracket:
 
     def insert(self, rung: int, metric: float, rid: str) -> int:
         keys = [m for m, _ in self.rungs[rung]]
+        # bisect_left puts a new metric before equal ones (Determined's tie rule); metrics are stored
+        # sign-adjusted, so smaller is always better here.
         idx = bisect.bisect_left(keys, metric)
         self.rungs[rung].insert(idx, [metric, rid])
         return idx
@@ -113,6 +128,7 @@ class _Bracket:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> _Bracket:
+        # Bypasses __init__: the stored dict already holds every attribute it would compute.
         b = cls.__new__(cls)
         b.__dict__.update(d)
         return b
@@ -141,6 +157,7 @@ class AdaptiveASHA(SearchMethod):
         super().__init__(seed)
         self.spec = hparams
         self.metric = metric
+        # Negate larger-is-better metrics once, so every rung sorts ascending.
         self.sign = 1.0 if smaller_is_better else -1.0
         self.time_metric = time_metric
         self.promotion = promotion
@@ -178,16 +195,21 @@ class AdaptiveASHA(SearchMethod):
         br = self.brackets[b]
         actions: list[Action] = []
         r = br.trial_rung.get(request_id, 0)
+        # One report can clear several rungs when validations are sparser than the rung spacing.
         while r < br.num_rungs and time >= br.units[r]:
             idx = br.insert(r, value, request_id)
             if r == br.num_rungs - 1:
                 actions.append(Stop(request_id))
                 break
+            # Outside the top 1/divisor of what has arrived so far: stop (asynchronous halving judges
+            # a rung before it is full; the best so far always continues).
             if idx >= max(int(len(br.rungs[r]) / br.divisor), 1):
                 actions.append(Stop(request_id))
                 break
             r += 1
             br.trial_rung[request_id] = r
+        # Determined creates a new ASHA trial only when one is stopped (or exits early): that keeps the
+        # bracket's concurrency constant.
         if actions and br.under_budget():
             actions.append(self._create(b))
         return actions
@@ -210,6 +232,8 @@ class AdaptiveASHA(SearchMethod):
             return top + self._maybe_close_all(b)
         n = len(br.rungs[r])
         idx = br.insert(r, value, request_id)
+        # 0.37 promotion: the new arrival may itself rank high enough, or the growing rung may make
+        # room for the next waiting trial (the one at index n/divisor).
         num_promote = int((n + 1) / br.divisor)
         actions: list[Action] = []
         if idx < num_promote:
@@ -262,6 +286,8 @@ class AdaptiveASHA(SearchMethod):
         if b is None:
             return []
         br = self.brackets[b]
+        # Determined's rules: an invalid-hparams trial vanishes from every rung and does not count against
+        # the budget; any other early exit stays in its rung as the worst result.
         if reason == EXIT_INVALID_HP:
             br.invalid += 1
             br.remove_everywhere(request_id)
@@ -270,6 +296,7 @@ class AdaptiveASHA(SearchMethod):
         return [self._create(b)] if br.under_budget() else []
 
     def progress(self) -> float:
+        """Determined's estimate: rung-0 entries over 1.2 x max_trials, then completed trials once all are in."""
         parts = []
         for br in self.brackets:
             p = len(br.rungs[0]) / (1.2 * br.max_trials)

@@ -20,6 +20,8 @@ class SearcherError(DetSlurmError):
 
 @dataclass(frozen=True)
 class Create:
+    """Start a new trial; request_id is its identity across controller restarts."""
+
     request_id: str
     seed: int
     hparams: dict[str, Any]
@@ -28,6 +30,8 @@ class Create:
 
 @dataclass(frozen=True)
 class Stop:
+    """Stop a trial early (ASHA); the controller marks it early-stopped (controller/apply.py)."""
+
     request_id: str
 
 
@@ -55,12 +59,16 @@ class Idle:
 
 @dataclass(frozen=True)
 class Shutdown:
+    """The search is over: cancel if every trial was canceled, failure if every trial errored."""
+
     cancel: bool = False
     failure: bool = False
 
 
 Action = Union[Create, Stop, ValidateAfter, Close, Idle, Shutdown]
 
+# Determined's early-exit reasons; the searcher treats them differently (an invalid-hparams trial
+# is replaced, a canceled or errored one counts towards Shutdown's cancel/failure).
 EXIT_INVALID_HP = "INVALID_HP"
 EXIT_USER_CANCELED = "USER_CANCELED"
 EXIT_ERRORED = "ERRORED"
@@ -71,6 +79,7 @@ class Book:
     """What every searcher tracks about its trials."""
 
     requested: list[str] = field(default_factory=list)
+    # Lists, not sets: the book goes into state_dict() as JSON, and order keeps replays identical.
     closed: list[str] = field(default_factory=list)
     invalid: list[str] = field(default_factory=list)
     errored: list[str] = field(default_factory=list)
@@ -89,6 +98,8 @@ class SearchMethod:
 
     # -- helpers -------------------------------------------------------------------------
     def new_request(self, hparams: dict[str, Any], ops: tuple[int, ...] = ()) -> Create:
+        # Drawn from the seeded RNG after the hparams, in Determined's order (hparams, request id, trial
+        # seed), so one experiment seed reproduces the whole search.
         rid = f"{self.rng.getrandbits(64):016x}"
         seed = self.rng.randrange(2**31)
         self.book.requested.append(rid)
@@ -96,6 +107,8 @@ class SearchMethod:
 
     def maybe_shutdown(self) -> list[Action]:
         b = self.book
+        # Determined shuts down when every requested trial is closed and the method wants no more;
+        # shut_down makes it fire once even if a duplicate exit event arrives.
         if b.shut_down or not b.requested or len(set(b.closed)) < len(b.requested) or self.wants_more():
             return []
         b.shut_down = True
@@ -104,19 +117,24 @@ class SearchMethod:
         return [Shutdown(cancel=cancel, failure=failure)]
 
     def wants_more(self) -> bool:
+        """Whether the method will still create trials (holds Shutdown back while true)."""
         return False
 
     # -- events --------------------------------------------------------------------------
     def initial_trials(self) -> list[Action]:
+        """The actions for a new experiment: the first trials to create."""
         raise NotImplementedError
 
     def validation_completed(self, request_id: str, metrics: dict[str, Any], steps: int) -> list[Action]:
+        """A trial reported validation metrics; ``steps`` is its training length so far."""
         return []
 
     def op_completed(self, request_id: str, length: int, metric: float) -> list[Action]:
+        """0.37 style: a trial finished a ValidateAfter operation with this searcher metric."""
         return []
 
     def trial_exited_early(self, request_id: str, reason: str) -> list[Action]:
+        """Record why a trial stopped before its search said so; its exit follows separately."""
         if reason == EXIT_INVALID_HP:
             self.book.invalid.append(request_id)
         elif reason == EXIT_USER_CANCELED:
@@ -126,15 +144,20 @@ class SearchMethod:
         return []
 
     def trial_exited(self, request_id: str) -> list[Action]:
+        """A trial's job ended for good; may create a replacement or shut the search down."""
         if request_id not in self.book.closed:
             self.book.closed.append(request_id)
         return self.maybe_shutdown()
 
     def progress(self) -> float:
+        """The experiment's progress in [0, 1], shown by ``det experiment list``."""
         return 0.0
 
     # -- persistence ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume the search, in plain JSON types (stored with each event batch)."""
+        # The Mersenne Twister state is a tuple holding a 625-int tuple; lists make it JSON for the store,
+        # and restoring it lets a restarted controller continue the exact same random sequence.
         st = self.rng.getstate()
         return {
             "name": self.name,
@@ -144,6 +167,7 @@ class SearchMethod:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what state_dict() returned."""
         r = state["rng"]
         self.rng.setstate((r[0], tuple(r[1]), r[2]))
         self.book = Book(**state["book"])
@@ -157,6 +181,7 @@ class SearchMethod:
 
 
 def metric_value(metrics: dict[str, Any], key: str, what: str) -> float:
+    """The named metric as a float, or a SearcherError saying which metrics were reported."""
     if key not in metrics:
         raise SearcherError(
             f"{what} {key!r} is missing from the reported validation metrics "

@@ -9,6 +9,8 @@ from detslurm.searcher.hparams import grid, sample
 
 
 class RandomSearch(SearchMethod):
+    """Determined's random search; ``single`` is this with one trial and one at a time."""
+
     name = "random"
 
     def __init__(
@@ -26,6 +28,7 @@ class RandomSearch(SearchMethod):
         return self.new_request(sample(self.spec, self.rng), self.ops)
 
     def initial_trials(self) -> list[Action]:
+        # max_concurrent_trials 0 means no limit, as in Determined.
         n = self.max_trials if self.max_concurrent == 0 else min(self.max_trials, self.max_concurrent)
         return [self._create() for _ in range(n)]
 
@@ -36,10 +39,13 @@ class RandomSearch(SearchMethod):
         return []
 
     def trial_exited(self, request_id: str) -> list[Action]:
+        # An exit reported twice must not create a second replacement.
         if request_id in self.book.closed:
             return []
         self.book.closed.append(request_id)
         actions: list[Action] = []
+        # A repeated exit returned above, so each exit creates at most one trial: that keeps at most
+        # max_concurrent trials alive without tracking which are running.
         if self.created < self.max_trials:
             actions.append(self._create())
         return actions + self.maybe_shutdown()
@@ -58,6 +64,8 @@ class RandomSearch(SearchMethod):
 
 
 class GridSearch(SearchMethod):
+    """Determined's grid search: one trial per grid point, at most max_concurrent at a time."""
+
     name = "grid"
 
     def __init__(self, hparams: dict[str, Any], seed: int, max_concurrent: int, ops: tuple[int, ...] = ()) -> None:
@@ -72,10 +80,12 @@ class GridSearch(SearchMethod):
         return self.new_request(self.remaining.pop(), self.ops)
 
     def initial_trials(self) -> list[Action]:
+        # 0 means no limit, as in Determined.
         n = len(self.remaining) if self.max_concurrent == 0 else min(len(self.remaining), self.max_concurrent)
         return [self._create() for _ in range(n)]
 
     def trial_exited(self, request_id: str) -> list[Action]:
+        # An exit reported twice must not create a second replacement.
         if request_id in self.book.closed:
             return []
         self.book.closed.append(request_id)
@@ -89,6 +99,8 @@ class GridSearch(SearchMethod):
         return min(1.0, len(self.book.closed) / max(1, self.total))
 
     def method_state(self) -> dict[str, Any]:
+        # The unvisited points themselves are stored (not an index), so a resumed search does not depend
+        # on recomputing the same grid.
         return {"remaining": self.remaining, "total": self.total}
 
     def load_method_state(self, state: dict[str, Any]) -> None:

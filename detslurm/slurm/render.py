@@ -23,6 +23,9 @@ from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
+# StrictUndefined: a misspelt template variable fails at render time on the login node instead of
+# becoming an empty string in a script that then runs wrong on a compute node. No autoescape:
+# this is shell, so every value goes through the ``q`` (shlex.quote) filter instead.
 _ENV = jinja2.Environment(
     undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True
 )
@@ -31,12 +34,15 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _template(name: str) -> jinja2.Template:
+    # Read as package data, so an installed wheel and a source checkout render the same template.
     text = resources.files("detslurm.templates").joinpath(name).read_text()
     return _ENV.from_string(text)
 
 
 @dataclass(frozen=True)
 class SbatchRequest:
+    """What plan_trial_run/plan_array return: sbatch's argv options, the script, and its environment."""
+
     name: str
     args: list[str]
     script: str
@@ -59,10 +65,14 @@ class Identity:
 
     @property
     def job_name(self) -> str:
+        # Readable in squeue; the "+" marks an array whose task T runs trial trial_id + T. Controllers
+        # identify jobs by the --comment (below), which also carries the experiment-dir tag.
         return f"det-e{self.experiment_id}-t{self.trial_id}{'+' if self.array else ''}-r{self.run_id}"
 
     @property
     def comment(self) -> str:
+        # Contract 4: a controller killed between sbatch and its commit finds the job again by this
+        # comment (squeue) instead of submitting the run twice.
         return trial_comment(self.experiment_id, self.trial_id, self.run_id, self.tag, self.array)
 
 
@@ -91,10 +101,13 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
     _, pool = site.pool(res.resource_pool)
     slots = res.slots_per_trial
     spn = slurm.slots_per_node or pool.slots_per_node
+    # 0 slots (a CPU-only trial) still needs one node.
     nodes = max(1, math.ceil(slots / spn)) if slots else 1
     # Several nodes are filled whole; one node gets exactly the slots asked for.
     per_node = spn if nodes > 1 else max(slots, 1)
     args = [f"--partition={pool.partition}"] if pool.partition else []
+    # One task per node: our launcher starts the per-GPU worker ranks itself, as Determined's
+    # launchers do inside one container per node.
     args += [f"--nodes={nodes}", "--ntasks-per-node=1"]
     if pool.slot_type == "gpu" and slots > 0:
         gres = f"{pool.gres_name}:{slurm.gpu_type}:{per_node}" if slurm.gpu_type else f"{pool.gres_name}:{per_node}"
@@ -107,6 +120,7 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
         args.append(f"--qos={pool.qos}")
     if pool.time_limit_min:
         args.append(f"--time={pool.time_limit_min}")
+    # Site arguments come after ours so a site can override them (sbatch keeps the last value).
     args += pool.extra_sbatch_args
     return ResourcePlan(tuple(args), nodes, slots)
 
@@ -125,7 +139,11 @@ def _job_args(
         f"--chdir={chdir}",
         # detslurm resubmits from the latest checkpoint itself (counting restarts once).
         "--no-requeue",
+        # B: sends the warning only to the batch shell, which forwards it to the step (see the
+        # template), signal_lead_s seconds before the time limit so the trial can checkpoint.
         f"--signal=B:{sig}@{site.signal_lead_s}",
+        # User arguments last; expconf/sbatch_args.py has already refused every option detslurm
+        # sets or computes, so they cannot override the identity, logs or signal above.
         *config.slurm.sbatch_args,
     ]
     for a in args:
@@ -208,10 +226,16 @@ def plan_array(
     base = ident.trial_id
     res = resource_plan(config, site)
     max_slots = config.resources.max_slots
+    # max_slots caps the slots the whole experiment holds; each task takes res.slots, so this many
+    # tasks may run at once (at least one, or the array would never start).
     throttle = max(1, max_slots // max(1, res.slots)) if max_slots else 0
+    # Exported once for all tasks; only what differs goes into the script's per-task case arms,
+    # which keeps a many-trial script small.
     common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
     per_task = [(t.trial_id - base, sorted((k, v) for k, v in t.env.items() if common.get(k) != v)) for t in tasks]
     spec = index_ranges([i for i, _ in per_task]) + (f"%{throttle}" if throttle > 0 else "")
+    # %a is the array task id: Slurm opens each task's log through links_dir/<task>, a symlink to that
+    # trial's run dir, since one --output pattern cannot name the run dirs themselves.
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
     args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
     script = _script(site, res, ident, common, "", python, per_task)

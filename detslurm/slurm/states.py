@@ -6,6 +6,8 @@ import enum
 
 
 class SlurmState(enum.Enum):
+    """The Slurm job states detslurm tells apart; Slurm's many others fold into these (SLURM_STATES)."""
+
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     SUSPENDED = "SUSPENDED"
@@ -20,19 +22,24 @@ class SlurmState(enum.Enum):
     BOOT_FAIL = "BOOT_FAIL"
     DEADLINE = "DEADLINE"
     REQUEUED = "REQUEUED"
+    # What a newer Slurm's new state maps to: the caller keeps polling instead of crashing.
     UNKNOWN = "UNKNOWN"
 
     @property
     def is_terminal(self) -> bool:
+        """The job is over for good: Slurm will not run it again (we submit with --no-requeue)."""
         return self in _TERMINAL
 
     @property
     def is_active(self) -> bool:
+        """Slurm may still run (or be running) the job, so it must not be resubmitted yet."""
         return self in (
             SlurmState.PENDING,
             SlurmState.RUNNING,
             SlurmState.SUSPENDED,
             SlurmState.COMPLETING,
+            # REQUEUED is active: Slurm puts the same job id back in the queue (an admin's scontrol requeue,
+            # or a site that forces requeue), so a second submission would run the trial twice.
             SlurmState.REQUEUED,
         )
 
@@ -42,6 +49,8 @@ _TERMINAL = {
     SlurmState.FAILED,
     SlurmState.CANCELLED,
     SlurmState.TIMEOUT,
+    # PREEMPTED is terminal because we submit with --no-requeue: the controller resubmits from the
+    # latest checkpoint itself.
     SlurmState.PREEMPTED,
     SlurmState.NODE_FAIL,
     SlurmState.OUT_OF_MEMORY,
@@ -56,6 +65,7 @@ SLURM_STATES: dict[str, SlurmState] = {
     "PD": SlurmState.PENDING,
     "CONFIGURING": SlurmState.PENDING,
     "CF": SlurmState.PENDING,
+    # Held or still being configured: not running yet, and Slurm may still start it.
     "REQUEUE_HOLD": SlurmState.PENDING,
     "RH": SlurmState.PENDING,
     "REQUEUE_FED": SlurmState.PENDING,
@@ -68,10 +78,12 @@ SLURM_STATES: dict[str, SlurmState] = {
     "RS": SlurmState.RUNNING,
     "SIGNALING": SlurmState.RUNNING,
     "SI": SlurmState.RUNNING,
+    # Burst-buffer stage-out runs after the script has exited: the job is finishing, not running.
     "STAGE_OUT": SlurmState.COMPLETING,
     "SO": SlurmState.COMPLETING,
     "SUSPENDED": SlurmState.SUSPENDED,
     "S": SlurmState.SUSPENDED,
+    # STOPPED: the processes were sent SIGSTOP; they still exist but do not run.
     "STOPPED": SlurmState.SUSPENDED,
     "ST": SlurmState.SUSPENDED,
     "COMPLETING": SlurmState.COMPLETING,
@@ -80,10 +92,13 @@ SLURM_STATES: dict[str, SlurmState] = {
     "CD": SlurmState.COMPLETED,
     "FAILED": SlurmState.FAILED,
     "F": SlurmState.FAILED,
+    # SPECIAL_EXIT: requeued into a held state after exiting with a site-chosen code; it did not
+    # finish its work.
     "SPECIAL_EXIT": SlurmState.FAILED,
     "SE": SlurmState.FAILED,
     "CANCELLED": SlurmState.CANCELLED,
     "CA": SlurmState.CANCELLED,
+    # REVOKED: a federated sibling cluster started the job, so this copy was withdrawn.
     "REVOKED": SlurmState.CANCELLED,
     "RV": SlurmState.CANCELLED,
     "TIMEOUT": SlurmState.TIMEOUT,
@@ -105,5 +120,6 @@ SLURM_STATES: dict[str, SlurmState] = {
 
 def state_from_slurm(text: str) -> SlurmState:
     """``CANCELLED by 0`` (sacct) and flags such as ``RUNNING+`` are reduced to the base state."""
+    # sacct marks a value cut to its column width with "+" (``CANCELLED+``); the prefix is still the state.
     base = text.strip().split(" ")[0].rstrip("+*")
     return SLURM_STATES.get(base.upper(), SlurmState.UNKNOWN)

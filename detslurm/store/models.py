@@ -56,6 +56,8 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
+# Determined's experiment and trial states and names, so ``det experiment list`` reads the same.
+# Stored as strings (not a DB enum) so adding a state needs no migration of existing rows.
 class ExperimentState(str, enum.Enum):
     ACTIVE = "ACTIVE"
     PAUSED = "PAUSED"
@@ -114,12 +116,15 @@ class Experiment(Base):
     owner: Mapped[str] = mapped_column(String(128))
     state: Mapped[ExperimentState] = mapped_column(EnumColumn(ExperimentState, 32), default=ExperimentState.ACTIVE)
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The validated config with defaults (expconf.ExperimentConfig.as_dict); read back through
+    # expconf.from_stored, which validates it again. original_config is the YAML as the user wrote it.
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     original_config: Mapped[str] = mapped_column(Text)
     context_sha256: Mapped[str] = mapped_column(String(64))
     exp_dir: Mapped[str] = mapped_column(Text)
     executor: Mapped[str] = mapped_column(String(16), default="local")
     resource_pool: Mapped[str] = mapped_column(String(128), default="")
+    # SearchMethod.state_dict(), written in the same transaction as the events that changed it.
     searcher_state: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     parent_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -138,10 +143,13 @@ class Trial(Base):
     __table_args__ = (UniqueConstraint("experiment_id", "request_id"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     experiment_id: Mapped[int] = mapped_column(ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    # The searcher's id for the trial; unique per experiment, so a replayed Create action cannot
+    # make a second row.
     request_id: Mapped[str] = mapped_column(String(64))
     state: Mapped[TrialState] = mapped_column(EnumColumn(TrialState, 32), default=TrialState.ACTIVE)
     hparams: Mapped[dict[str, Any]] = mapped_column(JSON)
     seed: Mapped[int] = mapped_column(BigInteger)
+    # Failures charged against max_restarts; run_count numbers every run (preemptions included).
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     run_count: Mapped[int] = mapped_column(Integer, default=0)
     latest_checkpoint: Mapped[str | None] = mapped_column(String(64), nullable=True)
@@ -185,6 +193,8 @@ class TrialRun(Base):
     log_path: Mapped[str] = mapped_column(Text)
     exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
     exit_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The trial acknowledged a stop request (PreemptAck event): its exit is then a clean pause or
+    # stop, not a failure (controller/decide.py).
     preempt_acked: Mapped[bool] = mapped_column(Boolean, default=False)
     restart_count_seen: Mapped[int] = mapped_column(Integer, default=0)
     submit_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -230,6 +240,7 @@ class IngestOffset(Base):
     __tablename__ = "ingest_offsets"
     trial_run_pk: Mapped[int] = mapped_column(ForeignKey("trial_runs.id", ondelete="CASCADE"), primary_key=True)
     file: Mapped[str] = mapped_column(String(256), primary_key=True)
+    # Only complete lines are counted: a torn last line is re-read from here on the next tick.
     offset: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
