@@ -46,9 +46,7 @@ class DeterminedFallbackFinder(importlib.abc.MetaPathFinder):
             return None  # a broken install: behave as if we were not here
         return importlib.util.spec_from_file_location(NAME, init, submodule_search_locations=[str(PACKAGE_DIR)])
 
-    def _someone_else_has_it(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
-    ) -> bool:
+    def _someone_else_has_it(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]) -> bool:
         # Finders before us have already said no when we are asked. Finders appended after us
         # (another .pth that sorts later, a plugin) have not: ask them first, so a real
         # `determined` they know about wins too.
