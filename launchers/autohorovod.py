@@ -19,7 +19,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from detslurm.launch._common import LaunchError, fail, nodes_from_env, parse_args, run
+from detslurm.launch._common import LaunchError, fail, help_requested, nodes_from_env, parse_args, run
+from detslurm.launch._horovod_args import parse_overrides
 
 
 def run_one_slot(script: Sequence[str], python: str = sys.executable) -> int:
@@ -33,8 +34,11 @@ def _is_trial(script: Sequence[str]) -> bool:
 
 
 def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     try:
         overrides, script = parse_args(argv)
+        parse_overrides(overrides)  # a bad override fails here, even where one slot ignores them
         nodes = nodes_from_env(os.environ)
     except LaunchError as e:
         return fail(str(e))

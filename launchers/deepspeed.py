@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_secret_env
+from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run, run_secret_env
 
 
 def hostfile_text(nodes: Nodes) -> str:
@@ -67,6 +67,8 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: s
 
 
 def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
         secret = run_secret_env(os.environ, nodes)

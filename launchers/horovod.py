@@ -27,6 +27,7 @@ from detslurm.launch._common import (
     Nodes,
     fail,
     free_port,
+    help_requested,
     interface_for,
     nodes_from_env,
     parse_args,
@@ -208,6 +209,8 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
 
 
 def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     try:
         args, auto = take_autohorovod(argv)
         overrides, script = parse_args(args)
