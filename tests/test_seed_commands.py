@@ -225,7 +225,15 @@ def legacy_context(tmp_path: Path) -> Path:
     ctx = tmp_path / "ctx"
     write(ctx / "model_def.py", (EXAMPLES / "pytorch_trainer/model_def.py").read_text())
     with open(ctx / "model_def.py", "a") as f:
-        f.write("\nMyTrial = TrialClass = MnistTrial = MyPyTorchTrial\n")
+        f.write(
+            "\n\nclass MyTrial(MyPyTorchTrial):\n"
+            "    def __init__(self, context, hparams=None):\n"
+            "        d = context.distributed\n"
+            "        ddp = os.environ.get('USE_TORCH_DISTRIBUTED')\n"
+            "        print(f'trial rank {d.rank}/{d.size} ddp={ddp} hvd={os.environ.get(\"USE_HOROVOD\")}', flush=True)\n"
+            "        super().__init__(context, hparams)\n\n\n"
+            "TrialClass = MnistTrial = MyTrial\n"
+        )
     write(ctx / "bin/dlprof", STAND_IN_DLPROF).chmod(0o755)
     write(ctx / "startup-hook.sh", 'export PATH="$PWD/bin:$PATH"\n')
     return ctx
@@ -256,8 +264,11 @@ def test_seed_launcher_lines_run(det: Any, tmp_path: Path, entrypoint: str, slot
     cfg = write(tmp_path / "c.yaml", LEGACY_CFG.format(slots=slots, entrypoint=entrypoint))
     code, out, err = det("e", "create", "--local", cfg, ctx, "-f")
     assert code == 0, out + err
-    ranks = {r for r in range(slots) if f"[rank={r}]" in out}
-    assert ranks == set(range(slots)), out
+    code, logs, _ = det("t", "logs", "1")
+    # Every rank built the trial, in one data-parallel group of `slots` (torch DDP when > 1).
+    ddp = "true" if slots > 1 else "None"
+    for r in range(slots):
+        assert f"[rank={r}] trial rank {r}/{slots} ddp={ddp}" in logs, logs
     code, out, _ = det("e", "describe", "1", "--json")
     assert code == 0 and '"COMPLETED"' in out
 
