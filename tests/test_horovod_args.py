@@ -99,3 +99,40 @@ def test_autohorovod_flag_is_taken_after_the_separator() -> None:
         True,
     )
     assert take_autohorovod(["s.py", "--autohorovod"]) == (["s.py", "--autohorovod"], False)
+
+
+def test_legacy_harness_torch_env_from_each_launcher() -> None:
+    from detslurm.exec.harness import torch_env_for_trial
+
+    hvd = {"USE_HOROVOD": "1", "HOROVOD_RANK": "3", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"}
+    hvd |= {"HOROVOD_LOCAL_SIZE": "2", "DET_CHIEF_IP": "c1", "DETSLURM_TORCH_PORT": "4100"}
+    assert torch_env_for_trial(hvd) == {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "c1",
+        "MASTER_PORT": "4100",
+        "USE_TORCH_DISTRIBUTED": "true",
+    }
+    mpi = {"USE_HOROVOD": "1", "DETSLURM_TORCH_PORT": "9"} | {
+        f"OMPI_COMM_WORLD_{k}": v for k, v in {"RANK": "0", "SIZE": "2", "LOCAL_RANK": "0", "LOCAL_SIZE": "2"}.items()
+    }
+    assert (
+        torch_env_for_trial(mpi)["MASTER_ADDR"] == "127.0.0.1" and torch_env_for_trial(mpi)["GROUP_WORLD_SIZE"] == "1"
+    )
+    ds = {"USE_DEEPSPEED": "1", "WORLD_SIZE": "2", "LOCAL_SIZE": "2", "CROSS_RANK": "0", "CROSS_SIZE": "1"}
+    assert torch_env_for_trial(ds) == {
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "USE_TORCH_DISTRIBUTED": "true",
+    }
+    assert torch_env_for_trial({**ds, "WORLD_SIZE": "1"}) == {}  # one rank: no process group
+    assert torch_env_for_trial({"USE_TORCH_DISTRIBUTED": "True", **hvd}) == {}  # torchrun set it all
+    with pytest.raises(ValueError, match="did not set DETSLURM_TORCH_PORT"):
+        torch_env_for_trial({k: v for k, v in hvd.items() if k != "DETSLURM_TORCH_PORT"})
+    with pytest.raises(ValueError, match="did not set CROSS_RANK"):
+        torch_env_for_trial({k: v for k, v in ds.items() if k != "CROSS_RANK"})

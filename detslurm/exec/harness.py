@@ -42,13 +42,10 @@ def _true(value: str | None) -> bool:
 
 def _horovod_ranks(env: Mapping[str, str]) -> dict[str, int] | None:
     """Rank facts from Horovod's gloo variables, or Open MPI's under ``--mpi``."""
-    if "HOROVOD_RANK" in env:
-        keys = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE")
-    elif "OMPI_COMM_WORLD_RANK" in env:
-        keys = tuple(f"OMPI_COMM_WORLD_{k}" for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
-    else:
+    prefix = "HOROVOD_" if "HOROVOD_RANK" in env else "OMPI_COMM_WORLD_" if "OMPI_COMM_WORLD_RANK" in env else None
+    if prefix is None:
         return None
-    rank, size, local_rank, local_size = (int(env[k]) for k in keys)
+    rank, size, local_rank, local_size = (int(env[prefix + k]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
     # Ranks fill nodes in order (both launchers place them that way), so the node is rank // local_size.
     return {
         "RANK": rank,
