@@ -229,7 +229,7 @@ def legacy_context(tmp_path: Path) -> Path:
             "\n\nclass MyTrial(MyPyTorchTrial):\n"
             "    def __init__(self, context, hparams=None):\n"
             "        d = context.distributed\n"
-            "        ddp = os.environ.get('USE_TORCH_DISTRIBUTED')\n"
+            "        ddp = (os.environ.get('USE_TORCH_DISTRIBUTED') or 'none').lower()\n"
             "        print(f'trial rank {d.rank}/{d.size} ddp={ddp} hvd={os.environ.get(\"USE_HOROVOD\")}', flush=True)\n"
             "        super().__init__(context, hparams)\n\n\n"
             "TrialClass = MnistTrial = MyTrial\n"
@@ -247,6 +247,7 @@ LEGACY_CFG = (
 )
 RUNS = [
     ("000:98 horovod overrides, 2 slots", ENTRYPOINTS[1][2], 2, "horovod"),
+    ("000:117 torch_distributed with an unset $CUSTOM_RDZV_ADDR, 2 slots", ENTRYPOINTS[2][2], 2, None),
     ("000:134 deepspeed, 2 slots", ENTRYPOINTS[3][2], 2, "deepspeed"),
     ("001:111 legacy model_def:TrialClass, 2 slots", "model_def:TrialClass", 2, "horovod"),
     ("000:173 dlprof + autohorovod, 1 slot", ENTRYPOINTS[5][2], 1, None),
@@ -266,7 +267,7 @@ def test_seed_launcher_lines_run(det: Any, tmp_path: Path, entrypoint: str, slot
     assert code == 0, out + err
     code, logs, _ = det("t", "logs", "1")
     # Every rank built the trial, in one data-parallel group of `slots` (torch DDP when > 1).
-    ddp = "true" if slots > 1 else "None"
+    ddp = "true" if slots > 1 else "none"
     for r in range(slots):
         assert f"[rank={r}] trial rank {r}/{slots} ddp={ddp}" in logs, logs
     code, out, _ = det("e", "describe", "1", "--json")
