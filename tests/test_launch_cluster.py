@@ -214,14 +214,26 @@ def test_horovod_overrides_reach_every_rank_on_two_nodes(det: Any, tmp_path: Pat
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
-def test_seed_horovod_trial_line_on_two_nodes(det: Any, tmp_path: Path) -> None:
-    """Seed 000/001's `determined.launch.horovod --fusion-threshold-mb 1 --cycle-time-ms 2 --
-    --trial model_def:MyTrial`, 4 slots on 2 nodes: the legacy harness trains as one DDP group."""
-    pytest.importorskip("horovod")
-    from test_seed_commands import ENTRYPOINTS, LEGACY_CFG, legacy_context
+@pytest.mark.parametrize(
+    "entrypoint,needs",
+    [
+        (
+            "python3 -m determined.launch.horovod --fusion-threshold-mb 1 --cycle-time-ms 2 -- --trial model_def:MyTrial",
+            "horovod",
+        ),
+        ("python3 -m determined.launch.deepspeed --trial model_def:MyTrial", "deepspeed"),
+        ("model_def:TrialClass", "horovod"),
+    ],
+    ids=["horovod-overrides", "deepspeed", "legacy-entrypoint"],
+)
+def test_seed_trial_lines_on_two_nodes(det: Any, tmp_path: Path, entrypoint: str, needs: str) -> None:
+    """Seeds 000/001's `--trial` lines and legacy entrypoint, 4 slots on 2 nodes: the legacy
+    harness trains as one DDP group whichever launcher started the ranks."""
+    pytest.importorskip(needs)
+    from test_seed_commands import LEGACY_CFG, legacy_context
 
     ctx = legacy_context(tmp_path)
-    cfg = write(tmp_path / "c.yaml", LEGACY_CFG.format(slots=4, entrypoint=ENTRYPOINTS[1][2]))
+    cfg = write(tmp_path / "c.yaml", LEGACY_CFG.format(slots=4, entrypoint=entrypoint))
     code, out, err = det("e", "create", cfg, ctx, "-f")
     assert code == 0, out + err
     code, logs, _ = det("t", "logs", "1")
