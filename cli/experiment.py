@@ -37,16 +37,80 @@ def experiment() -> None:
 
 
 @experiment.command("create")
-@click.argument("config_file", type=click.Path(dir_okay=False, path_type=Path))
+# Not dir_okay=False: with --config-file, this one word is the context directory.
+@click.argument("config_file", type=click.Path(path_type=Path), required=False)
 @click.argument("context_dir", type=click.Path(file_okay=False, path_type=Path), default=".", required=False)
+@click.option(
+    "--config-file",
+    "config_opt",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The experiment config, as an option (then the one argument is the context directory).",
+)
 @click.option("--local", "run_local", is_flag=True, help="Run every trial as a local process, in the foreground.")
-@click.option("-t", "--test-mode", is_flag=True, help="One trial, one batch: a quick check of the model code.")
-@click.option("-f", "--follow-first-trial", "follow", is_flag=True, help="Stream the first trial's logs.")
+@click.option("-t", "--test-mode", "--test", "test_mode", is_flag=True, help="One trial, one batch: a quick check.")
+@click.option("-f", "--follow-first-trial", "--follow", "follow", is_flag=True, help="Stream the first trial's logs.")
 @click.option("--paused", is_flag=True, help="Create the experiment without starting it.")
 @click.option("--config", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option(
+    "-i",
+    "--include",
+    "includes",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Add a file or directory to the context, under its own name (repeatable).",
+)
+@click.option("--template", metavar="NAME", help="Not supported: Determined's templates live on its master.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; create nothing.")
 @pass_app
 def create(
+    app: App,
+    config_file: Path | None,
+    context_dir: Path,
+    config_opt: Path | None,
+    run_local: bool,
+    test_mode: bool,
+    follow: bool,
+    paused: bool,
+    overrides: tuple[str, ...],
+    includes: tuple[Path, ...],
+    template: str | None,
+    dry_run: bool,
+) -> None:
+    """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
+    config_file, context_dir = _config_and_context(config_file, context_dir, config_opt, template)
+    if includes:
+        import tempfile
+
+        from detslurm.cli.context_include import stage_context
+
+        # The staged copy is packaged when the experiment is created, so it lives until then.
+        with tempfile.TemporaryDirectory(prefix="detslurm-context-") as staging:
+            staged = stage_context(context_dir, includes, Path(staging) / context_dir.resolve().name)
+            _create(app, config_file, staged, run_local, test_mode, follow, paused, overrides, dry_run)
+        return
+    _create(app, config_file, context_dir, run_local, test_mode, follow, paused, overrides, dry_run)
+
+
+def _config_and_context(
+    config_file: Path | None, context_dir: Path, config_opt: Path | None, template: str | None
+) -> tuple[Path, Path]:
+    """Determined's spellings -> (config, context); a clear usage error for what cannot be."""
+    if template is not None:
+        raise click.UsageError(
+            f"--template {template}: config templates are not supported (they live on Determined's master); "
+            "merge the template into the config file or give its values with --config KEY=VALUE"
+        )
+    if config_opt is not None:
+        if config_file is not None and context_dir != Path("."):
+            raise click.UsageError("--config-file is given, so only one argument (the context directory) is expected")
+        # With --config-file the single positional word is the context directory.
+        return config_opt, config_file if config_file is not None else context_dir
+    if config_file is None:
+        raise click.UsageError("missing the experiment config: det e create CONFIG_FILE [CONTEXT_DIR]")
+    return config_file, context_dir
+
+
+def _create(
     app: App,
     config_file: Path,
     context_dir: Path,
@@ -57,7 +121,6 @@ def create(
     overrides: tuple[str, ...],
     dry_run: bool,
 ) -> None:
-    """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
     from detslurm.controller.create import execute_create, plan_create
 

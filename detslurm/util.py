@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +41,27 @@ def read_json(path: Path, default: Any = None) -> Any:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return default
+
+
+@contextlib.contextmanager
+def import_from_path(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Import modules from ``path`` inside the block, then forget them again.
+
+    Determined's ``det.import_from_path``: an older ``model_def.py`` (from a checkpoint's
+    ``code/``) and the current one can be imported in one interpreter without colliding, as long
+    as the caller binds them to different names. Only modules whose file lies under ``path`` are
+    dropped from ``sys.modules`` afterwards; anything else imported meanwhile stays cached.
+    """
+    root = os.path.realpath(os.fspath(path))
+    before = set(sys.modules)
+    sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(root)
+        for name in set(sys.modules) - before:
+            origin = getattr(sys.modules.get(name), "__file__", None)
+            # A prefix test alone would also match a sibling dir (/ckpt/code2 for /ckpt/code).
+            if origin and os.path.realpath(origin).startswith(root + os.sep):
+                del sys.modules[name]

@@ -60,6 +60,15 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return overrides, rest
 
 
+def help_requested(argv: Sequence[str], usage: str | None) -> bool:
+    """``-h``/``--help`` as the first argument (seed 001: ``python3 -m determined.launch.deepspeed
+    -h``) prints the launcher's usage; the caller then exits 0."""
+    if list(argv[:1]) not in (["-h"], ["--help"]):
+        return False
+    print((usage or "").strip(), flush=True)
+    return True
+
+
 def trial_script(trial: str) -> list[str]:
     if not re.fullmatch(r"[A-Za-z0-9_./]+:[A-Za-z0-9_.]+", trial):
         raise LaunchError(f"--trial {trial!r}: expected filepath:ClassName")

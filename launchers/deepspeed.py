@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_secret_env
+from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run, run_secret_env
 
 
 def hostfile_text(nodes: Nodes) -> str:
@@ -77,6 +77,8 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: s
 
 
 def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
         secret = run_secret_env(os.environ, nodes)

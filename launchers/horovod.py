@@ -6,6 +6,11 @@ publishes in the run dir. Ranks follow the node list: node i holds ranks i*slots
 ``--mpi`` in the overrides uses Open MPI instead: the chief runs ``mpirun`` inside the allocation
 (Open MPI starts its daemons through Slurm, not ssh) and the other nodes' launchers wait.
 When one worker fails, the others are stopped and the launcher exits non-zero.
+
+HVD_OVERRIDES are horovodrun's flags (``--fusion-threshold-mb 1 --cycle-time-ms 2``,
+``--autotune``, ``--timeline-filename F``, ...), turned into Horovod's environment variables for
+every worker (``_horovod_args.py``). ``--autohorovod`` (Determined's internal flag, before the
+trial) runs a one-slot trial directly, as ``detslurm.launch.autohorovod`` does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from detslurm.launch._common import (
     Nodes,
     fail,
     free_port,
+    help_requested,
     interface_for,
     nodes_from_env,
     parse_args,
@@ -32,7 +38,11 @@ from detslurm.launch._common import (
     supervise,
     wait_published,
 )
+from detslurm.launch._horovod_args import Controller, HorovodSettings, parse_overrides, report
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV
+
+# The first word after the overrides' `--` in Determined's legacy entrypoints.
+AUTOHOROVOD = "--autohorovod"
 
 
 def worker_env(
@@ -85,23 +95,30 @@ def _ports_file(env: Mapping[str, str]) -> Path:
     return run_paths(env).horovod_rendezvous(env.get("SLURM_JOB_ID", "local"))
 
 
-def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str]) -> int:
+def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], settings: HorovodSettings) -> int:
     try:
         secret = run_secret_env(env, nodes)
     except LaunchError as e:
         return fail(str(e))
     server = None
+    local = nodes.chief if nodes.nnodes > 1 else "127.0.0.1"
     if nodes.is_chief:
         server, port = _start_rendezvous(nodes)
-        dist_port = free_port(nodes.chief if nodes.nnodes > 1 else "127.0.0.1")
+        # dist: the Core API's DistributedContext; torch: a legacy --trial's torch.distributed.
+        dist_port, torch_port = free_port(local), free_port(local)
         if nodes.nnodes > 1:
-            publish(_ports_file(env), {"port": port, "dist": dist_port})
+            publish(_ports_file(env), {"port": port, "dist": dist_port, "torch": torch_port})
     else:
-        published = wait_published(_ports_file(env))
-        port, dist_port = int(published["port"]), int(published["dist"])
+        try:
+            published = wait_published(_ports_file(env), settings.start_timeout_s or 120)
+        except LaunchError as e:
+            return fail(str(e))
+        port, dist_port, torch_port = int(published["port"]), int(published["dist"]), int(published["torch"])
     addr = nodes.chief
-    iface = env.get("DETSLURM_NETWORK_INTERFACE") or interface_for(nodes.hosts[nodes.node_rank])
-    base = dict(env, DETSLURM_DIST_PORT=str(dist_port), **secret)
+    iface = settings.network_interface or env.get("DETSLURM_NETWORK_INTERFACE")
+    iface = iface or interface_for(nodes.hosts[nodes.node_rank])
+    base = dict(env, DETSLURM_DIST_PORT=str(dist_port), DETSLURM_TORCH_PORT=str(torch_port), **secret)
+    base.update(settings.env)
     procs = [
         subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
         for i in range(nodes.slots)
@@ -153,29 +170,62 @@ def mpi_cmd(
     ]
 
 
-def main(argv: Sequence[str]) -> int:
+def take_autohorovod(argv: Sequence[str]) -> tuple[list[str], bool]:
+    """``[OVERRIDES --] --autohorovod REST`` -> (argv without the flag, whether it was there)."""
+    args = list(argv)
+    at = args.index("--") + 1 if "--" in args else 0
+    if args[at : at + 1] == [AUTOHOROVOD]:
+        del args[at]
+        return args, True
+    return args, False
+
+
+def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> int:
+    """The chief runs mpirun for every node; the other nodes' launchers only wait."""
+    if not nodes.is_chief:
+        return 0  # the chief's mpirun starts this node's ranks
+    local = nodes.chief if nodes.nnodes > 1 else "127.0.0.1"
+    dist_port, torch_port = free_port(local), free_port(local)
     try:
-        overrides, script = parse_args(argv)
+        secret = run_secret_env(os.environ, nodes)
+    except LaunchError as e:
+        return fail(str(e))
+    env = dict(
+        os.environ,
+        OMPI_MCA_plm_slurm_args="--overlap",
+        DET_CHIEF_IP=nodes.chief,
+        DETSLURM_DIST_PORT=str(dist_port),
+        DETSLURM_TORCH_PORT=str(torch_port),
+    )
+    env.update(secret)
+    env.update(settings.env)
+    extra = list(settings.mpi_args)
+    if settings.network_interface:
+        env.setdefault("NCCL_SOCKET_IFNAME", settings.network_interface)
+        extra += ["--mca", "btl_tcp_if_include", settings.network_interface]
+    names = [n for n in (SECRET_FILE_ENV, SECRET_ENV, "DETSLURM_TORCH_PORT", "NCCL_SOCKET_IFNAME") if env.get(n)]
+    exported = names + sorted(settings.env)
+    return run(mpi_cmd(nodes, extra, script, exported=exported), env)
+
+
+def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
+    try:
+        args, auto = take_autohorovod(argv)
+        overrides, script = parse_args(args)
+        settings = parse_overrides(overrides)
         nodes = nodes_from_env(os.environ)
     except LaunchError as e:
         return fail(str(e))
-    if "--mpi" in overrides:
-        if not nodes.is_chief:
-            return 0  # the chief's mpirun starts this node's ranks
-        dist_port = free_port(nodes.chief if nodes.nnodes > 1 else "127.0.0.1")
-        try:
-            secret = run_secret_env(os.environ, nodes)
-        except LaunchError as e:
-            return fail(str(e))
-        env = dict(
-            os.environ, OMPI_MCA_plm_slurm_args="--overlap", DET_CHIEF_IP=nodes.chief, DETSLURM_DIST_PORT=str(dist_port)
-        )
-        env.update(secret)
-        exported = [n for n in (SECRET_FILE_ENV, SECRET_ENV) if env.get(n)]
-        return run(mpi_cmd(nodes, overrides, script, exported=exported), env)
-    if overrides:
-        return fail(f"unsupported horovod overrides {overrides}: only --mpi is understood without horovodrun")
-    return gloo_main(nodes, script, os.environ)
+    if auto and nodes.nnodes == 1 and nodes.slots <= 1:
+        from detslurm.launch.autohorovod import run_one_slot
+
+        return run_one_slot(script)
+    report(settings)
+    if settings.controller is Controller.MPI:
+        return mpi_main(nodes, script, settings)
+    return gloo_main(nodes, script, os.environ, settings)
 
 
 if __name__ == "__main__":

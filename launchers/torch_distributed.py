@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from detslurm.launch._common import LaunchError, Nodes, fail, prepare, run, run_secret_env
+from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run, run_secret_env
 
 
 def build_torchrun_cmd(
@@ -58,6 +58,8 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str
 
 
 def main(argv: Sequence[str]) -> int:
+    if help_requested(argv, __doc__):
+        return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
         secret = run_secret_env(os.environ, nodes)

@@ -1,9 +1,11 @@
-"""``python -m detslurm.launch.wrap_rank RANK [--] SCRIPT...``: prefix every output line of a
+"""``python -m detslurm.launch.wrap_rank [--no-redirect-stdio] RANK [--] SCRIPT...``: prefix every output line of a
 worker with ``[rank=N] `` so logs can be told apart per rank (``det trial logs --rank-id N``).
 
 RANK is a number, or a comma list of environment variables tried in order (``RANK,PMI_RANK``).
 Lines are split on ``\\n`` and ``\\r`` (tqdm's redraws become lines); over-long lines are broken.
-Signals are forwarded to the worker; the exit code is the worker's.
+Signals are forwarded to the worker; the exit code is the worker's. ``--no-redirect-stdio`` is
+accepted for Determined's command lines: output always goes to this process's own stdout and
+stderr here (the trial's log), never to separate files.
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def pump(src: BinaryIO, dst: BinaryIO, prefix: bytes) -> None:
 
 def main(argv: Sequence[str]) -> int:
     args = list(argv)
+    if args[:1] == ["--no-redirect-stdio"]:
+        args = args[1:]
     if len(args) < 2:
-        print("usage: python -m detslurm.launch.wrap_rank RANK [--] SCRIPT...", file=sys.stderr)
+        print("usage: python -m detslurm.launch.wrap_rank [--no-redirect-stdio] RANK [--] SCRIPT...", file=sys.stderr)
         return 2
     rank = resolve_rank(args[0], os.environ)
     if rank is None:

@@ -191,3 +191,52 @@ def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: 
             for m in s.scalars(select(Metric).where(Metric.archived.is_(False)).order_by(Metric.steps_completed))
         ]
     assert steps == list(range(1, 61))
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+def test_horovod_overrides_reach_every_rank_on_two_nodes(det: Any, tmp_path: Path) -> None:
+    """horovodrun-spelled overrides become Horovod's variables on both nodes' workers."""
+    pytest.importorskip("horovod.torch")
+    probe = "import os\nprint('knobs', os.environ['HOROVOD_FUSION_THRESHOLD'], os.environ['HOROVOD_CYCLE_TIME'])\n"
+    write(tmp_path / "ctx/hvd_train.py", probe + (FIXTURES / "hvd_train.py").read_text())
+    timeline = tmp_path / "timeline.json"
+    overrides = f"--fusion-threshold-mb 1 --cycle-time-ms 2 --timeline-filename {timeline} -- "
+    cfg = write(tmp_path / "c.yaml", HVD.format(overrides=overrides))
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx", "-f")
+    assert code == 0, out + err
+    for r in range(4):
+        assert f"[rank={r}] knobs 1048576 2.0" in out and f"[rank={r}] rank {r}/4 on " in out
+    assert timeline.stat().st_size > 0  # Horovod itself read HOROVOD_TIMELINE
+
+
+@pytest.mark.slurm
+@pytest.mark.torch
+@pytest.mark.usefixtures("slurm_env")
+@pytest.mark.parametrize(
+    "entrypoint,needs",
+    [
+        (
+            "python3 -m determined.launch.horovod --fusion-threshold-mb 1 --cycle-time-ms 2 -- --trial model_def:MyTrial",
+            "horovod",
+        ),
+        ("python3 -m determined.launch.deepspeed --trial model_def:MyTrial", "deepspeed"),
+        ("model_def:TrialClass", "horovod"),
+    ],
+    ids=["horovod-overrides", "deepspeed", "legacy-entrypoint"],
+)
+def test_seed_trial_lines_on_two_nodes(det: Any, tmp_path: Path, entrypoint: str, needs: str) -> None:
+    """Seeds 000/001's `--trial` lines and legacy entrypoint, 4 slots on 2 nodes: the legacy
+    harness trains as one DDP group whichever launcher started the ranks."""
+    pytest.importorskip(needs)
+    from test_seed_commands import LEGACY_CFG, legacy_context
+
+    ctx = legacy_context(tmp_path)
+    cfg = write(tmp_path / "c.yaml", LEGACY_CFG.format(slots=4, entrypoint=entrypoint))
+    code, out, err = det("e", "create", cfg, ctx, "-f")
+    assert code == 0, out + err
+    code, logs, _ = det("t", "logs", "1")
+    for r in range(4):
+        assert f"[rank={r}] trial rank {r}/4 ddp=true" in logs, logs
+    assert [v["batches"] for v in validations()] == [4, 8]

@@ -4,6 +4,11 @@ What ``--trial`` and ``entrypoint: model_def:Class`` lead to. The experiment con
 what ``Trainer.fit()`` would otherwise be told: min_checkpoint_period, min_validation_period,
 scheduling_unit (the reporting period), checkpoint_policy, perform_initial_validation and the
 length (searcher.max_length; records and epochs through global_batch_size and the loader).
+
+Under several slots the Trainer trains data-parallel with torch DDP, its one distributed path,
+whichever launcher started the ranks: under ``horovod``/``autohorovod`` and ``deepspeed`` the
+harness first derives torch.distributed's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) from the
+ranks that launcher gave (``torch_env_for_trial``); the launchers supply a rendezvous port.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from detslurm.core import get_cluster_info
@@ -30,6 +36,61 @@ def load_trial_class(spec: str) -> Any:
     return obj
 
 
+def _true(value: str | None) -> bool:
+    return (value or "").lower() in ("1", "true")
+
+
+def _horovod_ranks(env: Mapping[str, str]) -> dict[str, int] | None:
+    """Rank facts from Horovod's gloo variables, or Open MPI's under ``--mpi``."""
+    prefix = "HOROVOD_" if "HOROVOD_RANK" in env else "OMPI_COMM_WORLD_" if "OMPI_COMM_WORLD_RANK" in env else None
+    if prefix is None:
+        return None
+    rank, size, local_rank, local_size = (int(env[prefix + k]) for k in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
+    # Ranks fill nodes in order (both launchers place them that way), so the node is rank // local_size.
+    return {
+        "RANK": rank,
+        "WORLD_SIZE": size,
+        "LOCAL_RANK": local_rank,
+        "LOCAL_WORLD_SIZE": local_size,
+        "GROUP_RANK": rank // local_size,
+        "GROUP_WORLD_SIZE": size // local_size,
+    }
+
+
+def torch_env_for_trial(env: Mapping[str, str]) -> dict[str, str]:
+    """Pure: the variables to add so ``pytorch.init()`` sets up torch.distributed for this rank.
+
+    Empty for one rank, or when torch_distributed already launched it. Raises ValueError when
+    a launcher's variables are incomplete (a hand-made launch), naming what is missing.
+    """
+    if _true(env.get("USE_TORCH_DISTRIBUTED")):
+        return {}
+    if _true(env.get("USE_DEEPSPEED")) and "WORLD_SIZE" in env:
+        # DeepSpeed's launcher already sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT.
+        names = {"LOCAL_WORLD_SIZE": "LOCAL_SIZE", "GROUP_RANK": "CROSS_RANK", "GROUP_WORLD_SIZE": "CROSS_SIZE"}
+        missing = [src for src in names.values() if src not in env]
+        if missing:
+            raise ValueError(f"the deepspeed launcher did not set {', '.join(missing)}")
+        out = {dst: env[src] for dst, src in names.items()}
+        size = int(env["WORLD_SIZE"])
+    elif _true(env.get("USE_HOROVOD")):
+        ranks = _horovod_ranks(env)
+        if ranks is None:
+            raise ValueError("USE_HOROVOD is set but neither HOROVOD_RANK nor OMPI_COMM_WORLD_RANK is")
+        size = ranks["WORLD_SIZE"]
+        if size > 1 and not env.get("DETSLURM_TORCH_PORT"):
+            raise ValueError("the horovod launcher did not set DETSLURM_TORCH_PORT")
+        out = {k: str(v) for k, v in ranks.items()}
+        out["MASTER_ADDR"] = env.get("DET_CHIEF_IP") or "127.0.0.1"
+        out["MASTER_PORT"] = env.get("DETSLURM_TORCH_PORT", "")
+    else:
+        return {}
+    if size <= 1:
+        return {}
+    out["USE_TORCH_DISTRIBUTED"] = "true"
+    return out
+
+
 def main(argv: list[str]) -> int:
     from detslurm import pytorch
 
@@ -40,6 +101,11 @@ def main(argv: list[str]) -> int:
     info = get_cluster_info()
     if info is None:
         print("detslurm harness: not running as a trial (no DET_TRIAL_ID); use Trainer.fit() locally", file=sys.stderr)
+        return 2
+    try:
+        os.environ.update(torch_env_for_trial(os.environ))
+    except ValueError as e:
+        print(f"detslurm harness: {e}", file=sys.stderr)
         return 2
     trial_cls = load_trial_class(argv[0])
     cfg = info.trial._config

@@ -2,7 +2,7 @@
 
 1. extract the experiment's context snapshot into the run's working dir;
 2. run ``startup-hook.sh`` if the context has one;
-3. run the entrypoint (legacy ``model_def:Trial`` -> torch_distributed --trial; a string -> sh -c;
+3. run the entrypoint (legacy ``model_def:Trial`` -> autohorovod --trial; a string -> sh -c;
    a list as is), forwarding signals to its process group;
 4. write the exit record (``RunPaths.exit_record``) atomically, so the controller learns the
    exit code even when it was not the parent (a restarted controller, or a Slurm job).
@@ -44,7 +44,9 @@ def entrypoint_argv(entrypoint: str | Sequence[str], python: str = sys.executabl
     """
     if isinstance(entrypoint, str):
         if LEGACY_TRIAL.match(entrypoint):
-            return [python, "-m", "detslurm.launch.torch_distributed", "--", "--trial", entrypoint]
+            # Seeds 000/001: a legacy trial class runs alone on one slot and under Horovod on
+            # several (torch_distributed where Horovod is missing); see launch/autohorovod.py.
+            return [python, "-m", "detslurm.launch.autohorovod", "--trial", entrypoint]
         if not SHELL_SYNTAX.search(entrypoint):
             try:
                 words = shlex.split(entrypoint)

@@ -1,48 +1,33 @@
-"""detslurm's API under Determined's names, so scripts written for Determined run unchanged."""
+"""detslurm's API under Determined's names, so scripts written for Determined run unchanged.
 
-import contextlib as _contextlib
-import sys as _sys
-from collections.abc import Iterator as _Iterator
-from pathlib import Path as _Path
+Found through ``detslurm._compat.finder`` (or PYTHONPATH inside trials) only when no real
+``determined`` package is installed. Every name resolves lazily through ``detslurm``'s own
+top level, so ``import determined`` stays as cheap as ``import detslurm`` (no torch).
+"""
+
 from typing import Any as _Any
 
-from detslurm import core
-from detslurm.core import get_cluster_info
-from detslurm.errors import InvalidHP
+import detslurm as _detslurm
+from detslurm import LOG_FORMAT, InvalidHP
 
-LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"
-
-
-@_contextlib.contextmanager
-def import_from_path(path: "str | _Path") -> _Iterator[None]:
-    """Import modules from ``path`` inside the block, then forget them again, so an older
-    model_def.py (from a checkpoint's code/) and the current one never collide."""
-    path = str(path)
-    before = set(_sys.modules)
-    _sys.path.insert(0, path)
-    try:
-        yield
-    finally:
-        with _contextlib.suppress(ValueError):
-            _sys.path.remove(path)
-        for name in set(_sys.modules) - before:
-            mod = _sys.modules.get(name)
-            origin = str(getattr(mod, "__file__", "") or "")
-            if origin.startswith(path):
-                del _sys.modules[name]
+# Attribute access only; `from determined import core` finds the subpackages in this directory.
+_FORWARDED = ("core", "pytorch", "experimental", "launch", "get_cluster_info", "import_from_path")
 
 
 def __getattr__(name: str) -> _Any:
-    # Heavy or optional parts load on first use only.
-    if name == "pytorch":
+    if name in _FORWARDED:
         import importlib
 
-        return importlib.import_module("detslurm.pytorch")
-    if name == "experimental":
-        from determined import experimental
+        if name in ("core", "pytorch", "experimental", "launch"):
+            # Our own `determined.<name>` subpackage, so `determined.core is det.core` holds
+            # whichever way it was first imported.
+            return importlib.import_module(f"{__name__}.{name}")
+        return getattr(_detslurm, name)
+    raise AttributeError(f"module 'determined' has no attribute {name!r}")
 
-        return experimental
-    raise AttributeError(name)
+
+def __dir__() -> list:  # type: ignore[type-arg]
+    return sorted({*globals(), *_FORWARDED})
 
 
-__all__ = ["InvalidHP", "LOG_FORMAT", "core", "get_cluster_info", "import_from_path"]
+__all__ = ["InvalidHP", "LOG_FORMAT", *_FORWARDED]

@@ -1,0 +1,23 @@
+"""``det.experimental``: Determined's experimental namespace, as far as detslurm has it.
+
+``from determined.experimental import client`` then ``client.get_checkpoint(uuid)`` (seed 003's
+checkpoint loading) works unchanged. ``client`` reads the login node's store, so it is imported
+on first use only: scripts that merely ``import determined`` never pay for SQLAlchemy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from detslurm import client
+
+
+def __getattr__(name: str) -> Any:
+    if name == "client":
+        return importlib.import_module("detslurm.client")
+    raise AttributeError(f"module 'detslurm.experimental' has no attribute {name!r}")
+
+
+__all__ = ["client"]
