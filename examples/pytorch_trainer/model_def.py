@@ -45,7 +45,7 @@ class MyPyTorchTrial(pytorch.PyTorchTrial):
     def train_batch(self, batch: pytorch.TorchData, epoch_idx: int, batch_idx: int) -> dict[str, torch.Tensor]:
         crash = os.environ.get("EXAMPLE_CRASH_AT_BATCH")  # for the kill-and-resume test
         info = det.get_cluster_info()
-        if crash and info and info.trial._trial_run_id == 1 and epoch_idx * 32 + batch_idx + 1 == int(crash):
+        if crash and info and info.trial._trial_run_id == 1 and batch_idx + 1 == int(crash):
             os._exit(3)
         data, labels = batch
         output = self.model(data)
