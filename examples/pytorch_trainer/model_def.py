@@ -14,7 +14,7 @@ import torch
 from determined import pytorch
 from determined.pytorch import PyTorchTrialContext
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 
 def synthetic(n: int, seed: int) -> TensorDataset:
@@ -61,8 +61,9 @@ class MyPyTorchTrial(pytorch.PyTorchTrial):
         accuracy = (output.argmax(1) == labels).float().mean().item()
         return {"validation_loss": validation_loss, "accuracy": accuracy}
 
-    def build_training_data_loader(self) -> DataLoader:
-        return DataLoader(synthetic(1024, 1), batch_size=self.batch_size, shuffle=True)
+    def build_training_data_loader(self) -> pytorch.DataLoader:
+        # Per-slot batches: each of N ranks gets its own shard; one step trains the global batch.
+        return pytorch.DataLoader(synthetic(1024, 1), batch_size=self.context.get_per_slot_batch_size(), shuffle=True)
 
-    def build_validation_data_loader(self) -> DataLoader:
-        return DataLoader(synthetic(256, 2), batch_size=self.batch_size)
+    def build_validation_data_loader(self) -> pytorch.DataLoader:
+        return pytorch.DataLoader(synthetic(256, 2), batch_size=self.context.get_per_slot_batch_size())
