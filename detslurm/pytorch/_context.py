@@ -97,6 +97,8 @@ class PyTorchTrialContext:
         self._current_batch_idx = 0
         local = distributed.local_rank
         self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        # Without CUDA every tensor already lives on the only device: to_device has nothing to move.
+        self._cpu_only = not torch.cuda.is_available()
         self._use_ddp = distributed.size > 1 and os.environ.get("USE_TORCH_DISTRIBUTED", "").lower() in ("1", "true")
 
     # -- hyperparameters and config ----------------------------------------------------------
@@ -259,17 +261,20 @@ class PyTorchTrialContext:
             raise ValueError("step_optimizer() got an optimizer that was not passed to context.wrap_optimizer()")
         if not self._should_communicate_and_update():
             return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+
+        def params() -> list[torch.nn.Parameter]:
+            return [p for g in optimizer.param_groups for p in g["params"]]
+
         average = self._per_optimizer_average.get(id(optimizer), self._average_aggregated)
         if self._aggregation_frequency > 1 and average:
-            for p in params:
+            for p in params():
                 if p.grad is not None:
                     p.grad.div_(self._aggregation_frequency)
         scaler = scaler if scaler is not None else self._scaler
         if clip_grads is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            clip_grads(params)
+            clip_grads(params())
         if scaler is not None:
             scaler.step(optimizer)
             self._scaler_stepped = True
@@ -277,11 +282,14 @@ class PyTorchTrialContext:
             optimizer.step()
         if auto_zero_grads:
             optimizer.zero_grad()
-        for s in self.lr_schedulers:
-            if s.step_mode == LRScheduler.StepMode.STEP_EVERY_OPTIMIZER_STEP:
-                s.step_due()
+        for sched in self.lr_schedulers:
+            if sched.step_mode == LRScheduler.StepMode.STEP_EVERY_OPTIMIZER_STEP:
+                sched.step_due()
 
     def to_device(self, data: Any) -> Any:
+        """Tensors in ``data`` (nested dicts, lists, tuples) moved to this rank's device."""
+        if self._cpu_only:
+            return data
         if isinstance(data, torch.Tensor):
             return data.to(self.device)
         if isinstance(data, dict):

@@ -180,8 +180,17 @@ class ShardedLoader:
     def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
         self.source = source
         self.batches = _EpochBatches(source, shard, seed)
+        self._seed = seed
+        kwargs = source._torch_kwargs()
+        # torch draws each iterator's base seed (worker seeds) from the loader's generator, or
+        # from the global RNG without one: a private generator keeps the global RNG (dropout,
+        # augmentations) untouched, so a resumed run draws the same numbers as an uninterrupted one.
+        self._own_generator = kwargs["generator"] is None
+        if self._own_generator:
+            kwargs["generator"] = torch.Generator()
+        self._generator: torch.Generator = kwargs["generator"]
         self.loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
-            source.dataset, batch_sampler=self.batches, **source._torch_kwargs()
+            source.dataset, batch_sampler=self.batches, **kwargs
         )
         if self.batches.steps_per_epoch() < 1:
             raise ValueError(
@@ -203,6 +212,8 @@ class ShardedLoader:
     def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[Any]:
         """This rank's batches of ``epoch``, after the first ``skip_steps`` steps."""
         self.batches.position(epoch, skip_steps)
+        if self._own_generator:
+            self._generator.manual_seed((self._seed * _EPOCH_MIX + epoch + 1) % (2**63))
         return iter(self.loader)
 
 
@@ -212,7 +223,10 @@ def evaluation_loader(source: Any, shard: Shard, seed: int) -> Any:
     if not isinstance(source, DataLoader):
         return source
     batches = _ValidationBatches(source, shard, seed)
-    return torch.utils.data.DataLoader(source.dataset, batch_sampler=batches, **source._torch_kwargs())
+    kwargs = source._torch_kwargs()
+    if kwargs["generator"] is None:  # as for training: leave the global RNG alone
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(source.dataset, batch_sampler=batches, **kwargs)
 
 
 class _ValidationBatches(Sampler[list[int]]):

@@ -213,19 +213,20 @@ class Trainer:
         ctx = self.context
         batch = ctx.to_device(batch)
         prof = self._profiling
-        timed = (
-            prof["enabled"]
-            and self.batches_trained >= prof.get("begin", 0)
+        timed = prof["enabled"] and (
+            self.batches_trained >= prof.get("begin", 0)
             and (prof.get("end") is None or self.batches_trained <= prof["end"])
         )
         ctx._current_batch_idx = self.batches_trained
         ctx._scaler_stepped = False
-        t0 = time.perf_counter()
-        with contextlib.ExitStack() as stack:
-            if not ctx._should_communicate_and_update():
-                # Accumulating gradients: no all-reduce until the batch that steps the optimizer.
+        t0 = time.perf_counter() if timed else 0.0
+        if ctx._wrapped_models and not ctx._should_communicate_and_update():
+            # Accumulating gradients: no all-reduce until the batch that steps the optimizer.
+            with contextlib.ExitStack() as stack:
                 for ddp in ctx._wrapped_models:
                     stack.enter_context(ddp.no_sync())  # type: ignore[operator]
+                metrics = self.trial.train_batch(batch, self.epoch_idx, self.batches_trained)
+        else:
             # batch_idx is the batch's index since the start of training (Determined's meaning).
             metrics = self.trial.train_batch(batch, self.epoch_idx, self.batches_trained)
         if ctx._scaler is not None and ctx._scaler_stepped:
@@ -233,7 +234,8 @@ class Trainer:
         if timed:
             self.step_timings.append(time.perf_counter() - t0)
         self.batches_trained += 1
-        self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
+        if ctx.lr_schedulers:
+            self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
         if not isinstance(metrics, dict):
             raise TypeError(f"train_batch() must return a dict of metrics, not {type(metrics).__name__}")
         return {k: scalar(v) for k, v in metrics.items()}
@@ -254,11 +256,13 @@ class Trainer:
         """Report / validate / checkpoint as due; True when training must stop now."""
         ckpt_p, val_p, rep_p = periods
         b, done = self.batches_trained, self.batches_trained >= max_batches
-        validate = (val_p is not None and val_p.hits(b, bpe)) or done
-        checkpoint = (ckpt_p is not None and ckpt_p.hits(b, bpe)) or done
+        validate = done or (val_p is not None and val_p.hits(b, bpe))
+        checkpoint = done or (ckpt_p is not None and ckpt_p.hits(b, bpe))
         # Training metrics are flushed at every validation/checkpoint too: a restart resumes at
         # a checkpoint, so no reported window ever straddles one (same rows as an uninterrupted run).
-        boundary = rep_p.hits(b, bpe) or validate or checkpoint
+        boundary = validate or checkpoint or rep_p.hits(b, bpe)
+        if not boundary and not self.context._stop_requested:
+            return False  # the common case: nothing due after this batch
         if boundary:
             self._report_training(pending)
         if validate:
