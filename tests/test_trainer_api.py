@@ -125,9 +125,21 @@ def test_lr_scheduler_step_modes(det_env: Path) -> None:
             self.per_batch = self.context.wrap_lr_scheduler(sched(self.opt, 100), mode.STEP_EVERY_BATCH, frequency=2)
             self.per_epoch = self.context.wrap_lr_scheduler(sched(self.opt, 100), mode.STEP_EVERY_EPOCH)
             self.manual = self.context.wrap_lr_scheduler(sched(self.opt, 100), mode.MANUAL_STEP)
+            self.where: list[tuple[int, int, bool, bool]] = []
+            self.lengths = 0
 
-    t = fit(Scheduled, 20, checkpoint_policy="none")  # 8 batches per epoch
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            c = self.context
+            self.where.append((c.current_train_batch(), c.current_train_epoch(), c.is_epoch_start(), c.is_epoch_end()))
+            return super().train_batch(batch, epoch_idx, batch_idx)
+
+        def get_batch_length(self, batch: Any) -> int:
+            self.lengths += 1  # asked once per batch when profiling
+            return super().get_batch_length(batch)
+
+    t = fit(Scheduled, 20, checkpoint_policy="none", profiling_enabled=True)  # 8 batches per epoch
     assert (t.per_batch.last_epoch, t.per_epoch.last_epoch, t.manual.last_epoch) == (10, 2, 0)
+    assert t.where[7] == (7, 0, False, True) and t.where[8] == (8, 1, True, False) and t.lengths == 20
     with pytest.raises(TypeError, match="StepMode"):
         pytorch.LRScheduler(None, "STEP_EVERY_BATCH")  # type: ignore[arg-type]
 
@@ -311,6 +323,8 @@ def test_what_is_not_built_fails_at_once_naming_itself() -> None:
         ctx.wrap_optimizer(opt, backward_passes_per_step=2)
     with pytest.raises(ValueError, match="not passed to context.wrap_optimizer"):
         ctx.step_optimizer(opt)
+    with pytest.raises(NotImplementedError, match="get_tensorboard_writer"):
+        ctx.get_tensorboard_writer()
     with pytest.raises(ValueError, match="needs a name"):
         ctx.wrap_reducer(sum)
 

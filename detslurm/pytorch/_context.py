@@ -95,6 +95,7 @@ class PyTorchTrialContext:
         # Set by the Trainer before each train_batch: the optimizer steps on every
         # aggregation_frequency-th batch only (gradients accumulate in between).
         self._current_batch_idx = 0
+        self._epoch_len = 1
         local = distributed.local_rank
         self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
         # Without CUDA every tensor already lives on the only device: to_device has nothing to move.
@@ -306,6 +307,29 @@ class PyTorchTrialContext:
 
     def is_chief(self) -> bool:
         return self.distributed.rank == 0
+
+    # -- where training is (set by the Trainer before each train_batch) ------------------------
+    def current_train_batch(self) -> int:
+        """The index of the batch being trained, counted from the start of training."""
+        return self._current_batch_idx
+
+    def current_train_epoch(self) -> int:
+        return self._current_batch_idx // self._epoch_len
+
+    def is_epoch_start(self) -> bool:
+        return self._current_batch_idx % self._epoch_len == 0
+
+    def is_epoch_end(self) -> bool:
+        return (self._current_batch_idx + 1) % self._epoch_len == 0
+
+    def get_tensorboard_writer(self) -> Any:
+        raise NotImplementedError(
+            "context.get_tensorboard_writer() is not supported by detslurm: report metrics through the Trainer "
+            "(train_batch / evaluate_batch return values) instead"
+        )
+
+    def get_tensorboard_path(self) -> Any:
+        raise NotImplementedError("context.get_tensorboard_path() is not supported by detslurm")
 
 
 class CheckpointLoadContext(PyTorchTrialContext):

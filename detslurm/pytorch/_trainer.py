@@ -52,6 +52,7 @@ class Trainer:
         self._epoch_rng: Optional[dict[str, Any]] = None
         self._profiling: dict[str, Any] = {"enabled": False}
         self.step_timings: list[float] = []
+        self._records_timed = 0  # get_batch_length() of the timed batches (profiling only)
         self._best: Optional[float] = None
         self._last_ckpt_at = -1
         self._last_val_at = -1
@@ -143,6 +144,7 @@ class Trainer:
         self._val_source = self.trial.build_validation_data_loader()
         bpe = self._unit_epoch_len(data_steps)
         self._bpe = bpe
+        self.context._epoch_len = bpe
         max_batches = self._max_batches(max_length, bpe, test_mode)
         if latest_checkpoint:
             self._load(latest_checkpoint)
@@ -233,6 +235,7 @@ class Trainer:
             ctx._scaler.update()
         if timed:
             self.step_timings.append(time.perf_counter() - t0)
+            self._records_timed += self.trial.get_batch_length(batch)
         self.batches_trained += 1
         if ctx.lr_schedulers:
             self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
@@ -307,7 +310,12 @@ class Trainer:
                 self.core.train.report_metrics(
                     "profiling",
                     self.batches_trained,
-                    {"train_batch_s_mean": sum(t) / len(t), "train_batch_s_max": max(t), "samples": len(t)},
+                    {
+                        "train_batch_s_mean": sum(t) / len(t),
+                        "train_batch_s_max": max(t),
+                        "samples": len(t),
+                        "records_per_s": self._records_timed / max(sum(t), 1e-9),
+                    },
                 )
         for cb in self.callbacks.values():
             cb.on_training_workload_end(avg, batch_metrics)
