@@ -17,7 +17,7 @@ from conftest import ROOT, write
 from sqlalchemy import select
 
 from detslurm import settings
-from detslurm.store import Checkpoint, TrialRun, open_store
+from detslurm.store import Checkpoint, Trial, TrialRun, open_store
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -151,13 +151,13 @@ def trial_runs() -> tuple[list[Path], dict[Path, int]]:
     return runs, upto
 
 
-def create(det: Any, tmp_path: Path, extra: str, *flags: str) -> None:
+def create(det: Any, tmp_path: Path, extra: str, *flags: str, wait: bool = True) -> None:
     ctx = tmp_path / "ctx"
     write(ctx / "shard_train.py", FIXTURE.read_text())
     cfg = write(tmp_path / "c.yaml", CONFIG + extra)
     code, out, err = det("e", "create", *flags, cfg, ctx)
     assert code == 0, out + err
-    if "--local" not in flags:
+    if wait and "--local" not in flags:
         code, out, err = det("e", "wait", "1")
         assert code == 0, out + err
 
@@ -188,4 +188,33 @@ class TestOnCluster:
         create(det, tmp_path, "resources: {slots_per_trial: 4}\n" + RESTART)
         runs, upto = trial_runs()
         assert len(runs) == 2 and upto[runs[0]] == 15
+        assert_same_training(runs, tmp_path, upto)
+
+    def test_two_nodes_pause_and_activate_resume_exactly(self, det: Any, tmp_path: Path) -> None:
+        """A preemption (det e pause): every rank stops at the same boundary, the Trainer
+        checkpoints there, and the activated run continues at the next batch."""
+        import time
+
+        env = "environment: {environment_variables: [CKPT_EVERY=5, SHARD_SLEEP=0.15]}\n"
+        create(det, tmp_path, "resources: {slots_per_trial: 4}\nmax_restarts: 0\n" + env, wait=False)
+        store = open_store(settings.load().db_url)
+        deadline = time.time() + 240
+
+        def state() -> tuple[str, int]:
+            with store.tx() as s:
+                t = s.scalars(select(Trial)).first()
+                n = len(list(s.scalars(select(Checkpoint))))
+                return (t.state if t else "", n)
+
+        while time.time() < deadline and state()[1] == 0:
+            time.sleep(0.2)
+        assert det("e", "pause", "1")[0] == 0
+        while time.time() < deadline and state()[0] != "PAUSED":
+            time.sleep(0.2)
+        assert state()[0] == "PAUSED"
+        assert det("e", "activate", "1")[0] == 0
+        code, out, err = det("e", "wait", "1")
+        assert code == 0, out + err
+        runs, upto = trial_runs()
+        assert len(runs) == 2 and 0 < upto[runs[0]] < BATCHES
         assert_same_training(runs, tmp_path, upto)
