@@ -114,7 +114,8 @@ def main(argv: list[str]) -> int:
     def period(key: str) -> Any:
         return pytorch.TrainUnit.from_values(**cfg.get(key, {}), global_batch_size=gbs)
 
-    with pytorch.init() as ctx:
+    agg = int((cfg.get("optimizations") or {}).get("aggregation_frequency", 1))
+    with pytorch.init(aggregation_frequency=agg) as ctx:
         trial = trial_cls(ctx)
         pytorch.Trainer(trial, ctx).fit(
             checkpoint_period=period("min_checkpoint_period"),

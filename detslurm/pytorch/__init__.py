@@ -1,16 +1,21 @@
 """The PyTorch Trainer API (Determined's ``det.pytorch``), importable without a cluster."""
 
 from detslurm.pytorch._context import CheckpointLoadContext, LRScheduler, PyTorchTrialContext
+from detslurm.pytorch._data import DataLoader
 from detslurm.pytorch._init import init
+from detslurm.pytorch._reducer import MetricReducer, Reducer
+from detslurm.pytorch._state import load_trial_from_checkpoint_path
 from detslurm.pytorch._trainer import Trainer
-from detslurm.pytorch._trial import PyTorchCallback, PyTorchTrial, Reducer, TorchData
+from detslurm.pytorch._trial import PyTorchCallback, PyTorchTrial, TorchData
 from detslurm.pytorch._units import Batch, Epoch, TrainUnit
 
 __all__ = [
     "Batch",
     "CheckpointLoadContext",
+    "DataLoader",
     "Epoch",
     "LRScheduler",
+    "MetricReducer",
     "PyTorchCallback",
     "PyTorchTrial",
     "PyTorchTrialContext",
@@ -19,4 +24,5 @@ __all__ = [
     "TrainUnit",
     "Trainer",
     "init",
+    "load_trial_from_checkpoint_path",
 ]

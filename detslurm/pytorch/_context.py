@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import enum
+import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from detslurm.core import Context as CoreContext
 from detslurm.core import DistributedContext, DummyDistributedContext
+from detslurm.pytorch._reducer import MetricReducer, WrappedReducer, _FunctionReducer
+
+log = logging.getLogger("detslurm.pytorch")
+
+
+class _Experimental:
+    """``context.experimental``: the parts of Determined's experimental surface not built here
+    fail at once, naming themselves (never a silent no-op)."""
+
+    def use_amp(self) -> None:
+        raise NotImplementedError(
+            "context.experimental.use_amp() is not supported by detslurm: use torch.autocast in train_batch "
+            "and context.wrap_scaler(torch.amp.GradScaler(...))"
+        )
+
+    def disable_dataset_reproducibility_checks(self) -> None:
+        pass  # nothing is checked: a plain torch DataLoader is accepted as it is
+
+    def disable_auto_to_device(self) -> None:
+        raise NotImplementedError("context.experimental.disable_auto_to_device() is not supported by detslurm")
 
 
 class LRScheduler:
@@ -20,9 +41,27 @@ class LRScheduler:
         MANUAL_STEP = "MANUAL_STEP"
         STEP_EVERY_OPTIMIZER_STEP = "STEP_EVERY_OPTIMIZER_STEP"
 
-    def __init__(self, scheduler: Any, step_mode: LRScheduler.StepMode) -> None:
+    def __init__(self, scheduler: Any, step_mode: LRScheduler.StepMode, frequency: int = 1) -> None:
+        if not isinstance(step_mode, LRScheduler.StepMode):
+            raise TypeError(f"wrap_lr_scheduler: step_mode must be an LRScheduler.StepMode, not {step_mode!r}")
+        if frequency < 1:
+            raise ValueError(f"wrap_lr_scheduler: frequency must be >= 1 (got {frequency})")
         self.scheduler = scheduler
         self.step_mode = step_mode
+        self.frequency = frequency
+        self._calls = 0
+
+    def step_due(self) -> None:
+        """One occurrence of this scheduler's unit; the scheduler steps every ``frequency``."""
+        self._calls += 1
+        if self._calls % self.frequency == 0:
+            self.scheduler.step()
+
+    def state_dict(self) -> Any:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.scheduler.load_state_dict(state)
 
 
 class PyTorchTrialContext:
@@ -32,17 +71,35 @@ class PyTorchTrialContext:
         hparams: dict[str, Any],
         exp_conf: dict[str, Any],
         distributed: DistributedContext,
+        aggregation_frequency: int = 1,
     ) -> None:
         self._core = core
         self._hparams = dict(hparams)
         self._config = dict(exp_conf)
         self.distributed = distributed
         self.models: list[torch.nn.Module] = []
+        self._wrapped_models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[LRScheduler] = []
+        self.reducers: list[WrappedReducer] = []
+        self._scaler: Any = None
+        self._scaler_stepped = False
         self._stop_requested = False
+        self.experimental = _Experimental()
+        opt = self._config.get("optimizations") or {}
+        if aggregation_frequency < 1:
+            raise ValueError(f"aggregation_frequency must be >= 1 (got {aggregation_frequency})")
+        self._aggregation_frequency = int(aggregation_frequency)
+        self._average_aggregated = bool(opt.get("average_aggregated_gradients", True))
+        self._per_optimizer_average: dict[int, bool] = {}
+        # Set by the Trainer before each train_batch: the optimizer steps on every
+        # aggregation_frequency-th batch only (gradients accumulate in between).
+        self._current_batch_idx = 0
+        self._epoch_len = 1
         local = distributed.local_rank
         self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        # Without CUDA every tensor already lives on the only device: to_device has nothing to move.
+        self._cpu_only = not torch.cuda.is_available()
         self._use_ddp = distributed.size > 1 and os.environ.get("USE_TORCH_DISTRIBUTED", "").lower() in ("1", "true")
 
     # -- hyperparameters and config ----------------------------------------------------------
@@ -62,13 +119,42 @@ class PyTorchTrialContext:
         data: dict[str, Any] = self._config.get("data", {})
         return data
 
-    def get_global_batch_size(self) -> int:
+    def _batch_sizes(self) -> tuple[int, int]:
+        """(per-slot, effective global) as Determined computes them: the global batch size is
+        rounded down to a multiple of the number of slots, with a warning."""
         if "global_batch_size" not in self._hparams:
             raise KeyError("get_global_batch_size() needs a `global_batch_size` hyperparameter")
-        return int(self._hparams["global_batch_size"])
+        raw = self._hparams["global_batch_size"]
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)) or int(raw) != raw or raw < 1:
+            raise ValueError(f"hyperparameters.global_batch_size must be a positive integer (got {raw!r})")
+        slots = self.distributed.size
+        if raw < slots:
+            raise ValueError(f"hyperparameters.global_batch_size ({int(raw)}) must be >= the number of slots ({slots})")
+        per_slot = int(raw) // slots
+        if per_slot * slots != raw and not getattr(self, "_warned_rounding", False):
+            self._warned_rounding = True
+            log.warning(
+                "global_batch_size changed from %d to %d to divide equally across %d slots",
+                raw,
+                per_slot * slots,
+                slots,
+            )
+        return per_slot, per_slot * slots
+
+    def get_global_batch_size(self) -> int:
+        return self._batch_sizes()[1]
 
     def get_per_slot_batch_size(self) -> int:
-        return max(1, self.get_global_batch_size() // self.distributed.size)
+        return self._batch_sizes()[0]
+
+    def get_trial_seed(self) -> int:
+        """The seed of the data order (and of init()'s RNG seeding): the trial's seed on a
+        cluster, else reproducibility.experiment_seed from the config, else 0."""
+        info = self._core.info if self._core else None
+        if info is not None:
+            return int(info.trial.trial_seed)
+        seed = (self._config.get("reproducibility") or {}).get("experiment_seed", 0)
+        return int(seed) if isinstance(seed, int) else 0
 
     def get_trial_id(self) -> int:
         info = self._core.info if self._core else None
@@ -80,25 +166,88 @@ class PyTorchTrialContext:
 
     # -- wrapping and stepping ---------------------------------------------------------------
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Moves the model to this rank's device; under torch.distributed (more than one
+        process) it returns it wrapped in DistributedDataParallel, which averages gradients."""
         model = model.to(self.device)
         self.models.append(model)
         if self._use_ddp:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            self._wrapped_models.append(ddp)
+            return ddp
         return model
 
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1
+        self,
+        optimizer: torch.optim.Optimizer,
+        backward_passes_per_step: int = 1,
+        fp16_compression: bool = False,
+        average_aggregated_gradients: Optional[bool] = None,
     ) -> torch.optim.Optimizer:
+        """Registers the optimizer for checkpoints and step_optimizer(). Gradient aggregation is
+        set with optimizations.aggregation_frequency (or pytorch.init(aggregation_frequency=))."""
+        if backward_passes_per_step != 1:
+            raise NotImplementedError(
+                "wrap_optimizer(backward_passes_per_step=...) is Horovod-only and not supported by the "
+                "detslurm Trainer: set optimizations.aggregation_frequency instead"
+            )
+        if fp16_compression:
+            raise NotImplementedError("wrap_optimizer(fp16_compression=True) is Horovod-only and not supported")
+        if average_aggregated_gradients is not None:
+            self._per_optimizer_average[id(optimizer)] = bool(average_aggregated_gradients)
         self.optimizers.append(optimizer)
         return optimizer
 
     def wrap_lr_scheduler(self, lr_scheduler: Any, step_mode: LRScheduler.StepMode, frequency: int = 1) -> Any:
-        self.lr_schedulers.append(LRScheduler(lr_scheduler, step_mode))
+        """The Trainer steps it per ``step_mode`` (every ``frequency`` batches / epochs /
+        optimizer steps); MANUAL_STEP leaves stepping to you. Its state is checkpointed."""
+        self.lr_schedulers.append(LRScheduler(lr_scheduler, step_mode, frequency))
         return lr_scheduler
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False, create_graph: bool = False) -> None:
-        loss.backward(retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
+    def wrap_scaler(self, scaler: Any) -> Any:
+        """A torch.amp.GradScaler (CPU or CUDA): backward() scales the loss, step_optimizer()
+        steps through it, the Trainer calls update() after each batch and checkpoints it."""
+        if self._scaler is not None:
+            raise ValueError("wrap_scaler() may be called once per trial")
+        self._scaler = scaler
+        return scaler
+
+    def configure_apex_amp(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "context.configure_apex_amp() (NVIDIA apex) is not supported by detslurm: use torch.autocast and "
+            "context.wrap_scaler(torch.amp.GradScaler(...))"
+        )
+
+    def wrap_reducer(
+        self,
+        reducer: Union[Callable[[list[Any]], Any], MetricReducer],
+        name: Optional[str] = None,
+        for_training: bool = False,
+        for_validation: bool = True,
+    ) -> MetricReducer:
+        """A custom metric reduction across batches and ranks. A plain function gets every value
+        passed to ``update()`` on every rank and needs ``name``; a MetricReducer without ``name``
+        returns a dict of metrics from cross_slot_reduce()."""
+        wrapped = reducer if isinstance(reducer, MetricReducer) else _FunctionReducer(reducer)
+        if not isinstance(reducer, MetricReducer) and name is None:
+            raise ValueError("wrap_reducer(fn) needs a name= for the metric it produces")
+        self.reducers.append(WrappedReducer(wrapped, name, for_training, for_validation))
+        return wrapped
+
+    def _should_communicate_and_update(self) -> bool:
+        return (self._current_batch_idx + 1) % self._aggregation_frequency == 0
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        gradient: Optional[torch.Tensor] = None,
+        retain_graph: bool = False,
+        create_graph: bool = False,
+    ) -> None:
+        """loss.backward(), through the wrapped GradScaler when there is one."""
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
+        loss.backward(gradient=gradient, retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
 
     def step_optimizer(
         self,
@@ -107,17 +256,41 @@ class PyTorchTrialContext:
         auto_zero_grads: bool = True,
         scaler: Any = None,
     ) -> None:
+        """Steps on every aggregation_frequency-th batch only (in between, gradients add up and
+        are divided by the frequency when averaging); zeroes the gradients after a step."""
+        if not any(o is optimizer for o in self.optimizers):
+            raise ValueError("step_optimizer() got an optimizer that was not passed to context.wrap_optimizer()")
+        if not self._should_communicate_and_update():
+            return
+
+        def params() -> list[torch.nn.Parameter]:
+            return [p for g in optimizer.param_groups for p in g["params"]]
+
+        average = self._per_optimizer_average.get(id(optimizer), self._average_aggregated)
+        if self._aggregation_frequency > 1 and average:
+            for p in params():
+                if p.grad is not None:
+                    p.grad.div_(self._aggregation_frequency)
+        scaler = scaler if scaler is not None else self._scaler
         if clip_grads is not None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            clip_grads(params)
-        optimizer.step()
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            clip_grads(params())
+        if scaler is not None:
+            scaler.step(optimizer)
+            self._scaler_stepped = True
+        else:
+            optimizer.step()
         if auto_zero_grads:
             optimizer.zero_grad()
-        for s in self.lr_schedulers:
-            if s.step_mode == LRScheduler.StepMode.STEP_EVERY_OPTIMIZER_STEP:
-                s.scheduler.step()
+        for sched in self.lr_schedulers:
+            if sched.step_mode == LRScheduler.StepMode.STEP_EVERY_OPTIMIZER_STEP:
+                sched.step_due()
 
     def to_device(self, data: Any) -> Any:
+        """Tensors in ``data`` (nested dicts, lists, tuples) moved to this rank's device."""
+        if self._cpu_only:
+            return data
         if isinstance(data, torch.Tensor):
             return data.to(self.device)
         if isinstance(data, dict):
@@ -135,9 +308,32 @@ class PyTorchTrialContext:
     def is_chief(self) -> bool:
         return self.distributed.rank == 0
 
+    # -- where training is (set by the Trainer before each train_batch) ------------------------
+    def current_train_batch(self) -> int:
+        """The index of the batch being trained, counted from the start of training."""
+        return self._current_batch_idx
+
+    def current_train_epoch(self) -> int:
+        return self._current_batch_idx // self._epoch_len
+
+    def is_epoch_start(self) -> bool:
+        return self._current_batch_idx % self._epoch_len == 0
+
+    def is_epoch_end(self) -> bool:
+        return (self._current_batch_idx + 1) % self._epoch_len == 0
+
+    def get_tensorboard_writer(self) -> Any:
+        raise NotImplementedError(
+            "context.get_tensorboard_writer() is not supported by detslurm: report metrics through the Trainer "
+            "(train_batch / evaluate_batch return values) instead"
+        )
+
+    def get_tensorboard_path(self) -> Any:
+        raise NotImplementedError("context.get_tensorboard_path() is not supported by detslurm")
+
 
 class CheckpointLoadContext(PyTorchTrialContext):
     """A context for instantiating a trial outside training, e.g. to load a checkpoint."""
 
-    def __init__(self, hparams: Optional[dict[str, Any]] = None) -> None:
-        super().__init__(None, hparams or {}, {}, DummyDistributedContext())
+    def __init__(self, hparams: Optional[dict[str, Any]] = None, exp_conf: Optional[dict[str, Any]] = None) -> None:
+        super().__init__(None, hparams or {}, exp_conf or {}, DummyDistributedContext())

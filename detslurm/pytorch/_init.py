@@ -50,7 +50,9 @@ def init(
             we_started_pg = True
         distributed = DistributedContext.from_torch_distributed()
     with core.init(distributed=distributed, preempt_mode=PreemptMode.WorkersAskChief) as core_context:
-        ctx = PyTorchTrialContext(core_context, hparams or {}, exp_conf or {}, core_context.distributed)
+        ctx = PyTorchTrialContext(
+            core_context, hparams or {}, exp_conf or {}, core_context.distributed, aggregation_frequency
+        )
         try:
             yield ctx
         finally:

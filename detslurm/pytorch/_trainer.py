@@ -1,64 +1,44 @@
 """The Trainer: train / validate / checkpoint / preempt, resumable to the exact batch.
 
-Resuming reproduces an uninterrupted run: a checkpoint holds the models, optimizers, schedulers,
-callbacks, every RNG state, and the RNG state at the start of the current epoch, so the data
-order of a partly trained epoch is drawn again exactly and the trained batches are skipped.
+Resuming reproduces an uninterrupted run. With a det.pytorch.DataLoader the data order is a
+function of (trial seed, epoch) and the trained batches are skipped by index. With a plain torch
+DataLoader (accepted, unsharded) the checkpoint also holds the RNG state at the start of the
+current epoch, so the loader's order is drawn again exactly and the trained batches are skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import itertools
 import json
 import logging
 import pickle
-import random
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from detslurm.pytorch._context import LRScheduler, PyTorchTrialContext
-from detslurm.pytorch._trial import PyTorchTrial, Reducer
+from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader
+from detslurm.pytorch._reducer import Reducer, reduce_rows, reduce_values, scalar
+from detslurm.pytorch._state import (
+    LOAD_DATA_FILE,
+    STATE_FILE,
+    TRIAL_STATE_FILE,
+    load_data,
+    load_trial_state,
+    rng_state,
+    set_rng_state,
+    trial_state_dict,
+)
+from detslurm.pytorch._trial import PyTorchTrial
 from detslurm.pytorch._units import Batch, TrainUnit, total_batches
 
 log = logging.getLogger("detslurm.pytorch")
-
-
-def _scalar(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.detach().float().mean().item() if v.numel() != 1 else v.detach().item()
-    return v
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
-def _reduce(values: list[Any], how: Reducer) -> Any:
-    nums = [float(v) for v in values if isinstance(v, (int, float))]
-    if not nums:
-        return values[-1] if values else None
-    return {Reducer.AVG: sum(nums) / len(nums), Reducer.SUM: sum(nums), Reducer.MAX: max(nums), Reducer.MIN: min(nums)}[
-        how
-    ]
 
 
 class Trainer:
@@ -72,11 +52,14 @@ class Trainer:
         self._epoch_rng: Optional[dict[str, Any]] = None
         self._profiling: dict[str, Any] = {"enabled": False}
         self.step_timings: list[float] = []
+        self._records_timed = 0  # get_batch_length() of the timed batches (profiling only)
         self._best: Optional[float] = None
         self._last_ckpt_at = -1
         self._last_val_at = -1
         self._bpe = 1
         self._policy = "best"
+        self._val_source: Any = None
+        self._eval_takes_idx = len(inspect.signature(trial.evaluate_batch).parameters) >= 2
 
     def configure_profiler(
         self,
@@ -106,6 +89,37 @@ class Trainer:
             assert max_length is not None
         return total_batches(max_length, bpe)
 
+    def _shard(self) -> Shard:
+        dist = self.context.distributed
+        return Shard(rank=dist.rank, size=dist.size)
+
+    def _training_source(self) -> tuple[Any, int]:
+        """(what to iterate, steps in one pass over the data) for build_training_data_loader()."""
+        source = self.trial.build_training_data_loader()
+        if isinstance(source, DataLoader):
+            sharded = ShardedLoader(source, self._shard(), self.context.get_trial_seed())
+            return sharded, sharded.steps_per_epoch()
+        if not isinstance(source, torch.utils.data.DataLoader):
+            raise TypeError(
+                "build_training_data_loader() must return a det.pytorch.DataLoader or a torch.utils.data.DataLoader, "
+                f"not {type(source).__name__}"
+            )
+        if self.context.distributed.size > 1 and self.context.distributed.rank == 0:
+            log.warning(
+                "build_training_data_loader() returned a torch.utils.data.DataLoader: with %d slots every rank "
+                "iterates all of it (no sharding); return a det.pytorch.DataLoader to shard the data",
+                self.context.distributed.size,
+            )
+        return source, max(1, len(source))
+
+    def _unit_epoch_len(self, data_steps: int) -> int:
+        """Batches per Epoch unit: records_per_epoch / global batch size when the config sets
+        records_per_epoch (Determined's legacy knob), else one pass over the training data."""
+        rpe = self.context.get_experiment_config().get("records_per_epoch") or 0
+        if isinstance(rpe, int) and rpe > 0:
+            return max(1, rpe // self.context.get_global_batch_size())
+        return data_steps
+
     # -- the loop ------------------------------------------------------------------------
     def fit(
         self,
@@ -121,13 +135,16 @@ class Trainer:
     ) -> None:
         if profiling_enabled and not self._profiling["enabled"]:
             self.configure_profiler(True)
+        if checkpoint_policy not in ("best", "all", "none"):
+            raise ValueError(f"checkpoint_policy must be 'best', 'all' or 'none' (got {checkpoint_policy!r})")
         if not self._on_cluster() and checkpoint_policy == "best":
             checkpoint_policy = "all"  # no searcher metric to rank checkpoints by, locally
         self._policy = checkpoint_policy
-        train_loader = self.trial.build_training_data_loader()
-        self._val_loader = self.trial.build_validation_data_loader()
-        bpe = max(1, len(train_loader))
+        source, data_steps = self._training_source()
+        self._val_source = self.trial.build_validation_data_loader()
+        bpe = self._unit_epoch_len(data_steps)
         self._bpe = bpe
+        self.context._epoch_len = bpe
         max_batches = self._max_batches(max_length, bpe, test_mode)
         if latest_checkpoint:
             self._load(latest_checkpoint)
@@ -137,89 +154,118 @@ class Trainer:
         try:
             if step_zero_validation and self.batches_trained == 0 and not test_mode:
                 self._validate(test_mode)
-            self._train(
-                train_loader, bpe, max_batches, checkpoint_period, validation_period, reporting_period, test_mode
-            )
+            stream = self._stream(source, data_steps)
+            periods = (checkpoint_period, validation_period, reporting_period)
+            self._train(stream, bpe, max_batches, periods, test_mode)
         finally:
             for cb in self.callbacks.values():
                 cb.on_trial_shutdown()
 
+    def _stream(self, source: Any, data_steps: int) -> Iterator[Any]:
+        """This rank's batches from step ``batches_trained`` on, across data epochs, forever."""
+        epoch, skip = divmod(self.batches_trained, data_steps)
+        while True:
+            if isinstance(source, ShardedLoader):
+                yield from source.epoch(epoch, skip)
+            else:
+                yield from self._plain_epoch(source, skip)
+            epoch, skip = epoch + 1, 0
+
+    def _plain_epoch(self, loader: Any, skip: int) -> Iterator[Any]:
+        # A torch loader's sampler draws its order from the global RNG at the first next():
+        # draw it from the epoch-start RNG state, skip what was trained, restore the current state.
+        if skip == 0 or self._epoch_rng is None:
+            self._epoch_rng = rng_state()
+        resume_state = rng_state()
+        set_rng_state(self._epoch_rng)
+        iterator = iter(loader)
+        for _ in itertools.islice(iterator, skip):
+            pass
+        if skip:
+            set_rng_state(resume_state)
+        yield from iterator
+
     def _train(
         self,
-        loader: Any,
+        stream: Iterator[Any],
         bpe: int,
         max_batches: int,
-        ckpt_p: Optional[TrainUnit],
-        val_p: Optional[TrainUnit],
-        rep_p: TrainUnit,
+        periods: tuple[Optional[TrainUnit], Optional[TrainUnit], TrainUnit],
         test_mode: bool,
     ) -> None:
         pending: list[dict[str, Any]] = []
+        first = True
         while self.batches_trained < max_batches:
             self.epoch_idx = self.batches_trained // bpe
-            skip = self.batches_trained % bpe
-            if skip == 0 or self._epoch_rng is None:
-                self._epoch_rng = _rng_state()
-            resume_state = _rng_state()
-            _set_rng_state(self._epoch_rng)
-            # The sampler draws this epoch's order at the first next(): draw it from the
-            # epoch-start RNG state and skip what was trained, then restore the checkpoint's state.
-            iterator = iter(loader)
-            for _ in itertools.islice(iterator, skip):
-                pass
-            if skip:
-                _set_rng_state(resume_state)
-            for cb in self.callbacks.values():
-                cb.on_training_epoch_start(self.epoch_idx)
-            for batch_idx, batch in enumerate(iterator, start=skip):
-                pending.append(self._step(batch, batch_idx))
-                stop = self._boundaries(pending, bpe, max_batches, ckpt_p, val_p, rep_p, test_mode)
-                if stop:
-                    return
-                if self.batches_trained >= max_batches:
-                    break
-            self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_EPOCH)
-            for cb in self.callbacks.values():
-                cb.on_training_epoch_end(self.epoch_idx)
+            if first or self.batches_trained % bpe == 0:
+                for cb in self.callbacks.values():
+                    cb.on_training_epoch_start(self.epoch_idx)
+            first = False
+            pending.append(self._step(next(stream)))
+            if self.batches_trained % bpe == 0:
+                # Epoch end before any checkpoint at this batch: the checkpoint then holds the
+                # schedulers as stepped, and a resumed run does not step them a second time.
+                self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_EPOCH)
+                for cb in self.callbacks.values():
+                    cb.on_training_epoch_end(self.epoch_idx)
+            if self._boundaries(pending, bpe, max_batches, periods, test_mode):
+                return
 
-    def _step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        batch = self.context.to_device(batch)
+    def _step(self, batch: Any) -> dict[str, Any]:
+        ctx = self.context
+        batch = ctx.to_device(batch)
         prof = self._profiling
-        timed = (
-            prof["enabled"]
-            and self.batches_trained >= prof.get("begin", 0)
+        timed = prof["enabled"] and (
+            self.batches_trained >= prof.get("begin", 0)
             and (prof.get("end") is None or self.batches_trained <= prof["end"])
         )
-        t0 = time.perf_counter()
-        metrics = self.trial.train_batch(batch, self.epoch_idx, batch_idx)
+        ctx._current_batch_idx = self.batches_trained
+        ctx._scaler_stepped = False
+        t0 = time.perf_counter() if timed else 0.0
+        if ctx._wrapped_models and not ctx._should_communicate_and_update():
+            # Accumulating gradients: no all-reduce until the batch that steps the optimizer.
+            with contextlib.ExitStack() as stack:
+                for ddp in ctx._wrapped_models:
+                    stack.enter_context(ddp.no_sync())  # type: ignore[operator]
+                metrics = self.trial.train_batch(batch, self.epoch_idx, self.batches_trained)
+        else:
+            # batch_idx is the batch's index since the start of training (Determined's meaning).
+            metrics = self.trial.train_batch(batch, self.epoch_idx, self.batches_trained)
+        if ctx._scaler is not None and ctx._scaler_stepped:
+            ctx._scaler.update()
         if timed:
             self.step_timings.append(time.perf_counter() - t0)
+            self._records_timed += self.trial.get_batch_length(batch)
         self.batches_trained += 1
-        self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
-        return {k: _scalar(v) for k, v in (metrics or {}).items()}
+        if ctx.lr_schedulers:
+            self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
+        if not isinstance(metrics, dict):
+            raise TypeError(f"train_batch() must return a dict of metrics, not {type(metrics).__name__}")
+        return {k: scalar(v) for k, v in metrics.items()}
 
     def _step_schedulers(self, mode: LRScheduler.StepMode) -> None:
         for s in self.context.lr_schedulers:
             if s.step_mode == mode:
-                s.scheduler.step()
+                s.step_due()
 
     def _boundaries(
         self,
         pending: list[dict[str, Any]],
         bpe: int,
         max_batches: int,
-        ckpt_p: Optional[TrainUnit],
-        val_p: Optional[TrainUnit],
-        rep_p: TrainUnit,
+        periods: tuple[Optional[TrainUnit], Optional[TrainUnit], TrainUnit],
         test_mode: bool,
     ) -> bool:
         """Report / validate / checkpoint as due; True when training must stop now."""
+        ckpt_p, val_p, rep_p = periods
         b, done = self.batches_trained, self.batches_trained >= max_batches
-        validate = (val_p is not None and val_p.hits(b, bpe)) or done
-        checkpoint = (ckpt_p is not None and ckpt_p.hits(b, bpe)) or done
+        validate = done or (val_p is not None and val_p.hits(b, bpe))
+        checkpoint = done or (ckpt_p is not None and ckpt_p.hits(b, bpe))
         # Training metrics are flushed at every validation/checkpoint too: a restart resumes at
         # a checkpoint, so no reported window ever straddles one (same rows as an uninterrupted run).
-        boundary = rep_p.hits(b, bpe) or validate or checkpoint
+        boundary = validate or checkpoint or rep_p.hits(b, bpe)
+        if not boundary and not self.context._stop_requested:
+            return False  # the common case: nothing due after this batch
         if boundary:
             self._report_training(pending)
         if validate:
@@ -237,19 +283,24 @@ class Trainer:
         return bool(self.core is not None and self.core.preempt.should_preempt())
 
     # -- reporting -----------------------------------------------------------------------
-    def _allreduce_mean(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        dist = self.context.distributed
-        if dist.size == 1:
-            return metrics
-        everyone = dist.allgather(metrics)
-        keys = set().union(*(m.keys() for m in everyone))
-        return {k: _reduce([m[k] for m in everyone if k in m], Reducer.AVG) for k in keys}
+    def _custom_reductions(self, training: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for w in self.context.reducers:
+            if w.for_training if training else w.for_validation:
+                out.update(w.reduce(self.context.distributed))
+                w.reducer.reset()
+        return out
 
     def _report_training(self, pending: list[dict[str, Any]]) -> None:
         if not pending:
             return
         keys = set().union(*(m.keys() for m in pending))
-        avg = self._allreduce_mean({k: _reduce([m[k] for m in pending if k in m], Reducer.AVG) for k in keys})
+        mine = {k: reduce_values([m[k] for m in pending if k in m], Reducer.AVG) for k in keys}
+        dist = self.context.distributed
+        # Each rank's window has the same number of batches: the mean of the rank means is the
+        # mean over all batches.
+        avg = reduce_rows([mine], Reducer.AVG, dist) if dist.size > 1 else mine
+        avg.update(self._custom_reductions(training=True))
         batch_metrics = list(pending)
         pending.clear()
         if self.core is not None and self.context.is_chief():
@@ -259,37 +310,55 @@ class Trainer:
                 self.core.train.report_metrics(
                     "profiling",
                     self.batches_trained,
-                    {"train_batch_s_mean": sum(t) / len(t), "train_batch_s_max": max(t), "samples": len(t)},
+                    {
+                        "train_batch_s_mean": sum(t) / len(t),
+                        "train_batch_s_max": max(t),
+                        "samples": len(t),
+                        "records_per_s": self._records_timed / max(sum(t), 1e-9),
+                    },
                 )
         for cb in self.callbacks.values():
             cb.on_training_workload_end(avg, batch_metrics)
 
     def _evaluate(self, test_mode: bool) -> dict[str, Any]:
-        trial = self.trial
-        models = self.context.models
-        for m in models:
+        trial, ctx = self.trial, self.context
+        for w in ctx.reducers:
+            w.reducer.reset()
+        for m in ctx.models:
             m.eval()
         with torch.no_grad():
             if type(trial).evaluate_full_dataset is not PyTorchTrial.evaluate_full_dataset:
-                metrics = {k: _scalar(v) for k, v in trial.evaluate_full_dataset(self._val_loader).items()}
+                metrics = self._evaluate_full_dataset()
             else:
-                rows = []
-                for i, batch in enumerate(self._val_loader):
-                    out = trial.evaluate_batch(self.context.to_device(batch), i)
-                    rows.append({k: _scalar(v) for k, v in out.items()})
-                    if test_mode:
-                        break
-                red = trial.evaluation_reducer()
-                keys = set().union(*(r.keys() for r in rows)) if rows else set()
-                metrics = {
-                    k: _reduce(
-                        [r[k] for r in rows if k in r], red if isinstance(red, Reducer) else red.get(k, Reducer.AVG)
-                    )
-                    for k in keys
-                }
-        for m in models:
+                metrics = self._evaluate_batches(test_mode)
+        for m in ctx.models:
             m.train()
-        return self._allreduce_mean(metrics)
+        metrics.update(self._custom_reductions(training=False))
+        return metrics
+
+    def _evaluate_full_dataset(self) -> dict[str, Any]:
+        """On the chief only, over the whole (unsharded) validation data; the others get the result."""
+        dist = self.context.distributed
+        metrics: Optional[dict[str, Any]] = None
+        if dist.rank == 0:
+            loader = evaluation_loader(self._val_source, Shard(), self.context.get_trial_seed())
+            metrics = {k: scalar(v) for k, v in self.trial.evaluate_full_dataset(loader).items()}
+        result: Optional[dict[str, Any]] = dist.broadcast(metrics) if dist.size > 1 else metrics
+        assert result is not None
+        return result
+
+    def _evaluate_batches(self, test_mode: bool) -> dict[str, Any]:
+        loader = evaluation_loader(self._val_source, self._shard(), self.context.get_trial_seed())
+        rows = []
+        for i, batch in enumerate(loader):
+            batch = self.context.to_device(batch)
+            out = self.trial.evaluate_batch(batch, i) if self._eval_takes_idx else self.trial.evaluate_batch(batch)
+            if not isinstance(out, dict):
+                raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")
+            rows.append({k: scalar(v) for k, v in out.items()})
+            if test_mode:
+                break
+        return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)
 
     def _validate(self, test_mode: bool) -> None:
         if self._last_val_at == self.batches_trained:
@@ -325,22 +394,16 @@ class Trainer:
         return False
 
     # -- checkpoints ---------------------------------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        ctx = self.context
-        return {
-            "models_state_dict": [m.state_dict() for m in ctx.models],
-            "optimizers_state_dict": [o.state_dict() for o in ctx.optimizers],
-            "lr_schedulers_state_dict": [s.scheduler.state_dict() for s in ctx.lr_schedulers],
-            "callbacks": {k: cb.state_dict() for k, cb in self.callbacks.items()},
-            "rng_state": _rng_state(),
-            "epoch_rng_state": self._epoch_rng,
-        }
+    def _trial_id(self) -> Optional[int]:
+        info = self.core.info if self.core is not None else None
+        return info.trial.trial_id if info is not None else None
 
     def _checkpoint(self) -> None:
         if self._last_ckpt_at == self.batches_trained or self.core is None:
             return
         self._last_ckpt_at = self.batches_trained
-        state = self._state()
+        state = trial_state_dict(self.context, self.callbacks)
+        state["epoch_rng_state"] = self._epoch_rng  # for plain torch loaders (see the module doc)
         for cb in self.callbacks.values():
             cb.on_checkpoint_save_start(state)
         if not self.context.is_chief():
@@ -351,19 +414,25 @@ class Trainer:
             "framework": f"torch-{torch.__version__}",
             "format": "pickle",
         }
-        with self.core.checkpoint.store_path(md) as (path, _uuid):
-            torch.save(state, path / "state_dict.pth")
-            with open(path / "trial_state.pkl", "wb") as f:
-                pickle.dump(
-                    {"batches_trained": self.batches_trained, "epoch_idx": self.epoch_idx, "best": self._best}, f
-                )
-            (path / "load_data.json").write_text(
-                json.dumps({"trial_type": "PyTorchTrial", "trial_cls_spec": type(self.trial).__qualname__})
-            )
+        trial_state = {
+            "batches_trained": self.batches_trained,
+            "epochs_trained": self.batches_trained // self._bpe,
+            "epoch_idx": self.epoch_idx,
+            "trial_id": self._trial_id(),
+            "best": self._best,
+        }
+        with self.core.checkpoint.store_path(md) as (path, uuid):
+            torch.save(state, path / STATE_FILE)
+            with open(path / TRIAL_STATE_FILE, "wb") as f:
+                pickle.dump(trial_state, f)
+            (path / LOAD_DATA_FILE).write_text(json.dumps(load_data(self.trial, self.context)))
             if self._on_cluster():
                 self._save_code(path / "code")
+            for cb in self.callbacks.values():
+                cb.on_checkpoint_write_end(str(path))
         for cb in self.callbacks.values():
-            cb.on_checkpoint_end(str(path))
+            cb.on_checkpoint_end(str(self.core.checkpoint.base / uuid))
+            cb.on_checkpoint_upload_end(uuid)
 
     @staticmethod
     def _save_code(dest: Path) -> None:
@@ -381,25 +450,26 @@ class Trainer:
     def _load(self, storage_id: str) -> None:
         assert self.core is not None
         with self.core.checkpoint.restore_path(storage_id) as path:
-            state = torch.load(path / "state_dict.pth", weights_only=False)
-            with open(path / "trial_state.pkl", "rb") as f:
+            state = torch.load(path / STATE_FILE, map_location=self.context.device, weights_only=False)
+            with open(path / TRIAL_STATE_FILE, "rb") as f:
                 trial_state = pickle.load(f)
         for cb in self.callbacks.values():
             cb.on_checkpoint_load_start(state)
-        ctx = self.context
-        for m, sd in zip(ctx.models, state["models_state_dict"], strict=False):
-            m.load_state_dict(sd)
-        for o, sd in zip(ctx.optimizers, state["optimizers_state_dict"], strict=False):
-            o.load_state_dict(sd)
-        for s, sd in zip(ctx.lr_schedulers, state["lr_schedulers_state_dict"], strict=False):
-            s.scheduler.load_state_dict(sd)
+        load_trial_state(self.context, state)
         for k, sd in state.get("callbacks", {}).items():
             if k in self.callbacks:
                 self.callbacks[k].load_state_dict(sd)
-        _set_rng_state(state["rng_state"])
+        saved_trial = trial_state.get("trial_id")
+        if saved_trial is not None and self._trial_id() is not None and saved_trial != self._trial_id():
+            # A warm start (Continue Trial, source_trial_id): keep the weights, count from zero.
+            log.info("warm start from checkpoint %s of trial %s: training starts at batch 0", storage_id, saved_trial)
+            return
+        rng = state.get("rng_state")
+        if isinstance(rng, dict) and "cpu_rng_state" in rng:
+            set_rng_state(rng)
         self._epoch_rng = state.get("epoch_rng_state")
         self.batches_trained = int(trial_state["batches_trained"])
-        self.epoch_idx = int(trial_state["epoch_idx"])
+        self.epoch_idx = int(trial_state.get("epoch_idx", 0))
         self._best = trial_state.get("best")
         self._last_ckpt_at = self.batches_trained
         log.info("resumed from checkpoint %s at batch %d", storage_id, self.batches_trained)

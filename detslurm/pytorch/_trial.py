@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import abc
-import enum
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
+from detslurm.pytorch._reducer import Reducer
 
 TorchData = Union[dict[str, Any], list[Any], tuple[Any, ...], Any]
-
-
-class Reducer(enum.Enum):
-    AVG = "AVG"
-    SUM = "SUM"
-    MAX = "MAX"
-    MIN = "MIN"
+# build_*_data_loader returns a det.pytorch.DataLoader (sharded, resumable) or a torch one.
+AnyDataLoader = Any
 
 
 class PyTorchCallback:
@@ -31,6 +24,8 @@ class PyTorchCallback:
     def on_validation_end(self, metrics: dict[str, Any]) -> None: ...
     def on_checkpoint_save_start(self, checkpoint: dict[str, Any]) -> None: ...
     def on_checkpoint_load_start(self, checkpoint: dict[str, Any]) -> None: ...
+    def on_checkpoint_write_end(self, checkpoint_dir: str) -> None: ...
+    def on_checkpoint_upload_end(self, uuid: str) -> None: ...
     def on_checkpoint_end(self, checkpoint_dir: str) -> None: ...
     def on_trial_shutdown(self) -> None: ...
 
@@ -48,15 +43,15 @@ class PyTorchTrial(abc.ABC):
     def train_batch(self, batch: TorchData, epoch_idx: int, batch_idx: int) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    def build_training_data_loader(self) -> DataLoader[Any]: ...
+    def build_training_data_loader(self) -> AnyDataLoader: ...
 
     @abc.abstractmethod
-    def build_validation_data_loader(self) -> DataLoader[Any]: ...
+    def build_validation_data_loader(self) -> AnyDataLoader: ...
 
-    def evaluate_batch(self, batch: TorchData, batch_idx: int) -> dict[str, Any]:
+    def evaluate_batch(self, batch: TorchData, batch_idx: int = 0) -> dict[str, Any]:
         raise NotImplementedError("implement evaluate_batch or evaluate_full_dataset")
 
-    def evaluate_full_dataset(self, data_loader: DataLoader[Any]) -> dict[str, Any]:
+    def evaluate_full_dataset(self, data_loader: AnyDataLoader) -> dict[str, Any]:
         raise NotImplementedError("implement evaluate_batch or evaluate_full_dataset")
 
     def evaluation_reducer(self) -> Union[Reducer, dict[str, Reducer]]:

@@ -14,7 +14,7 @@ import torch
 from determined import pytorch
 from determined.pytorch import PyTorchTrialContext
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 
 def synthetic(n: int, seed: int) -> TensorDataset:
@@ -45,7 +45,7 @@ class MyPyTorchTrial(pytorch.PyTorchTrial):
     def train_batch(self, batch: pytorch.TorchData, epoch_idx: int, batch_idx: int) -> dict[str, torch.Tensor]:
         crash = os.environ.get("EXAMPLE_CRASH_AT_BATCH")  # for the kill-and-resume test
         info = det.get_cluster_info()
-        if crash and info and info.trial._trial_run_id == 1 and epoch_idx * 32 + batch_idx + 1 == int(crash):
+        if crash and info and info.trial._trial_run_id == 1 and batch_idx + 1 == int(crash):
             os._exit(3)
         data, labels = batch
         output = self.model(data)
@@ -61,8 +61,9 @@ class MyPyTorchTrial(pytorch.PyTorchTrial):
         accuracy = (output.argmax(1) == labels).float().mean().item()
         return {"validation_loss": validation_loss, "accuracy": accuracy}
 
-    def build_training_data_loader(self) -> DataLoader:
-        return DataLoader(synthetic(1024, 1), batch_size=self.batch_size, shuffle=True)
+    def build_training_data_loader(self) -> pytorch.DataLoader:
+        # Per-slot batches: each of N ranks gets its own shard; one step trains the global batch.
+        return pytorch.DataLoader(synthetic(1024, 1), batch_size=self.context.get_per_slot_batch_size(), shuffle=True)
 
-    def build_validation_data_loader(self) -> DataLoader:
-        return DataLoader(synthetic(256, 2), batch_size=self.batch_size)
+    def build_validation_data_loader(self) -> pytorch.DataLoader:
+        return pytorch.DataLoader(synthetic(256, 2), batch_size=self.context.get_per_slot_batch_size())

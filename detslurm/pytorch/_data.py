@@ -1,0 +1,242 @@
+"""``det.pytorch.DataLoader``: torch DataLoader arguments, turned into a sharded loader per rank.
+
+Determined's contract, which this module keeps:
+
+* ``batch_size`` is the PER-SLOT batch size (trials pass ``context.get_per_slot_batch_size()``);
+  one training step of the trial consumes ``world size`` consecutive batches of the epoch's
+  batch sequence, batch ``i`` going to rank ``i % world``. So step ``s`` of a W-rank run sees
+  exactly the records of step ``s`` of a 1-rank run whose batch size is the global one.
+* The epoch order is a permutation drawn from (trial seed, epoch) alone, never from the global
+  RNG, so every rank draws the same order and a restarted run draws it again.
+* Resuming skips batches by index (nothing is loaded for them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
+
+log = logging.getLogger("detslurm.pytorch")
+
+# Mixes (seed, epoch) into one generator seed; any fixed odd constant keeps epochs distinct.
+_EPOCH_MIX = 1_000_003
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of the batch sequence one rank takes."""
+
+    rank: int = 0
+    size: int = 1
+
+
+class _EpochBatches(Sampler[list[int]]):
+    """The batch sampler handed to torch: this rank's batches of one epoch, from a given step on.
+
+    The Trainer calls :meth:`position` before each ``iter(loader)``; torch draws indices in the
+    main process, so this works with ``num_workers > 0`` and persistent workers alike."""
+
+    def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
+        self._source = source
+        self._shard = shard
+        self._seed = seed
+        self._epoch = 0
+        self._skip_steps = 0
+
+    def position(self, epoch: int, skip_steps: int) -> None:
+        self._epoch, self._skip_steps = epoch, skip_steps
+
+    def steps_per_epoch(self) -> int:
+        """Full steps (one batch per rank) in an epoch; a last incomplete round is dropped so
+        that every rank takes the same number of steps (ranks step in lock-step under DDP)."""
+        return self._source._num_batches() // self._shard.size
+
+    def __len__(self) -> int:
+        return max(0, self.steps_per_epoch() - self._skip_steps)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._source._epoch_batches(self._seed, self._epoch)
+        size, rank = self._shard.size, self._shard.rank
+        start = self._skip_steps * size + rank
+        stop = self.steps_per_epoch() * size
+        yield from itertools.islice(batches, start, stop, size)
+
+
+class DataLoader:
+    """Records torch DataLoader arguments; the Trainer builds the real loader for each rank.
+
+    Accepts torch.utils.data.DataLoader's arguments. ``sampler`` and ``batch_sampler`` may be
+    given as in torch: a RandomSampler/SequentialSampler is replaced by the reproducible order
+    (seeded from the trial seed and the epoch); any other sampler is iterated once per epoch and
+    its batches are sharded and skipped like the built-in ones (its order is then its own)."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: Optional[int] = 1,
+        shuffle: bool = False,
+        sampler: Optional[Sampler[Any]] = None,
+        batch_sampler: Optional[Sampler[Sequence[int]]] = None,
+        num_workers: int = 0,
+        collate_fn: Optional[Callable[[list[Any]], Any]] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Optional[torch.Generator] = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+    ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "det.pytorch.DataLoader does not support an IterableDataset (it cannot be sharded or "
+                "resumed by index); return a torch.utils.data.DataLoader for it instead"
+            )
+        if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
+            raise ValueError(
+                "DataLoader: batch_sampler is mutually exclusive with batch_size, shuffle, sampler, drop_last"
+            )
+        if sampler is not None and shuffle:
+            raise ValueError("DataLoader: sampler is mutually exclusive with shuffle")
+        if batch_sampler is None and (batch_size is None or batch_size < 1):
+            raise ValueError(f"DataLoader: batch_size must be a positive int (got {batch_size!r})")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.batch_sampler = batch_sampler
+        # torch's own samplers only say "in order" or "shuffled": we draw that order ourselves.
+        if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
+            shuffle, sampler = True, None
+        elif isinstance(sampler, SequentialSampler):
+            sampler = None
+        self.shuffle = shuffle
+        self.sampler = sampler
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+
+    # -- the batch sequence of one epoch (all ranks together) ----------------------------------
+    def _num_batches(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)  # type: ignore[arg-type]
+        n = len(self.sampler) if self.sampler is not None else len(self.dataset)  # type: ignore[arg-type]
+        bs = int(self.batch_size or 1)
+        return n // bs if self.drop_last else -(-n // bs)
+
+    def _epoch_batches(self, seed: int, epoch: int) -> Iterator[list[int]]:
+        if self.batch_sampler is not None:
+            return (list(b) for b in self.batch_sampler)
+        order: Iterator[int]
+        if self.sampler is not None:
+            order = iter(self.sampler)
+        elif self.shuffle:
+            g = torch.Generator().manual_seed((seed * _EPOCH_MIX + epoch) % (2**63))
+            order = iter(torch.randperm(len(self.dataset), generator=g).tolist())  # type: ignore[arg-type]
+        else:
+            order = iter(range(len(self.dataset)))  # type: ignore[arg-type]
+        return iter(BatchSampler(list(order), int(self.batch_size or 1), self.drop_last))
+
+    def __len__(self) -> int:
+        """Batches in one epoch, before sharding (as torch's len(DataLoader))."""
+        return self._num_batches()
+
+    def get_data_loader(self, shard: Shard = Shard(), seed: int = 0) -> torch.utils.data.DataLoader[Any]:
+        """The real torch loader for one rank; see :class:`ShardedLoader` for positioning it."""
+        return ShardedLoader(self, shard, seed).loader
+
+    def _torch_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "num_workers": self.num_workers,
+            "collate_fn": self.collate_fn,
+            "pin_memory": self.pin_memory,
+            "timeout": self.timeout,
+            "worker_init_fn": self.worker_init_fn,
+            "multiprocessing_context": self.multiprocessing_context,
+            "generator": self.generator,
+            "persistent_workers": self.persistent_workers,
+        }
+        if self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
+
+class ShardedLoader:
+    """One rank's torch DataLoader over a det.pytorch.DataLoader, positioned by (epoch, step)."""
+
+    def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
+        self.source = source
+        self.batches = _EpochBatches(source, shard, seed)
+        self._seed = seed
+        kwargs = source._torch_kwargs()
+        # torch draws each iterator's base seed (worker seeds) from the loader's generator, or
+        # from the global RNG without one: a private generator keeps the global RNG (dropout,
+        # augmentations) untouched, so a resumed run draws the same numbers as an uninterrupted one.
+        self._own_generator = kwargs["generator"] is None
+        if self._own_generator:
+            kwargs["generator"] = torch.Generator()
+        self._generator: torch.Generator = kwargs["generator"]
+        self.loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
+            source.dataset, batch_sampler=self.batches, **kwargs
+        )
+        if self.batches.steps_per_epoch() < 1:
+            raise ValueError(
+                f"the training data has {source._num_batches()} batch(es) of {source.batch_size} per epoch, "
+                f"fewer than one per rank ({shard.size} ranks): use a smaller per-slot batch size or more data"
+            )
+        leftover = source._num_batches() % shard.size
+        if leftover and shard.rank == 0:
+            log.warning(
+                "%d batch(es) at the end of each epoch are not trained: %d batches do not divide among %d ranks",
+                leftover,
+                source._num_batches(),
+                shard.size,
+            )
+
+    def steps_per_epoch(self) -> int:
+        return self.batches.steps_per_epoch()
+
+    def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[Any]:
+        """This rank's batches of ``epoch``, after the first ``skip_steps`` steps."""
+        self.batches.position(epoch, skip_steps)
+        if self._own_generator:
+            self._generator.manual_seed((self._seed * _EPOCH_MIX + epoch + 1) % (2**63))
+        return iter(self.loader)
+
+
+def evaluation_loader(source: Any, shard: Shard, seed: int) -> Any:
+    """The validation loader for one rank: a det DataLoader is sharded by batch (every batch
+    once, the last round may leave some ranks without one); a plain torch loader is used as is."""
+    if not isinstance(source, DataLoader):
+        return source
+    batches = _ValidationBatches(source, shard, seed)
+    kwargs = source._torch_kwargs()
+    if kwargs["generator"] is None:  # as for training: leave the global RNG alone
+        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(source.dataset, batch_sampler=batches, **kwargs)
+
+
+class _ValidationBatches(Sampler[list[int]]):
+    def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
+        self._source, self._shard, self._seed = source, shard, seed
+
+    def __len__(self) -> int:
+        n, size = self._source._num_batches(), self._shard.size
+        return n // size + (1 if self._shard.rank < n % size else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._source._epoch_batches(self._seed, 0)
+        yield from itertools.islice(batches, self._shard.rank, None, self._shard.size)

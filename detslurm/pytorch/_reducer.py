@@ -1,0 +1,112 @@
+"""Metric reduction: per-batch metrics over all ranks' batches, and user MetricReducers.
+
+Rank values cross process boundaries through DistributedContext collectives, which carry JSON
+only (no pickles): a MetricReducer's ``per_slot_reduce()`` must return JSON-able values
+(numbers, lists, dicts; numpy/torch values become lists)."""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+
+from detslurm.core import DistributedContext
+
+
+class Reducer(enum.Enum):
+    AVG = "AVG"
+    SUM = "SUM"
+    MAX = "MAX"
+    MIN = "MIN"
+
+
+class MetricReducer(abc.ABC):
+    """A custom reduction: ``update`` it from evaluate_batch / train_batch yourself, then the
+    Trainer calls reset() before, per_slot_reduce() on every rank and cross_slot_reduce() once."""
+
+    @abc.abstractmethod
+    def reset(self) -> None: ...
+
+    @abc.abstractmethod
+    def per_slot_reduce(self) -> Any: ...
+
+    @abc.abstractmethod
+    def cross_slot_reduce(self, per_slot_metrics: list[Any]) -> Any: ...
+
+
+class _FunctionReducer(MetricReducer):
+    """``wrap_reducer(fn)``: collects ``update(value)`` calls; ``fn`` sees all ranks' values."""
+
+    def __init__(self, fn: Callable[[list[Any]], Any]) -> None:
+        self._fn = fn
+        self._values: list[Any] = []
+
+    def update(self, value: Any) -> None:
+        self._values.append(value.tolist() if callable(getattr(value, "tolist", None)) else value)
+
+    def reset(self) -> None:
+        self._values = []
+
+    def per_slot_reduce(self) -> Any:
+        return self._values
+
+    def cross_slot_reduce(self, per_slot_metrics: list[Any]) -> Any:
+        return self._fn([v for slot in per_slot_metrics for v in slot])
+
+
+class WrappedReducer:
+    """One ``wrap_reducer`` registration: the reducer, its metric name, and when it reports."""
+
+    def __init__(self, reducer: MetricReducer, name: Optional[str], for_training: bool, for_validation: bool) -> None:
+        self.reducer, self.name = reducer, name
+        self.for_training, self.for_validation = for_training, for_validation
+
+    def reduce(self, dist: DistributedContext) -> dict[str, Any]:
+        """Collective: every rank calls it; every rank gets the same metrics."""
+        value = self.reducer.cross_slot_reduce(dist.allgather(self.reducer.per_slot_reduce()))
+        if self.name is not None:
+            return {self.name: scalar(value)}
+        if not isinstance(value, dict):
+            raise TypeError(
+                f"{type(self.reducer).__name__}.cross_slot_reduce() returned {type(value).__name__}: "
+                "a reducer wrapped without a name must return a dict of metrics"
+            )
+        return {str(k): scalar(v) for k, v in value.items()}
+
+
+def scalar(v: Any) -> Any:
+    """A metric value as a plain number where it is one (tensors of one element, numpy scalars)."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().float().mean().item() if v.numel() != 1 else v.detach().item()
+    if callable(getattr(v, "item", None)) and getattr(v, "size", 2) == 1:
+        return v.item()
+    return v
+
+
+def reduce_values(values: list[Any], how: Reducer) -> Any:
+    nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if not nums:
+        return values[-1] if values else None
+    if how is Reducer.AVG:
+        return sum(nums) / len(nums)
+    if how is Reducer.SUM:
+        return sum(nums)
+    return max(nums) if how is Reducer.MAX else min(nums)
+
+
+def reduce_rows(
+    rows: list[dict[str, Any]], how: Union[Reducer, dict[str, Reducer]], dist: DistributedContext
+) -> dict[str, Any]:
+    """Per-batch metric rows of every rank, reduced as if one process had seen all batches
+    (AVG is the mean over all batches of all ranks, not a mean of per-rank means)."""
+    everyone = dist.allgather(rows) if dist.size > 1 else [rows]
+    merged = [r for rank_rows in everyone for r in rank_rows]
+    keys = sorted(set().union(*(r.keys() for r in merged))) if merged else []
+    out: dict[str, Any] = {}
+    for k in keys:
+        rule = how if isinstance(how, Reducer) else how.get(k, Reducer.AVG)
+        out[k] = reduce_values([r[k] for r in merged if k in r], rule)
+    return out
