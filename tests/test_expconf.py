@@ -95,6 +95,10 @@ def test_asha_needs_time_or_length() -> None:
     validate({**BASE, "searcher": {**asha, "max_time": 10, "time_metric": "batches"}}, STORAGE)  # 0.38
     cfg = validate({**BASE, "searcher": {**asha, "max_length": {"epochs": 3}}}, STORAGE)  # 0.37
     assert cfg.as_dict()["searcher"]["max_length"] == {"epochs": 3}
+    # Both, but no unit for max_time: refused here, not by an assertion at the first validation.
+    assert errors_of({**BASE, "searcher": {**asha, "max_length": 3, "max_time": 10}}) == [
+        "<config>.searcher: time_metric is required when max_time is set"
+    ]
 
 
 def test_removed_and_unknown_searchers() -> None:

@@ -173,7 +173,7 @@ def _on_metrics(
     sc = stored_config(exp).searcher
     value = ev.metrics.get(sc.metric) if sc.metric else None
     # The trial's best searcher metric so far, shown by ``det trial describe``.
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         better = trial.searcher_metric is None or (
             value < trial.searcher_metric if sc.smaller_is_better else value > trial.searcher_metric
         )

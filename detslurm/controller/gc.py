@@ -31,7 +31,7 @@ def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float |
     )
     for row in session.scalars(q):
         v = row.get(metric)
-        if isinstance(v, (int, float)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
             return float(v)
     return None
 

@@ -265,6 +265,9 @@ def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any
     if name in ("random", "adaptive_asha") and sc.max_trials is None:
         errors.append(f"{where}: max_trials is a required property")
     # The 0.37 form (max_length) is still accepted; 0.38 requires max_time plus time_metric instead.
+    if name == "adaptive_asha" and sc.max_length is not None and sc.max_time is not None and not sc.time_metric:
+        # max_time counts in units of time_metric: without it the first validation has no time.
+        errors.append(f"{where}: time_metric is required when max_time is set")
     if name == "adaptive_asha" and sc.max_length is None and (sc.max_time is None or not sc.time_metric):
         errors.append(f"{where}: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set")
     if name == "grid":

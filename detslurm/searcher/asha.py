@@ -298,10 +298,11 @@ class AdaptiveASHA(SearchMethod):
     def progress(self) -> float:
         """Determined's estimate: rung-0 entries over 1.2 x max_trials, then completed trials once all are in."""
         parts = []
-        for br in self.brackets:
+        for i, br in enumerate(self.brackets):
             p = len(br.rungs[0]) / (1.2 * br.max_trials)
             if not br.under_budget():
-                done = sum(1 for rid, o in self.owner.items() if rid in self.book.closed and self.owner[rid] == o)
+                # Only this bracket's trials: counting every bracket's overstated the progress.
+                done = sum(1 for rid, o in self.owner.items() if o == i and rid in self.book.closed)
                 p = max(p, (done - br.invalid) / br.max_trials)
             parts.append(min(1.0, p))
         return sum(parts) / len(parts) if parts else 0.0
