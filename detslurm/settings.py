@@ -21,7 +21,7 @@ import yaml
 
 from detslurm.errors import ConfigError
 
-_KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s"}
+_KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s", "remote"}
 
 
 @dataclass(frozen=True)
