@@ -41,10 +41,13 @@ def ensure_openssh() -> None:
 
 def ensure_user() -> pwd.struct_passwd:
     try:
-        return pwd.getpwnam(USER)
+        pwd.getpwnam(USER)
     except KeyError:
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", USER], check=True)
-        return pwd.getpwnam(USER)
+    # useradd leaves the password "!" (locked), and sshd without PAM refuses locked accounts even
+    # for keys; "*" means "no password" without the lock.
+    subprocess.run(["usermod", "-p", "*", USER], check=True)
+    return pwd.getpwnam(USER)
 
 
 def keygen(path: Path, comment: str = "detslurm-test") -> Path:
