@@ -165,6 +165,10 @@ def _laptop_det(laptop: Path, *args: str) -> subprocess.Popen[str]:
 
 def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path: Path) -> None:
     ctx = _context(tmp_path)
+    train = ctx / "train.py"
+    sleep_line = '        time.sleep(float(hparams.get("sleep", 0.0)))\n'
+    assert sleep_line in train.read_text()
+    train.write_text(train.read_text().replace(sleep_line, sleep_line + '        print(f"batch {batch}", flush=True)\n'))
     url = "ssh://hpc"
     create = _laptop_det(
         laptop,
@@ -176,14 +180,14 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
         str(ctx / "const.yaml"),
         str(ctx),
         "--config",
-        "hyperparameters.sleep=0.25",
+        "hyperparameters.sleep=0.5",
     )
     follow: subprocess.Popen[str] | None = None
     try:
         deadline = time.time() + 60
         while time.time() < deadline:
             code, out, _ = det("-m", url, "t", "logs", "1")
-            if code == 0 and "steps_completed" in out or "step" in out.lower():
+            if code == 0 and "batch 1" in out:
                 break
             time.sleep(0.5)
         follow = _laptop_det(laptop, "-m", url, "t", "logs", "-f", "1")
@@ -196,9 +200,11 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
         assert "Experiment 1 PAUSED" in stdout, stderr
         code, out, err = det("-m", url, "e", "activate", "1")
         assert code == 0 and "Activated experiment 1" in out and "Experiment 1 COMPLETED" in out, err
-        follow.wait(timeout=60)
+        rest, _ = follow.communicate(timeout=60)  # follows across the pause until the trial ends
+        assert first == "batch 1\n" and "batch 40\n" in rest and "done: w=" in rest
     finally:
         for p in (create, follow):
             if p is not None and p.poll() is None:
                 p.kill()
-                p.wait()
+            if p is not None:
+                p.communicate()
