@@ -106,7 +106,8 @@ def start_sshd(d: Path, authorized_keys: Path) -> Sshd:
         "KbdInteractiveAuthentication no\nPubkeyAuthentication yes\nAllowTcpForwarding yes\n"
         f"AllowUsers {USER}\nSubsystem sftp internal-sftp\nLogLevel DEBUG1\nMaxStartups 50\n"
     )
-    proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(conf)], stderr=open(d / "sshd.log", "wb"))
+    with open(d / "sshd.log", "wb") as log:  # sshd keeps its own copy of the fd
+        proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(conf)], stderr=log)
     deadline = time.time() + 15
     while time.time() < deadline:
         try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -168,7 +167,9 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
     train = ctx / "train.py"
     sleep_line = '        time.sleep(float(hparams.get("sleep", 0.0)))\n'
     assert sleep_line in train.read_text()
-    train.write_text(train.read_text().replace(sleep_line, sleep_line + '        print(f"batch {batch}", flush=True)\n'))
+    train.write_text(
+        train.read_text().replace(sleep_line, sleep_line + '        print(f"batch {batch}", flush=True)\n')
+    )
     url = "ssh://hpc"
     create = _laptop_det(
         laptop,

@@ -4,6 +4,7 @@ with its output streamed back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -53,10 +54,9 @@ def _through(prev: paramiko.Transport, prev_hop: sshconf.Hop, hop: sshconf.Hop) 
 def _keys(hop: sshconf.Hop, prompt: Prompt) -> list[paramiko.PKey]:
     keys: list[paramiko.PKey] = []
     if not hop.identities_only:
-        try:
+        # No agent, or it refused: the identity files may still do.
+        with contextlib.suppress(paramiko.SSHException):
             keys += list(paramiko.Agent().get_keys())
-        except paramiko.SSHException:
-            pass  # no agent, or it refused: identity files may still do
     for path in hop.identity_files:
         if path.is_file():
             keys.append(_load_key(path, prompt))

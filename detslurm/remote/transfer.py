@@ -215,7 +215,7 @@ def _fetch(conn: Any, src: str, dst: Path, uuid: str) -> None:
             files = _walk(sftp, src, dst)
         except FileNotFoundError:
             raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
-        total = sum(s for _, _, s in files) or 1
+        total = sum(s for _, _, s in files)
         done = 0
         tty = sys.stderr.isatty()
         for n, (remote, local, size) in enumerate(files, 1):
@@ -223,7 +223,11 @@ def _fetch(conn: Any, src: str, dst: Path, uuid: str) -> None:
             sftp.get(remote, str(local))
             done += size
             if tty:
-                click.echo(f"\rDownloading {uuid}: {n}/{len(files)} files, {done / 2**20:.1f} MiB", nl=False, err=True)
+                click.echo(
+                    f"\rDownloading {uuid}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
+                    nl=False,
+                    err=True,
+                )
         note(f"{chr(13) if tty else ''}Downloaded {len(files)} files ({done / 2**20:.2f} MiB) from {conn.login}:{src}")
     finally:
         sftp.close()
