@@ -68,11 +68,13 @@ def laptop(servers: dict[str, Any], det_env: Path, monkeypatch: pytest.MonkeyPat
     write(home / ".ssh/known_hosts", login.known_hosts_line() + bastion.known_hosts_line())
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
-    # Each test gets its own detslurm dirs on the login node (under the ssh user's home).
+    # Each test starts with an empty upload cache and its own detslurm dirs on the login node.
+    shutil.rmtree(Path(servers["user"].pw_dir) / ".cache/detslurm", ignore_errors=True)
     rdir = f"$HOME/t-{uuid.uuid4().hex[:10]}"
     setup = [*servers["setup"], f"export DETSLURM_DATA_DIR={rdir}/data DETSLURM_EXPERIMENTS_DIR={rdir}/exps"]
     setup.append(f"export DETSLURM_CHECKPOINT_DIR={rdir}/ckpts DETSLURM_POLL_INTERVAL_S=0.1")
-    write(Path(os.environ["DETSLURM_CONFIG"]), json.dumps({"remote": {"det": str(servers["det"]), "setup": setup}}))
+    remote = {"det": str(servers["det"]), "setup": setup, "persist_s": 0}
+    write(Path(os.environ["DETSLURM_CONFIG"]), json.dumps({"remote": remote}))
     return home
 
 
@@ -106,9 +108,23 @@ def test_changed_host_key_is_refused(det: Any, laptop: Path, servers: dict[str, 
     assert code == 1 and "HOST KEY CHANGED" in err
 
 
+@pytest.fixture
+def held(laptop: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Commands share one connection through the holder (remote.persist_s > 0)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+    monkeypatch.setenv("DETSLURM_REMOTE_PERSIST_S", "60")
+    yield run / "detslurm"
+    for sock in (run / "detslurm").glob("*.sock"):
+        sock.unlink()  # a holder whose socket is gone exits within a second
+    time.sleep(1.5)
+
+
 def test_create_upload_cache_reads_and_download_through_bastion(
-    det: Any, laptop: Path, servers: dict[str, Any], tmp_path: Path
+    det: Any, laptop: Path, servers: dict[str, Any], tmp_path: Path, held: Path
 ) -> None:
+    logins_before = servers["bastion"].log.count("Accepted publickey")
     ctx = _context(tmp_path)
     n = len([p for p in ctx.rglob("*") if p.is_file()])
     url = "ssh://hpc"  # an ~/.ssh/config alias that jumps through the bastion `gw`
@@ -135,6 +151,10 @@ def test_create_upload_cache_reads_and_download_through_bastion(
     assert json.loads((tmp_path / "dl/metadata.json").read_text())["steps_completed"] == 40
     code, out, err = det("-m", url, "c", "download", "no-such-uuid")
     assert code == 1 and err.strip() == "Error: checkpoint no-such-uuid not found"
+    # Every command went through one held connection: one login at the bastion, one socket.
+    assert servers["bastion"].log.count("Accepted publickey") == logins_before + 1
+    (sock,) = held.glob("*.sock")
+    assert sock.stat().st_mode & 0o777 == 0o600 and held.stat().st_mode & 0o777 == 0o700
 
 
 def test_remote_errors_and_hostile_arguments(det: Any, laptop: Path, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ this machine's files are handled here first: `e create` uploads the config and c
 from __future__ import annotations
 
 import os
+import select
 import shlex
 from collections.abc import Sequence
 from typing import Any
@@ -53,16 +54,23 @@ def capture_argv(conn: Any, target: Target, rs: RemoteSettings, argv: Sequence[s
     """Run `det ARGV` remotely and collect its output (for the JSON the transfers need)."""
     chan = conn.open_exec(remote_command(target, rs, argv))
     chan.shutdown_write()
+    return collect(chan)
+
+
+def collect(chan: Any) -> tuple[int, str, str]:
+    """Wait for a remote command (its stdin already closed); (exit code, stdout, stderr)."""
     out, err = bytearray(), bytearray()
-    with chan:
+    try:
         while not (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()):
             if chan.recv_ready():
                 out += chan.recv(65536)
             elif chan.recv_stderr_ready():
                 err += chan.recv_stderr(65536)
             else:
-                chan.status_event.wait(0.05)
+                select.select([chan], [], [], 0.05)
         code = chan.recv_exit_status()
+    finally:
+        chan.close()
     return code, out.decode(errors="replace"), err.decode(errors="replace")
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import click
 
 from detslurm import context
-from detslurm.remote.dispatch import capture_argv, note, run_argv
+from detslurm.remote.dispatch import capture_argv, collect, note, run_argv
 from detslurm.remote.target import RemoteError, RemoteSettings, Target
 
 CACHE = ".cache/detslurm/contexts"
@@ -123,12 +123,11 @@ def _materialize(conn: Any, base: str, tree: str, bundle: context.ContextBundle,
     # Two creates of the same context at once: the second mv fails and its copy is dropped.
     lines += ["cd /", f'mv -T "$t" {q(tree)} 2>/dev/null || rm -rf "$t"', f": > {q(tree)}.done"]
     chan = conn.open_exec("sh -s")
-    with chan:
-        chan.sendall(("\n".join(lines) + "\n").encode())
-        chan.shutdown_write()
-        err = chan.makefile_stderr("rb").read().decode(errors="replace")
-        if chan.recv_exit_status() != 0:
-            raise RemoteError(f"{conn.login}: could not unpack the uploaded context in {tree}: {err.strip()}")
+    chan.sendall(("\n".join(lines) + "\n").encode())
+    chan.shutdown_write()
+    code, _, err = collect(chan)
+    if code != 0:
+        raise RemoteError(f"{conn.login}: could not unpack the uploaded context in {tree}: {err.strip()}")
 
 
 def _upload_config(conn: Any, config: Path) -> str:
