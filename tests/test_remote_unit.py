@@ -111,3 +111,15 @@ def test_remote_settings_validation() -> None:
         remote_settings({"det": 3, "setup": [1], "persist_s": "soon"}, {}, "cfg.yaml")
     msg = str(e.value)
     assert "remote.det must be a path" in msg and "remote.setup must be a list" in msg and "persist_s" in msg
+
+
+def test_remote_det_under_the_remote_home(tmp_path: Path) -> None:
+    fake = tmp_path / "my venv/bin/det"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('#!/bin/sh\necho found "$@"\n')
+    fake.chmod(0o755)
+    cmd = remote_command(Target("h"), RemoteSettings(det="~/my venv"), ["e", "list"])
+    r = subprocess.run(
+        ["sh", "-c", cmd], capture_output=True, text=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    )
+    assert r.stdout == "found e list\n", r.stderr

@@ -24,11 +24,13 @@ def remote_command(target: Target, rs: RemoteSettings, argv: Sequence[str]) -> s
     configured setup lines, then the remote det with every argument shell-quoted."""
     det = target.det_path or rs.det
     args = " ".join(shlex.quote(a) for a in argv)
+    # ~/ in a configured path means the remote home; quoting would keep the tilde literal.
+    det_word = f'"$HOME"/{shlex.quote(det[2:])}' if det.startswith("~/") else shlex.quote(det)
     lines = [
         # The remote side is local mode: a DET_MASTER its profile sets must not bounce us on.
         "unset DET_MASTER",
         *rs.setup,
-        f"det={shlex.quote(det)}",
+        f"det={det_word}",
         # A venv directory means its bin/det (ssh://host/opt/venvs/det works as well as .../bin/det).
         'if [ -d "$det" ]; then det="$det/bin/det"; fi',
         'command -v "$det" >/dev/null 2>&1 || { echo "Error: detslurm is not installed on the login node: '
