@@ -1,8 +1,9 @@
 """Remote mode against real OpenSSH servers (tests/sshd_harness.py): a login node and a
 bastion for ProxyJump on 127.0.0.1, an ordinary Unix user with a key, its own `det` in a venv.
 
-The remote experiments use the local executor on the "login node" (--local), not the Slurm
-test cluster: what is under test is the SSH path (upload, streaming, controls, download)."""
+Most remote experiments use the local executor on the "login node" (--local): what they test is
+the SSH path (upload, streaming, controls, download). The `slurm` one drives the real Slurm test
+cluster through the bastion as the ssh user: create, logs -f, pause/activate, wait, download."""
 
 from __future__ import annotations
 
@@ -182,14 +183,30 @@ def _laptop_det(laptop: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path: Path) -> None:
-    ctx = _context(tmp_path)
+def _chatty_context(tmp: Path) -> Path:
+    """The core_api example, printing a line per batch (so that streaming shows)."""
+    ctx = _context(tmp)
     train = ctx / "train.py"
     sleep_line = '        time.sleep(float(hparams.get("sleep", 0.0)))\n'
     assert sleep_line in train.read_text()
     train.write_text(
         train.read_text().replace(sleep_line, sleep_line + '        print(f"batch {batch}", flush=True)\n')
     )
+    return ctx
+
+
+def _wait_for_output(det: Any, url: str, trial: int, needle: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        code, out, _ = det("-m", url, "t", "logs", str(trial))
+        if code == 0 and needle in out:
+            return
+        time.sleep(1)
+    raise AssertionError(f"trial {trial} never printed {needle!r}")
+
+
+def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path: Path) -> None:
+    ctx = _chatty_context(tmp_path)
     url = "ssh://hpc"
     create = _laptop_det(
         laptop,
@@ -205,12 +222,7 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
     )
     follow: subprocess.Popen[str] | None = None
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            code, out, _ = det("-m", url, "t", "logs", "1")
-            if code == 0 and "batch 1" in out:
-                break
-            time.sleep(0.5)
+        _wait_for_output(det, url, 1, "batch 1")
         follow = _laptop_det(laptop, "-m", url, "t", "logs", "-f", "1")
         assert follow.stdout is not None
         first = follow.stdout.readline()  # arrives while the trial still runs: streamed, not buffered
@@ -229,3 +241,52 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
                 p.kill()
             if p is not None:
                 p.communicate()
+
+
+@pytest.mark.slurm
+def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path) -> None:
+    """The ssh user drives real Slurm jobs from the laptop: its det, its daemon, its jobs."""
+    cfg_path = Path(os.environ["DETSLURM_CONFIG"])
+    cfg = json.loads(cfg_path.read_text())
+    cfg["remote"]["setup"].append(
+        f"export SLURM_CONF={slurm_cluster / 'etc/slurm.conf'} DETSLURM_SITE_CONFIG={ROOT / 'site-configs/test-cluster.yaml'}"
+        " DETSLURM_DAEMON_IDLE_EXIT_S=30"
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    ctx = _chatty_context(tmp_path)
+    url = "ssh://hpc"
+    follow: subprocess.Popen[str] | None = None
+    try:
+        code, out, err = det("-m", url, "e", "create", ctx / "const.yaml", ctx, "--config", "hyperparameters.sleep=0.4")
+        assert code == 0 and "Created experiment 1" in out, err
+        _wait_for_output(det, url, 1, "batch 2")
+        follow = _laptop_det(laptop, "-m", url, "t", "logs", "-f", "1")
+        assert follow.stdout is not None
+        assert follow.stdout.readline().strip()  # streamed while the Slurm job runs
+        code, out, err = det("-m", url, "e", "pause", "1")
+        assert code == 0 and "Paused experiment 1" in out, err
+        deadline = time.time() + 120
+        while json.loads(det("-m", url, "e", "list", "--json")[1])[0]["state"] != "PAUSED":
+            assert time.time() < deadline, "the experiment never paused"
+            time.sleep(1)
+        code, out, err = det("-m", url, "e", "activate", "1")
+        assert code == 0 and "Activated experiment 1" in out, err
+        code, out, err = det("-m", url, "e", "wait", "1")
+        assert code == 0 and "Experiment 1 COMPLETED" in out, err
+        rest, _ = follow.communicate(timeout=120)
+        assert "done: w=" in rest
+        ck = json.loads(det("-m", url, "e", "lc", "1", "--json")[1])[-1]["uuid"]
+        code, out, err = det("-m", url, "c", "download", ck, "-o", tmp_path / "dl", "-q")
+        assert code == 0 and out == f"{tmp_path / 'dl'}\n", err
+        assert json.loads((tmp_path / "dl/metadata.json").read_text())["steps_completed"] == 40
+    finally:
+        if follow is not None and follow.poll() is None:
+            follow.kill()
+        if follow is not None:
+            follow.communicate()
+        det("-m", url, "daemon", "stop")
+        subprocess.run(
+            ["scancel", "-u", sh.USER],
+            check=False,
+            env=dict(os.environ, SLURM_CONF=str(slurm_cluster / "etc/slurm.conf")),
+        )
