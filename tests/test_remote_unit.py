@@ -123,3 +123,28 @@ def test_remote_det_under_the_remote_home(tmp_path: Path) -> None:
         ["sh", "-c", cmd], capture_output=True, text=True, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
     )
     assert r.stdout == "found e list\n", r.stderr
+
+
+def test_ssh_config_aliases_and_proxyjump_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("paramiko")
+    from detslurm.remote import sshconf
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(
+        "Host hpc\n  HostName login01.hpc.example.org\n  User alice\n  Port 2201\n  IdentityFile ~/.ssh/hpc_key\n"
+        "  ProxyJump carol@gw1:2222,gw2\n  UserKnownHostsFile ~/.ssh/hpc_known\n\n"
+        "Host gw2\n  HostName gateway2.example.org\n  User bob\n  IdentitiesOnly yes\n  HostKeyAlias gw-alias\n"
+    )
+    monkeypatch.setenv("DETSLURM_SSH_CONFIG", str(cfg))
+    gw1, gw2, login = sshconf.resolve_chain(Target("hpc"))
+    assert (gw1.hostname, gw1.user, gw1.port) == ("gw1", "carol", 2222)
+    assert (gw2.hostname, gw2.user, gw2.port, gw2.identities_only) == ("gateway2.example.org", "bob", 22, True)
+    assert gw2.key_name == "gw-alias"
+    assert (login.hostname, login.user, login.port) == ("login01.hpc.example.org", "alice", 2201)
+    assert login.identity_files == (home / ".ssh/hpc_key",)
+    assert login.known_hosts[0] == home / ".ssh/hpc_known" and login.key_name == "[login01.hpc.example.org]:2201"
+    # The URL's user and port win over the config's, as with ssh's own command line.
+    (_, _, login) = sshconf.resolve_chain(Target("hpc", user="dave", port=22))
+    assert (login.user, login.port, login.key_name) == ("dave", 22, "login01.hpc.example.org")
