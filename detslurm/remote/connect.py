@@ -26,6 +26,8 @@ Prompt = Callable[[str, bool], str]
 def tty_prompt(text: str, echo: bool) -> str:
     """Ask the user (a second factor, a passphrase): on the terminal when there is one, else one
     line of stdin, so scripted logins and tests can answer too."""
+    # A terminal gets a hidden prompt; a pipe (a script, a test, the holder's inherited stdin
+    # when the user pipes a code in) is read as one plain line, without getpass's /dev/tty dance.
     if sys.stdin is not None and sys.stdin.isatty():
         return str(click.prompt(text.rstrip(": "), hide_input=not echo, default="", show_default=False, err=True))
     click.echo(text, err=True, nl=False)
@@ -34,6 +36,7 @@ def tty_prompt(text: str, echo: bool) -> str:
 
 
 def _first_sock(hop: sshconf.Hop) -> Any:
+    # Only the first hop has its own socket; later hops ride a channel of the previous one.
     if hop.proxy_command:
         return paramiko.ProxyCommand(hop.proxy_command)
     try:
@@ -57,6 +60,8 @@ def _keys(hop: sshconf.Hop, prompt: Prompt) -> list[paramiko.PKey]:
         # No agent, or it refused: the identity files may still do.
         with contextlib.suppress(paramiko.SSHException):
             keys += list(paramiko.Agent().get_keys())
+    # Agent keys first, as ssh does: they need no passphrase, and a key on disk that the agent
+    # already holds would only cost a prompt.
     for path in hop.identity_files:
         if path.is_file():
             keys.append(_load_key(path, prompt))
@@ -101,6 +106,7 @@ def authenticate(t: paramiko.Transport, hop: sshconf.Hop, prompt: Prompt) -> Non
         allowed = list(rest)  # partial success: the server wants a second method
         break
     if allowed is None:
+        # No key was even tried: "none" auth is how a client learns which methods the server takes.
         try:
             t.auth_none(hop.user)
             return
@@ -124,6 +130,8 @@ def authenticate(t: paramiko.Transport, hop: sshconf.Hop, prompt: Prompt) -> Non
 
 def open_hop(sock: Any, hop: sshconf.Hop, prompt: Prompt) -> paramiko.Transport:
     t = paramiko.Transport(sock)
+    # The host key is checked before any credential is offered: a refused host never sees a
+    # key signature or a second-factor code.
     opts = t.get_security_options()
     opts.key_types = sshconf.preferred_key_types(hop, tuple(opts.key_types))
     try:
@@ -200,6 +208,7 @@ def pump(chan: Any, stdin_fd: int | None) -> int:
                 chan.shutdown_write()
                 stdin_open = False
         drained = _drain(chan)
+        # The exit status can arrive before the last output does: stop only once both are in.
         if chan.exit_status_ready() and not drained and not chan.recv_ready() and not chan.recv_stderr_ready():
             break
     code = int(chan.recv_exit_status())

@@ -25,6 +25,9 @@ from typing import Any
 
 from detslurm.remote.target import RemoteError, RemoteSettings, Target, runtime_dir
 
+# A frame is one type byte and a 4-byte big-endian length, then the payload. Exec needs framing
+# to keep stdout, stderr and the exit code apart on one stream; SFTP is already a framed byte
+# protocol, so its channel is relayed raw.
 _HEAD = struct.Struct("!cI")
 REQ, OUT, ERR, EXIT, IN, EOF = b"R", b"O", b"E", b"X", b"I", b"C"
 
@@ -82,6 +85,8 @@ class RelayChannel:
                 self.err += data
             elif kind == EXIT:
                 self.code = struct.unpack("!i", data)[0]
+            # A blocking read returns as soon as there is output to hand over, so that a
+            # waiting caller (recv_exit_status) and streaming callers both make progress.
             if block and (self.out or self.err):
                 return
 
@@ -184,6 +189,8 @@ def connection(target: Target, rs: RemoteSettings) -> Any:
 
         return connect(target)
     path = socket_path(target)
+    # A stale socket (the holder idled out, crashed, or the laptop slept past persist_s) is
+    # not alive: a new holder replaces it, asking for the login again.
     if not _alive(path):
         _start(target, rs, path)
     return HeldConnection(path, target.url)

@@ -140,11 +140,15 @@ def main(argv: Sequence[str]) -> int:
     _detach()
     holder = Holder(conn, persist_s)
     try:
+        # Three ways to end: the SSH connection dropped (login node rebooted, network gone),
+        # idle for persist_s, or the socket removed by the user (or replaced by a newer holder).
         while conn.transport.is_active() and not holder.idle() and path.exists():
             try:
                 client, _ = srv.accept()
             except TimeoutError:
                 continue
+            # The socket's mode already keeps others out; the uid check also holds where a
+            # platform ignores socket file permissions.
             if not _peer_is_us(client):
                 client.close()
                 continue

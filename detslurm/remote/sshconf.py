@@ -73,6 +73,7 @@ def resolve_hop(cfg: paramiko.SSHConfig, host: str, user: str | None, port: int 
     if not idents:
         idents = [ssh_dir() / n for n in _DEFAULT_IDENTITIES]
     known = _files(opts.get("userknownhostsfile", "")) or [ssh_dir() / "known_hosts"]
+    # Sites often publish login-node keys system-wide; the user's file comes first, as with ssh.
     known += _files(opts.get("globalknownhostsfile", "/etc/ssh/ssh_known_hosts"))
     hop = Hop(
         alias=host,
@@ -147,6 +148,9 @@ def check_host_key(hop: Hop, offered: paramiko.PKey) -> None:
     where = ", ".join(str(p) for p in hop.known_hosts[:1])
     if ktype in known and known[ktype] == offered:
         return
+    # Same type, other key: the dangerous case (OpenSSH's "REMOTE HOST IDENTIFICATION HAS
+    # CHANGED"). Only other types known: still refused, a downgrade to an unchecked key type
+    # is how an interceptor would get past us.
     if ktype in known:
         raise RemoteError(
             f"HOST KEY CHANGED for {hop.key_name} ({hop.alias}): known_hosts has {ktype} "

@@ -86,6 +86,8 @@ def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, 
             _mkdirs(sftp, f"{base}/{sub}")
         tree = f"{base}/trees/{bundle.sha256}"
         files = [(e, _sha256(bundle.root / e.rel)) for e in bundle.entries if e.kind == "file"]
+        # One listing answers "which files are already there" for the whole context: no
+        # per-file round trip over a high-latency link.
         present = set(sftp.listdir(f"{base}/objects"))
         uploaded = 0
         for e, digest in files:
@@ -93,6 +95,8 @@ def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, 
                 _put(sftp, bundle.root / e.rel, f"{base}/objects/{digest}")
                 present.add(digest)
                 uploaded += 1
+        # The marker is written last by the materializing script: a tree without it may be
+        # half-built (a crash, Ctrl-C) and is built again.
         done = f"{tree}.done"
         try:
             sftp.stat(done)
@@ -174,6 +178,8 @@ def _walk(sftp: Any, remote: str, local: Path) -> list[tuple[str, Path, int]]:
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
             continue
         mode = a.st_mode or 0
+        # lstat-style attributes: a symlink a trial planted (to ~/.ssh, say) is neither a dir
+        # nor a regular file here, so it is never followed or copied.
         if stat.S_ISDIR(mode):
             out += _walk(sftp, f"{remote}/{name}", local / name)
         elif stat.S_ISREG(mode):
