@@ -5,15 +5,16 @@ this machine's files are handled here first: `e create` uploads the config and c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import click
 
-from detslurm.remote.target import RemoteSettings, Target, load_remote_settings, parse_url
+from detslurm.remote.target import RemoteError, RemoteSettings, Target, load_remote_settings, parse_url
 
 _EXPERIMENT = {"e", "experiment"}
 _CHECKPOINT = {"c", "checkpoint"}
@@ -78,20 +79,40 @@ def collect(chan: Any) -> tuple[int, str, str]:
 
 def run_remote(url: str, argv: Sequence[str]) -> int:
     """cli.main's entry for remote mode: connect (through the holder when enabled), then run."""
-    from detslurm.remote import holder, transfer
+    from detslurm.remote import holder
 
     target = parse_url(url)
     rs = load_remote_settings(os.environ)
-    conn = holder.connection(target, rs)
+    with _clear_errors(target):
+        conn = holder.connection(target, rs)
+        try:
+            return _dispatch(conn, target, rs, list(argv))
+        finally:
+            conn.close()
+
+
+@contextlib.contextmanager
+def _clear_errors(target: Target) -> Iterator[None]:
+    """A dropped connection, an SSH protocol error or a failed local write mid-command becomes
+    one clear line through cli.main's error boundary, not an "internal error"."""
     try:
-        args = list(argv)
-        if len(args) >= 2 and args[0] in _EXPERIMENT and args[1] == "create" and not _wants_help(args):
-            return transfer.create(conn, target, rs, args)
-        if len(args) >= 2 and args[0] in _CHECKPOINT and args[1] == "download" and not _wants_help(args):
-            return transfer.download_checkpoint(conn, target, rs, args)
-        return run_argv(conn, target, rs, args)
-    finally:
-        conn.close()
+        yield
+    except (OSError, EOFError) as e:
+        raise RemoteError(f"remote mode ({target.url}): {e}") from None
+    except Exception as e:
+        if not type(e).__module__.startswith("paramiko"):
+            raise
+        raise RemoteError(f"remote mode ({target.url}): SSH error: {e}") from None
+
+
+def _dispatch(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
+    from detslurm.remote import transfer
+
+    if len(args) >= 2 and args[0] in _EXPERIMENT and args[1] == "create" and not _wants_help(args):
+        return transfer.create(conn, target, rs, args)
+    if len(args) >= 2 and args[0] in _CHECKPOINT and args[1] == "download" and not _wants_help(args):
+        return transfer.download_checkpoint(conn, target, rs, args)
+    return run_argv(conn, target, rs, args)
 
 
 def _wants_help(args: Sequence[str]) -> bool:
