@@ -62,6 +62,15 @@ class LazyGroup(click.Group):
     is_flag=True,
     help="Root only: see and change every user's experiments in a shared store (they are never run here).",
 )
+# Taken off argv by main() before click sees it (detslurm.remote.split_master); declared here
+# only so that `det --help` shows it.
+@click.option(
+    "-m",
+    "--master",
+    metavar="ssh://[user@]login[:port]",
+    expose_value=False,
+    help="Run the command on a login node over SSH (also DET_MASTER=ssh://...).",
+)
 @click.pass_context
 def cli(ctx: click.Context, all_users: bool) -> None:
     """detslurm: Determined-style experiments on Slurm, with no master server."""
@@ -73,8 +82,16 @@ def cli(ctx: click.Context, all_users: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
+        args = list(argv) if argv is not None else sys.argv[1:]
+        from detslurm.remote.target import split_master
+
+        master, args = split_master(args, os.environ)
+        if master is not None:
+            from detslurm.remote.dispatch import run_remote
+
+            return run_remote(master, args)
         # With standalone_mode=False click returns the code of a raised Exit instead of exiting.
-        rv = cli.main(args=list(argv) if argv is not None else None, prog_name="det", standalone_mode=False)
+        rv = cli.main(args=args, prog_name="det", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return int(e.exit_code)

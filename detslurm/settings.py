@@ -23,7 +23,7 @@ from detslurm.errors import ConfigError
 
 # A closed set: a typo in the user config must fail loudly, not silently fall back to a default
 # store (which would hide every experiment recorded in the real one).
-_KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s"}
+_KEYS = {"db_url", "experiments_dir", "checkpoint_dir", "data_dir", "max_local_trials", "poll_interval_s", "remote"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,237 @@
+"""SSH connections: a chain of hops (bastions, then the login node), strict host keys,
+authentication by agent, identity files and keyboard-interactive, and running one command
+with its output streamed back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import paramiko
+
+from detslurm.remote import sshconf
+from detslurm.remote.target import RemoteError, Target
+
+CONNECT_TIMEOUT_S = 20.0
+Prompt = Callable[[str, bool], str]
+
+
+def tty_prompt(text: str, echo: bool) -> str:
+    """Ask the user (a second factor, a passphrase): on the terminal when there is one, else one
+    line of stdin, so scripted logins and tests can answer too."""
+    # A terminal gets a hidden prompt; a pipe (a script, a test, the holder's inherited stdin
+    # when the user pipes a code in) is read as one plain line, without getpass's /dev/tty dance.
+    if sys.stdin is not None and sys.stdin.isatty():
+        return str(click.prompt(text.rstrip(": "), hide_input=not echo, default="", show_default=False, err=True))
+    click.echo(text, err=True, nl=False)
+    line = sys.stdin.readline() if sys.stdin is not None else ""
+    return line.rstrip("\n")
+
+
+def _first_sock(hop: sshconf.Hop) -> Any:
+    # Only the first hop has its own socket; later hops ride a channel of the previous one.
+    if hop.proxy_command:
+        return paramiko.ProxyCommand(hop.proxy_command)
+    try:
+        return socket.create_connection((hop.hostname, hop.port), timeout=CONNECT_TIMEOUT_S)
+    except OSError as e:
+        raise RemoteError(f"cannot reach {hop.alias} ({hop.hostname}:{hop.port}): {e.strerror or e}") from None
+
+
+def _through(prev: paramiko.Transport, prev_hop: sshconf.Hop, hop: sshconf.Hop) -> paramiko.Channel:
+    try:
+        return prev.open_channel("direct-tcpip", (hop.hostname, hop.port), ("127.0.0.1", 0))
+    except (paramiko.SSHException, OSError) as e:
+        raise RemoteError(
+            f"bastion {prev_hop.alias} could not open a connection to {hop.hostname}:{hop.port} (ProxyJump): {e}"
+        ) from None
+
+
+def _keys(hop: sshconf.Hop, prompt: Prompt) -> list[paramiko.PKey]:
+    keys: list[paramiko.PKey] = []
+    if not hop.identities_only:
+        # No agent, or it refused: the identity files may still do.
+        with contextlib.suppress(paramiko.SSHException):
+            keys += list(paramiko.Agent().get_keys())
+    # Agent keys first, as ssh does: they need no passphrase, and a key on disk that the agent
+    # already holds would only cost a prompt.
+    for path in hop.identity_files:
+        if path.is_file():
+            keys.append(_load_key(path, prompt))
+    return keys
+
+
+def _load_key(path: Path, prompt: Prompt) -> paramiko.PKey:
+    try:
+        return paramiko.PKey.from_path(str(path))
+    except paramiko.PasswordRequiredException:
+        try:
+            return paramiko.PKey.from_path(str(path), passphrase=prompt(f"Passphrase for {path}: ", False))
+        except paramiko.SSHException as e:
+            raise RemoteError(f"{path}: cannot unlock the key: {e}") from None
+    except (OSError, paramiko.SSHException, ValueError) as e:
+        raise RemoteError(f"{path}: cannot read the SSH key: {e}") from None
+
+
+def _kbd_handler(prompt: Prompt) -> Callable[[str, str, Sequence[tuple[str, bool]]], list[str]]:
+    def handler(title: str, instructions: str, prompts: Sequence[tuple[str, bool]]) -> list[str]:
+        if (title or instructions) and prompts:
+            click.echo("\n".join(s for s in (title, instructions) if s), err=True)
+        return [prompt(text, echo) for text, echo in prompts]
+
+    return handler
+
+
+def authenticate(t: paramiko.Transport, hop: sshconf.Hop, prompt: Prompt) -> None:
+    """Public keys (agent, then identity files); then keyboard-interactive, the two-factor step
+    of most HPC logins, which may also come after a key as a partial success."""
+    allowed: list[str] | None = None
+    for key in _keys(hop, prompt):
+        try:
+            rest = t.auth_publickey(hop.user, key)
+        except paramiko.BadAuthenticationType as e:
+            allowed = list(e.allowed_types)
+            break
+        except paramiko.AuthenticationException:
+            continue
+        if t.is_authenticated():
+            return
+        allowed = list(rest)  # partial success: the server wants a second method
+        break
+    if allowed is None:
+        # No key was even tried: "none" auth is how a client learns which methods the server takes.
+        try:
+            t.auth_none(hop.user)
+            return
+        except paramiko.BadAuthenticationType as e:
+            allowed = list(e.allowed_types)
+        except paramiko.AuthenticationException:
+            allowed = []
+    if "keyboard-interactive" in allowed:
+        try:
+            t.auth_interactive(hop.user, _kbd_handler(prompt))
+        except paramiko.AuthenticationException as e:
+            raise RemoteError(f"{hop.user}@{hop.alias}: keyboard-interactive login refused: {e}") from None
+        if t.is_authenticated():
+            return
+    raise RemoteError(
+        f"{hop.user}@{hop.alias}: authentication failed (tried the SSH agent and "
+        f"{', '.join(str(p) for p in hop.identity_files if p.is_file()) or 'no identity file'}; "
+        f"the server accepts: {', '.join(allowed) or 'nothing we have'}). Check `ssh {hop.alias}` works."
+    )
+
+
+def open_hop(sock: Any, hop: sshconf.Hop, prompt: Prompt) -> paramiko.Transport:
+    t = paramiko.Transport(sock)
+    # The host key is checked before any credential is offered: a refused host never sees a
+    # key signature or a second-factor code.
+    opts = t.get_security_options()
+    opts.key_types = sshconf.preferred_key_types(hop, tuple(opts.key_types))
+    try:
+        t.start_client(timeout=CONNECT_TIMEOUT_S)
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        t.close()
+        raise RemoteError(f"SSH handshake with {hop.alias} ({hop.hostname}:{hop.port}) failed: {e}") from None
+    try:
+        sshconf.check_host_key(hop, t.get_remote_server_key())
+        authenticate(t, hop, prompt)
+    except BaseException:
+        t.close()
+        raise
+    t.set_keepalive(30)
+    return t
+
+
+class Connection:
+    """An authenticated chain of transports; the last one reaches the login node."""
+
+    def __init__(self, transports: list[paramiko.Transport], login: str) -> None:
+        self.transports = transports
+        self.login = login
+
+    @property
+    def transport(self) -> paramiko.Transport:
+        return self.transports[-1]
+
+    def open_exec(self, command: str) -> paramiko.Channel:
+        chan = self.transport.open_session()
+        chan.exec_command(command)
+        return chan
+
+    def sftp(self) -> paramiko.SFTPClient:
+        client = paramiko.SFTPClient.from_transport(self.transport)
+        if client is None:
+            raise RemoteError(f"{self.login}: the SFTP subsystem is not available")
+        return client
+
+    def close(self) -> None:
+        for t in reversed(self.transports):
+            t.close()
+
+
+def connect(target: Target, prompt: Prompt = tty_prompt) -> Connection:
+    """Connect through every ProxyJump bastion to the login node and authenticate at each."""
+    hops = sshconf.resolve_chain(target)
+    transports: list[paramiko.Transport] = []
+    try:
+        for i, hop in enumerate(hops):
+            sock = _first_sock(hop) if i == 0 else _through(transports[-1], hops[i - 1], hop)
+            transports.append(open_hop(sock, hop, prompt))
+    except BaseException:
+        for t in reversed(transports):
+            t.close()
+        raise
+    return Connection(transports, f"{hops[-1].user}@{hops[-1].alias}")
+
+
+def pump(chan: Any, stdin_fd: int | None) -> int:
+    """Stream a running command's stdout/stderr to ours (and our stdin to it) until it exits;
+    returns its exit code (255 when it ended without one, as ssh does)."""
+    stdin_open = stdin_fd is not None
+    if not stdin_open:
+        chan.shutdown_write()
+    while True:
+        waits: list[Any] = [chan] + ([stdin_fd] if stdin_open else [])
+        ready, _, _ = select.select(waits, [], [], 1.0)
+        if stdin_open and stdin_fd in ready:
+            data = os.read(stdin_fd, 65536)  # type: ignore[arg-type]
+            if data:
+                chan.sendall(data)
+            else:
+                chan.shutdown_write()
+                stdin_open = False
+        drained = _drain(chan)
+        # The exit status can arrive before the last output does: stop only once both are in.
+        if chan.exit_status_ready() and not drained and not chan.recv_ready() and not chan.recv_stderr_ready():
+            break
+    code = int(chan.recv_exit_status())
+    return 255 if code < 0 else code
+
+
+def _drain(chan: Any) -> bool:
+    got = False
+    while chan.recv_stderr_ready():
+        click.echo(chan.recv_stderr(65536), nl=False, err=True)
+        got = True
+    while chan.recv_ready():
+        data = chan.recv(65536)
+        if not data:
+            break
+        click.echo(data, nl=False)
+        got = True
+    return got
+
+
+def stdin_fd() -> int | None:
+    """Our stdin's fd when it is a real file a remote prompt (e delete's confirmation) can read."""
+    try:
+        return sys.stdin.fileno() if sys.stdin is not None else None
+    except (OSError, ValueError, AttributeError):
+        return None

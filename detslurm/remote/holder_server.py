@@ -1,0 +1,164 @@
+"""The holder process itself (see detslurm.remote.holder): log in once, then serve channels
+over the unix socket until idle for persist_s or the SSH connection drops."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from detslurm.errors import DetSlurmError
+from detslurm.remote.holder import EOF, ERR, EXIT, IN, OUT, REQ, recv_frame, send_frame
+from detslurm.remote.target import parse_url
+
+
+class Holder:
+    def __init__(self, conn: Any, persist_s: float) -> None:
+        self.conn = conn
+        self.persist_s = persist_s
+        self.active = 0
+        self.last_use = time.monotonic()
+        self.lock = threading.Lock()
+
+    def idle(self) -> bool:
+        with self.lock:
+            return self.active == 0 and time.monotonic() - self.last_use > self.persist_s
+
+    def serve_client(self, client: socket.socket) -> None:
+        with self.lock:
+            self.active += 1
+        try:
+            kind, data = recv_frame(client)
+            req = json.loads(data) if kind == REQ else {}
+            if req.get("op") == "exec":
+                self._exec(client, str(req["command"]))
+            elif req.get("op") == "sftp":
+                self._sftp(client)
+        except (EOFError, OSError, ValueError, KeyError):
+            pass  # the command went away (Ctrl-C): its channel closes with it
+        finally:
+            client.close()
+            with self.lock:
+                self.active -= 1
+                self.last_use = time.monotonic()
+
+    def _exec(self, client: socket.socket, command: str) -> None:
+        chan = self.conn.open_exec(command)
+        with chan:
+            stdin_open = True
+            while True:
+                # The client stays in the select after its stdin ends: its going away (Ctrl-C)
+                # shows as EOF, and closing the channel then ends the remote command's output.
+                ready, _, _ = select.select([chan, client], [], [], 1.0)
+                if client in ready:
+                    kind, data = recv_frame(client)
+                    if kind == IN:
+                        chan.sendall(data)
+                    elif kind == EOF and stdin_open:
+                        chan.shutdown_write()
+                        stdin_open = False
+                got = False
+                while chan.recv_stderr_ready():
+                    send_frame(client, ERR, chan.recv_stderr(65536))
+                    got = True
+                while chan.recv_ready():
+                    send_frame(client, OUT, chan.recv(65536))
+                    got = True
+                if chan.exit_status_ready() and not got and not chan.recv_ready() and not chan.recv_stderr_ready():
+                    break
+            send_frame(client, EXIT, struct.pack("!i", chan.recv_exit_status()))
+
+    def _sftp(self, client: socket.socket) -> None:
+        chan = self.conn.transport.open_session()
+        chan.invoke_subsystem("sftp")
+        with chan:
+            while True:
+                ready, _, _ = select.select([chan, client], [], [], 1.0)
+                if client in ready:
+                    data = client.recv(65536)
+                    if not data:
+                        return
+                    chan.sendall(data)
+                if chan in ready:
+                    data = chan.recv(65536)
+                    if not data:
+                        return
+                    client.sendall(data)
+
+
+def _peer_is_us(client: socket.socket) -> bool:
+    creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return bool(uid == os.getuid())
+
+
+def _listen(path: Path) -> socket.socket:
+    path.unlink(missing_ok=True)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket is created 0600: only we may connect
+    try:
+        srv.bind(str(path))
+    finally:
+        os.umask(old)
+    srv.listen(16)
+    srv.settimeout(1.0)
+    return srv
+
+
+def _detach() -> None:
+    """Let go of the user's terminal: the login is done, the holder lives on alone."""
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def main(argv: Sequence[str]) -> int:
+    """argv: URL PERSIST_S SOCKET. Writes "ready" or "error MESSAGE" to stdout, then detaches."""
+    from detslurm.remote.connect import connect
+
+    url, persist_s, path = argv[0], float(argv[1]), Path(argv[2])
+    try:
+        conn = connect(parse_url(url))
+        srv = _listen(path)
+    except (DetSlurmError, OSError) as e:
+        print(f"error {json.dumps(str(e))}", flush=True)  # JSON: one line, even for multi-line messages
+        return 1
+    except KeyboardInterrupt:
+        print("error interrupted", flush=True)
+        return 130
+    print("ready", flush=True)
+    _detach()
+    holder = Holder(conn, persist_s)
+    try:
+        # Three ways to end: the SSH connection dropped (login node rebooted, network gone),
+        # idle for persist_s, or the socket removed by the user (or replaced by a newer holder).
+        while conn.transport.is_active() and not holder.idle() and path.exists():
+            try:
+                client, _ = srv.accept()
+            except TimeoutError:
+                continue
+            # The socket's mode already keeps others out; the uid check also holds where a
+            # platform ignores socket file permissions.
+            if not _peer_is_us(client):
+                client.close()
+                continue
+            threading.Thread(target=holder.serve_client, args=(client,), daemon=True).start()
+    finally:
+        srv.close()
+        path.unlink(missing_ok=True)
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

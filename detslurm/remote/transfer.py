@@ -1,0 +1,238 @@
+"""The commands that need this machine's files: `e create` uploads, `checkpoint download`
+copies back, both over SFTP.
+
+The upload cache on the login node is content-addressed per file: ~/.cache/detslurm/contexts/
+objects/<sha256 of the file> holds each file once, trees/<sha256 of the whole context> is a
+context materialized from them (copies, so the remote det packages exactly what it would have
+packaged here), manifests/<same>.json lists it, configs/<sha256>.yaml the experiment configs.
+Re-submitting unchanged code uploads nothing; a changed file uploads only itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import stat
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from detslurm import context
+from detslurm.remote.dispatch import capture_argv, collect, note, run_argv
+from detslurm.remote.target import RemoteError, RemoteSettings, Target
+
+CACHE = ".cache/detslurm/contexts"
+
+
+def _positionals(cmd: click.Command, args: Sequence[str]) -> tuple[list[int], list[str]]:
+    """Indexes of the positional tokens of ``args`` (and the other tokens), using the command's
+    own click declaration to know which options take a value: options added later still parse."""
+    takes_value = {
+        name
+        for p in cmd.params
+        if isinstance(p, click.Option) and not p.is_flag and not p.count
+        for name in p.opts + p.secondary_opts
+    }
+    pos: list[int] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            pos += range(i + 1, len(args))
+            break
+        if a.startswith("-") and a != "-":
+            i += 2 if a in takes_value else 1
+            continue
+        pos.append(i)
+        i += 1
+    return pos, [a for j, a in enumerate(args) if j not in pos and a != "--"]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _mkdirs(sftp: Any, base: str) -> None:
+    path = ""
+    for part in base.strip("/").split("/"):
+        path += "/" + part
+        try:
+            sftp.stat(path)
+        except FileNotFoundError:
+            sftp.mkdir(path, 0o700)
+
+
+def _put(sftp: Any, local: Path, remote: str) -> None:
+    """Upload to a temporary name, then rename: a crash never leaves a half object in the cache."""
+    tmp = f"{remote}.part"
+    sftp.put(str(local), tmp)
+    sftp.posix_rename(tmp, remote)
+
+
+def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, int]:
+    """Make sure the login node has this context; returns (remote dir, files uploaded, files)."""
+    sftp = conn.sftp()
+    try:
+        base = f"{sftp.normalize('.')}/{CACHE}"
+        for sub in ("objects", "trees", "manifests"):
+            _mkdirs(sftp, f"{base}/{sub}")
+        tree = f"{base}/trees/{bundle.sha256}"
+        files = [(e, _sha256(bundle.root / e.rel)) for e in bundle.entries if e.kind == "file"]
+        # One listing answers "which files are already there" for the whole context: no
+        # per-file round trip over a high-latency link.
+        present = set(sftp.listdir(f"{base}/objects"))
+        uploaded = 0
+        for e, digest in files:
+            if digest not in present:
+                _put(sftp, bundle.root / e.rel, f"{base}/objects/{digest}")
+                present.add(digest)
+                uploaded += 1
+        # The marker is written last by the materializing script: a tree without it may be
+        # half-built (a crash, Ctrl-C) and is built again.
+        done = f"{tree}.done"
+        try:
+            sftp.stat(done)
+            return tree, uploaded, len(files)
+        except FileNotFoundError:
+            pass
+        manifest = [{"path": e.rel, "kind": e.kind, "mode": e.mode, "target": e.target} for e in bundle.entries]
+        with sftp.open(f"{base}/manifests/{bundle.sha256}.json", "w") as f:
+            f.write(json.dumps({"sha256": bundle.sha256, "entries": manifest}))
+    finally:
+        sftp.close()
+    _materialize(conn, base, tree, bundle, dict((e.rel, d) for e, d in files))
+    return tree, uploaded, len(files)
+
+
+def _materialize(conn: Any, base: str, tree: str, bundle: context.ContextBundle, digests: dict[str, str]) -> None:
+    """Build trees/<sha> from the objects with one shell script on the login node (sent on
+    stdin: a large context would not fit in one exec request)."""
+    q = shlex.quote
+    lines = ["set -e", "umask 077", f"t={q(tree)}.tmp.$$", 'rm -rf "$t"', 'mkdir -p "$t"', 'cd "$t"']
+    for e in bundle.entries:
+        if e.kind == "dir":
+            lines.append(f"mkdir -p {q(e.rel)} && chmod {e.mode:o} {q(e.rel)}")
+        elif e.kind == "link":
+            lines.append(f"ln -s {q(e.target)} {q(e.rel)}")
+        else:
+            lines.append(f"cp {q(base + '/objects/' + digests[e.rel])} {q(e.rel)} && chmod {e.mode:o} {q(e.rel)}")
+    # Two creates of the same context at once: the second mv fails and its copy is dropped.
+    lines += ["cd /", f'mv -T "$t" {q(tree)} 2>/dev/null || rm -rf "$t"', f": > {q(tree)}.done"]
+    chan = conn.open_exec("sh -s")
+    chan.sendall(("\n".join(lines) + "\n").encode())
+    chan.shutdown_write()
+    code, _, err = collect(chan)
+    if code != 0:
+        raise RemoteError(f"{conn.login}: could not unpack the uploaded context in {tree}: {err.strip()}")
+
+
+def _upload_config(conn: Any, config: Path) -> str:
+    try:
+        data = config.read_bytes()
+    except OSError as e:
+        raise RemoteError(f"config file {config}: {e.strerror}") from None
+    sftp = conn.sftp()
+    try:
+        d = f"{sftp.normalize('.')}/{CACHE}/configs"
+        _mkdirs(sftp, d)
+        remote = f"{d}/{hashlib.sha256(data).hexdigest()}-{config.name}"
+        with sftp.open(remote + ".part", "wb") as f:
+            f.write(data)
+        sftp.posix_rename(remote + ".part", remote)
+        return remote
+    finally:
+        sftp.close()
+
+
+def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
+    """`det e create CONFIG [CONTEXT]` remotely: upload what changed, then create there."""
+    from detslurm.cli.experiment import create as create_cmd
+
+    with create_cmd.make_context("create", args[2:]) as ctx:  # click's own usage errors, as locally
+        config, ctx_dir = Path(ctx.params["config_file"]), Path(ctx.params["context_dir"])
+    _, options = _positionals(create_cmd, args[2:])
+    bundle = context.package(ctx_dir)
+    tree, uploaded, total = upload_context(conn, bundle)
+    note(
+        f"Uploaded {uploaded} of {total} context files to {conn.login}:{tree} "
+        f"({total - uploaded} already there, {bundle.total_bytes / 1024:.1f} KiB in all)"
+    )
+    remote_config = _upload_config(conn, config)
+    return run_argv(conn, target, rs, [*args[:2], remote_config, tree, *options])
+
+
+def _walk(sftp: Any, remote: str, local: Path) -> list[tuple[str, Path, int]]:
+    """(remote file, local file, size) for every regular file under ``remote``. Names come from
+    the cluster (written by the trial: untrusted), so only plain names are followed."""
+    out: list[tuple[str, Path, int]] = []
+    for a in sftp.listdir_attr(remote):
+        name = a.filename
+        if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            continue
+        mode = a.st_mode or 0
+        # lstat-style attributes: a symlink a trial planted (to ~/.ssh, say) is neither a dir
+        # nor a regular file here, so it is never followed or copied.
+        if stat.S_ISDIR(mode):
+            out += _walk(sftp, f"{remote}/{name}", local / name)
+        elif stat.S_ISREG(mode):
+            out.append((f"{remote}/{name}", local / name, int(a.st_size or 0)))
+    return out
+
+
+def download_checkpoint(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
+    """`det checkpoint download UUID [-o DIR] [-q]`: ask the login node where the checkpoint
+    is, then copy its files here over SFTP with a progress line."""
+    from detslurm.cli.checkpoint import download as download_cmd
+
+    with download_cmd.make_context("download", args[2:]) as ctx:
+        uuid, out_dir, quiet = ctx.params["uuid"], ctx.params["output_dir"], ctx.params["quiet"]
+    code, out, err = capture_argv(conn, target, rs, ["checkpoint", "describe", uuid, "--json"])
+    if code != 0:
+        click.echo(err, nl=False, err=True)
+        return code
+    try:
+        info = json.loads(out)
+        state, src = str(info["state"]), str(info["storage_path"])
+    except (ValueError, KeyError, TypeError):
+        raise RemoteError(
+            f"{conn.login}: unexpected answer to `det checkpoint describe --json`: {out[:200]!r}"
+        ) from None
+    if state != "COMPLETED":
+        raise RemoteError(f"checkpoint {uuid} is {state}; only COMPLETED checkpoints can be downloaded")
+    dst = Path(out_dir) if out_dir is not None else Path("checkpoints") / uuid
+    _fetch(conn, src, dst, uuid)
+    click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
+    return 0
+
+
+def _fetch(conn: Any, src: str, dst: Path, uuid: str) -> None:
+    sftp = conn.sftp()
+    try:
+        try:
+            files = _walk(sftp, src, dst)
+        except FileNotFoundError:
+            raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
+        total = sum(s for _, _, s in files)
+        done = 0
+        tty = sys.stderr.isatty()
+        for n, (remote, local, size) in enumerate(files, 1):
+            local.parent.mkdir(parents=True, exist_ok=True)
+            sftp.get(remote, str(local))
+            done += size
+            if tty:
+                click.echo(
+                    f"\rDownloading {uuid}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
+                    nl=False,
+                    err=True,
+                )
+        note(f"{chr(13) if tty else ''}Downloaded {len(files)} files ({done / 2**20:.2f} MiB) from {conn.login}:{src}")
+    finally:
+        sftp.close()

@@ -1,0 +1,149 @@
+"""Two-factor logins (keyboard-interactive) are asked once, then the connection holder serves
+later commands without asking.
+
+The server here is paramiko's ServerInterface in this test process, not OpenSSH: sshd's
+keyboard-interactive goes through PAM, which a test cannot configure for a one-time code
+without changing the machine's PAM stack. It runs each exec request with `sh -c`, so the
+laptop's `det` really runs the remote command line it built, and the remote `det` is this
+checkout's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, write
+
+paramiko = pytest.importorskip("paramiko")
+CODE = "314159"
+
+
+@dataclass
+class Counts:
+    answers: list[list[str]] = field(default_factory=list)
+    execs: int = 0
+
+
+class TwoFactorServer(paramiko.ServerInterface):  # type: ignore[misc]
+    def __init__(self, counts: Counts) -> None:
+        self.counts = counts
+
+    def get_allowed_auths(self, username: str) -> str:
+        return "keyboard-interactive"
+
+    def check_auth_interactive(self, username: str, submethods: str) -> Any:
+        return paramiko.InteractiveQuery(
+            "Duo two-factor login", "Enter the code from your token.", ("Passcode: ", False)
+        )
+
+    def check_auth_interactive_response(self, responses: list[str]) -> int:
+        self.counts.answers.append(list(responses))
+        return paramiko.AUTH_SUCCESSFUL if list(responses) == [CODE] else paramiko.AUTH_FAILED
+
+    def check_channel_request(self, kind: str, chanid: int) -> int:
+        return paramiko.OPEN_SUCCEEDED if kind == "session" else paramiko.OPEN_FAILED_ADMINISTRATIVELY_PROHIBITED
+
+    def check_channel_exec_request(self, channel: Any, command: bytes) -> bool:
+        self.counts.execs += 1
+        threading.Thread(target=_run, args=(channel, command.decode()), daemon=True).start()
+        return True
+
+
+def _run(channel: Any, command: str) -> None:
+    p = subprocess.run(["sh", "-c", command], capture_output=True, stdin=subprocess.DEVNULL)
+    channel.sendall(p.stdout)
+    channel.sendall_stderr(p.stderr)
+    channel.send_exit_status(p.returncode)
+    channel.close()
+
+
+@pytest.fixture
+def server(det_env: Path) -> Iterator[tuple[int, str, Counts]]:
+    key = paramiko.ECDSAKey.generate()
+    counts = Counts()
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    port = lsock.getsockname()[1]
+    transports: list[Any] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = lsock.accept()
+            except OSError:
+                return
+            t = paramiko.Transport(conn)
+            t.add_server_key(key)
+            t.start_server(server=TwoFactorServer(counts))
+            transports.append(t)
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield port, f"[127.0.0.1]:{port} {key.get_name()} {key.get_base64()}\n", counts
+    lsock.close()
+    for t in transports:
+        t.close()  # the holder sees its connection drop and exits
+
+
+def _laptop(det_env: Path, port: int, known: str, persist_s: float) -> dict[str, str]:
+    home = det_env / "laptop"
+    write(home / ".ssh/config", f"Host twofa\n  HostName 127.0.0.1\n  Port {port}\n  User alice\n")
+    write(home / ".ssh/known_hosts", known)
+    run = det_env / "run"
+    run.mkdir(mode=0o700, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    env.update(
+        HOME=str(home),
+        XDG_RUNTIME_DIR=str(run),
+        DETSLURM_REMOTE_DET=str(ROOT / ".venv/bin/det"),
+        DETSLURM_REMOTE_PERSIST_S=str(persist_s),
+    )
+    return env
+
+
+def _det(env: dict[str, str], stdin: str | None, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "detslurm.cli.main", "-m", "ssh://twofa", *args],
+        input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_two_factor_is_asked_once_then_the_holder_serves(det_env: Path, server: tuple[int, str, Counts]) -> None:
+    port, known, counts = server
+    env = _laptop(det_env, port, known, persist_s=30)
+    r = _det(env, CODE + "\n", "e", "list", "--json")
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    assert "Duo two-factor login" in r.stderr and "Passcode:" in r.stderr
+    for _ in range(2):  # no stdin to answer with: these must not ask
+        r = _det(env, None, "e", "describe", "7")
+        assert r.returncode == 1 and r.stderr.strip() == "Error: experiment 7 not found"
+    assert counts.answers == [[CODE]] and counts.execs == 3
+    (sock,) = (det_env / "run/detslurm").glob("*.sock")
+    assert sock.stat().st_mode & 0o777 == 0o600
+    sock.unlink()  # the holder exits once its socket is gone
+
+
+def test_without_the_holder_every_command_asks_and_a_wrong_code_is_refused(
+    det_env: Path, server: tuple[int, str, Counts]
+) -> None:
+    port, known, counts = server
+    env = _laptop(det_env, port, known, persist_s=0)
+    assert _det(env, CODE + "\n", "e", "list", "--json").returncode == 0
+    r = _det(env, "000000\n", "e", "list", "--json")
+    assert r.returncode == 1 and r.stdout == ""
+    assert "alice@twofa" in r.stderr and ("refused" in r.stderr or "authentication failed" in r.stderr)
+    assert counts.answers == [[CODE], ["000000"]]
+    assert not (det_env / "run/detslurm").exists() or not list((det_env / "run/detslurm").glob("*.sock"))
