@@ -25,10 +25,11 @@ from detslurm.core._distributed import DummyDistributedContext
 from detslurm.core._events import EventWriter
 
 
-def state(mb: int) -> dict[str, torch.Tensor]:
+def state(mb: int, dev: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     n = mb * 1024 * 1024 // 4 // 8
-    return {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(8)}
+    # On a GPU the weights live in device memory, as a trial's do: saving includes the copy out.
+    return {f"layer{i}.weight": torch.randn(n, generator=g).to(dev) for i in range(8)}
 
 
 def durable(path: Path) -> None:
@@ -44,9 +45,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
-    sd = state(args.mb)
+    sd = state(args.mb, args.device)
     writer = EventWriter(work / "events.jsonl")
     ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
     t: dict[str, list[float]] = {"raw_save": [], "raw_save_fsync": [], "det_save": [], "raw_load": [], "det_load": []}
@@ -66,11 +68,11 @@ def main() -> int:
                 torch.save(sd, path / "state.pt")
             t["det_save"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            torch.load(work / f"raw-{i}.pt")
+            torch.load(work / f"raw-{i}.pt", map_location=args.device)
             t["raw_load"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             with ckpt.restore_path(uuid) as path:
-                torch.load(path / "state.pt")
+                torch.load(path / "state.pt", map_location=args.device)
             t["det_load"].append(time.perf_counter() - t0)
             (work / f"raw-{i}.pt").unlink()
             ckpt.delete(uuid)
@@ -83,6 +85,7 @@ def main() -> int:
         {
             "benchmark": "checkpoint_io",
             "mb": args.mb,
+            "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
             "repeats": args.repeats,
             "samples_s": t,
             "median_s": med,
