@@ -21,6 +21,7 @@ def resource_pool() -> None:
 def list_(app: App, as_json: bool) -> None:
     """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
     site = app.site()
+    # One sinfo for all pools: per-pool calls would multiply the load on slurmctld.
     nodes = app.client.nodes()
     # Without pools in the site config every partition sinfo reports is a pool of its own,
     # so the command is still useful on a site nobody has described.
