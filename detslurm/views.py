@@ -301,7 +301,7 @@ def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict
     """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
     in ``scope`` (another user's experiment names are not shown)."""
     ids = {j.job_id: j.identity for j in jobs}
-    # identity is (experiment id, trial id) parsed from the job comment; foreign jobs have None.
+    # identity is (experiment, trial, run) parsed from the job comment; foreign jobs have None.
     wanted = {i[0] for i in ids.values() if i}
     if not wanted:
         return {}
