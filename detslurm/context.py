@@ -18,7 +18,7 @@ import pathspec
 
 from detslurm.errors import ContextError
 
-# Determined's limit for a context (its master refuses bigger uploads); kept so a context
+# Determined's limit for a context (its common/constants.py); kept so a context
 # that works here also works there, and data sets are not copied into every trial dir.
 MAX_CONTEXT_BYTES = 95 * 1024 * 1024
 # Ignored even without a .detignore, as Determined does: bytecode and history are large,
