@@ -152,8 +152,8 @@ def create(base: Path, job_id: str, node: str) -> Workdir:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     with os.fdopen(os.open(top / MARKER, flags, 0o600), "w") as f:
         json.dump(marker, f)
-    # Code goes one level down so that the marker, which the sweep trusts, is not inside the
-    # tree the trial can write and replace.
+    # Code goes one level down, beside the marker rather than with it: extracting the context or
+    # a trial cleaning its cwd cannot remove the marker the sweep relies on.
     work = top / WORK
     work.mkdir(mode=0o700)
     verify_private(work)
