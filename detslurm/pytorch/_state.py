@@ -43,6 +43,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # The optional keys (numpy, GPU) depend on what was installed and visible when the
+    # checkpoint was written; the CPU and Python RNGs are always there.
     torch.set_rng_state(state["cpu_rng_state"])
     random.setstate(state["random_rng_state"])
     if "np_rng_state" in state:
