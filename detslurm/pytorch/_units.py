@@ -36,6 +36,7 @@ class TrainUnit:
         """Whether a period of this unit ends after ``batches_done`` batches."""
         b = self.to_batches(batches_per_epoch)
         if isinstance(b, list):
+            # Exact points fire once each (Batch([10, 50]) validates at 10 and 50 only), never periodically.
             return batches_done in b
         # Never at batch 0: a period ends after training, and Batch(0) means "never".
         return b > 0 and batches_done > 0 and batches_done % b == 0
