@@ -42,12 +42,16 @@ from typing import Any
 
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret, secret_from_env
 
+# Determined's default for its own in-job collectives (its constants.py), so site firewall rules
+# written for Determined keep working; the launchers pass a per-job port in practice.
 DEFAULT_PORT = 12360
 # How long a server waits for all of its members, and a member for its server; long enough for
 # ranks whose framework imports take minutes on a busy node. DETSLURM_DIST_JOIN_TIMEOUT_S overrides.
 JOIN_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection gets this long to prove itself
 HANDSHAKE_MAX_BYTES = 1024
+# Bounds what one authenticated member can make the server buffer; metrics and small state
+# are far below it.
 FRAME_MAX_BYTES = 256 * 2**20
 MAX_PENDING = 128  # unauthenticated connections held at once; more are closed on arrival
 PROTOCOL = "detslurm-dist-1"
@@ -92,6 +96,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _recv_frame(sock: socket.socket, limit: int) -> bytes:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    # Checked before reading the body: the length prefix is attacker-chosen, and reading first
+    # would let any connection make us allocate up to 4 GiB.
     if n > limit:
         raise _BadPeer(f"a frame of {n} bytes (the limit is {limit})")
     return _recv_exact(sock, n)
@@ -111,6 +117,7 @@ def _encode(value: Any) -> bytes:
 def _decode_json(data: bytes) -> Any:
     try:
         return json.loads(data)
+    # RecursionError: deeply nested JSON ("[[[[...") overflows the parser's stack.
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise _BadPeer("a frame that is not JSON") from None
 
@@ -122,6 +129,8 @@ class _Channel:
     def __init__(self, sock: socket.socket, session_key: bytes, is_server: bool) -> None:
         self.sock = sock
         self._key = session_key
+        # The direction is in every MAC, so a frame the server sent cannot be reflected back to it
+        # as if the client had sent it.
         self._out, self._in = ("s2c", "c2s") if is_server else ("c2s", "s2c")
         self._sent = self._received = 0
         sock.settimeout(None)  # a collective waits as long as the slowest rank needs
@@ -195,6 +204,8 @@ class _Gate:
                     raise DistributedError(
                         f"the {self.tag} group did not form within {timeout_s:.0f} s: ranks {missing} never joined"
                     )
+                # One thread, non-blocking: a client that connects and says nothing cannot hold up the
+                # others' handshakes, it only uses a pending slot until it expires.
                 for key, _ in self.sel.select(timeout=max(0.0, min(0.5, deadline - now))):
                     if key.fileobj is self.listener:
                         self._accept()
@@ -225,6 +236,8 @@ class _Gate:
                 log.warning("%s group: closed a connection from %s: too many unauthenticated", self.tag, peer)
                 sock.close()
                 continue
+            # A fresh nonce per connection: a recorded handshake of an earlier run (or connection) does
+            # not verify against it, so it cannot be replayed.
             p = _Pending(sock, peer, secrets.token_hex(32), time.monotonic() + HANDSHAKE_TIMEOUT_S)
             try:
                 sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -260,6 +273,7 @@ class _Gate:
         if not isinstance(hello, dict):
             raise _BadPeer("a handshake that is not a JSON object")
         rank, nonce, mac = hello.get("rank"), hello.get("nonce"), hello.get("mac")
+        # type() is int, not isinstance: JSON true would otherwise pass as rank 1.
         if not (type(rank) is int and isinstance(nonce, str) and isinstance(mac, str) and _is_hex(nonce, 64)):
             raise _BadPeer("a malformed handshake")
         try:
@@ -279,6 +293,8 @@ class _Gate:
         del self.pending[p.sock]
         p.sock.settimeout(HANDSHAKE_TIMEOUT_S)
         self._reply(p, {"ok": True, "mac": _mac(self.secret, "welcome", self.tag, p.nonce, nonce, rank).hex()})
+        # Both nonces go into the session key: neither side alone picks it, so frames of one
+        # connection never verify on another.
         key = _mac(self.secret, "session", self.tag, p.nonce, nonce, rank)
         self.joined[rank] = _Channel(p.sock, key, is_server=True)
 
@@ -318,6 +334,7 @@ def _join(address: Any, family: int, secret: bytes, tag: str, rank: int, timeout
         except (OSError, _BadPeer, ConnectionError) as e:
             sock.close()
             last = str(e)
+            # The server may simply not listen yet (rank 0 still importing): retry until the deadline.
             time.sleep(0.05)
         except BaseException:
             sock.close()
@@ -383,6 +400,8 @@ class _Group:
     def __init__(self, rank: int, size: int, address: Any, family: str, secret: bytes, tag: str) -> None:
         self.rank = rank
         self.size = size
+        # The size is part of the tag (and so of every MAC): ranks launched with different world
+        # sizes fail the handshake instead of forming a wrong group.
         self.tag = f"{tag}/{size}"
         self.peers: list[_Channel] = []
         self.conn: _Channel | None = None
@@ -418,6 +437,7 @@ class _Group:
             assert self.conn is not None
             self.conn.send(value)
             return self.conn.recv()
+        # Peers are read in rank order: the result lists values by rank, as the frameworks' allgather does.
         values = [json.loads(_encode(value))] + [p.recv() for p in self.peers]
         reply = {"allgather": values, "gather": None, "broadcast": values[0]}[op]
         for p in self.peers:
@@ -461,6 +481,7 @@ class DistributedContext:
         self.port = port or pub_port or (int(env_port) if env_port else DEFAULT_PORT + port_offset)
         # No secret, no group: there is deliberately no fallback key (see detslurm.protocol.secret).
         secret = _secret if _secret is not None else (secret_from_env(os.environ) if size > 1 else b"")
+        # On one node the global group stays on loopback: nothing off the node can even connect.
         global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)
         self._global = _Group(rank, size, global_addr, "AF_INET", secret, "global")
         if force_tcp:
@@ -545,6 +566,7 @@ class DistributedContext:
     def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
 
+        # Older Horovod versions lack cross_rank()/cross_size(); their launcher still exports them.
         def cross(name: str, env: str) -> int:
             fn = getattr(hvd, name, None)
             return int(fn()) if callable(fn) else int(e[env])
@@ -576,6 +598,8 @@ def _torch_share() -> str | None:
     dist = sys.modules.get("torch.distributed")  # only if the script uses it: never import torch here
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
+    # torch's broadcast_object_list pickles, but only over torch's own process group, which the
+    # ranks already trust; our sockets never carry pickles.
     box = [new_secret().hex() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return str(box[0])
