@@ -70,8 +70,8 @@ def main(argv: Sequence[str]) -> int:
         return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
-        # The run's secret for DistributedContext's sockets (security review C1); passed to the
-        # children only, not written anywhere.
+        # The run's secret for DistributedContext's sockets (security review C1): normally the
+        # login node's per-run file, checked here so a bad one fails the launch in one line.
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))

@@ -20,8 +20,8 @@ from typing import BinaryIO, Optional
 
 from detslurm.launch._common import forward_signals
 
-# Long lines are broken so one line's write stays within a pipe buffer: the ranks' writes to
-# the shared log then never interleave inside a line.
+# Long lines are broken and each piece gets the prefix again: a line of megabytes (a tensor
+# dump) keeps its rank tag on every log line, and the pump never holds more than this.
 MAX_LINE = io.DEFAULT_BUFFER_SIZE - 1
 
 
