@@ -202,6 +202,7 @@ def parse_overrides(overrides: Sequence[str]) -> HorovodSettings:
             passthrough += [flag, *tokens.take(flag, inline, MPIRUN_PASSTHROUGH[flag])]
         elif flag in ("--network-interface", "--network-interfaces"):
             out.network_interface = tokens.take(flag, inline)[0]
+        # horovodrun's wait for workers to start; here the other nodes' wait for the chief's ports.
         elif flag == "--start-timeout":
             out.start_timeout_s = float(_convert(flag, Knob("", Value.COUNT), tokens.take(flag, inline)[0]))
         elif flag == "--verbose":
