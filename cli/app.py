@@ -15,6 +15,8 @@ import click
 
 from detslurm.identity import Scope
 
+# These types are for annotations only; importing them for real would load SQLAlchemy,
+# pydantic and the Slurm client on every `det` call (see the module docstring).
 if TYPE_CHECKING:
     from detslurm.settings import Settings
     from detslurm.slurm.client import SlurmClient
@@ -28,6 +30,8 @@ class App:
     """One per `det` process: the one place the CLI opens the store, Slurm and the configs."""
 
     def __init__(self, all_users: bool = False) -> None:
+        # The --all-users flag is only recorded here; whether the caller may use it is decided
+        # lazily in `scope`, so commands that never touch the store never fail on it.
         self.all_users = all_users
         self._scope: Scope | None = None
         self._settings: Settings | None = None
@@ -38,6 +42,7 @@ class App:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
+            # Imported on first use, not at module top, so that `det --help` stays cheap.
             from detslurm import settings as settings_mod
 
             self._settings = settings_mod.load()
@@ -48,6 +53,8 @@ class App:
         if self._store is None:
             from detslurm.store import open_store
 
+            # One store per process: commands open short read/write sessions on it instead of
+            # reconnecting (SQLite file or PostgreSQL, by the settings' db_url).
             self._store = open_store(self.settings.db_url)
         return self._store
 
@@ -68,6 +75,7 @@ class App:
             self._client = client_from_env()
         return self._client
 
+    # Read lazily: commands that never submit or list pools do not read the site file at all.
     def site(self) -> SiteConfig:
         """The site config (pools, partitions, poll floor)."""
         if self._site is None:
@@ -85,7 +93,11 @@ class App:
             result = step()
             if result is not None:
                 return result
+            # Sleep between rounds, not a busy loop: every waiting CLI polls the store (and through it
+            # Slurm), so the settings' interval bounds the load many waiting users put on them.
             time.sleep(self.settings.poll_interval_s)
 
 
+# click's pattern for one shared state object: the root group puts an App into ctx.obj and
+# every subcommand receives it through this decorator.
 pass_app = click.make_pass_decorator(App)

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from detslurm.slurm.site import SiteConfig
 
 
+# A Protocol rather than a base class: the two backends share no code, only the shape the
+# commands rely on, and tests may pass any object of that shape.
 class Backend(Protocol):
     """What the CLI does differently for Slurm and local experiments."""
 
@@ -77,6 +79,8 @@ class SlurmBackend:
         return site
 
     def require_reachable(self) -> None:
+        # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the
+        # submission that follows does not pay for it again.
         self.app.client.capabilities()
 
     def dry_run(self, plan: CreatePlan) -> str:
@@ -84,11 +88,15 @@ class SlurmBackend:
         from detslurm.controller.create import dry_run
         from detslurm.controller.slurm_executor import SlurmExecutor
 
+        # offline: render what would be submitted without calling sbatch, so the dry run goes
+        # through the same plan code as the real submission (design review: one path, not two).
         executor = SlurmExecutor(self.app.client, self.app.site(), offline=True)
         specs = dry_run(self.app.store, self.app.settings, plan, executor)
         return "".join(sub.request.render() for sub in executor.plan_many(specs))
 
     def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
+        # Submit in this process first, so the jobs are in Slurm's queue when `det e create`
+        # returns even if the daemon takes a while to start; the daemon then takes over.
         slurm_mod.submit_now(self.app)
         if paused:
             return 0  # `det e activate` starts it later
@@ -101,6 +109,7 @@ class SlurmBackend:
         return 0
 
     def resume(self, exp_id: int, *, detach: bool) -> None:
+        # Starting our daemon for someone else's experiment would run their trials as us.
         if is_mine(self.app, exp_id):  # another user's (root's --all-users) is their daemon's to run
             daemon_mod.start(self.app.settings)  # the daemon runs it; there is nothing to detach from
 
@@ -135,10 +144,13 @@ class LocalBackend:
             return 0
         if test_mode:
             click.echo("Testing training, validation and checkpointing")
+        # Local trials are children of this process: there is no daemon, so `det e create --local`
+        # stays in the foreground until the experiment stops.
         state = local_mod.drive(self.app, exp_id, follow=follow, quiet=test_mode)
         if test_mode:
             return test_mode_report(self.app, exp_id, state)
         click.echo(f"Experiment {exp_id} {state.value}")
+        # PAUSED counts as success: the user (or `det e pause` from another shell) asked for it.
         return 0 if state in (ExperimentState.COMPLETED, ExperimentState.PAUSED) else 1
 
     def resume(self, exp_id: int, *, detach: bool) -> None:
@@ -154,6 +166,7 @@ class LocalBackend:
                 state = views.experiment_state(s, exp_id, self.app.scope)
             if state.is_terminal:
                 return state
+            # A paused experiment is not driven: resuming it is for `det e activate`, not for a waiter.
             if state != ExperimentState.PAUSED:
                 # DetSlurmError: another process drives it (or cannot now): poll the store.
                 with contextlib.suppress(DetSlurmError):
@@ -182,6 +195,8 @@ def of_experiment(app: App, exp_id: int) -> Backend:
         name = views.get_experiment(s, exp_id, app.scope).executor
     cls = _BACKENDS.get(name)
     if cls is None:
+        # The name is read from the store, which a newer detslurm may have written: refuse clearly
+        # instead of guessing a backend.
         raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
     return cls(app)
 
@@ -197,6 +212,8 @@ def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
     with app.store.read() as s:
         exp = views.get_experiment(s, exp_id, app.scope)
         trial = exp.trials[0] if exp.trials else None
+        # COMPLETED alone is not enough: a script that exits 0 without training, validating and
+        # checkpointing would pass. The controller marks "test_done" only once it has seen all three.
         tested = trial is not None and trial.runner_state == "test_done"
         tid = trial.id if trial else None
     if state == ExperimentState.COMPLETED and tested:

@@ -18,6 +18,8 @@ def checkpoint() -> None:
     """List, describe and download checkpoints."""
 
 
+# Columns and headers follow Determined's `det checkpoint list`, so scripts that read its
+# table keep working; --json gives the same dicts views.checkpoint_dict builds.
 def _row(c: dict[str, Any]) -> list[Any]:
     return [
         c["experiment_id"],
@@ -25,7 +27,9 @@ def _row(c: dict[str, Any]) -> list[Any]:
         c["steps_completed"],
         fmt_time(c["report_time"]),
         c["uuid"],
+        # A checkpoint saved without a validation has no metric: show a blank cell, not "None".
         "" if c["validation_metric"] is None else c["validation_metric"],
+        # Metadata is written by the trial (untrusted, any shape): sorted JSON keeps the cell stable.
         json.dumps(c["metadata"], sort_keys=True),
     ]
 
@@ -52,6 +56,8 @@ def list_(app: App, exp_id: int, as_json: bool) -> None:
     if as_json:
         dump_json(cks)
         return
+    # Only the list shows State: it includes deleted/partial checkpoints, while describe and
+    # download go through Client.get_checkpoint, which resolves one usable checkpoint.
     table(_HEADERS + ["State"], [_row(c) + [c["state"]] for c in cks])
 
 
@@ -75,6 +81,8 @@ def describe(app: App, uuid: str, as_json: bool) -> None:
 @pass_app
 def download(app: App, uuid: str, output_dir: Path | None, quiet: bool) -> None:
     """Copy a checkpoint to a local directory (default checkpoints/<uuid>)."""
+    # The scope limits the lookup to the caller's own experiments, so a guessed UUID of another
+    # user's checkpoint is not found rather than copied.
     ck = client.Client(app.store, app.scope).get_checkpoint(uuid)
     path = ck.download(output_dir)
     if quiet:

@@ -20,7 +20,10 @@ def daemon() -> None:
 def start(app: App, foreground: bool) -> None:
     """Start the daemon (a no-op when it runs already)."""
     if foreground:
+        # A supervised daemon (systemd --user, a Slurm job) must not exit when idle: the supervisor
+        # would restart it or the job would end. The spawned daemon does exit, to free the login node.
         raise click.exceptions.Exit(daemon_mod.run_forever(app.settings, idle_exit_s=float("inf")))
+    # start() returns once the daemon holds its lock and wrote its pid, so the pid printed is live.
     pid = daemon_mod.start(app.settings)
     click.echo(f"detslurm daemon running (pid {pid}); log: {daemon_mod.Paths(app.settings).log}")
 

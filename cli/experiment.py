@@ -78,6 +78,7 @@ def create(
 ) -> None:
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
     config_file, context_dir = _config_and_context(config_file, context_dir, config_opt, template)
+    # Without --include the context directory is packaged in place; staging costs a full copy.
     if includes:
         import tempfile
 
@@ -107,6 +108,7 @@ def _config_and_context(
         return config_opt, config_file if config_file is not None else context_dir
     if config_file is None:
         raise click.UsageError("missing the experiment config: det e create CONFIG_FILE [CONTEXT_DIR]")
+    # Determined's positional form: `det e create CONFIG [CONTEXT]`, context defaulting to ".".
     return config_file, context_dir
 
 
@@ -126,15 +128,21 @@ def _create(
 
     plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
     backend = backend_mod.for_create(app, local=run_local)
+    # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
+    # create would fail on, and before any row or directory exists.
     backend.site_for_create(plan)
     if dry_run:
         click.echo(plan.describe())
         click.echo(backend.dry_run(plan), nl=False)
         click.echo("# dry run: nothing was created or submitted")
         return
+    # An unreachable slurmctld must fail here: a created experiment that cannot be submitted
+    # would sit ACTIVE with nothing running.
     backend.require_reachable()
     exp_id = execute_create(app.store, app.settings, plan, executor=backend.executor)
     click.echo(f"Created experiment {exp_id}")
+    # The experiment exists from here on: a failure below (e.g. --test-mode's verdict) is an
+    # exit code, and the experiment stays for `det e describe` and `det e logs`.
     code = backend.after_create(exp_id, paused=paused, follow=follow, test_mode=test_mode)
     if code:
         raise click.exceptions.Exit(code)
@@ -188,12 +196,15 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
         metric = _typed(exp.config).searcher.metric
+        # Read everything inside the session: rows are not loaded lazily once it closes, and
+        # the tables below are printed after it.
         work = [
             (t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
             for t in trials
             for m in views.metrics(s, int(t["id"]))
         ]
     if as_json:
+        # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
         return
     click.echo("Experiment:")
@@ -241,6 +252,8 @@ def _print_experiment(e: dict[str, Any]) -> None:
 def config(app: App, exp_id: int) -> None:
     """Print the experiment's config with defaults filled."""
     with app.store.read() as s:
+        # The stored config already has defaults filled (validated at create); sort_keys=False
+        # keeps the schema's section order rather than alphabetical.
         click.echo(yaml.safe_dump(views.get_experiment(s, exp_id, app.scope).config, sort_keys=False), nl=False)
 
 
@@ -288,7 +301,10 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
         sib = _typed(exp.config).searcher.smaller_is_better
         cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
     if best is not None:
+        # "Best" needs a metric to rank by; deleted or partial checkpoints cannot be restored
+        # from, so they are never among the best.
         scored = [c for c in cks if c["validation_metric"] is not None and c["state"] == "COMPLETED"]
+        # Negating makes one ascending sort serve both directions of searcher.smaller_is_better.
         scored.sort(key=lambda c: float(c["validation_metric"]) * (1 if sib else -1))
         cks = scored[:best]
     if as_json:
@@ -303,6 +319,7 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
                 c["state"],
                 _blank_none(c["validation_metric"]),
                 c["uuid"],
+                # The number of files in the checkpoint, as Determined's Resources column counts them.
                 len(c["resources"]),
                 f"{int(c['size']) / 1024:.1f} KiB",
             ]
@@ -328,11 +345,14 @@ def logs(app: App, exp_id: int) -> None:
         exp = views.get_experiment(s, exp_id, app.scope)
         if not exp.trials:
             raise DetSlurmError(f"experiment {exp_id} has no trials yet")
+        # The first trial, as in Determined: an experiment's logs are its first trial's logs.
         tid = exp.trials[0].id
     for line in logs_mod.lines(app, tid):
         click.echo(line)
 
 
+# pause, cancel and kill only record the wish in the store; the daemon (or the `det` that
+# drives a local experiment) acts on it at its next tick, so these return at once.
 def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None]) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
@@ -357,6 +377,8 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
     """Activate (resume) a paused experiment; local experiments run in the foreground."""
     ops.activate(app.store, exp_id, app.scope)
     click.echo(f"Activated experiment {exp_id}")
+    # Mark it ACTIVE first: a local experiment is then driven in the foreground, a Slurm one
+    # by the daemon this starts.
     backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
 
 
@@ -371,6 +393,7 @@ def wait(app: App, exp_id: int) -> None:
     state = backend_mod.of_experiment(app, exp_id).wait(exp_id)
     click.echo(f"Experiment {exp_id} {state.value}")
     if state != ExperimentState.COMPLETED:
+        # A nonzero exit for CANCELED, ERROR and the rest lets scripts chain on `det e wait`.
         raise click.exceptions.Exit(1)
 
 
@@ -381,6 +404,7 @@ def wait(app: App, exp_id: int) -> None:
 def delete(app: App, exp_id: int, yes: bool) -> None:
     """Delete an ended experiment, its files and checkpoints."""
     if not yes:
+        # Deleting removes checkpoints, which nothing can restore: ask unless --yes.
         click.confirm(f"Delete experiment {exp_id}, its files and all its checkpoints?", abort=True)
     ops.delete(app.store, exp_id, app.scope)
     click.echo(f"Deleted experiment {exp_id}")

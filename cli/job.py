@@ -34,20 +34,27 @@ def _caller(client: SlurmClient) -> q.Caller:
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
     with app.store.read() as s:
         names = views.trial_job_names(s, jobs, app.scope)
+    # Determined lists a pool's queue running jobs first, then pending ones in scheduling
+    # order; Slurm's order is priority, then submit time for ties.
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
     rows: list[dict[str, Any]] = []
     pos: dict[str, int] = {}
     for j in order:
         n = pos.setdefault(j.partition, 0)
         pos[j.partition] = n + 1
+        # A job's slots are its GPUs when it asks for any, else its CPUs (as a pool's slot type).
         needed = j.gpus or j.num_cpus
         ours = j.identity is not None
         rows.append(
             {
                 "#": n,
                 "id": j.job_id,
+                # Jobs without a detslurm identity tag in their comment are other users' or other tools':
+                # shown as Determined shows jobs its master does not manage.
                 "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
                 "name": names.get(j.job_id, j.name),
+                # Only our jobs' nice values were set on Determined's 1..99 scale; mapping a foreign nice
+                # would show a priority nobody chose.
                 "priority": q.priority_for(j.nice) if ours else None,
                 "slurm_priority": j.priority,
                 "nice": j.nice,
@@ -56,6 +63,7 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
                 "state": "STATE_SCHEDULED" if j.state == SlurmState.RUNNING else "STATE_QUEUED",
                 "user": j.user,
                 "partition": j.partition,
+                # squeue prints the literal "None" for a job that is not waiting on anything.
                 "reason": "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason,
             }
         )
@@ -69,8 +77,10 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
 def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
     """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
     client = app.client
+    # All users: a job's place in the queue depends on everyone's jobs, not only ours.
     jobs = [j for j in client.squeue(all_users=True) if not j.state.is_terminal]
     if resource_pool is not None:
+        # An unknown pool name is an error from the site config, not an empty list.
         partition = app.site().pool(resource_pool)[1].partition
         jobs = [j for j in jobs if j.partition == partition]
     rows = _rows(app, jobs)
@@ -120,6 +130,8 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run:
         click.echo(("would run: " if dry_run else "") + op.describe())
     if dry_run:
         return
+    # scontrol changes go first; pool moves are store changes the daemon acts on later
+    # (checkpoint, then resubmit in the new partition), not Slurm calls.
     q.execute(client, [o for o in ops if isinstance(o, q.Op)])
     for move in (o for o in ops if isinstance(o, q.PoolMove)):
         ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag, scope=app.scope)
@@ -175,6 +187,8 @@ def update_batch(app: App, updates: tuple[str, ...], dry_run: bool) -> None:
     """Several updates: ID.priority=N ID.resource-pool=P ID.ahead-of=ID2 ..."""
     client = app.client
     caller, caps = _caller(client), client.capabilities()
+    # The queue is read again for each update: an earlier --ahead-of or priority change in
+    # the same batch moves the jobs a later one is planned against.
     for job_id, op, value in q.parse_batch(updates):
         queue = client.squeue(all_users=True)
         kw: dict[str, Any] = {

@@ -34,8 +34,11 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         owner, exp_dir = exp.owner, exp.exp_dir
     if owner != os_user():
         raise StateError(f"experiment {exp_id} belongs to {owner}; only its owner's detslurm runs its trials")
+    # A file lock in the experiment's own dir, not a store row: it is released by the kernel
+    # when a driver dies, so a crashed `det` never leaves the experiment undrivable.
     lock = filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
     try:
+        # Fail at once rather than wait: two drivers would each start the same trials.
         lock.acquire(timeout=0)
     except filelock.Timeout:
         raise StateError(f"experiment {exp_id} is already being run by another detslurm process") from None
@@ -51,10 +54,12 @@ class _Round:
     def __init__(self, app: App, ctl: Controller, exp_id: int, follow: bool, quiet: bool) -> None:
         self.app, self.ctl, self.exp_id = app, ctl, exp_id
         self.follow, self.quiet = follow, quiet
+        # Last state printed per trial: a line is printed only on a change, not every poll.
         self.seen: dict[int, str] = {}
         self.follower: logs_mod.Follower | None = None
 
     def __call__(self) -> ExperimentState | None:
+        # Only this experiment: other local experiments belong to the `det` processes driving them.
         self.ctl.tick_experiment(self.exp_id)
         with self.app.store.read() as s:
             state, trials, busy = views.drive_snapshot(s, self.exp_id, self.app.scope)
@@ -64,6 +69,7 @@ class _Round:
                     click.echo(f"trial {tid}: {st}")
                     self.seen[tid] = st
         if self.follow and self.follower is None and trials:
+            # The lowest id is the first trial created, the one Determined's --follow-first-trial shows.
             self.follower = logs_mod.Follower(self.app, min(trials))
             click.echo(f"Following first trial with ID {min(trials)}")
         if self.follower is not None:
@@ -82,6 +88,7 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
     from detslurm.controller.controller import Controller
     from detslurm.controller.local import LocalExecutor
 
+    # max_local_trials caps concurrent trial processes: this machine has no scheduler to queue them.
     ctl = Controller(app.store, LocalExecutor(app.settings.max_local_trials))
     step = _Round(app, ctl, exp_id, follow, quiet)
     interrupted = 0
@@ -94,6 +101,8 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
             interrupted += 1
             if interrupted == 1:
                 click.echo("\nPausing: trials checkpoint and stop (Ctrl-C again to kill them).", err=True)
+                # Pausing goes through the store, like `det e pause`: the next tick asks the trials to
+                # checkpoint (preemption), so the experiment can be activated later without lost work.
                 ops.pause(app.store, exp_id)
             else:
                 _kill_all(app, ctl, exp_id)
@@ -103,4 +112,5 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
 def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
     with app.store.read() as s:
         jobs = views.active_job_ids(s, exp_id, app.scope)
+    # The second Ctrl-C means now: kill the processes without waiting for a checkpoint.
     ctl.executor.kill_many(jobs)

@@ -20,6 +20,8 @@ import click
 from detslurm import views
 from detslurm.cli.app import App
 
+# The prefix launchers/wrap_rank.py puts on every line of a rank's output, as Determined's
+# wrap_rank does; --rank-id filters on it.
 RANK = re.compile(r"\[rank=(\d+)\]")
 CHUNK = 1 << 20  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes of one line kept; the rest is dropped and counted
@@ -28,6 +30,7 @@ MAX_LINE = 1 << 20  # bytes of one line kept; the rest is dropped and counted
 def _decode(data: bytes, cut: int) -> list[str]:
     """One line's bytes as text lines (a progress bar's \\r also splits, as before), with the
     cut marker on the last."""
+    # errors="replace": a trial may write any bytes, and one bad byte must not hide the log.
     out = data.decode(errors="replace").splitlines() or [""]
     if cut:
         out[-1] += f" ... [line cut: {cut} more bytes]"
@@ -47,6 +50,7 @@ class LineCutter:
         room = self.max_line - len(self.pending)
         if room > 0:
             self.pending += piece[:room]
+        # Only the count of dropped bytes is kept, so a line of gigabytes costs MAX_LINE of memory.
         self.cut += max(0, len(piece) - max(room, 0))
 
     def feed(self, chunk: bytes) -> list[str]:
@@ -59,6 +63,7 @@ class LineCutter:
             self.pending.clear()
             self.cut = 0
             start = end + 1
+        # The tail after the last newline is an unfinished line: it waits for the next chunk.
         self._take(chunk[start:])
         return out
 
@@ -106,6 +111,7 @@ def file_lines_reversed(path: Path) -> Iterator[str]:
             if nl != size - 1:  # a final newline ends the last line; it does not start an empty one
                 yield from _read_line(f, nl + 1, end)
             end = nl
+        # The first line has no newline before it, so the loop above never yields it.
         yield from _read_line(f, 0, end)
 
 
@@ -130,8 +136,11 @@ class _Run:
 
 def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[str]]:
     with app.store.read() as s:
+        # Called for its check: another user's trial raises "not found" before any path is read.
         views.get_trial(s, trial_id, app.scope)
         runs = [_Run(r.run_id, r.log_path) for r in views.runs(s, trial_id)]
+        # Controller notes (requeues, exit reasons) are store rows, not file lines; they are shown
+        # after the output in Determined's "[time] source || level: message" log format.
         notes = [f"[{n.time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {n.level}: {n.message}" for n in views.notes(s, trial_id)]
     return runs, notes
 
@@ -169,6 +178,8 @@ def tail(app: App, trial_id: int, n: int, ranks: Sequence[int] = ()) -> list[str
         return []
     runs, notes = _trial_sources(app, trial_id)
     keep = _rank_filter(ranks)
+    # Built last line first: notes come after all runs, then each run's file from its end,
+    # then its header; the list is reversed once at the end.
     out: list[str] = [] if ranks else notes[::-1][:n]
     for run in reversed(runs):
         p = Path(run.path)
@@ -194,17 +205,20 @@ class Follower:
         self.app = app
         self.trial_id = trial_id
         self.keep = _rank_filter(ranks)
+        # Bytes already printed per log file: each pump reads only what was appended since.
         self.offsets: dict[str, int] = {}
         self.cutters: dict[str, LineCutter] = {}
 
     def pump(self) -> None:
         with self.app.store.read() as s:
             views.get_trial(s, self.trial_id, self.app.scope)  # another user's trial is "not found"
+            # Read the runs every pump: a requeued or resumed trial gets a new run with its own file.
             paths = [r.log_path for r in views.runs(s, self.trial_id)]
         for path in paths:
             p = Path(path)
             if not p.exists():
                 continue
+            # One cutter per file, kept across pumps, so a line split over two pumps is printed whole.
             cutter = self.cutters.setdefault(path, LineCutter())
             with open(p, "rb") as f:
                 f.seek(self.offsets.get(path, 0))

@@ -15,7 +15,9 @@ def fmt_time(t: datetime | None) -> str:
     if t is None:
         return ""
     if t.tzinfo is None:
+        # SQLite hands back naive datetimes; the store writes UTC, so naive means UTC here.
         t = t.replace(tzinfo=timezone.utc)
+    # Determined's CLI prints UTC with a literal +0000 offset; scripts parse that format.
     return t.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S+0000")
 
 
@@ -35,12 +37,15 @@ def presto(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cols = list(zip(*rows, strict=True)) if rows else [() for _ in headers]
     if len(cols) != len(headers) or not all(_simple(c) for c in cols):
         return str(tabulate([list(r) for r in rows], headers=list(headers), tablefmt="presto"))
+    # tabulate right-aligns a column only when every non-empty cell is a number; a column of
+    # only empty cells stays left-aligned text.
     numeric = [bool(c) and any(v not in (None, "") for v in c) and all(_intlike(v) for v in c) for c in cols]
     text = [["" if v is None else str(v) for v in c] for c in cols]
     # tabulate keeps two spaces beside every header (its MIN_PADDING).
     widths = [max([len(h) + 2, *(len(v) for v in c)]) for h, c in zip(headers, text, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
+        # Trailing spaces are stripped, as tabulate does for its last column.
         return "|".join(
             f" {v.rjust(w) if num else v.ljust(w)} " for v, w, num in zip(cells, widths, numeric, strict=True)
         ).rstrip()
@@ -55,6 +60,8 @@ def _simple(col: Sequence[Any]) -> bool:
     return all(
         v is None
         or (isinstance(v, int) and not isinstance(v, bool))
+        # bool is an int subclass, and tabulate prints "True"/"False" strings as booleans: both
+        # go to tabulate so the fast path never lays them out differently.
         or (isinstance(v, str) and (_intlike(v) or not _floatlike(v)) and v not in ("True", "False"))
         for v in col
     )
@@ -77,8 +84,10 @@ def _intlike(v: Any) -> bool:
         int(v)
     except ValueError:
         return False
+    # int() accepts " 7 " and "1_000", which tabulate would not align as numbers.
     return v.strip() == v and "_" not in v
 
 
 def dump_json(obj: Any) -> None:
+    # default=str: datetimes and enums print as text instead of failing the whole --json output.
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))

@@ -21,14 +21,20 @@ def resource_pool() -> None:
 def list_(app: App, as_json: bool) -> None:
     """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
     site = app.site()
+    # One sinfo for all pools: per-pool calls would multiply the load on slurmctld.
     nodes = app.client.nodes()
+    # Without pools in the site config every partition sinfo reports is a pool of its own,
+    # so the command is still useful on a site nobody has described.
     names = sorted(site.pools) or sorted({p for n in nodes for p in n.partitions})
     rows = []
     for name in names:
         pool = site.pools.get(name)
         partition = pool.partition if pool else name
+        # An undescribed partition has no known slot type; counting CPUs is always possible.
         slot_type = pool.slot_type if pool else "cpu"
+        # A node may sit in several partitions, so it is counted in each pool it serves.
         members = [n for n in nodes if partition in n.partitions]
+        # Slots mean GPUs on a GPU pool and CPUs otherwise, as slots_per_trial does when rendered.
         used = sum(n.gpus_used if slot_type == "gpu" else n.alloc_cpus for n in members)
         total = sum(n.gpus if slot_type == "gpu" else n.cpus for n in members)
         states = Counter(n.state.lower() for n in members)

@@ -18,9 +18,13 @@ EXECUTOR = "slurm"
 def reconcile(app: App) -> None:
     """Reads with no daemon running do one reconcile step themselves (so state is current),
     on the store, client and site this command has open already."""
+    # A running daemon keeps the store current; a second reconcile would only compete for
+    # the controller lock and add Slurm calls.
     if daemon_mod.running_pid(app.settings) is not None:
         return
     with app.store.read() as s:
+        # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
+        # makes no Slurm call at all (and works while slurmctld is down).
         unfinished = views.has_unfinished(s, EXECUTOR, os_user())
     if unfinished:
         daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
@@ -44,6 +48,7 @@ def follow_first_trial(app: App, exp_id: int) -> None:
         if tid is not None and follower is None:
             follower = logs_mod.Follower(app, tid)
             click.echo(f"Following first trial with ID {tid}")
+        # Say why the job waits (Slurm's pending reason) only when it changes, not every poll.
         if runner and runner.startswith("queued") and runner != shown_reason:
             click.echo(f"HPC job waiting to be scheduled: {runner.removeprefix('queued: ')}")
             shown_reason = runner
@@ -63,6 +68,7 @@ def wait(app: App, exp_id: int) -> ExperimentState:
     """Poll (reconciling when no daemon does) until the experiment ends."""
 
     def step() -> ExperimentState | None:
+        # If the daemon stopped (or was never started) the waiter itself keeps the state moving.
         reconcile(app)
         with app.store.read() as s:
             state = views.experiment_state(s, exp_id, app.scope)

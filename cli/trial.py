@@ -38,6 +38,7 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
             for m in views.metrics(s, trial_id)
         ]
     if as_json:
+        # "metrics" stays in the JSON as null without --metrics, so its shape does not change.
         dump_json({"trial": d, "runs": runs, "metrics": rows if metrics else None})
         return
     _print_trial(d)
@@ -55,6 +56,8 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
 
 
 def _print_trial(d: dict[str, Any]) -> None:
+    # Restarts counts only the ends charged to max_restarts (a crash, an error), not the
+    # cluster's preemptions or dead nodes (controller/decide.py).
     headers = ["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric"]
     metric = "" if d["searcher_metric"] is None else d["searcher_metric"]
     row = [d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "", metric]
@@ -63,6 +66,8 @@ def _print_trial(d: dict[str, Any]) -> None:
 
 def _print_runs(runs: list[dict[str, Any]]) -> None:
     table(
+        # One row per run: every submission of the trial (first start, requeue, resume after
+        # pause) is a run with its own Slurm job and log file.
         ["Run", "State", "Job ID", "Exit Code", "Exit Reason", "Started", "Ended"],
         [
             [
@@ -89,6 +94,8 @@ def _print_runs(runs: list[dict[str, Any]]) -> None:
 def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | None, ranks: tuple[int, ...]) -> None:
     """Show a trial's logs (all of its runs)."""
     slurm_mod.reconcile(app)
+    # Refused rather than combined: Determined's CLI allows one of them, and silently
+    # preferring either would show lines the user did not ask for.
     if head is not None and tail is not None:
         raise click.UsageError("use at most one of --head and --tail")
     if follow:
@@ -101,6 +108,7 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
                 done = TrialState(views.get_trial(s, trial_id, app.scope).state).is_terminal
             if done:
                 follower.pump()  # what it wrote before it ended
+            # None keeps poll_until going; a final pump above catches output written just before the end.
             return True if done else None
 
         app.poll_until(step)
@@ -120,5 +128,7 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
 @pass_app
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
+    # Recorded in the store like the experiment commands; the daemon cancels the job at its
+    # next tick, and the searcher sees the trial as ended early.
     ops.kill_trial(app.store, trial_id, app.scope)
     click.echo(f"Killed trial {trial_id}")

@@ -37,11 +37,15 @@ class Checkpoint:
 
     def download(self, path: Path | None = None) -> Path:
         """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``); the path written."""
+        # The uuid is a store value the trial reported: checked again here because it becomes a
+        # directory name on the caller's machine (a "../x" uuid would write outside checkpoints/).
         if not valid_checkpoint_uuid(self.uuid):
             raise DetSlurmError(
                 f"checkpoint uuid {self.uuid!r} is not a valid checkpoint id (letters, digits, '.', '_', '-'; "
                 "no path separators); refusing to use it as a directory name"
             )
+        # A partial or deleted checkpoint's files are missing or half written; restoring from
+        # them would fail later and far from the cause.
         if self.state != "COMPLETED":
             raise StateError(f"checkpoint {self.uuid} is {self.state}; only COMPLETED checkpoints can be downloaded")
         dst = Path(path) if path is not None else _default_destination(self.uuid)
@@ -57,6 +61,7 @@ class Checkpoint:
 def _default_destination(uuid: str) -> Path:
     """``./checkpoints/<uuid>``, checked to stay directly under ./checkpoints."""
     base = DEFAULT_DOWNLOAD_DIR.resolve()
+    # resolve() so that a checkpoints/<uuid> symlink pointing elsewhere is caught too.
     dst = (base / uuid).resolve()
     if dst.parent != base:
         raise DetSlurmError(f"checkpoint uuid {uuid!r} would be written outside {base}; refusing to download it")
@@ -64,6 +69,7 @@ def _default_destination(uuid: str) -> Path:
 
 
 def _source(s: Session, trial_id: int, uuid: str, scope: Scope) -> Path | None:
+    # Through get_trial so the scope check applies: a uuid alone must not reach another user's files.
     return checkpoint_dir(views.get_trial(s, trial_id, scope).experiment, uuid)
 
 
@@ -83,6 +89,7 @@ class Trial:
             ]
 
     def latest_checkpoint(self) -> Checkpoint | None:
+        # list_checkpoints is ordered by steps_completed, so the last completed one is the latest.
         done = [c for c in self.list_checkpoints() if c.state == "COMPLETED"]
         return done[-1] if done else None
 
@@ -91,6 +98,8 @@ class Client:
     """The store as one user sees it (``scope`` default: the calling user's own experiments)."""
 
     def __init__(self, store: Store | None = None, scope: Scope | None = None) -> None:
+        # Opened from the user's settings when not given: Determined's client finds its master the
+        # same way (config, not arguments), so user scripts need no setup.
         self.store = store or open_store(settings.load().db_url)
         self.scope = scope or Scope.mine()
 
@@ -108,6 +117,8 @@ class Client:
             return [Trial(self, views.trial_dict(s, t)) for t in views.get_experiment(s, exp_id, self.scope).trials]
 
 
+# The module-level functions share one client, made on first call, like Determined's
+# `client.get_checkpoint` after `client.login()`; importing this module opens nothing.
 _default: Client | None = None
 
 

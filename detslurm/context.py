@@ -18,7 +18,11 @@ import pathspec
 
 from detslurm.errors import ContextError
 
+# Determined's limit for a context (its common/constants.py); kept so a context
+# that works here also works there, and data sets are not copied into every trial dir.
 MAX_CONTEXT_BYTES = 95 * 1024 * 1024
+# Ignored even without a .detignore, as Determined does: bytecode and history are large,
+# change on every run (breaking the content hash) and are never needed by a trial.
 ALWAYS_IGNORED = ["__pycache__/", "*.pyc", "*.pyo", ".git/"]
 
 
@@ -44,6 +48,7 @@ def _spec(root: Path) -> pathspec.GitIgnoreSpec:
     ignore = root / ".detignore"
     if ignore.is_file():
         lines += ignore.read_text().splitlines()
+    # Gitignore semantics, as Determined documents for .detignore (negation, dir/ patterns).
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
@@ -56,6 +61,7 @@ def _link_entry(root: Path, path: Path, rel: str) -> Entry:
             f"context directory {root}: symbolic link {rel} -> {target} points outside the "
             "context directory; copy the file in or add the link to .detignore"
         )
+    # Stored relative, so the link still points at the same file once extracted elsewhere.
     rel_target = os.path.relpath(resolved, (root_r / rel).parent)
     return Entry(rel=rel, kind="link", target=rel_target)
 
@@ -69,8 +75,12 @@ def scan(root: Path) -> list[Entry]:
         keep = []
         for d in sorted(dirnames):
             rel = d if rel_dir == "." else f"{rel_dir}/{d}"
+            # The trailing slash lets "data/" patterns match directories; an ignored directory is
+            # pruned from the walk, so a huge ignored data set is never even listed.
             if spec.match_file(rel + "/"):
                 continue
+            # os.walk lists a symlink to a directory among dirnames but does not descend into it: it is
+            # packaged as a link (checked to stay inside the context), never as a copy of its target.
             if (base / d).is_symlink():
                 entries.append(_link_entry(root, base / d, rel))
                 continue
@@ -85,6 +95,7 @@ def scan(root: Path) -> list[Entry]:
             st = path.lstat()
             if stat.S_ISLNK(st.st_mode):
                 entries.append(_link_entry(root, path, rel))
+            # Sockets, fifos and devices are skipped: they cannot be packaged and reading a fifo would block.
             elif stat.S_ISREG(st.st_mode):
                 entries.append(Entry(rel=rel, kind="file", size=st.st_size, mode=st.st_mode & 0o777))
     return entries
@@ -111,6 +122,8 @@ def package(root: Path) -> ContextBundle:
         raise _too_big(root, entries, total)
     h = hashlib.sha256()
     for e in entries:
+        # NUL separators: no file name can contain one, so two different trees cannot hash alike by
+        # shifting bytes between a name and its content. Modes and links count: they change behaviour.
         h.update(f"{e.kind}\0{e.rel}\0{e.mode:o}\0{e.target}\0".encode())
         if e.kind == "file":
             with open(root / e.rel, "rb") as f:
@@ -143,9 +156,13 @@ def write_tarball(bundle: ContextBundle, dest: Path) -> None:
 
 
 def _safe_member(m: tarfile.TarInfo, dest: Path) -> None:
+    # The tarball sits in the experiment dir, which a trial can write: extraction treats it as
+    # untrusted input, whatever wrote it first.
     p = PurePosixPath(m.name)
     if p.is_absolute() or ".." in p.parts:
         raise ContextError(f"refusing to extract {m.name!r}: path escapes the destination")
+    # Hard links, devices and fifos are refused: a hard link can name any file the extracting
+    # user may read, and no context needs the others.
     if not (m.isfile() or m.isdir() or m.issym()):
         raise ContextError(f"refusing to extract {m.name!r}: only files, dirs and links are allowed")
     if m.issym():

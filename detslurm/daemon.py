@@ -44,6 +44,8 @@ log = logging.getLogger("detslurm.daemon")
 class Paths:
     def __init__(self, s: Settings) -> None:
         self.pid = s.data_dir / "daemon.pid"
+        # The lock, not the pid file, decides who drives: a pid file can be stale or forged, a
+        # held flock cannot outlive its holder.
         self.lock = s.data_dir / "daemon.lock"
         self.log = s.data_dir / "daemon.log"
 
@@ -79,6 +81,7 @@ class PidRecord:
             rec = cls(str(d["host"]), int(d["uid"]), int(d["pid"]), float(d["create_time"]))
         except (ValueError, TypeError, KeyError):
             return None
+        # pid 0 and negative pids address process groups in kill(2): never a daemon to signal.
         return rec if rec.pid > 0 else None
 
 
@@ -117,9 +120,13 @@ def _live_pid(rec: PidRecord) -> Optional[int]:
     """rec.pid while it is still the process that wrote the record (ours, alive, same start)."""
     try:
         proc = psutil.Process(rec.pid)
+        # The pid file lives in a directory the user owns, but a reused pid may now be anyone's.
         ours = proc.uids().real == os.getuid()
+        # A zombie still has its pid until reaped (e.g. by the `det` that started it), but it
+        # drives nothing.
         alive = proc.status() != psutil.STATUS_ZOMBIE
         same = abs(proc.create_time() - rec.create_time) <= _CREATE_TIME_SLACK_S
+    # AccessDenied: a process we may not inspect belongs to someone else, so it is not ours either.
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     return rec.pid if ours and alive and same else None
@@ -193,11 +200,15 @@ def start(s: Settings, wait_s: float = 10.0) -> int:
             out.write(f"detslurm: not passing to jobs: {', '.join(scrubbed.dropped)}\n".encode())
             out.flush()
         proc = subprocess.Popen(
+            # sys.executable: the daemon must run the same detslurm (same venv) as the `det` that
+            # starts it, whatever python PATH finds first.
             [sys.executable, "-m", "detslurm.daemon", "run"],
             env=scrubbed.env,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            # A session of its own: the daemon outlives the terminal, and Ctrl-C or SIGHUP sent to
+            # the `det` process group does not reach it.
             start_new_session=True,
             close_fds=True,
         )
@@ -206,6 +217,7 @@ def start(s: Settings, wait_s: float = 10.0) -> int:
         pid = running_pid(s)
         if pid is not None:
             return pid
+        # It exited before writing its pid (lock held elsewhere, bad config): no point waiting.
         if proc.poll() is not None:
             break
         time.sleep(0.05)
@@ -226,6 +238,8 @@ def stop(s: Settings, wait_s: float = 30.0) -> Optional[int]:
     except PermissionError:
         raise StateError(f"process {pid} is not yours: not stopping it") from None
     deadline = time.monotonic() + wait_s
+    # Waiting lets `det daemon stop && det daemon start` work: the old daemon finishes its
+    # tick and releases the lock before the new one asks for it.
     while time.monotonic() < deadline and running_pid(s) is not None:
         time.sleep(0.1)
     return pid
@@ -245,21 +259,29 @@ def _safe_url(url: str) -> str:
 def run_forever(s: Settings, idle_exit_s: float) -> int:
     stopping = {"flag": False}
 
+    # The handler only sets a flag: a tick interrupted halfway could leave a submitted job
+    # unrecorded. The loop checks the flag between ticks and during the sleep.
     def on_term(_sig: int, _frame: object) -> None:
         stopping["flag"] = True
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    # A few seconds' wait covers a CLI doing one reconcile step; a lock held longer is another
+    # daemon, and two would submit every trial twice.
     with controller_lock(s, timeout=5) as got:
         if not got:
             log.error("another detslurm daemon holds %s", Paths(s).lock)
             return 1
         me = PidRecord.of_this_process()
+        # Written only while the lock is held, so the pid file names the daemon that drives.
+        # durable=False: a pid file lost in a crash is harmless (the lock is the truth).
         atomic_write_text(Paths(s).pid, me.to_json(), mode=0o600, durable=False)
         from detslurm.slurm.site import load_site_config
 
         site = load_site_config()
         ctl = make_controller(s, site)
+        # The site's floor wins over a user's faster setting: many daemons polling squeue quickly
+        # would load slurmctld for everyone.
         interval = max(site.poll_interval_s, s.poll_interval_s)
         log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
         idle_since = time.monotonic()
@@ -272,10 +294,13 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
                 elif time.monotonic() - idle_since > idle_exit_s:
                     log.info("nothing to do for %.0f s: exiting", idle_exit_s)
                     break
+            # Any failure (slurmctld down, store locked, a bug on one experiment) is logged and the
+            # next tick retries: the daemon must not die and leave every experiment undriven.
             except Exception:
                 log.exception("tick failed; retrying in %.1f s", interval)
             end = time.monotonic() + interval
             while not stopping["flag"] and time.monotonic() < end:
+                # Short sleeps so SIGTERM stops the daemon within 0.2 s, not after a whole interval.
                 time.sleep(min(0.2, interval))
         _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
@@ -296,6 +321,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     s = settings_mod.load()
     if args[:1] == ["run"]:
+        # An idle daemon exits (after 10 minutes by default) so no process lingers on a shared login
+        # node; the next `det e create` or activate starts one again.
         return run_forever(s, float(os.environ.get("DETSLURM_DAEMON_IDLE_EXIT_S", "600")))
     print("usage: python -m detslurm.daemon run", file=sys.stderr)
     return 2

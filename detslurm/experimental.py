@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from detslurm import client
 
 
+# A module __getattr__ (PEP 562) makes `client` lazy without changing how it is imported.
 def __getattr__(name: str) -> Any:
     if name == "client":
         return importlib.import_module("detslurm.client")

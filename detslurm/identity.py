@@ -20,6 +20,8 @@ def os_user() -> str:
     uid = os.getuid()
     try:
         return pwd.getpwuid(uid).pw_name
+    # No passwd entry: the uid as text still names the caller uniquely, so ownership checks
+    # keep working instead of failing.
     except KeyError:
         return str(uid)
 
@@ -44,6 +46,7 @@ class Scope:
     @classmethod
     def all_users(cls) -> Scope:
         """Every user's experiments; only root may ask (the uid, not a name, decides)."""
+        # The effective uid, since root privilege is what --all-users needs; names can be spoofed.
         if os.geteuid() != 0:
             raise StateError(f"--all-users is only for root; {os_user()} sees and changes only their own experiments")
         return cls(None)

@@ -26,7 +26,10 @@ log = logging.getLogger("detslurm.jobenv")
 
 _ALWAYS = ("SBATCH_", "SALLOC_", "SRUN_", "SLURM_", "SLURMD_")
 _IN_ALLOCATION = ("PMI_", "PMIX_")
+# SLURM_CONF names which cluster sbatch talks to: dropping it would submit to the default one.
 KEEP = frozenset({"SLURM_CONF"})
+# Per allocation, not per call: `det` may start the daemon several times in one process
+# (tests, a waiting loop), and one warning per allocation is enough.
 _warned: set[str] = set()
 
 
@@ -54,10 +57,14 @@ def _job_scratch(tmpdir: str, job_id: str, env: Mapping[str, str]) -> bool:
 
 def daemon_env(environ: Mapping[str, str]) -> DaemonEnv:
     """Pure: ``environ`` without what must not reach the daemon's jobs (see the module doc)."""
+    # PMI_*/PMIX_* and TMPDIR are ordinary outside Slurm (a user's own MPI setup): they are
+    # dropped only when det itself runs inside an allocation.
     allocation = environ.get("SLURM_JOB_ID") or None
     prefixes = _ALWAYS + (_IN_ALLOCATION if allocation else ())
     dropped = sorted(k for k in environ if k.startswith(prefixes) and k not in KEEP)
     if allocation and _job_scratch(environ.get("TMPDIR", ""), allocation, environ):
+        # A TMPDIR that names the allocation's scratch dir is deleted when the allocation ends;
+        # jobs given it would fail to create temp files long after.
         dropped.append("TMPDIR")
     env = {k: v for k, v in environ.items() if k not in set(dropped)}
     return DaemonEnv(env, tuple(dropped), allocation, bool(allocation and environ.get("SLURMD_NODENAME")))

@@ -17,6 +17,8 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = 
     the old file or the new one, never half of one. ``durable=False`` skips the fsync, for
     files the controller rewrites from the store whenever they differ."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Same directory: rename is atomic only within one filesystem. A unique name, so two writers
+    # never share a temp file.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
@@ -24,8 +26,11 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = 
             f.flush()
             if durable:
                 os.fsync(f.fileno())
+        # mkstemp creates 0600; the mode is set before the rename so the file is never visible
+        # with the wrong permissions.
         os.chmod(tmp, mode)
         os.replace(tmp, path)
+    # BaseException: a KeyboardInterrupt mid-write must not leave a stray temp file either.
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -54,6 +59,8 @@ def import_from_path(path: str | os.PathLike[str]) -> Iterator[None]:
     """
     root = os.path.realpath(os.fspath(path))
     before = set(sys.modules)
+    # First on the path, so `import model_def` finds this directory's copy, not one already
+    # on sys.path.
     sys.path.insert(0, root)
     try:
         yield

@@ -43,6 +43,7 @@ def get_experiment(s: Session, exp_id: int, scope: Scope) -> Experiment:
 
 def get_trial(s: Session, trial_id: int, scope: Scope) -> Trial:
     t = s.get(Trial, trial_id)
+    # Same answer for missing and not-yours, so trial ids cannot be probed to learn who runs what.
     if t is None or not scope.sees(t.experiment.owner):
         raise NotFoundError("trial", trial_id)
     return t
@@ -50,6 +51,7 @@ def get_trial(s: Session, trial_id: int, scope: Scope) -> Trial:
 
 def get_checkpoint(s: Session, uuid: str, scope: Scope) -> Checkpoint:
     ck = s.get(Checkpoint, uuid)
+    # A checkpoint row carries no owner: the scope is checked through its trial's experiment.
     trial = s.get(Trial, ck.trial_id) if ck is not None else None
     if ck is None or trial is None or not scope.sees(trial.experiment.owner):
         raise NotFoundError("checkpoint", uuid)
@@ -65,6 +67,8 @@ def trial_checkpoints(s: Session, trial_id: int, scope: Scope) -> list[Checkpoin
 
 def batches(s: Session, trial_id: int) -> int:
     v = s.scalar(
+        # Archived metrics were reported after the checkpoint a restarted run resumed from; that
+        # work was redone, so it does not count towards the trial's batches.
         select(func.max(Metric.steps_completed)).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
     )
     return int(v or 0)
@@ -106,6 +110,8 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
         "progress": t.progress,
         "start_time": t.start_time,
         "end_time": t.end_time,
+        # Computed from the metrics rather than stored: it must agree with what `det t describe
+        # --metrics` lists, archived rows excluded.
         "batches": batches(s, t.id),
         "early_stopped": t.early_stopped,
         "exit_reason": t.exit_reason,
@@ -117,10 +123,14 @@ def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
         select(Metric.metrics)
         .where(Metric.trial_id == ck.trial_id)
         .where(Metric.group == "validation")
+        # A checkpoint's metric is the validation reported at the same step count, as Determined
+        # pairs them; a checkpoint saved between validations has none.
         .where(Metric.steps_completed == ck.steps_completed)
         .where(Metric.archived.is_(False))
     )
     for m in s.scalars(q):
+        # Metrics are the trial's own JSON (untrusted): a string or null under the metric's name
+        # is skipped, not a crash of `det c list`.
         if isinstance(m.get(metric), (int, float)):
             return float(m[metric])
     return None
@@ -177,6 +187,7 @@ def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]
     q = select(Metric).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
     if group:
         q = q.where(Metric.group == group)
+    # Id breaks ties: several reports at one step keep the order they arrived in.
     return list(s.scalars(q.order_by(Metric.steps_completed, Metric.id)))
 
 
@@ -206,6 +217,8 @@ def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) ->
     """Only the listed columns: whole rows (configs, searcher states) of thousands of
     experiments would take seconds to load."""
     e = Experiment
+    # scope.owner None is root's --all-users; otherwise the filter is in SQL, not applied after
+    # loading, so other users' rows never leave the database.
     q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
@@ -227,6 +240,8 @@ def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -
 def has_unfinished(s: Session, executor: str, owner: str) -> bool:
     """Whether some experiment of this executor and owner has not ended yet (a read reconciles
     only its own user's experiments: other users' are their daemons' business)."""
+    # A COUNT in SQL, not a loaded list: every read command asks this, and it must stay cheap
+    # with thousands of finished experiments in the store.
     terminal = [st for st in ExperimentState if st.is_terminal]
     n = s.scalar(
         select(func.count())
@@ -253,6 +268,8 @@ class FirstTrial(NamedTuple):
 def first_trial(s: Session, exp_id: int, scope: Scope) -> FirstTrial:
     exp = get_experiment(s, exp_id, scope)
     if not exp.trials:
+        # An experiment can end before its searcher made any trial (e.g. killed at once):
+        # followers must stop then too, not wait for a trial that never comes.
         return FirstTrial(None, None, exp.state.is_terminal)
     t = exp.trials[0]
     return FirstTrial(t.id, t.runner_state, t.state.is_terminal)
@@ -276,6 +293,7 @@ def drive_snapshot(s: Session, exp_id: int, scope: Scope) -> DriveSnapshot:
 def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
     """Executor job ids of the experiment's runs that have not ended."""
     exp = get_experiment(s, exp_id, scope)
+    # A run without a job id was never submitted (or its submission failed): nothing to kill.
     return [r.job_id for t in exp.trials for r in t.runs if not r.state.is_terminal and r.job_id]
 
 
@@ -283,9 +301,11 @@ def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict
     """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
     in ``scope`` (another user's experiment names are not shown)."""
     ids = {j.job_id: j.identity for j in jobs}
+    # identity is (experiment, trial, run) parsed from the job comment; foreign jobs have None.
     wanted = {i[0] for i in ids.values() if i}
     if not wanted:
         return {}
+    # One query for every job in the queue, not one per job: `det job list` may show thousands.
     q = select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted))
     if scope.owner is not None:
         q = q.where(Experiment.owner == scope.owner)

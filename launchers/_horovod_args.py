@@ -20,6 +20,7 @@ from typing import Optional
 
 from detslurm.launch._common import LaunchError
 
+# horovodrun takes the fusion buffer in MiB but Horovod reads bytes from the environment.
 MIB = 1024 * 1024
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
@@ -52,6 +53,8 @@ class Knob:
     scale: int = 1
 
 
+# Both spellings of a switch, as horovodrun accepts them, so a copied command line that
+# turns a default off still parses.
 def _switch(env: str, on: str, off: str) -> dict[str, Knob]:
     return {on: Knob(env), off: Knob(env, flag_value="0")}
 
@@ -78,6 +81,7 @@ KNOBS: dict[str, Knob] = {
     "--stall-check-shutdown-time-seconds": Knob("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", Value.COUNT),
     **_switch("HOROVOD_MPI_THREADS_DISABLE", "--mpi-threads-disable", "--no-mpi-threads-disable"),
     "--num-nccl-streams": Knob("HOROVOD_NUM_NCCL_STREAMS", Value.COUNT),
+    # horovodrun's --tcp means "no InfiniBand": for NCCL that is this variable.
     "--tcp": Knob("NCCL_IB_DISABLE"),
     "--thread-affinity": Knob("HOROVOD_THREAD_AFFINITY", Value.COUNT),
     "--gloo-timeout-seconds": Knob("HOROVOD_GLOO_TIMEOUT_SECONDS", Value.COUNT),
@@ -92,6 +96,8 @@ KNOBS: dict[str, Knob] = {
 IGNORED: dict[str, int] = {"-p": 1, "--ssh-port": 1, "-i": 1, "--ssh-identity-file": 1, "--disable-cache": 0}
 
 _PLACEMENT = "the Slurm allocation decides where workers run (set resources.slots_per_trial instead)"
+# Refused with a reason rather than ignored: silently dropping -np or elastic flags would
+# run a job different from the one the user asked for.
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("-np", "--num-proc", "-H", "--hosts", "-hostfile", "--hostfile"), _PLACEMENT),
     **dict.fromkeys(("--slots-per-host", "--host-discovery-script"), _PLACEMENT),
@@ -137,6 +143,7 @@ def _convert(flag: str, knob: Knob, raw: str) -> str:
         raise bad from None
     if number < 0 or (knob.value is Value.FRACTION and number > 1):
         raise bad
+    # str of a float keeps horovodrun's form for the ms values ("2.0"); counts stay integers.
     return str(number * knob.scale)
 
 
@@ -151,6 +158,7 @@ class _Tokens:
         token = self.items[self.pos]
         self.pos += 1
         flag, eq, inline = token.partition("=")
+        # Only a flag's "=" splits: a value such as `-x FOO=bar` after its flag stays whole.
         if eq and flag.startswith("-"):
             return flag, inline
         return token, None
@@ -188,11 +196,13 @@ def parse_overrides(overrides: Sequence[str]) -> HorovodSettings:
         elif flag in ("--gloo", "--mpi"):
             out.controller = Controller(flag[2:])
         elif flag == "--mpi-args":
+            # --mpi-args is one string in horovodrun, split as its shell would.
             out.mpi_args += shlex.split(tokens.take(flag, inline)[0])
         elif flag in MPIRUN_PASSTHROUGH:
             passthrough += [flag, *tokens.take(flag, inline, MPIRUN_PASSTHROUGH[flag])]
         elif flag in ("--network-interface", "--network-interfaces"):
             out.network_interface = tokens.take(flag, inline)[0]
+        # horovodrun's wait for workers to start; here the other nodes' wait for the chief's ports.
         elif flag == "--start-timeout":
             out.start_timeout_s = float(_convert(flag, Knob("", Value.COUNT), tokens.take(flag, inline)[0]))
         elif flag == "--verbose":
@@ -216,6 +226,7 @@ def _check_controller(out: HorovodSettings, passthrough: list[str]) -> None:
         return
     given = passthrough or out.mpi_args
     if given:
+        # Under gloo there is no mpirun to hand them to: an error, not a silent drop.
         raise LaunchError(f"horovod override {given[0]} is an mpirun option: it needs --mpi")
 
 
@@ -227,5 +238,6 @@ def describe(settings: HorovodSettings) -> str:
 
 
 def report(settings: HorovodSettings) -> None:
+    # Ignored flags are always reported, so a user relying on one sees that it had no effect.
     if settings.verbose or settings.ignored:
         print(f"detslurm launcher: {describe(settings)}", file=sys.stderr, flush=True)

@@ -42,9 +42,12 @@ def main(argv: Sequence[str]) -> int:
         nodes = nodes_from_env(os.environ)
     except LaunchError as e:
         return fail(str(e))
+    # One slot needs no launcher at all, as in Determined; Horovod need not even be installed.
     if nodes.nnodes == 1 and nodes.slots <= 1:
         return run_one_slot(script)
     if importlib.util.find_spec("horovod") is None:
+        # Only a --trial may fall back: its harness trains with torch DDP under either launcher,
+        # while a user script or Horovod overrides need Horovod itself.
         if overrides or not _is_trial(script):
             return fail("autohorovod: this trial has several slots and Horovod is not installed")
         print(
@@ -55,6 +58,7 @@ def main(argv: Sequence[str]) -> int:
         from detslurm.launch import torch_distributed
 
         return torch_distributed.main(argv)
+    # Imported only here: the one-slot path must not need Horovod's launcher module.
     from detslurm.launch import horovod
 
     return horovod.main(argv)

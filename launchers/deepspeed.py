@@ -18,6 +18,8 @@ from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, pr
 
 
 def hostfile_text(nodes: Nodes) -> str:
+    # DeepSpeed's hostfile format; every node gets the same slot count because the sbatch
+    # request asks for equal tasks/GPUs per node.
     return "".join(f"{host} slots={nodes.slots}\n" for host in nodes.hosts)
 
 
@@ -46,6 +48,8 @@ def build_deepspeed_cmd(
         "deepspeed.launcher.runner",
         "--hostfile",
         hostfile,
+        # No ssh between nodes (clusters rarely allow it): srun already started this launcher on
+        # every node, and --node_rank tells each which part it is.
         "--no_ssh",
         "--node_rank",
         str(nodes.node_rank),
@@ -54,6 +58,8 @@ def build_deepspeed_cmd(
         "--master_port",
         str(master_port),
         *overrides,
+        # --no_python/--no_local_rank: DeepSpeed runs our command as given (wrap_rank, then the
+        # script) instead of prefixing python and appending --local_rank to the user's argv.
         "--no_python",
         "--no_local_rank",
         python,
@@ -67,6 +73,7 @@ def build_deepspeed_cmd(
 
 def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: str) -> dict[str, str]:
     out = dict(env)
+    # Read by the harness to derive torch.distributed's variables from DeepSpeed's.
     out["USE_DEEPSPEED"] = "1"
     out["DET_CHIEF_IP"] = nodes.chief
     out["DET_DEEPSPEED_HOSTFILE_PATH"] = hostfile
@@ -84,6 +91,8 @@ def main(argv: Sequence[str]) -> int:
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))
+    # The cwd is the trial's private working dir (exec/workdir.py), so the file needs no
+    # cleanup of its own: the dir is removed at the end of the run.
     hostfile = write_hostfile(Path.cwd(), nodes)
     cmd = build_deepspeed_cmd(nodes, str(hostfile), ports["master"], overrides, script)
     return run(cmd, {**launch_env(os.environ, nodes, ports["dist"], str(hostfile)), **secret})

@@ -54,6 +54,8 @@ def worker_env(
     env.update(
         {
             "HOROVOD_HOSTNAME": nodes.hosts[nodes.node_rank],
+            # Ranks in node-list order, the same layout horovodrun's host assignment gives, so the
+            # rendezvous plan on the chief and every worker's own rank agree.
             "HOROVOD_RANK": str(nodes.node_rank * nodes.slots + local_rank),
             "HOROVOD_SIZE": str(size),
             "HOROVOD_LOCAL_RANK": str(local_rank),
@@ -63,6 +65,7 @@ def worker_env(
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": rdzv_addr,
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rdzv_port),
             "HOROVOD_CONTROLLER": "gloo",
+            # gloo for CPU collectives too: no MPI is needed for the default path.
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "USE_HOROVOD": "1",
             "DET_CHIEF_IP": nodes.chief,
@@ -70,6 +73,7 @@ def worker_env(
     )
     if iface:
         env["HOROVOD_GLOO_IFACE"] = iface
+        # setdefault: a site's or user's NCCL interface choice wins over ours.
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
     return env
 
@@ -79,6 +83,8 @@ def worker_cmd(script: Sequence[str], python: str = sys.executable) -> list[str]
 
 
 def _start_rendezvous(nodes: Nodes) -> tuple[Any, int]:
+    # Imported here, not at module top: `--help`, --mpi and the one-slot path must work
+    # where Horovod's runner is not importable.
     from horovod.runner.common.util import hosts as hvd_hosts
     from horovod.runner.http.http_server import RendezvousServer
 
@@ -107,6 +113,8 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
         # dist: the Core API's DistributedContext; torch: a legacy --trial's torch.distributed.
         dist_port, torch_port = free_port(local), free_port(local)
         if nodes.nnodes > 1:
+            # The run dir is on the shared filesystem and unique per run: the other nodes read the
+            # chief's choice there, with no fixed port two jobs on a node could both want.
             publish(_ports_file(env), {"port": port, "dist": dist_port, "torch": torch_port})
     else:
         try:
@@ -116,10 +124,14 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
         port, dist_port, torch_port = int(published["port"]), int(published["dist"]), int(published["torch"])
     addr = nodes.chief
     iface = settings.network_interface or env.get("DETSLURM_NETWORK_INTERFACE")
+    # Gloo otherwise picks the first interface, often one the other nodes cannot reach
+    # (docker0, a management net); the one that resolves to this node's name is routable.
     iface = iface or interface_for(nodes.hosts[nodes.node_rank])
     base = dict(env, DETSLURM_DIST_PORT=str(dist_port), DETSLURM_TORCH_PORT=str(torch_port), **secret)
     base.update(settings.env)
     procs = [
+        # A session per worker so supervise() can signal each worker's whole process group
+        # (its data loader workers included) and none is left behind.
         subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
         for i in range(nodes.slots)
     ]
@@ -143,12 +155,17 @@ def mpi_cmd(
     rest = [o for o in overrides if o != "--mpi"]
     return [
         "mpirun",
+        # Containers often run as root, where mpirun refuses to start without this flag.
         "--allow-run-as-root",
+        # Slurm has already checked the slot count; Open MPI's own count of cores may be lower
+        # (e.g. GPUs per node > its view of slots) and must not refuse.
         "--oversubscribe",
         "-np",
         str(nodes.slots * nodes.nnodes),
         "-H",
         ",".join(f"{h}:{nodes.slots}" for h in nodes.hosts),
+        # No binding: Slurm's cgroup already confines the job, and Open MPI's default core binding
+        # would pin every rank of a GPU job to too few cores.
         "-bind-to",
         "none",
         "-map-by",
@@ -192,6 +209,8 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
         return fail(str(e))
     env = dict(
         os.environ,
+        # mpirun starts its daemons with srun inside our step's allocation; --overlap lets that step
+        # share the resources the running launcher step already holds (Slurm >= 20.11).
         OMPI_MCA_plm_slurm_args="--overlap",
         DET_CHIEF_IP=nodes.chief,
         DETSLURM_DIST_PORT=str(dist_port),

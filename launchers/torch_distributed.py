@@ -23,6 +23,7 @@ def build_torchrun_cmd(
     nodes: Nodes, master_port: int, overrides: Sequence[str], script: Sequence[str], python: str = sys.executable
 ) -> list[str]:
     """Pure: the torchrun command for this node."""
+    # One node: the rendezvous stays on loopback, unreachable from other hosts (as Determined does).
     master = "localhost" if nodes.nnodes == 1 else nodes.chief
     return [
         python,
@@ -34,14 +35,19 @@ def build_torchrun_cmd(
         str(nodes.slots),
         "--node_rank",
         str(nodes.node_rank),
+        # No elastic restarts inside the job: a failed worker must end the step, so the controller
+        # sees the failure and applies max_restarts itself (from the last checkpoint).
         "--max_restarts",
         "0",
         "--master_addr",
         master,
         "--master_port",
         str(master_port),
+        # After our flags: torchrun takes the last value of a repeated flag, so the user's override wins.
         *overrides,
         "--module",
+        # Each worker runs under wrap_rank so its output lines carry [rank=N]; RANK is the variable
+        # torchrun sets for every worker it starts.
         "detslurm.launch.wrap_rank",
         "RANK",
         "--",
@@ -51,6 +57,8 @@ def build_torchrun_cmd(
 
 def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str, str]:
     out = dict(env)
+    # The flag pytorch.init() and the harness read to join torch.distributed; set in the child's
+    # environment only, never in ours (Determined's launcher leaks it into os.environ).
     out["USE_TORCH_DISTRIBUTED"] = "True"
     out["DET_CHIEF_IP"] = nodes.chief
     out["DETSLURM_DIST_PORT"] = str(dist_port)  # for core.DistributedContext.from_torch_distributed()
@@ -62,9 +70,13 @@ def main(argv: Sequence[str]) -> int:
         return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
+        # The run's secret for DistributedContext's sockets (security review C1): normally the
+        # login node's per-run file, checked here so a bad one fails the launch in one line.
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:
         return fail(str(e))
+    # Two ports: torch's c10d store ("master") and our own JSON collectives ("dist"); sharing one
+    # would make the second bind fail.
     cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
     return run(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret})
 

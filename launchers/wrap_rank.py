@@ -20,10 +20,14 @@ from typing import BinaryIO, Optional
 
 from detslurm.launch._common import forward_signals
 
+# Long lines are broken and each piece gets the prefix again: a line of megabytes (a tensor
+# dump) keeps its rank tag on every log line, and the pump never holds more than this.
 MAX_LINE = io.DEFAULT_BUFFER_SIZE - 1
 
 
 def resolve_rank(spec: str, env: Mapping[str, str]) -> Optional[str]:
+    # A literal number is Determined's form for a fixed rank; names are looked up so that one
+    # command line serves torchrun (RANK), MPI (PMI_RANK, OMPI_...) and Horovod.
     if spec.isdigit():
         return spec
     for name in spec.split(","):
@@ -49,6 +53,8 @@ def split_lines(buf: bytes) -> tuple[list[bytes], bytes]:
 def pump(src: BinaryIO, dst: BinaryIO, prefix: bytes) -> None:
     rest = b""
     while True:
+        # read1: return what is available now instead of waiting for 64 KiB, so a slow trial's
+        # lines reach the log as they are printed.
         chunk = src.read1(65536) if hasattr(src, "read1") else src.read(65536)
         if not chunk:
             break
@@ -56,6 +62,7 @@ def pump(src: BinaryIO, dst: BinaryIO, prefix: bytes) -> None:
         for line in lines:
             dst.write(prefix + line)
         dst.flush()
+    # An unterminated last line (a crash mid-print) is still written, with a newline added.
     if rest:
         dst.write(prefix + rest + b"\n")
         dst.flush()
@@ -77,11 +84,15 @@ def main(argv: Sequence[str]) -> int:
     proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     threads = [
+        # One thread per stream: reading stdout and stderr in turn could deadlock when the worker
+        # fills the pipe we are not reading.
         threading.Thread(target=pump, args=(proc.stdout, sys.stdout.buffer, prefix)),
         threading.Thread(target=pump, args=(proc.stderr, sys.stderr.buffer, prefix)),
     ]
     for t in threads:
         t.start()
+    # to_group=False: the worker shares our process group (it is not a group leader), so the
+    # signal goes to its pid; the preemption SIGTERM must reach it to checkpoint.
     with forward_signals(proc, to_group=False):
         code = proc.wait()
     for t in threads:

@@ -39,14 +39,18 @@ def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
         st = exp.state
+        # Idempotent, as Determined's pause: a second `det e pause` (or a retry) is not an error.
         if st == ExperimentState.PAUSED:
             return
         if st != ExperimentState.ACTIVE:
             raise StateError(f"experiment {exp_id} is in incompatible state {st.value}")
+        # Only the row changes here: the controller's next tick asks the running trials to
+        # checkpoint and stop (preemption), so no Slurm call happens in the CLI.
         exp.state = ExperimentState.PAUSED
 
 
 def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
+    """Resume a paused experiment; its owner's daemon (or local driver) submits its trials."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
         st = exp.state
@@ -58,24 +62,30 @@ def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 
 
 def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
+    """Stop an experiment, letting its trials checkpoint first (Determined's cancel)."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
         st = exp.state
+        # A cancel never downgrades a kill already in progress (a stopping state stays as it is).
         if st.is_terminal or st.is_stopping:
             return
         exp.state = ExperimentState.STOPPING_CANCELED
 
 
 def kill(store: Store, exp_id: int, scope: Scope | None = None) -> None:
+    """Stop an experiment now: its jobs are cancelled without waiting for checkpoints."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
         st = exp.state
+        # A kill does override a cancel in progress: the user wants it gone now, without waiting
+        # for the checkpoints a cancel lets the trials write.
         if st.is_terminal or st == ExperimentState.STOPPING_KILLED:
             return
         exp.state = ExperimentState.STOPPING_KILLED
 
 
 def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
+    """Stop one trial now; the searcher sees it as ended early."""
     with store.tx() as s:
         t: Trial = get_trial(s, trial_id, scope or Scope.mine())
         if t.state.is_terminal:
@@ -96,10 +106,13 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
             raise StateError(f"experiment {exp_id} belongs to {exp.owner}; only its owner can delete it and its files")
         if not exp.state.is_terminal:
             raise StateError(f"experiment {exp_id} is {exp.state}; kill it or wait for it to end before deleting")
+        # A terminal experiment may still have a job Slurm has not ended yet (a kill just issued):
+        # deleting its dir now would pull files from under a running process.
         busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED, RunState.RUNNING)]
         if busy:
             raise StateError(f"experiment {exp_id} still has running trial runs")
         q = select(Checkpoint.uuid).join(Trial).where(Trial.experiment_id == exp.id)
+        # Collected inside the transaction (the rows are gone after it), removed after the commit.
         doomed = [p for uuid in s.scalars(q) if (p := checkpoint_dir(exp, uuid)) is not None]
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
@@ -118,6 +131,8 @@ def _remove_own_dir(path: Path) -> None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         log.warning("not removing %s: not a directory of this user's", path)
         return
+    # ignore_errors: the rows are already gone, so a half-removed tree must not turn into a
+    # failed delete the user cannot repeat; leftovers are only disk space.
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -153,4 +168,6 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
             log.warning("experiment %d belongs to %s: its running trials were not preempted", exp_id, exp.owner)
             running = []
     for run_dir in running:
+        # Written after the commit: the trial checkpoints and exits, and the controller resubmits it
+        # with the new pool read from the updated config; it is a preemption, not a failure.
         ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)

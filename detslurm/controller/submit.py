@@ -18,10 +18,14 @@ from detslurm.protocol import ExpPaths, trial_env
 from detslurm.protocol.secret import SECRET_FILE_ENV, SECRET_FILE_NAME
 from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
 
+# PENDING counts as active: a run whose submission reply was lost may exist in Slurm already,
+# and a second run beside it would train the trial twice; the controller first looks for the
+# job by its identity tag (Controller._recover).
 ACTIVE_RUN = (RunState.PENDING, RunState.QUEUED, RunState.RUNNING)
 
 
 def needs_run(t: Trial, busy: set[int]) -> bool:
+    # One run per trial at a time: the run's checkpoint is the next run's starting point.
     if t.state != TrialState.ACTIVE or t.id in busy or t.early_stopped:
         return False
     # With 0.37-style ops, a trial whose ops are all done waits for a promotion (or closing).
@@ -29,6 +33,8 @@ def needs_run(t: Trial, busy: set[int]) -> bool:
 
 
 def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialRun:
+    # Run ids count up per trial and never reuse a number, so every run gets a fresh dir and
+    # log, and events of an old run can never be read as the new one's.
     t.run_count += 1
     paths = ExpPaths(Path(exp.exp_dir)).run(t.id, t.run_count)
     run = TrialRun(
@@ -62,7 +68,10 @@ def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> R
     layout = ExpPaths(Path(exp.exp_dir))
     # Only what the trial needs from us; the executor adds the submitting environment.
     env = cfg.environment.variables()
+    # The trial's own checkpoint first (a restart or resume); only a trial that never saved
+    # one starts from the warm-start checkpoint (source_trial_id / source_checkpoint_uuid).
     latest = t.latest_checkpoint or t.warm_start_checkpoint
+    # A warm start counts from zero: the source trial's steps are not this trial's progress.
     steps = t.steps_completed if t.latest_checkpoint else 0
     env.update(
         trial_env(
@@ -80,6 +89,8 @@ def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> R
             checkpoint_base=cfg.storage_base,
             resources_type=resources_type,
             slot_ids=list(range(max(1, cfg.resources.slots_per_trial))),
+            # Placeholders at plan time: which nodes the job lands on is only known inside it, where
+            # the launchers read the real node list from Slurm.
             container_addrs=["127.0.0.1"],
             user=exp.owner,
         )
@@ -90,7 +101,10 @@ def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> R
     # dir (written before submission): never derived from ids every user can read in squeue.
     env[SECRET_FILE_ENV] = str(Path(run.run_dir) / SECRET_FILE_NAME)
     return RunSpec(
+        # A readable job name for squeue; identity comes from the job comment, not from this name,
+        # which the user could also have chosen.
         name=f"det-e{exp.id}-t{t.id}-r{run.run_id}",
+        # sys.executable: the job runs the same detslurm install as the controller submitting it.
         argv=[sys.executable, "-m", "detslurm.exec.launch"],
         env=env,
         run_dir=Path(run.run_dir),
@@ -110,6 +124,8 @@ def plan_runs(
     busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
     new: list[tuple[Trial, TrialRun]] = []
     for t in exp.trials:
+        # capacity: local processes are capped (max_local_trials), Slurm's queue is not (None);
+        # the rest wait for a later tick, in trial order so earlier trials go first.
         if capacity is not None and len(new) >= capacity:
             break
         if needs_run(t, busy):

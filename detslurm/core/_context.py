@@ -30,6 +30,8 @@ class TensorboardMode(enum.Enum):
     MANUAL = "MANUAL"
 
 
+# Placeholders so user code touching core_context.experimental or .profiler (Determined
+# API) does not fail with AttributeError; nothing behind them is implemented.
 class _Experimental:
     pass
 
@@ -46,6 +48,8 @@ class _Profiler:
 
 
 class Context:
+    """Determined's ``core.Context``: distributed, train, checkpoint, preempt and searcher in one."""
+
     def __init__(
         self,
         *,
@@ -68,11 +72,15 @@ class Context:
         self._writer = writer
 
     def start(self) -> None:
+        # The preemption watcher thread starts only on __enter__, so building a Context (e.g. in a
+        # test) starts nothing.
         self.preempt.start()
 
     def close(self, exc: BaseException | None = None) -> None:
         self.preempt.close()
         try:
+            # Flushed before the sockets close: the controller reads this file after the process ends,
+            # and the last reports (a final checkpoint) must be in it.
             self._writer.flush()
         finally:
             close = getattr(self._writer, "close", None)
@@ -89,6 +97,8 @@ class Context:
             self.train.report_early_exit(EarlyExitReason.INVALID_HP)
             self.close(exc)
             log.info("InvalidHP raised: reported to the searcher, exiting 0")
+            # Determined's contract: InvalidHP ends the trial cleanly (exit 0) and the searcher is told
+            # through the early-exit event, so the controller must not count it as a failure to restart.
             raise SystemExit(0)
         self.close(exc)
 
@@ -102,6 +112,7 @@ def _units(config: dict[str, Any]) -> Unit | None:
     ml = (config.get("searcher") or {}).get("max_length")
     if not isinstance(ml, dict) or not ml:
         return None
+    # The config was validated at create time: max_length has exactly one of these keys.
     return {"batches": Unit.BATCHES, "records": Unit.RECORDS, "epochs": Unit.EPOCHS}[next(iter(ml))]
 
 
@@ -133,6 +144,8 @@ def _dummy_init(
 ) -> Context:
     dist = distributed or DummyDistributedContext()
     writer = NullWriter()
+    # Off-cluster checkpoints go where the login-side settings keep data, so a script run by
+    # hand finds them where `det` would look.
     data_dir = os.environ.get("DETSLURM_DATA_DIR") or platformdirs.user_data_dir("detslurm")
     base = _storage_base(checkpoint_storage, Path(data_dir) / "checkpoints")
     ensure_base(base, checkpoint_modes(os.environ))
@@ -155,14 +168,19 @@ def init(
     preempt_mode: PreemptMode = PreemptMode.WorkersAskChief,
     tensorboard_mode: TensorboardMode = TensorboardMode.AUTO,
 ) -> Context:
+    """The Core API context: wired to the trial's run dir on a cluster, a local twin otherwise."""
     # Keyword-only, as in Determined: positional calls would silently bind the wrong context.
     info = get_cluster_info()
     if info is None or info.task_type != "TRIAL":
         return _dummy_init(distributed, checkpoint_storage, preempt_mode)
     if distributed is None and (len(info.container_addrs) > 1 or len(info.slot_ids) > 1):
+        # Determined's message: a multi-slot trial without a DistributedContext would run every
+        # rank as a chief, each writing checkpoints and reports as if it were alone.
         raise ValueError("you must provide a valid DistributedContext for a multi-slot task")
     dist = distributed or DummyDistributedContext()
     paths = info.run_paths
+    # One event file per rank: ranks never share a file, so no cross-process locking is needed;
+    # the controller ingests each file from the byte offset it stored last time.
     writer: Writer = EventWriter(paths.event_file(dist.rank))
 
     def ack() -> None:
@@ -176,6 +194,8 @@ def init(
     searcher: SearcherContext = (
         SearcherContext(dist, writer, paths.exp.ops_file(paths.trial_id), units, preempt._local_answer, ack)
         if units is not None
+        # Without searcher.max_length there are no operations to hand out: the missing twin raises
+        # with a message if user code asks for them.
         else SearcherContextMissing()
     )
     return Context(

@@ -42,15 +42,15 @@ from typing import Any
 
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret, secret_from_env
 
-DEFAULT_PORT = 12360
+DEFAULT_PORT = 12360  # Determined's default (its constants.py), so firewall rules for it apply
 # How long a server waits for all of its members, and a member for its server; long enough for
 # ranks whose framework imports take minutes on a busy node. DETSLURM_DIST_JOIN_TIMEOUT_S overrides.
 JOIN_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection gets this long to prove itself
-HANDSHAKE_MAX_BYTES = 1024
-FRAME_MAX_BYTES = 256 * 2**20
+HANDSHAKE_MAX_BYTES = 1024  # a real handshake is about 200 bytes of JSON
+FRAME_MAX_BYTES = 256 * 2**20  # bounds what one member can make the server buffer
 MAX_PENDING = 128  # unauthenticated connections held at once; more are closed on arrival
-PROTOCOL = "detslurm-dist-1"
+PROTOCOL = "detslurm-dist-1"  # in the challenge: another version fails at once
 _MAC_BYTES = 32
 _LEN = struct.Struct(">I")
 
@@ -92,7 +92,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def _recv_frame(sock: socket.socket, limit: int) -> bytes:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > limit:
+    if n > limit:  # before reading the body: the length is the peer's choice
         raise _BadPeer(f"a frame of {n} bytes (the limit is {limit})")
     return _recv_exact(sock, n)
 
@@ -111,7 +111,7 @@ def _encode(value: Any) -> bytes:
 def _decode_json(data: bytes) -> Any:
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # deeply nested JSON
         raise _BadPeer("a frame that is not JSON") from None
 
 
@@ -122,7 +122,7 @@ class _Channel:
     def __init__(self, sock: socket.socket, session_key: bytes, is_server: bool) -> None:
         self.sock = sock
         self._key = session_key
-        self._out, self._in = ("s2c", "c2s") if is_server else ("c2s", "s2c")
+        self._out, self._in = ("s2c", "c2s") if is_server else ("c2s", "s2c")  # in each MAC: no reflection
         self._sent = self._received = 0
         sock.settimeout(None)  # a collective waits as long as the slowest rank needs
 
@@ -185,7 +185,7 @@ class _Gate:
     def run(self, timeout_s: float) -> dict[int, _Channel]:
         """Members by rank once all joined; DistributedError naming the missing ranks at the deadline."""
         deadline = time.monotonic() + timeout_s
-        self.listener.setblocking(False)
+        self.listener.setblocking(False)  # _accept() drains the backlog until EAGAIN: never blocks
         self.sel.register(self.listener, selectors.EVENT_READ)
         try:
             while len(self.joined) < len(self.expected):
@@ -195,6 +195,7 @@ class _Gate:
                     raise DistributedError(
                         f"the {self.tag} group did not form within {timeout_s:.0f} s: ranks {missing} never joined"
                     )
+                # One thread, non-blocking: a client that connects and stays silent holds up nobody's handshake.
                 for key, _ in self.sel.select(timeout=max(0.0, min(0.5, deadline - now))):
                     if key.fileobj is self.listener:
                         self._accept()
@@ -260,6 +261,7 @@ class _Gate:
         if not isinstance(hello, dict):
             raise _BadPeer("a handshake that is not a JSON object")
         rank, nonce, mac = hello.get("rank"), hello.get("nonce"), hello.get("mac")
+        # type() is int, not isinstance: JSON true would otherwise pass as rank 1.
         if not (type(rank) is int and isinstance(nonce, str) and isinstance(mac, str) and _is_hex(nonce, 64)):
             raise _BadPeer("a malformed handshake")
         try:
@@ -279,12 +281,12 @@ class _Gate:
         del self.pending[p.sock]
         p.sock.settimeout(HANDSHAKE_TIMEOUT_S)
         self._reply(p, {"ok": True, "mac": _mac(self.secret, "welcome", self.tag, p.nonce, nonce, rank).hex()})
-        key = _mac(self.secret, "session", self.tag, p.nonce, nonce, rank)
+        key = _mac(self.secret, "session", self.tag, p.nonce, nonce, rank)  # both nonces: one key per connection
         self.joined[rank] = _Channel(p.sock, key, is_server=True)
 
     def _reply(self, p: _Pending, message: dict[str, Any]) -> None:
         try:
-            p.sock.setblocking(True)
+            p.sock.setblocking(True)  # a short reply, sent whole; the timeout bounds it
             p.sock.settimeout(HANDSHAKE_TIMEOUT_S)
             _send_frame(p.sock, _encode(message))
         except OSError as e:
@@ -318,7 +320,7 @@ def _join(address: Any, family: int, secret: bytes, tag: str, rank: int, timeout
         except (OSError, _BadPeer, ConnectionError) as e:
             sock.close()
             last = str(e)
-            time.sleep(0.05)
+            time.sleep(0.05)  # the server may not listen yet: retry until the deadline
         except BaseException:
             sock.close()
             raise
@@ -358,7 +360,7 @@ def _show(address: Any) -> str:
 def _listen(address: Any, family: int, backlog: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        if family == socket.AF_INET:
+        if family == socket.AF_INET:  # a rerun may rebind a port still in TIME_WAIT
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(backlog)
@@ -383,7 +385,7 @@ class _Group:
     def __init__(self, rank: int, size: int, address: Any, family: str, secret: bytes, tag: str) -> None:
         self.rank = rank
         self.size = size
-        self.tag = f"{tag}/{size}"
+        self.tag = f"{tag}/{size}"  # the size is in every MAC: mismatched world sizes cannot join
         self.peers: list[_Channel] = []
         self.conn: _Channel | None = None
         self._path: str | None = None
@@ -397,7 +399,7 @@ class _Group:
             self._path = address  # a stale socket of ours from a crashed run may sit there
             if os.path.exists(address) and os.stat(address).st_uid == os.getuid():
                 os.unlink(address)
-        listener = _listen(address, fam, max(size, 16))
+        listener = _listen(address, fam, max(size, 16))  # backlog: every member may connect at once
         try:
             # The listener closes as soon as the group formed: nothing is left to connect to.
             joined = _Gate(listener, secret, self.tag, set(range(1, size))).run(_join_timeout_s())
@@ -418,7 +420,7 @@ class _Group:
             assert self.conn is not None
             self.conn.send(value)
             return self.conn.recv()
-        values = [json.loads(_encode(value))] + [p.recv() for p in self.peers]
+        values = [json.loads(_encode(value))] + [p.recv() for p in self.peers]  # in rank order
         reply = {"allgather": values, "gather": None, "broadcast": values[0]}[op]
         for p in self.peers:
             p.send(reply)
@@ -461,7 +463,7 @@ class DistributedContext:
         self.port = port or pub_port or (int(env_port) if env_port else DEFAULT_PORT + port_offset)
         # No secret, no group: there is deliberately no fallback key (see detslurm.protocol.secret).
         secret = _secret if _secret is not None else (secret_from_env(os.environ) if size > 1 else b"")
-        global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)
+        global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)  # one node: loopback only
         self._global = _Group(rank, size, global_addr, "AF_INET", secret, "global")
         if force_tcp:
             local_addr: Any = ("127.0.0.1", self.port + 1 + cross_rank)
@@ -545,7 +547,7 @@ class DistributedContext:
     def from_horovod(cls, hvd: Any, chief_ip: str | None = None) -> DistributedContext:
         e = os.environ
 
-        def cross(name: str, env: str) -> int:
+        def cross(name: str, env: str) -> int:  # old Horovod lacks cross_rank(); its launcher exports them
             fn = getattr(hvd, name, None)
             return int(fn()) if callable(fn) else int(e[env])
 
@@ -576,7 +578,7 @@ def _torch_share() -> str | None:
     dist = sys.modules.get("torch.distributed")  # only if the script uses it: never import torch here
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None
-    box = [new_secret().hex() if dist.get_rank() == 0 else None]
+    box = [new_secret().hex() if dist.get_rank() == 0 else None]  # pickled, but only over torch's own group
     dist.broadcast_object_list(box, src=0)
     return str(box[0])
 

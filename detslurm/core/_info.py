@@ -17,6 +17,8 @@ _cached: dict[str, ClusterInfo | None] = {}
 
 def get_cluster_info() -> ClusterInfo | None:
     """The running trial's info, or ``None`` off-cluster. Read once per process."""
+    # Keyed by the ids rather than cached once: tests (and a launcher that starts several
+    # trials in one process) change the environment, and stale info would mix trials up.
     key = os.environ.get("DET_ALLOCATION_ID", "") + os.environ.get("DET_TRIAL_ID", "")
     if key not in _cached:
         _cached.clear()

@@ -19,10 +19,13 @@ from detslurm.core._train import Writer
 from detslurm.protocol import BadRecord, SearcherOps
 from detslurm.protocol.events import OpCompleted, Progress
 
+# The chief polls the ops file while it waits for the searcher; a quarter second adds little
+# latency and costs one small read, on a file only this trial reads.
 POLL_S = 0.25
 
 
 class Unit(enum.Enum):
+    # Values are Determined's wire names, so code comparing them keeps working.
     EPOCHS = "UNIT_EPOCHS"
     RECORDS = "UNIT_RECORDS"
     BATCHES = "UNIT_BATCHES"
@@ -50,6 +53,8 @@ class SearcherOperation:
             raise RuntimeError("you must only call op.report_progress() from the chief worker")
         if self._completed:
             raise RuntimeError("you must not call op.report_progress() after op.report_completed()")
+        # Clamped: a script may overshoot the length (a last partial epoch) or report nonsense, and
+        # progress outside 0..1 would break the experiment's progress column.
         frac = max(0.0, min(1.0, float(length) / self._length)) if self._length else 1.0
         self._ctx._writer.emit(Progress(progress=frac, raw=float(length)))
 
@@ -60,6 +65,8 @@ class SearcherOperation:
             raise RuntimeError("you may only call op.report_completed() once")
         self._completed = True
         self._ctx._writer.emit(OpCompleted(index=self._index, length=self._length, metric=float(searcher_metric)))
+        # Flushed at once: the searcher acts on a completed op (promote, stop), and a trial killed
+        # right after must not lose the report.
         self._ctx._writer.flush()
 
 
@@ -83,11 +90,14 @@ class SearcherContext:
     def _next(self, index: int) -> int | None:
         """The chief waits for operation ``index``; None once there is none (for now)."""
         if self._ops_path is None:
+            # No ops file (off-cluster): one operation of length 1, so a 0.37-style loop runs once.
             return 1 if index == 0 else None
         while True:
             state = self._read_ops()
             if index < len(state.ops):
                 return state.ops[index]
+            # idle_after: the searcher has nothing for this trial now (e.g. ASHA has not promoted it);
+            # ending here lets the trial ack and exit, freeing its allocation until it is promoted.
             if state.closed or state.idle_after >= index or self._should_stop():
                 return None
             time.sleep(POLL_S)
@@ -97,6 +107,8 @@ class SearcherContext:
         assert self._ops_path is not None
         try:
             return SearcherOps.read(self._ops_path) or SearcherOps(ops=())
+        # The file is the controller's, but lives in a dir the trial writes: a broken one is
+        # treated as "nothing yet" and the controller rewrites it on its next tick.
         except BadRecord:
             return SearcherOps(ops=())
 
@@ -106,11 +118,14 @@ class SearcherContext:
         chief = self._dist.rank == 0
         start = 0
         if self._ops_path is not None:
+            # A resumed run starts after the ops it already completed, as Determined's master would.
             start = self._read_ops().completed
         index = start
         while True:
             length = self._next(index) if chief else None
             if searcher_mode == SearcherMode.WorkersAskChief:
+                # Only the chief reads the file; the broadcast makes every rank see the same op and stop
+                # together (a rank leaving the loop alone would hang the others' collectives).
                 length = self._dist.broadcast(length)
             if length is None:
                 break
@@ -122,6 +137,7 @@ class SearcherContext:
                 )
             index += 1
         if chief and auto_ack:
+            # The ack tells the controller this exit is voluntary (out of work), not a crash to restart.
             self.acknowledge_out_of_ops()
 
     def acknowledge_out_of_ops(self) -> None:

@@ -18,12 +18,15 @@ from detslurm.util import atomic_write_json
 log = logging.getLogger("detslurm.core")
 
 
+# The event sink: the rank's event file on a cluster, a null writer off it. A Protocol so
+# the contexts can be tested with an in-memory writer.
 class Writer(Protocol):
     def emit(self, event: Event) -> None: ...
     def flush(self) -> None: ...
 
 
 class EarlyExitReason(enum.Enum):
+    # Determined's wire names; the event carries the member name, which the controller maps.
     INVALID_HP = "EXITED_REASON_INVALID_HP"
     USER_REQUESTED_STOP = "EXITED_REASON_USER_REQUESTED_STOP"
 
@@ -41,6 +44,8 @@ class TrainContext:
         metrics: dict[str, Any],
         batch_metrics: list[dict[str, Any]] | None = None,
     ) -> None:
+        # Checked in the trial, where the user sees the message, rather than only at ingest. The
+        # rules are Determined's master's (empty or dotted groups are InvalidArgument there).
         if not group or "." in group or len(group) > MAX_GROUP:
             raise ValueError(f"metric group {group!r} must be non-empty, at most {MAX_GROUP} characters, without '.'")
         self._w.emit(
@@ -64,6 +69,7 @@ class TrainContext:
                 warnings.warn(f"dropping bytes-valued validation metric {k!r}", stacklevel=2)
                 continue
             if v is None:
+                # As in Determined: bytes are dropped with a warning, None is an error.
                 raise RuntimeError(f"validation metric {k!r} is None")
             clean[k] = v
         self._metrics("validation", steps_completed, clean)
@@ -77,6 +83,7 @@ class TrainContext:
         self._w.emit(Progress(progress=float(progress)))
 
     def report_early_exit(self, reason: EarlyExitReason) -> None:
+        # Flushed at once: the trial usually exits right after, and the controller must see why.
         self._w.emit(EarlyExit(reason=EarlyExitReason(reason).name))
         self._w.flush()
 
@@ -95,6 +102,8 @@ class TrainContext:
     def set_metadata(self, metadata: dict[str, Any]) -> None:
         json.dumps(metadata)  # fail here, not in the writer thread
         if self._paths is not None:
+            # Kept in a file as well as sent as an event so get_metadata() can read it back after a
+            # restart, without asking the store (which the job cannot reach).
             atomic_write_json(self._paths.exp.trial_metadata(self._paths.trial_id), metadata)
         self._w.emit(RunMetadata(metadata=dict(metadata)))
 
@@ -111,4 +120,6 @@ class TrainContext:
         return self._paths.tensorboard if self._paths is not None else Path("tensorboard")
 
     def upload_tensorboard_files(self, *args: Any, **kwargs: Any) -> None:
+        # No upload: the files are already on the shared filesystem, where Determined's upload
+        # would have put them.
         log.debug("tensorboard files stay in %s", self.get_tensorboard_path())

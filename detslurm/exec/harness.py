@@ -28,7 +28,11 @@ def load_trial_class(spec: str) -> Any:
     module_name, _, qualname = spec.partition(":")
     if module_name.endswith(".py"):
         module_name = module_name[:-3].replace("/", ".")
+    # The working dir is the trial's extracted context, where model_def.py lives; first on the
+    # path so a same-named installed module cannot shadow the user's.
     sys.path.insert(0, os.getcwd())
+    # A module of that name imported earlier (e.g. by a launcher) would otherwise be reused
+    # instead of the context's file.
     sys.modules.pop(module_name, None)
     obj: Any = importlib.import_module(module_name)
     for part in qualname.split("."):
@@ -37,6 +41,7 @@ def load_trial_class(spec: str) -> Any:
 
 
 def _true(value: str | None) -> bool:
+    # Determined's launchers set these flags to "true"; ours and users' scripts may use "1".
     return (value or "").lower() in ("1", "true")
 
 
@@ -63,6 +68,7 @@ def torch_env_for_trial(env: Mapping[str, str]) -> dict[str, str]:
     Empty for one rank, or when torch_distributed already launched it. Raises ValueError when
     a launcher's variables are incomplete (a hand-made launch), naming what is missing.
     """
+    # torch_distributed's launcher (torchrun) sets every variable itself.
     if _true(env.get("USE_TORCH_DISTRIBUTED")):
         return {}
     if _true(env.get("USE_DEEPSPEED")) and "WORLD_SIZE" in env:
@@ -81,10 +87,13 @@ def torch_env_for_trial(env: Mapping[str, str]) -> dict[str, str]:
         if size > 1 and not env.get("DETSLURM_TORCH_PORT"):
             raise ValueError("the horovod launcher did not set DETSLURM_TORCH_PORT")
         out = {k: str(v) for k, v in ranks.items()}
+        # The chief's node hosts the c10d store; 127.0.0.1 only when there is one node and no chief
+        # IP was rendered. The port is the one the launcher reserved, distinct from Horovod's own.
         out["MASTER_ADDR"] = env.get("DET_CHIEF_IP") or "127.0.0.1"
         out["MASTER_PORT"] = env.get("DETSLURM_TORCH_PORT", "")
     else:
         return {}
+    # One rank needs no process group: the Trainer runs plain, as Determined does for one slot.
     if size <= 1:
         return {}
     out["USE_TORCH_DISTRIBUTED"] = "true"
@@ -103,12 +112,15 @@ def main(argv: list[str]) -> int:
         print("detslurm harness: not running as a trial (no DET_TRIAL_ID); use Trainer.fit() locally", file=sys.stderr)
         return 2
     try:
+        # Set before pytorch.init(), which reads these variables to join the process group.
         os.environ.update(torch_env_for_trial(os.environ))
     except ValueError as e:
         print(f"detslurm harness: {e}", file=sys.stderr)
         return 2
     trial_cls = load_trial_class(argv[0])
     cfg = info.trial._config
+    # Records and epochs in the config's periods convert to batches through global_batch_size,
+    # which Determined also reads from the hparams.
     gbs = info.trial.hparams.get("global_batch_size")
 
     def period(key: str) -> Any:
@@ -120,8 +132,11 @@ def main(argv: list[str]) -> int:
         pytorch.Trainer(trial, ctx).fit(
             checkpoint_period=period("min_checkpoint_period"),
             validation_period=period("min_validation_period"),
+            # scheduling_unit is Determined's reporting period for legacy trials (default 100 batches).
             reporting_period=pytorch.Batch(int(cfg.get("scheduling_unit", 100))),
             checkpoint_policy=cfg.get("checkpoint_policy", "best"),
+            # The checkpoint the controller chose to resume from (after a requeue, a pause or a restart);
+            # None on a trial's first run.
             latest_checkpoint=info.latest_checkpoint,
             step_zero_validation=bool(cfg.get("perform_initial_validation", False)),
             test_mode=os.environ.get("DET_TEST_MODE") == "1",

@@ -44,6 +44,8 @@ from detslurm.protocol.paths import NODE_TMPDIR_ENV
 PREFIX = "detslurm-"
 MARKER = "detslurm-workdir.json"
 WORK = "work"
+# A day: long past any launcher's start-up, so a sweep never races a launcher that is still
+# writing its marker; jobs that run longer are protected by the pid check, not by age.
 STALE_AFTER_S = 24 * 3600
 
 
@@ -72,6 +74,7 @@ def _private_dir(path: str) -> bool:
 def _usable_dir(path: str) -> bool:
     """An absolute dir we may create in, where nobody else can move our dir away: writable by
     others only with the sticky bit (/tmp's 1777), never a plain 777 dir."""
+    # A relative base would depend on the launcher's cwd, which is where the context goes.
     if not (path and os.path.isabs(path) and os.access(path, os.W_OK | os.X_OK)):
         return False
     try:
@@ -86,6 +89,7 @@ def choose_base(env: Mapping[str, str]) -> Path:
     """Pure apart from stat calls: the base dir for this node's working dir (see the module doc)."""
     slurm_tmp, tmpdir, site = env.get("SLURM_TMPDIR", ""), env.get("TMPDIR", ""), env.get(NODE_TMPDIR_ENV, "")
     for candidate, ok in (
+        # Private dirs first: in them no other user can even see our dir, let alone race us.
         (slurm_tmp, _usable_dir(slurm_tmp) and _private_dir(slurm_tmp)),
         (tmpdir, _usable_dir(tmpdir) and _private_dir(tmpdir)),
         (site, _usable_dir(site)),
@@ -93,6 +97,8 @@ def choose_base(env: Mapping[str, str]) -> Path:
     ):
         if ok:
             return Path(candidate)
+    # /tmp is 1777 on every Linux node; mkdtemp's exclusive create plus the sticky bit keep our
+    # dir ours there.
     return Path("/tmp")
 
 
@@ -124,12 +130,16 @@ def verify_private(path: Path) -> None:
 
 def create(base: Path, job_id: str, node: str) -> Workdir:
     """A fresh private working dir below ``base``: ``<base>/detslurm-<job>-node<N>-<random>``."""
+    # The name only helps a person find the dir: the id comes from the environment, so it is
+    # reduced to harmless characters and a bounded length before it becomes a path component.
     safe_job = "".join(c for c in job_id if c.isalnum() or c in "_.")[:40] or "job"
     safe_node = "".join(c for c in node if c.isdigit())[:6] or "0"
     try:
         top = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{safe_job}-node{safe_node}-", dir=base))
     except OSError as e:
         raise WorkdirError(f"cannot create a working dir in {base}: {e.strerror}") from None
+    # mkdtemp already makes it 0700, but a hostile base (or an odd umask/ACL filesystem) must
+    # fail here, before any code is written in.
     verify_private(top)
     marker = {
         "job_id": job_id,
@@ -138,9 +148,12 @@ def create(base: Path, job_id: str, node: str) -> Workdir:
         "pid": os.getpid(),
         "start": _start_time(os.getpid()),
     }
+    # O_EXCL|O_NOFOLLOW: the marker is never written through a file or link someone placed first.
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     with os.fdopen(os.open(top / MARKER, flags, 0o600), "w") as f:
         json.dump(marker, f)
+    # Code goes one level down, beside the marker rather than with it: extracting the context or
+    # a trial cleaning its cwd cannot remove the marker the sweep relies on.
     work = top / WORK
     work.mkdir(mode=0o700)
     verify_private(work)
@@ -150,6 +163,7 @@ def create(base: Path, job_id: str, node: str) -> Workdir:
 def _marker(top: Path) -> Optional[dict[str, object]]:
     """The marker of a dir that looks like ours, read without following links; None otherwise."""
     try:
+        # O_NONBLOCK: a fifo planted under the marker's name must not hang the sweep on open.
         fd = os.open(top / MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return None
@@ -158,6 +172,7 @@ def _marker(top: Path) -> Optional[dict[str, object]]:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
         try:
+            # A marker is a few hundred bytes; reading at most 4 KiB bounds what a planted file costs.
             data = json.loads(f.read(4096))
         except ValueError:
             return None
@@ -173,6 +188,7 @@ def is_stale(top: Path, now: float) -> bool:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or now - st.st_mtime < STALE_AFTER_S:
         return False
     marker = _marker(top)
+    # Another host's dir (a shared base) is judged by that host: its pids mean nothing here.
     if marker is None or not marker.get("job_id") or marker.get("host") != socket.gethostname():
         return False
     pid = marker.get("pid")
@@ -195,6 +211,7 @@ def sweep_stale(base: Path, now: Optional[float] = None) -> list[Path]:
     for name in names:
         top = base / name
         if is_stale(top, now):
+            # ignore_errors: the site's cleanup or a concurrent sweep may remove parts first.
             shutil.rmtree(top, ignore_errors=True)
             removed.append(top)
     return removed

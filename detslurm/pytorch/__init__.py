@@ -1,5 +1,7 @@
 """The PyTorch Trainer API (Determined's ``det.pytorch``), importable without a cluster."""
 
+# Private modules re-exported here, as Determined's det.pytorch does, so user code writes
+# `pytorch.Trainer` and the module layout can change without breaking it.
 from detslurm.pytorch._context import CheckpointLoadContext, LRScheduler, PyTorchTrialContext
 from detslurm.pytorch._data import DataLoader
 from detslurm.pytorch._init import init

@@ -53,6 +53,8 @@ class LRScheduler:
 
     def step_due(self) -> None:
         """One occurrence of this scheduler's unit; the scheduler steps every ``frequency``."""
+        # Counted here, not read from the scheduler: `frequency` is Determined's, and torch's
+        # schedulers know nothing of it.
         self._calls += 1
         if self._calls % self.frequency == 0:
             self.scheduler.step()
@@ -78,6 +80,8 @@ class PyTorchTrialContext:
         self._config = dict(exp_conf)
         self.distributed = distributed
         self.models: list[torch.nn.Module] = []
+        # `models` holds the bare modules (their state_dicts are what checkpoints store, without
+        # DDP's "module." prefix); the DDP wrappers are kept apart for training.
         self._wrapped_models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[LRScheduler] = []
@@ -90,6 +94,8 @@ class PyTorchTrialContext:
         if aggregation_frequency < 1:
             raise ValueError(f"aggregation_frequency must be >= 1 (got {aggregation_frequency})")
         self._aggregation_frequency = int(aggregation_frequency)
+        # Determined's default: accumulated gradients are averaged, so changing aggregation_frequency
+        # does not change the effective learning rate.
         self._average_aggregated = bool(opt.get("average_aggregated_gradients", True))
         self._per_optimizer_average: dict[int, bool] = {}
         # Set by the Trainer before each train_batch: the optimizer steps on every
@@ -97,9 +103,13 @@ class PyTorchTrialContext:
         self._current_batch_idx = 0
         self._epoch_len = 1
         local = distributed.local_rank
+        # One GPU per rank, chosen by local rank: the launchers start one process per slot on a
+        # node, and Slurm's GPU binding makes the node's slots visible as cuda:0..n-1.
         self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
         # Without CUDA every tensor already lives on the only device: to_device has nothing to move.
         self._cpu_only = not torch.cuda.is_available()
+        # DDP only when a torch.distributed process group exists (the launcher or the harness set
+        # this flag); a DistributedContext alone may be backed by other collectives.
         self._use_ddp = distributed.size > 1 and os.environ.get("USE_TORCH_DISTRIBUTED", "").lower() in ("1", "true")
 
     # -- hyperparameters and config ----------------------------------------------------------
@@ -125,6 +135,7 @@ class PyTorchTrialContext:
         if "global_batch_size" not in self._hparams:
             raise KeyError("get_global_batch_size() needs a `global_batch_size` hyperparameter")
         raw = self._hparams["global_batch_size"]
+        # bool is an int subclass: `global_batch_size: true` must not pass as 1.
         if isinstance(raw, bool) or not isinstance(raw, (int, float)) or int(raw) != raw or raw < 1:
             raise ValueError(f"hyperparameters.global_batch_size must be a positive integer (got {raw!r})")
         slots = self.distributed.size
@@ -171,6 +182,7 @@ class PyTorchTrialContext:
         model = model.to(self.device)
         self.models.append(model)
         if self._use_ddp:
+            # device_ids must be None for CPU modules (gloo); on GPU it pins DDP to this rank's device.
             ids = [self.device.index] if self.device.type == "cuda" else None
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
             self._wrapped_models.append(ddp)
@@ -194,6 +206,8 @@ class PyTorchTrialContext:
         if fp16_compression:
             raise NotImplementedError("wrap_optimizer(fp16_compression=True) is Horovod-only and not supported")
         if average_aggregated_gradients is not None:
+            # Keyed by id(): optimizers are not hashable by value, and the object lives as long as the
+            # context holds it in self.optimizers.
             self._per_optimizer_average[id(optimizer)] = bool(average_aggregated_gradients)
         self.optimizers.append(optimizer)
         return optimizer
@@ -201,6 +215,8 @@ class PyTorchTrialContext:
     def wrap_lr_scheduler(self, lr_scheduler: Any, step_mode: LRScheduler.StepMode, frequency: int = 1) -> Any:
         """The Trainer steps it per ``step_mode`` (every ``frequency`` batches / epochs /
         optimizer steps); MANUAL_STEP leaves stepping to you. Its state is checkpointed."""
+        # The user's own scheduler is returned, not the wrapper, as Determined does, so their code
+        # can keep calling it directly.
         self.lr_schedulers.append(LRScheduler(lr_scheduler, step_mode, frequency))
         return lr_scheduler
 
@@ -260,6 +276,7 @@ class PyTorchTrialContext:
         are divided by the frequency when averaging); zeroes the gradients after a step."""
         if not any(o is optimizer for o in self.optimizers):
             raise ValueError("step_optimizer() got an optimizer that was not passed to context.wrap_optimizer()")
+        # Between aggregation steps nothing is stepped or zeroed: gradients keep accumulating.
         if not self._should_communicate_and_update():
             return
 
@@ -278,6 +295,8 @@ class PyTorchTrialContext:
             clip_grads(params())
         if scaler is not None:
             scaler.step(optimizer)
+            # The Trainer calls scaler.update() after the batch only when a step went through it:
+            # update() without a step in between raises in torch.
             self._scaler_stepped = True
         else:
             optimizer.step()
@@ -300,6 +319,8 @@ class PyTorchTrialContext:
         return data
 
     def set_stop_requested(self, stop_requested: bool) -> None:
+        # Only a flag: the Trainer reads it after the batch, then reports, checkpoints and stops
+        # (Determined's early stop by the trial itself).
         self._stop_requested = bool(stop_requested)
 
     def get_stop_requested(self) -> bool:
@@ -336,4 +357,5 @@ class CheckpointLoadContext(PyTorchTrialContext):
     """A context for instantiating a trial outside training, e.g. to load a checkpoint."""
 
     def __init__(self, hparams: Optional[dict[str, Any]] = None, exp_conf: Optional[dict[str, Any]] = None) -> None:
+        # No core context and one rank: loading a checkpoint needs no cluster, no process group.
         super().__init__(None, hparams or {}, exp_conf or {}, DummyDistributedContext())

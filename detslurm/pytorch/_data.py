@@ -63,6 +63,7 @@ class _EpochBatches(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         batches = self._source._epoch_batches(self._seed, self._epoch)
         size, rank = self._shard.size, self._shard.rank
+        # Resuming skips whole steps of all ranks: indices are skipped, no sample is loaded for them.
         start = self._skip_steps * size + rank
         stop = self.steps_per_epoch() * size
         yield from itertools.islice(batches, start, stop, size)
@@ -100,6 +101,8 @@ class DataLoader:
                 "det.pytorch.DataLoader does not support an IterableDataset (it cannot be sharded or "
                 "resumed by index); return a torch.utils.data.DataLoader for it instead"
             )
+        # The same checks and message as torch's DataLoader, so a loader that torch accepts (or
+        # refuses) behaves the same here; batch_size 1 is torch's default, not a user choice.
         if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
             raise ValueError(
                 "DataLoader: batch_sampler is mutually exclusive with batch_size, shuffle, sampler, drop_last"
@@ -113,6 +116,8 @@ class DataLoader:
         self.drop_last = drop_last
         self.batch_sampler = batch_sampler
         # torch's own samplers only say "in order" or "shuffled": we draw that order ourselves.
+        # A RandomSampler drawing with replacement or a fixed number of samples is not a plain
+        # shuffle: it stays a custom sampler and keeps its own semantics.
         if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
             shuffle, sampler = True, None
         elif isinstance(sampler, SequentialSampler):
@@ -135,6 +140,7 @@ class DataLoader:
             return len(self.batch_sampler)  # type: ignore[arg-type]
         n = len(self.sampler) if self.sampler is not None else len(self.dataset)  # type: ignore[arg-type]
         bs = int(self.batch_size or 1)
+        # Ceiling division without floats: the last, short batch counts unless drop_last.
         return n // bs if self.drop_last else -(-n // bs)
 
     def _epoch_batches(self, seed: int, epoch: int) -> Iterator[list[int]]:
@@ -144,6 +150,8 @@ class DataLoader:
         if self.sampler is not None:
             order = iter(self.sampler)
         elif self.shuffle:
+            # A fresh generator per epoch: the order depends only on (seed, epoch), so a run resumed
+            # mid-epoch draws the same permutation as the run it continues. Modulo keeps it in int64.
             g = torch.Generator().manual_seed((seed * _EPOCH_MIX + epoch) % (2**63))
             order = iter(torch.randperm(len(self.dataset), generator=g).tolist())  # type: ignore[arg-type]
         else:
@@ -213,6 +221,8 @@ class ShardedLoader:
         """This rank's batches of ``epoch``, after the first ``skip_steps`` steps."""
         self.batches.position(epoch, skip_steps)
         if self._own_generator:
+            # Re-seeded per epoch (offset by one from the order's seed) so worker seeds, like the
+            # order, depend on (seed, epoch) only and a resumed epoch repeats them.
             self._generator.manual_seed((self._seed * _EPOCH_MIX + epoch + 1) % (2**63))
         return iter(self.loader)
 
@@ -235,8 +245,11 @@ class _ValidationBatches(Sampler[list[int]]):
 
     def __len__(self) -> int:
         n, size = self._source._num_batches(), self._shard.size
+        # Validation drops nothing: every batch is evaluated once, so the low ranks take one more
+        # when the batches do not divide evenly.
         return n // size + (1 if self._shard.rank < n % size else 0)
 
     def __iter__(self) -> Iterator[list[int]]:
+        # Always epoch 0's order: validation results must not depend on when it runs.
         batches = self._source._epoch_batches(self._seed, 0)
         yield from itertools.islice(batches, self._shard.rank, None, self._shard.size)

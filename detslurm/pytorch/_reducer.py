@@ -45,6 +45,8 @@ class _FunctionReducer(MetricReducer):
         self._values: list[Any] = []
 
     def update(self, value: Any) -> None:
+        # tolist(): tensors and numpy arrays become plain lists here, because the allgather
+        # carries JSON only (see the module doc).
         self._values.append(value.tolist() if callable(getattr(value, "tolist", None)) else value)
 
     def reset(self) -> None:
@@ -54,6 +56,7 @@ class _FunctionReducer(MetricReducer):
         return self._values
 
     def cross_slot_reduce(self, per_slot_metrics: list[Any]) -> Any:
+        # Flattened over ranks: the user's fn sees one list of values, as Determined's wrap_reducer gives.
         return self._fn([v for slot in per_slot_metrics for v in slot])
 
 
@@ -80,7 +83,10 @@ class WrappedReducer:
 def scalar(v: Any) -> Any:
     """A metric value as a plain number where it is one (tensors of one element, numpy scalars)."""
     if isinstance(v, torch.Tensor):
+        # A metric is one number: a multi-element tensor (a per-sample loss, say) is averaged rather
+        # than refused, as Determined's Trainer does for a batch's metrics.
         return v.detach().float().mean().item() if v.numel() != 1 else v.detach().item()
+    # numpy scalars have .item() and size 1; an array of more elements keeps its shape.
     if callable(getattr(v, "item", None)) and getattr(v, "size", 2) == 1:
         return v.item()
     return v
@@ -89,6 +95,8 @@ def scalar(v: Any) -> Any:
 def reduce_values(values: list[Any], how: Reducer) -> Any:
     nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if not nums:
+        # A metric that is never a number (a string, a list) cannot be averaged: the latest value
+        # is reported as it is.
         return values[-1] if values else None
     if how is Reducer.AVG:
         return sum(nums) / len(nums)
@@ -102,6 +110,8 @@ def reduce_rows(
 ) -> dict[str, Any]:
     """Per-batch metric rows of every rank, reduced as if one process had seen all batches
     (AVG is the mean over all batches of all ranks, not a mean of per-rank means)."""
+    # Every row of every rank goes to every rank, so the mean weighs each batch the same even
+    # when ranks saw different numbers of batches (the last, short shard).
     everyone = dist.allgather(rows) if dist.size > 1 else [rows]
     merged = [r for rank_rows in everyone for r in rank_rows]
     keys = sorted(set().union(*(r.keys() for r in merged))) if merged else []

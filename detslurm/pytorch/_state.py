@@ -35,18 +35,23 @@ def rng_state() -> dict[str, Any]:
         state["np_rng_state"] = np.random.get_state()
     except ImportError:
         pass
+    # Only when a GPU is visible: torch.cuda.get_rng_state would initialise CUDA (and fail)
+    # on a CPU node.
     if torch.cuda.is_available():
         state["gpu_rng_state"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    # The optional keys (numpy, GPU) depend on what was installed and visible when the
+    # checkpoint was written; the CPU and Python RNGs are always there.
     torch.set_rng_state(state["cpu_rng_state"])
     random.setstate(state["random_rng_state"])
     if "np_rng_state" in state:
         import numpy as np
 
         np.random.set_state(state["np_rng_state"])
+    # A checkpoint saved on a GPU node may be loaded on a CPU one; its GPU RNG is then unused.
     if "gpu_rng_state" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["gpu_rng_state"])
 
@@ -80,6 +85,7 @@ def load_trial_state(ctx: PyTorchTrialContext, state: dict[str, Any]) -> None:
         ("lr schedulers", ctx.lr_schedulers, state.get("lr_schedulers_state_dict", [])),
     )
     for what, objs, saved in pairs:
+        # zip(strict=True) below would also fail, but without telling the user what to change.
         _check_counts(what, len(objs), len(saved))
         for obj, sd in zip(objs, saved, strict=True):
             obj.load_state_dict(sd)
@@ -91,6 +97,8 @@ def load_data(trial: Any, ctx: PyTorchTrialContext) -> dict[str, Any]:
     cls = type(trial)
     return {
         "trial_type": "PyTorchTrial",
+        # Enough for load_trial_from_checkpoint_path to re-import the class from the checkpoint's
+        # code/ copy; a class defined in __main__ cannot be found again that way (refused on load).
         "trial_cls_spec": f"{cls.__module__}:{cls.__qualname__}",
         "is_trainer": True,
         "hparams": ctx.get_hparams(),
@@ -105,6 +113,8 @@ def _import_trial_class(spec: str, code_dir: Path) -> Any:
             "pass trial_class= to load_trial_from_checkpoint_path"
         )
     if code_dir.is_dir():
+        # The checkpoint's own code/ first: the model must be rebuilt by the code that saved it,
+        # not by whatever version of model_def.py is on the path now.
         sys.path.insert(0, str(code_dir))
     try:
         obj: Any = importlib.import_module(module_name)
@@ -142,6 +152,8 @@ def load_trial_from_checkpoint_path(
     hparams = meta.get("hparams")
     context = CheckpointLoadContext(hparams if isinstance(hparams, dict) else {})
     trial = trial_class(context, **(trial_kwargs or {}))
+    # weights_only=False: the state holds optimizer and RNG objects that torch's safe loader
+    # refuses (hence "trusted checkpoints only"). map_location lets a GPU checkpoint load on a CPU.
     kwargs = {"map_location": context.device, "weights_only": False, **(torch_load_kwargs or {})}
     state = torch.load(root / STATE_FILE, **kwargs)
     load_trial_state(context, state)

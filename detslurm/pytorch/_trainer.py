@@ -59,6 +59,8 @@ class Trainer:
         self._bpe = 1
         self._policy = "best"
         self._val_source: Any = None
+        # Determined accepts evaluate_batch(batch) and evaluate_batch(batch, batch_idx); the
+        # signature, read once, says which one the user wrote.
         self._eval_takes_idx = len(inspect.signature(trial.evaluate_batch).parameters) >= 2
 
     def configure_profiler(
@@ -110,6 +112,7 @@ class Trainer:
                 "iterates all of it (no sharding); return a det.pytorch.DataLoader to shard the data",
                 self.context.distributed.size,
             )
+        # max(1, ...): an empty loader would make the epoch length 0 and every period divide by it.
         return source, max(1, len(source))
 
     def _unit_epoch_len(self, data_steps: int) -> int:
@@ -141,12 +144,16 @@ class Trainer:
             checkpoint_policy = "all"  # no searcher metric to rank checkpoints by, locally
         self._policy = checkpoint_policy
         source, data_steps = self._training_source()
+        # Built before training starts, as Determined does, so a broken validation loader fails
+        # at once rather than after the first training period.
         self._val_source = self.trial.build_validation_data_loader()
         bpe = self._unit_epoch_len(data_steps)
         self._bpe = bpe
         self.context._epoch_len = bpe
         max_batches = self._max_batches(max_length, bpe, test_mode)
         if latest_checkpoint:
+            # Loaded after the loaders and the length are known but before any callback runs, so
+            # on_trial_startup sees the batch count the run resumes at.
             self._load(latest_checkpoint)
         for cb in self.callbacks.values():
             cb.on_trial_startup(self.batches_trained, latest_checkpoint)
@@ -163,6 +170,8 @@ class Trainer:
 
     def _stream(self, source: Any, data_steps: int) -> Iterator[Any]:
         """This rank's batches from step ``batches_trained`` on, across data epochs, forever."""
+        # Data epochs, not Epoch units: the loader's position depends on passes over the data even
+        # when records_per_epoch makes the Epoch unit a different length.
         epoch, skip = divmod(self.batches_trained, data_steps)
         while True:
             if isinstance(source, ShardedLoader):
@@ -219,6 +228,8 @@ class Trainer:
             self.batches_trained >= prof.get("begin", 0)
             and (prof.get("end") is None or self.batches_trained <= prof["end"])
         )
+        # Set before train_batch so step_optimizer() and the context's epoch helpers know which
+        # batch this is (aggregation steps on every aggregation_frequency-th one).
         ctx._current_batch_idx = self.batches_trained
         ctx._scaler_stepped = False
         t0 = time.perf_counter() if timed else 0.0
@@ -304,6 +315,8 @@ class Trainer:
         batch_metrics = list(pending)
         pending.clear()
         if self.core is not None and self.context.is_chief():
+            # Every rank takes part in the reductions above (collectives), only the chief reports:
+            # the store gets one row per window, not one per rank.
             self.core.train.report_training_metrics(self.batches_trained, avg, batch_metrics=batch_metrics)
             if self.step_timings:
                 t = self.step_timings
@@ -327,6 +340,8 @@ class Trainer:
         for m in ctx.models:
             m.eval()
         with torch.no_grad():
+            # An overridden evaluate_full_dataset wins, as in Determined: the user asked to see the
+            # whole validation set at once.
             if type(trial).evaluate_full_dataset is not PyTorchTrial.evaluate_full_dataset:
                 metrics = self._evaluate_full_dataset()
             else:
@@ -361,6 +376,7 @@ class Trainer:
         return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)
 
     def _validate(self, test_mode: bool) -> None:
+        # A step can be both a period boundary and the end of training: validate it once only.
         if self._last_val_at == self.batches_trained:
             return
         for cb in self.callbacks.values():
@@ -371,6 +387,8 @@ class Trainer:
         self._last_val_at = self.batches_trained
         sc = self.context.get_experiment_config().get("searcher") or {}
         metric = sc.get("metric")
+        # On a cluster the searcher needs this metric to decide; failing here names the cause,
+        # where a missing metric would otherwise stall or mislead the search.
         if self._on_cluster() and metric and metric not in metrics:
             raise RuntimeError(
                 f"the searcher metric {metric!r} is not in the validation metrics "
@@ -387,6 +405,7 @@ class Trainer:
         v = metrics.get(sc.get("metric", ""))
         if not isinstance(v, (int, float)):
             return False
+        # True is Determined's default for searcher.smaller_is_better (losses).
         sign = 1.0 if sc.get("smaller_is_better", True) else -1.0
         if self._best is None or sign * v < sign * self._best:
             self._best = float(v)
@@ -406,6 +425,8 @@ class Trainer:
         state["epoch_rng_state"] = self._epoch_rng  # for plain torch loaders (see the module doc)
         for cb in self.callbacks.values():
             cb.on_checkpoint_save_start(state)
+        # Workers stop here: state is the same on every rank after the step (DDP), so the chief's
+        # copy is the checkpoint; the callbacks above ran on every rank, as in Determined.
         if not self.context.is_chief():
             return
         md = {

@@ -9,12 +9,15 @@ from detslurm.pytorch._reducer import Reducer
 
 TorchData = Union[dict[str, Any], list[Any], tuple[Any, ...], Any]
 # build_*_data_loader returns a det.pytorch.DataLoader (sharded, resumable) or a torch one.
+# Typed Any so that user trials returning either kind type-check without importing torch's.
 AnyDataLoader = Any
 
 
 class PyTorchCallback:
     """Hooks called by the Trainer; override what you need."""
 
+    # Names and signatures are Determined's PyTorchCallback's, so existing callbacks work as
+    # they are; every hook is a no-op unless overridden.
     def on_trial_startup(self, first_batch_idx: int, checkpoint_uuid: Optional[str]) -> None: ...
     def on_training_start(self) -> None: ...
     def on_training_epoch_start(self, epoch_idx: int) -> None: ...
@@ -36,6 +39,8 @@ class PyTorchCallback:
 
 
 class PyTorchTrial(abc.ABC):
+    """Determined's PyTorchTrial: the user's model, optimizer and data, driven by the Trainer."""
+
     @abc.abstractmethod
     def __init__(self, context: Any) -> None: ...
 
@@ -48,6 +53,8 @@ class PyTorchTrial(abc.ABC):
     @abc.abstractmethod
     def build_validation_data_loader(self) -> AnyDataLoader: ...
 
+    # Neither evaluate method is abstract: a trial implements one of the two, and the Trainer
+    # uses evaluate_full_dataset when it is overridden.
     def evaluate_batch(self, batch: TorchData, batch_idx: int = 0) -> dict[str, Any]:
         raise NotImplementedError("implement evaluate_batch or evaluate_full_dataset")
 
@@ -61,7 +68,9 @@ class PyTorchTrial(abc.ABC):
         return {}
 
     def get_batch_length(self, batch: TorchData) -> int:
+        """Records in ``batch`` (for records_per_s); override for batches of another shape."""
         if isinstance(batch, (list, tuple)):
+            # The first element of a (inputs, labels) batch holds one row per record.
             return len(batch[0])
         if isinstance(batch, dict):
             return len(next(iter(batch.values())))

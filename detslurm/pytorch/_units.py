@@ -7,12 +7,16 @@ from typing import Optional, Union
 
 
 class TrainUnit:
+    """A training length or period in batches or epochs (Determined's ``pytorch.TrainUnit``)."""
+
     def __init__(self, value: Union[int, Sequence[int]]) -> None:
         if isinstance(value, int):
             if value < 0:
                 raise ValueError(f"{type(self).__name__}({value}): must not be negative")
             self.value: Union[int, list[int]] = value
         else:
+            # A list names exact batch counts (Batch([10, 50])) rather than a repeating period;
+            # sorted so that the largest is the training length.
             self.value = sorted(int(v) for v in value)
 
     def __repr__(self) -> str:
@@ -22,6 +26,7 @@ class TrainUnit:
         return type(self) is type(other) and self.value == getattr(other, "value", None)
 
     def __hash__(self) -> int:
+        # str(): a list value is not hashable; Batch(5) and Epoch(5) must differ.
         return hash((type(self).__name__, str(self.value)))
 
     def to_batches(self, batches_per_epoch: int) -> Union[int, list[int]]:
@@ -31,7 +36,9 @@ class TrainUnit:
         """Whether a period of this unit ends after ``batches_done`` batches."""
         b = self.to_batches(batches_per_epoch)
         if isinstance(b, list):
+            # Exact points fire once each (Batch([10, 50]) validates at 10 and 50 only), never periodically.
             return batches_done in b
+        # Never at batch 0: a period ends after training, and Batch(0) means "never".
         return b > 0 and batches_done > 0 and batches_done % b == 0
 
     @staticmethod
@@ -51,6 +58,7 @@ class TrainUnit:
                 return None
             if not global_batch_size:
                 raise ValueError("a length in records needs hyperparameters.global_batch_size")
+            # Records become whole batches, rounded down as Determined does, but at least one.
             return Batch(max(1, records // global_batch_size))
         return None
 
@@ -68,5 +76,6 @@ class Epoch(TrainUnit):
 
 
 def total_batches(unit: TrainUnit, batches_per_epoch: int) -> int:
+    """The batches a length means; for a list of points, the last one."""
     b = unit.to_batches(batches_per_epoch)
     return max(b) if isinstance(b, list) else b

@@ -71,8 +71,14 @@ def _mask(message: str, url: str) -> str:
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
+    # 30 s: a writer waits out another process's transaction (a tick, a create) instead of
+    # failing at once with "database is locked"; _busy_is_store_error reports longer waits.
     cur.execute("PRAGMA busy_timeout=30000")
+    # SQLite leaves foreign keys off per connection by default: the schema's references
+    # (and their ON DELETE rules) are enforced only with this.
     cur.execute("PRAGMA foreign_keys=ON")
+    # NORMAL is durable enough in WAL mode (a power cut may lose the last commits, never corrupt
+    # the file) and saves an fsync per transaction on every tick.
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
 
@@ -100,6 +106,8 @@ class Store:
             if path and path != ":memory:":
                 Path(path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._lock_path: str | None = path + ".migrate.lock" if path else None
+            # isolation_level None: the driver's own implicit BEGIN is off, so the "begin" event
+            # below decides which BEGIN each transaction issues.
             self.engine: Engine = create_engine(url, connect_args={"timeout": 30, "isolation_level": None})
             event.listen(self.engine, "connect", _sqlite_pragmas)
             # pysqlite's own transaction handling defers BEGIN; issue BEGIN IMMEDIATE ourselves
@@ -108,6 +116,8 @@ class Store:
         else:
             self._lock_path = None
             try:
+                # pre_ping: the daemon keeps connections for hours, and a server restart or idle timeout
+                # would otherwise fail the first tick after it.
                 self.engine = create_engine(url, pool_pre_ping=True)
             except (ArgumentError, NoSuchModuleError, ImportError) as e:
                 # A mistyped URL or a missing driver: say so, naming the URL without its password.
@@ -118,6 +128,8 @@ class Store:
                 # (per owner). Under PostgreSQL's default READ COMMITTED, two CLI processes doing
                 # read-modify-write would otherwise lose updates (seen in tests: 48 of 80 survived).
                 event.listen(self.engine, "begin", self._pg_begin)
+        # expire_on_commit=False: rows read in a transaction stay usable after it, so callers print
+        # them without a second query (and without holding the write lock while printing).
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._read_sessions = sessionmaker(self._reader(), expire_on_commit=False)
 
@@ -152,6 +164,7 @@ class Store:
 
     def migrate(self) -> None:
         """Bring the schema to head (a no-op when it already is)."""
+        # The fast path for every CLI call: one SELECT, no alembic import.
         if self._revision() == HEAD_REVISION:
             return
         from alembic import command
@@ -165,6 +178,7 @@ class Store:
         migrating = self.engine.execution_options(**{_TX_OPTION: TxKind.MIGRATE})
         try:
             with self._reader().connect() as conn:
+                # Checked again after importing alembic: another process may have migrated meanwhile.
                 if MigrationContext.configure(conn).get_current_revision() == head:
                     return
             with lock, migrating.connect() as conn, self._foreign_keys_off(conn):
@@ -236,6 +250,8 @@ class Store:
         """One read-only transaction: a consistent view that takes no write lock, so it neither
         waits for writers nor holds them up. Flushing a change in it raises StoreError."""
         with self._busy_is_store_error(), self._read_sessions() as session, session.begin():
+            # A read session takes no write lock, so a write in it could interleave with a writer's
+            # read-modify-write; refusing the flush turns that bug into a clear error.
             event.listen(session, "before_flush", _refuse_writes)
             yield session
 
@@ -266,5 +282,6 @@ def open_store(url: str, lock_timeout_s: float = 60.0) -> Store:
     if store.is_sqlite:
         path = url.split("///", 1)[-1]
         if path and os.path.exists(path):
+            # The store holds every experiment's config and metrics: owner-only, whatever the umask.
             os.chmod(path, 0o600)
     return store

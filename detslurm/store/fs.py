@@ -65,6 +65,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
         fields, tail = left.split(), right.split()
         if not sep or len(fields) < 5 or not tail:
             continue  # not a mountinfo line: ignore rather than fail a store open
+        # Field 5 is the mount point; after the " - " separator come the fs type and the source.
         mounts.append(Mount(_unescape(fields[4]), tail[0]))
     return mounts
 
@@ -76,6 +77,7 @@ def fs_type(path: str, mounts: list[Mount]) -> str | None:
     for m in mounts:
         mp = m.mount_point.rstrip("/") or "/"
         inside = mp == "/" or path == mp or path.startswith(mp + "/")
+        # >= rather than >: a later mount over the same point hides the earlier one.
         if inside and (best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")):
             best = m
     return best.fs_type if best else None
@@ -107,6 +109,8 @@ def network_fs_of(db_path: Path, mountinfo: str | None = None) -> str | None:
             mountinfo = Path("/proc/self/mountinfo").read_text()
         except OSError:
             return None  # not Linux, or no /proc: nothing to tell
+    # The directory, not the file: the store file may not exist yet, and SQLite's -wal and -shm
+    # files live beside it.
     fs = fs_type(str(_resolved(db_path.parent)), parse_mountinfo(mountinfo))
     return fs if is_network_fs(fs) else None
 
@@ -119,6 +123,8 @@ def warn_if_network_db(db_path: Path, mountinfo: str | None = None) -> str | Non
     fs = network_fs_of(db_path, mountinfo)
     if fs is None:
         return None
+    # A warning, not an error: one user on one login node is safe on NFS, and the store may
+    # have been put there on purpose.
     _warned.add(str(db_path))
     msg = (
         f"the detslurm store {db_path} is on a network filesystem ({fs}); SQLite is not safe there "

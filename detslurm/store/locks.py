@@ -31,6 +31,8 @@ class LockError(DetSlurmError):
         )
 
 
+# The slice of filelock's API used here, so tests can inject a lock whose filesystem
+# refuses flock without patching filelock.
 class _Lock(Protocol):
     def acquire(self, timeout: float | None = None) -> object: ...
 
@@ -47,6 +49,7 @@ def hold_lock(
     lock = lock_factory(str(path))
     try:
         lock.acquire(timeout=timeout)
+    # A held lock is the normal "someone else drives" case: the caller decides what to do.
     except filelock.Timeout:
         yield False
         return
@@ -55,4 +58,6 @@ def hold_lock(
     try:
         yield True
     finally:
+        # Released on any exit from the block, exceptions included; the kernel also drops an
+        # flock when the process dies, so a crashed holder never blocks the next daemon.
         lock.release()

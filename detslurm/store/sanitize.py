@@ -41,6 +41,8 @@ def clean_text(value: str, limit: int | None = None) -> str:
     text = value.replace("\x00", "")
     if limit is not None and len(text) > limit:
         keep = max(limit - len(_TRUNCATED), 0)
+        # The marker tells a reader the value was cut; slicing again keeps the result within
+        # limit even when limit is shorter than the marker itself.
         text = (text[:keep] + _TRUNCATED)[:limit]
     return text
 
@@ -64,12 +66,15 @@ def _safe(value: Any, max_str: int, depth: int) -> Any:
         return _float(value)
     if isinstance(value, str):
         return clean_text(value, max_str)
+    # Depth is bounded so a deeply nested (or self-referencing) value cannot exhaust the
+    # recursion limit of the process doing the ingest.
     if depth <= 0:
         return None
     if isinstance(value, Mapping):
         return {clean_text(str(k), max_str): _safe(v, max_str, depth - 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_safe(v, max_str, depth - 1) for v in value]
+    # repr rather than an error: one odd value must not lose the rest of the trial's report.
     return clean_text(repr(value), max_str)
 
 
