@@ -80,8 +80,15 @@ def main(argv: Sequence[str]) -> int:
         print(f"wrap_rank: none of the rank variables {args[0]} is set", file=sys.stderr)
         return 1
     script = args[2:] if args[1] == "--" else args[1:]
+    if not script:
+        print("wrap_rank: no script to run after --", file=sys.stderr)
+        return 2
     prefix = f"[rank={rank}] ".encode()
-    proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        proc = subprocess.Popen(script, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    except OSError as e:  # a missing or non-executable program: the shell's exit code for it
+        print(f"wrap_rank: cannot run {script[0]!r}: {e.strerror}", file=sys.stderr)
+        return 127
     assert proc.stdout is not None and proc.stderr is not None
     threads = [
         # One thread per stream: reading stdout and stderr in turn could deadlock when the worker

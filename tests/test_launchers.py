@@ -271,3 +271,18 @@ def test_mpi_cmd_exports_secret_names_never_values() -> None:
     cmd = mpi_cmd(Nodes(["c1"], 0, 2), ["--mpi"], ["t.py"], python="PY", exported=["DETSLURM_DIST_SECRET"])
     i = cmd.index("DETSLURM_DIST_SECRET")
     assert cmd[i - 1] == "-x" and not any(a.startswith("DETSLURM_DIST_SECRET=") for a in cmd)
+
+
+def test_wrap_rank_refuses_a_missing_script_cleanly() -> None:
+    import subprocess
+    import sys
+
+    env = dict(__import__("os").environ, RANK="0")
+    for argv, code, needle in (
+        (["RANK", "--"], 2, "no script to run"),
+        (["RANK", "--", "/nonexistent/prog"], 127, "cannot run '/nonexistent/prog'"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "detslurm.launch.wrap_rank", *argv], capture_output=True, text=True, env=env
+        )
+        assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr

@@ -275,7 +275,11 @@ class Trainer:
         # Training metrics are flushed at every validation/checkpoint too: a restart resumes at
         # a checkpoint, so no reported window ever straddles one (same rows as an uninterrupted run).
         boundary = validate or checkpoint or rep_p.hits(b, bpe)
-        if not boundary and not self.context._stop_requested:
+        # A stop the trial requested is acted on at once by a lone rank, but with several ranks
+        # only at the next boundary, where every rank is: checkpointing is collective, and one
+        # rank going there alone would leave the others waiting in their next collective.
+        alone = self.context.distributed.size == 1
+        if not boundary and not (alone and self.context._stop_requested):
             return False  # the common case: nothing due after this batch
         if boundary:
             self._report_training(pending)
@@ -284,7 +288,10 @@ class Trainer:
         if checkpoint:
             self._checkpoint()
         # Preemption is checked at boundaries only (a collective on every rank: not per batch).
-        stop = self.context.get_stop_requested() or (boundary and self._should_preempt())
+        requested = self.context.get_stop_requested()
+        if not alone:
+            requested = any(self.context.distributed.allgather(requested))
+        stop = requested or (boundary and self._should_preempt())
         if stop and not done:
             self._report_training(pending)
             self._checkpoint()
