@@ -142,8 +142,8 @@ def test_job_id_marker_write_failing_keeps_the_job(det: Any, tmp_path: Path, mon
 def test_full_checkpoint_disk_on_slurm_submits_each_run_once(
     det: Any,
     tmp_path: Path,
-    tiny_fs: Path,
-    monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+    tiny_fs: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The checkpoint storage fills up mid-save: run 1 fails, run 2 resumes from the last good
     checkpoint, and Slurm saw exactly one job per run."""
