@@ -398,6 +398,10 @@ def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
         return "early_stop"
     if t.state in (TrialState.STOPPING_CANCELED.value, TrialState.STOPPING_ERROR.value):
         return "cancel"
+    if t.state == TrialState.STOPPING_KILLED.value:
+        # scancel normally ends the job first; while slurmctld is down the file is what still
+        # reaches the trial, which then stops at its next checkpoint.
+        return "kill"
     if state == ExperimentState.PAUSED:
         return "pause"
     return None
