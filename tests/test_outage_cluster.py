@@ -44,8 +44,8 @@ def wait_for(pred: Any, timeout: float = 60) -> None:
 
 
 def test_pause_and_kill_reach_trials_while_slurmctld_is_down(det: Any, slurm_cluster: Path) -> None:
-    for _ in range(2):
-        code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.3")
+    for _ in range(2):  # 40 batches of 1 s, a checkpoint every 5: running long after the pause
+        code, _, err = det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0")
         assert code == 0, err
     wait_for(lambda: run_dir(1) is not None and run_dir(2) is not None)
     dirs = {1: run_dir(1), 2: run_dir(2)}
@@ -72,4 +72,5 @@ def test_pause_and_kill_reach_trials_while_slurmctld_is_down(det: Any, slurm_clu
         for t in s.scalars(select(Trial)):
             assert t.restarts == 0 and t.run_count == 1, (t.id, t.restarts, t.run_count)
             assert t.state == ("PAUSED" if t.experiment_id == 1 else "CANCELED")
-            assert t.latest_checkpoint is not None  # stopped at a checkpoint, not killed mid-step
+            # Stopped early, at a checkpoint (1 s a batch, 40 batches: the pause came long before the end).
+            assert t.latest_checkpoint is not None and 0 < t.steps_completed < 40, t.steps_completed
