@@ -180,3 +180,43 @@ def test_killing_many_tasks_is_one_scancel() -> None:
     runner = FakeRunner({"scancel": Result(1, "", "scancel: error: Access/permission denied\n")})
     with pytest.raises(SlurmCommandError, match="permission denied"):
         SlurmExecutor(SlurmClient(runner), SiteConfig()).kill_many(["7_3"])
+
+
+def test_sacct_array_tasks_captured_are_keyed_by_array_task() -> None:
+    """Real 22.05 output (DBD test cluster): array 1 with a completed, a failed and a canceled
+    task, array 4 preempted (--no-requeue), job 6 plain. The executor stores ARRAY_TASK ids."""
+    from detslurm.slurm.parse import parse_sacct
+
+    jobs = parse_sacct((DATA / "sacct-array.txt").read_text())
+    assert jobs["1_0"].state is SlurmState.COMPLETED and jobs["1_0"].exit_code == 0
+    assert jobs["1_1"].state is SlurmState.FAILED and jobs["1_1"].exit_code == 3
+    assert jobs["1_2"].state is SlurmState.CANCELLED
+    assert jobs["4_0"].state is jobs["4_1"].state is SlurmState.PREEMPTED
+    assert jobs["6"].state is SlurmState.COMPLETED and "6_0" not in jobs
+    # The raw ids stay keys too (a plain job's id is its raw id).
+    assert jobs["3"] is jobs["1_1"]
+
+
+def test_sacct_bad_lines_are_skipped() -> None:
+    from detslurm.slurm.parse import parse_sacct
+
+    good = "7|TIMEOUT|0:15|None|a|b|7"
+    jobs = parse_sacct(f"garbage\n\nx|y|z\n{good}\n")
+    assert list(jobs) == ["7"] and jobs["7"].state is SlurmState.TIMEOUT and jobs["7"].signal == 15
+
+
+def test_squeue_control_characters_captured() -> None:
+    """Real squeue output for jobs whose name or comment holds a newline, our field separator
+    or our record separator (sbatch accepts all of them): the others still parse, the
+    ambiguous records are skipped and counted, nothing raises."""
+    from detslurm.slurm.parse import parse_squeue_counted
+
+    jobs, skipped = parse_squeue_counted((DATA / "squeue-control-chars.txt").read_text())
+    by_id = {j.job_id: j for j in jobs}
+    assert set(by_id) == {"11", "12", "14"}
+    assert by_id["11"].comment == "a\nb" and by_id["11"].name == "wrap" and by_id["11"].identity is None
+    assert by_id["12"].name == "nm\nx" and by_id["12"].comment == ""
+    assert by_id["14"].identity == (1, 1, 1) and by_id["14"].state is SlurmState.RUNNING
+    # 13 (SEP in name and comment) and 15 (RS in name and comment: three fragments) are skipped.
+    assert skipped == 4
+    assert parse_squeue("") == []

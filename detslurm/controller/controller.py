@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -159,8 +160,7 @@ class Controller:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            marker = RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker
-            job_id = marker.read_text().strip() if marker.exists() else None
+            job_id = _read_marker(RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker)
             if not job_id:
                 identity = (run.trial.experiment_id, run.trial_id, run.run_id)
                 try:
@@ -408,6 +408,10 @@ def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
         return "early_stop"
     if t.state in (TrialState.STOPPING_CANCELED, TrialState.STOPPING_ERROR):
         return "cancel"
+    if t.state == TrialState.STOPPING_KILLED.value:
+        # scancel normally ends the job first; while slurmctld is down the file is what still
+        # reaches the trial, which then stops at its next checkpoint.
+        return "kill"
     if state == ExperimentState.PAUSED:
         return "pause"
     return None
@@ -426,6 +430,17 @@ def _write_marker(path: Path, job_id: str) -> None:
         path.write_text(job_id)
     except OSError as e:
         log.warning("could not write %s (%s); the store records job %s", path, e, job_id)
+
+
+def _read_marker(path: Path) -> str | None:
+    """The job id a submission noted in its run dir, if it could (see ``_write_marker``). An
+    unreadable marker (the write failed half-way, a directory in its place) is no job id: the
+    run is then found by its identity in the queue, never by guessing."""
+    try:
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if re.fullmatch(r"\d+(_\d+)?", text) else None
 
 
 def _tested_everything(s: Session, trial: Trial) -> bool:

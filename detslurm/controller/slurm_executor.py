@@ -245,11 +245,13 @@ class SlurmExecutor:
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
         """Final states of jobs that left the queue, where slurmdbd keeps them. A failing sacct
         (slurmdbd down) only loses that detail: it must not stop the tick."""
-        if not gone or not self.client.capabilities().accounting:
+        if not gone:
             return {}
         try:
+            if not self.client.capabilities().accounting:
+                return {}
             return self.client.sacct(gone)
-        except SlurmCommandError:
+        except (SlurmCommandError, SlurmUnavailable):  # sacct down, missing, or timed out
             return {}
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:

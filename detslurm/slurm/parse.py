@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -11,7 +12,14 @@ import hostlist
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.states import SlurmState, state_from_slurm
 
-SEP = "\x1f"  # unit separator: cannot appear in job names or comments typed by users
+log = logging.getLogger("detslurm.slurm")
+
+# Field and record separators. A job's name and comment are free text that sbatch accepts with
+# newlines and control characters in them (checked on 22.05: --comment=$'a\nb' is queued and
+# printed verbatim), so a newline cannot end a record: every record ends with REC_END, and a
+# record whose field count is wrong (a name or comment holding SEP) is skipped, never guessed.
+SEP = "\x1f"
+REC_END = "\x1e"
 SQUEUE_FIELDS = [
     "%i",
     "%A",
@@ -33,7 +41,7 @@ SQUEUE_FIELDS = [
     "%j",
     "%k",
 ]
-SQUEUE_FORMAT = SEP.join(SQUEUE_FIELDS)
+SQUEUE_FORMAT = SEP.join(SQUEUE_FIELDS) + REC_END
 
 
 class SlurmParseError(DetSlurmError):
@@ -85,39 +93,69 @@ def _int(text: str, default: int = 0) -> int:
         return default
 
 
-def parse_squeue(text: str) -> list[QueuedJob]:
-    jobs = []
-    for line in text.splitlines():
-        if not line.strip():
+def _squeue_records(text: str) -> list[str]:
+    """Records of squeue output: ended by REC_END (our format), or by newlines in output
+    captured before the format had an end marker."""
+    if REC_END not in text:
+        return [line for line in text.splitlines() if line.strip()]
+    return [r.strip("\n") for r in text.split(REC_END) if r.strip("\n").strip()]
+
+
+def _queued_job(f: list[str]) -> QueuedJob:
+    return QueuedJob(
+        job_id=f[0],
+        raw_id=int(f[1]),
+        array_job_id=_int(f[2]),
+        array_task_id=_int(f[3]) if f[3].isdigit() else None,
+        state=state_from_slurm(f[4]),
+        state_text=f[4],
+        partition=f[5],
+        user=f[6],
+        priority=_int(f[7]),
+        reason=f[8],
+        nodelist=f[9],
+        num_nodes=_int(f[10], 1),
+        num_cpus=_int(f[11], 1),
+        gres="" if f[12] == "N/A" else f[12],
+        submit_time=f[13],
+        start_time=f[14],
+        time_limit=f[15],
+        nice=_int(f[16]),
+        name=f[17],
+        comment="" if f[18] == "(null)" else f[18],
+    )
+
+
+def parse_squeue_counted(text: str) -> tuple[list[QueuedJob], int]:
+    """The jobs of ``squeue -o SQUEUE_FORMAT`` output, and how many records were skipped.
+
+    A record is skipped when it has the wrong number of fields (a name or comment containing
+    SEP: which SEP splits them cannot be known) or a job id that is not a number. One odd job
+    must never hide the others, nor fail the daemon's tick. Output with no SEP at all is not
+    squeue's answer in our format (a wrapper printing something else): that raises, because
+    reading it as "no jobs" would declare every running job lost."""
+    jobs: list[QueuedJob] = []
+    skipped = 0
+    records = _squeue_records(text)
+    for record in records:
+        f = record.split(SEP)
+        if len(f) != len(SQUEUE_FIELDS) or not re.fullmatch(r"\d+(_\d+)?|\d+_\[[^\]]*\]", f[0]):
+            skipped += 1
             continue
-        f = line.split(SEP)
-        if len(f) < len(SQUEUE_FIELDS):
-            raise SlurmParseError("squeue", line)
-        name, comment = f[17], SEP.join(f[18:])
-        jobs.append(
-            QueuedJob(
-                job_id=f[0],
-                raw_id=_int(f[1]),
-                array_job_id=_int(f[2]),
-                array_task_id=_int(f[3]) if f[3].isdigit() else None,
-                state=state_from_slurm(f[4]),
-                state_text=f[4],
-                partition=f[5],
-                user=f[6],
-                priority=_int(f[7]),
-                reason=f[8],
-                nodelist=f[9],
-                num_nodes=_int(f[10], 1),
-                num_cpus=_int(f[11], 1),
-                gres="" if f[12] == "N/A" else f[12],
-                submit_time=f[13],
-                start_time=f[14],
-                time_limit=f[15],
-                nice=_int(f[16]),
-                name=name,
-                comment="" if comment == "(null)" else comment,
-            )
-        )
+        try:
+            jobs.append(_queued_job(f))
+        except ValueError:
+            skipped += 1
+    if records and not jobs and not any(SEP in r for r in records):
+        raise SlurmParseError("squeue", text)
+    return jobs, skipped
+
+
+def parse_squeue(text: str) -> list[QueuedJob]:
+    """The jobs of squeue's output; records that do not parse are skipped and logged."""
+    jobs, skipped = parse_squeue_counted(text)
+    if skipped:
+        log.warning("squeue: skipped %d job record(s) that do not parse (a control character in a name?)", skipped)
     return jobs
 
 
@@ -314,7 +352,9 @@ def parse_sinfo_json(text: str) -> list[NodeInfo]:
     return out
 
 
-SACCT_FIELDS = "JobIDRaw,State,ExitCode,Reason,Start,End"
+# JobID last: for an array task it is ARRAY_TASK ("12_3"), the id the executor stores, while
+# JobIDRaw is the task's own number. Output without it (older captures) still parses.
+SACCT_FIELDS = "JobIDRaw,State,ExitCode,Reason,Start,End,JobID"
 
 
 @dataclass(frozen=True)
@@ -326,19 +366,24 @@ class AccountedJob:
 
 
 def parse_sacct(text: str) -> dict[str, AccountedJob]:
-    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,...``; ExitCode is ``code:signal``."""
+    """``sacct -n -P -X -o SACCT_FIELDS``, keyed by raw id and, for array tasks, also by
+    ``ARRAY_TASK``; ExitCode is ``code:signal``. A line that does not parse is skipped: sacct
+    only adds detail to jobs that left the queue, it must never fail a tick."""
     out: dict[str, AccountedJob] = {}
     for line in text.splitlines():
-        if not line.strip():
-            continue
         f = line.split("|")
-        if len(f) < 3:
-            raise SlurmParseError("sacct", line)
+        if len(f) < 3 or not f[0].strip().isdigit():
+            if line.strip():
+                log.warning("sacct: skipped a line that does not parse: %r", line[:200])
+            continue
         code, _, sig = f[2].partition(":")
-        out[f[0]] = AccountedJob(
+        job = AccountedJob(
             job_id=f[0],
             state=state_from_slurm(f[1]),
             exit_code=int(code) if code.isdigit() else None,
             signal=int(sig) if sig.isdigit() and sig != "0" else None,
         )
+        out[f[0]] = job
+        if len(f) > 6 and re.fullmatch(r"\d+_\d+", f[6]):
+            out[f[6]] = job
     return out
