@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Optional
 
@@ -55,7 +55,14 @@ class QueueForgot:
         self.sacct = sacct
         self.calls: list[str] = []
 
-    def __call__(self, argv: Sequence[str], *, input: Optional[str] = None, timeout: float) -> Result:
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        input: Optional[str] = None,
+        timeout: float,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Result:
         self.calls.append(argv[0])
         if argv[0] == "squeue":
             return Result(0, "", "")
@@ -63,7 +70,7 @@ class QueueForgot:
             raise self.sacct
         if argv[0] == "sacct" and self.sacct is not None:
             return self.sacct
-        return subprocess_runner(argv, input=input, timeout=timeout)
+        return subprocess_runner(argv, input=input, timeout=timeout, env=env)
 
 
 def sbatch(*args: str) -> str:

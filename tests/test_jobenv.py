@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,3 +83,27 @@ def test_started_daemon_runs_with_the_scrubbed_environment(det_env: Path, monkey
     assert env["MY_MODULE_VAR"] == "kept" and env["PATH"] == os.environ["PATH"]
     assert "SBATCH_ACCOUNT" not in env and "SLURM_NTASKS" not in env
     assert "not passing to jobs: SBATCH_ACCOUNT" in daemon.Paths(s).log.read_text()
+
+
+@pytest.mark.slurm
+def test_sbatch_from_the_cli_does_not_carry_an_allocations_settings(
+    slurm_env: Path, det: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CLI doing the tick itself (no daemon) inside an allocation: sbatch reads SBATCH_* as
+    option defaults and hands the rest to the job; neither may leak (review S5)."""
+    import subprocess
+
+    from conftest import EXAMPLES
+
+    monkeypatch.setenv("SBATCH_TIMELIMIT", "1")
+    monkeypatch.setenv("SLURM_JOB_ID", "424242")
+    code, out, err = det("e", "create", "--paused", EXAMPLES / "core_api/const.yaml", EXAMPLES / "core_api")
+    assert code == 0, err
+    from detslurm.controller import ops
+    from detslurm.identity import Scope
+    from detslurm.store import open_store
+
+    ops.activate(open_store(settings.load().db_url), 1, Scope.mine())
+    assert daemon.reconcile_once(settings.load())
+    out = subprocess.run(["squeue", "-h", "-o", "%i %l"], capture_output=True, text=True, check=True).stdout
+    assert out.split() and "1:00" not in out, out  # no 1-minute limit from SBATCH_TIMELIMIT

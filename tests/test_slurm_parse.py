@@ -119,7 +119,7 @@ class FakeRunner:
         self.answers = answers
         self.calls: list[tuple[list[str], float]] = []
 
-    def __call__(self, argv, *, input=None, timeout):  # type: ignore[no-untyped-def]
+    def __call__(self, argv, *, input=None, timeout, env=None):  # type: ignore[no-untyped-def]
         self.calls.append((list(argv), timeout))
         return self.answers.get(argv[0], Result(1, "", f"{argv[0]}: error: Invalid job id specified"))
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from detslurm.errors import DetSlurmError
 from detslurm.identity import os_user
+from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
 
@@ -62,12 +63,23 @@ class Result:
 
 
 class Runner(Protocol):
-    def __call__(self, argv: Sequence[str], *, input: Optional[str] = None, timeout: float) -> Result: ...
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        input: Optional[str] = None,
+        timeout: float,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Result: ...
 
 
-def subprocess_runner(argv: Sequence[str], *, input: Optional[str] = None, timeout: float) -> Result:
+def subprocess_runner(
+    argv: Sequence[str], *, input: Optional[str] = None, timeout: float, env: Optional[Mapping[str, str]] = None
+) -> Result:
     try:
-        p = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
+        p = subprocess.run(
+            list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False, env=env
+        )
     except FileNotFoundError:
         raise SlurmUnavailable(
             f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?"
@@ -88,9 +100,15 @@ class SlurmClient:
         self._caps: Optional[Capabilities] = None
         self.calls = 0  # commands issued by this client (benchmarks count controller load)
 
-    def _run(self, argv: Sequence[str], input: Optional[str] = None, check: bool = True) -> Result:
+    def _run(
+        self,
+        argv: Sequence[str],
+        input: Optional[str] = None,
+        check: bool = True,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Result:
         self.calls += 1
-        res = self._run_cmd(argv, input=input, timeout=self.timeout_s)
+        res = self._run_cmd(argv, input=input, timeout=self.timeout_s, env=env)
         if check and res.returncode != 0:
             raise SlurmCommandError(argv, res.returncode, res.stderr or res.stdout)
         return res
@@ -98,7 +116,9 @@ class SlurmClient:
     # -- submission ------------------------------------------------------------------------
     def sbatch(self, args: Sequence[str], script: str) -> str:
         """Submit ``script`` (given on stdin: nothing is written that a user could swap)."""
-        res = self._run(["sbatch", "--parsable", *args], input=script)
+        # sbatch hands its whole environment to the job (--export=ALL): never that of an
+        # allocation `det` happens to run in (SLURM_*, SBATCH_*, its TMPDIR), review S5.
+        res = self._run(["sbatch", "--parsable", *args], input=script, env=daemon_env(os.environ).env)
         return parse.parse_sbatch(res.stdout)
 
     # -- queries ---------------------------------------------------------------------------
