@@ -151,3 +151,45 @@ def test_one_failing_event_costs_only_itself(det_env: Path, tmp_path: Path) -> N
 
 def _metric_rows() -> Any:
     return select(Trial.request_id, Metric.group, Metric.steps_completed).join(Trial, Trial.id == Metric.trial_id)
+
+
+POISON_SLURM = f"""
+import os
+from detslurm.protocol import Metrics, RunPaths, encode
+
+path = RunPaths.from_env(os.environ).event_file(0)
+path.parent.mkdir(parents=True, exist_ok=True)
+with open(path, "ab") as f:
+    for line in {HOSTILE[:-1]!r}:
+        f.write(line + b"\\n")
+    for _ in range(100):  # 100 MiB without a newline (review M2), then the good report
+        f.write(b"x" * (1 << 20))
+    f.write(b"\\n")
+    f.write(encode(Metrics(group="validation", steps_completed=1, metrics={{"loss": 0.5}})).encode())
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.security
+def test_hostile_trial_on_slurm_cannot_stall_another_experiment(slurm_env: Path, det: Any, tmp_path: Path) -> None:
+    """The same on the cluster, driven by the daemon, with a 100 MiB line."""
+    write(tmp_path / "poison/poison.py", POISON_SLURM)
+    bad_cfg = write(
+        tmp_path / "p.yaml", "name: p\nentrypoint: python3 poison.py\nsearcher: {name: single, metric: loss}"
+    )
+    good_cfg = write(tmp_path / "g.yaml", GOOD_CONFIG)
+    assert det("e", "create", bad_cfg, tmp_path / "poison")[0] == 0
+    assert det("e", "create", good_cfg, EXAMPLES / "core_api")[0] == 0
+    code, out, err = det("e", "wait", "2")
+    assert code == 0, out + err
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err  # its one good report after the garbage completes it
+    store = open_store(settings.load().db_url)
+    with store.read() as s:
+        (gt,) = s.scalars(select(Trial).where(Trial.experiment_id == 2))
+        steps = s.scalars(
+            select(Metric.steps_completed).where(Metric.trial_id == gt.id).where(Metric.group == "training")
+        )
+        assert sorted(steps) == list(range(1, 41))
+        (bt,) = s.scalars(select(Trial).where(Trial.experiment_id == 1))
+        assert _quarantined(s, bt.id) == len(HOSTILE)
