@@ -131,6 +131,12 @@ def _create(
     # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
     # create would fail on, and before any row or directory exists.
     backend.site_for_create(plan)
+    if plan.config.environment.image:
+        # Containers are not built yet: say so rather than run the trial outside the image silently.
+        click.echo(
+            "Warning: environment.image is not supported by detslurm yet; trials run with the nodes' own Python",
+            err=True,
+        )
     if dry_run:
         click.echo(plan.describe())
         click.echo(backend.dry_run(plan), nl=False)

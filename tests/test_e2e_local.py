@@ -330,3 +330,13 @@ def test_help_is_fast_and_lists_every_command() -> None:
         group = getattr(importlib.import_module(f"detslurm.cli.{module}"), attr)
         assert (group.help or "").splitlines()[0] == short and f"\n  {name} " in out
     assert all(f"\n  {alias} " in out for alias in _ALIASES)
+
+
+def test_container_image_is_not_silently_ignored(det: Any, tmp_path: Path) -> None:
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\n"
+        "environment: {image: 'pytorch/pytorch:latest'}\n",
+    )
+    code, _, err = det("e", "create", "--dry-run", "--local", cfg, EXAMPLES / "core_api")
+    assert code == 0 and "environment.image is not supported by detslurm yet" in err
