@@ -1,7 +1,25 @@
 """Preemption: the control file (contract 3) and Slurm's signals feed one latched flag.
 
-A signal handler only sets an Event (no I/O in handlers). A watcher thread on the chief stats
-the run's control file; ``should_preempt()`` gives every rank the chief's answer.
+A watcher thread on the chief stats the run's control file; ``should_preempt()`` gives every
+rank the chief's answer.
+
+Why the signal handler is shaped as it is (issue 16):
+
+- CPython runs a Python-level handler in the main thread, between two bytecodes of whatever the
+  main thread was doing. The handler therefore takes no lock of any kind: not even
+  ``threading.Event.set()``, whose Condition wraps a non-reentrant Lock, and no logging, print
+  or event writing (their locks may be held by the very code the handler interrupted, and the
+  trial would then hang until Slurm's SIGKILL). It stores plain attributes; the watcher thread
+  and ``should_preempt()`` read them.
+- One preemption usually reaches a trial as two SIGTERMs: Slurm signals every process of the
+  job step itself (proctrack), and the launcher forwards the one it gets to the entrypoint's
+  process group. The time between them is only seen when the Python handler runs, which can be
+  seconds after delivery while the main thread sits in a long C call (fsync of a checkpoint on
+  a loaded or network filesystem); the kernel also merges a SIGTERM that is still pending. So
+  the gap between two SIGTERMs cannot tell a duplicate from a deliberate "stop now". Before the
+  trial has acknowledged the preemption a repeated SIGTERM is therefore ignored (the trial is
+  busy getting to its checkpoint; Slurm's SIGKILL after KillWait remains the hard stop). Only
+  after the acknowledgement does a later SIGTERM end the process at once, as if unhandled.
 """
 
 from __future__ import annotations
@@ -64,6 +82,8 @@ class PreemptContext:
         self._thread: threading.Thread | None = None
         self._old: dict[int, Handler] = {}
         self._first_term: float | None = None
+        # Set by the signal handler (plain stores: see the module docstring), read by everyone.
+        self._signalled = False
         self._acked = False
         self._started = False
         self.reason: str | None = None
@@ -81,19 +101,17 @@ class PreemptContext:
                 self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs between two bytecodes of the main thread: no locks, no I/O (module docstring).
         now = time.monotonic()
         first = self._first_term
         if signum == signal.SIGTERM and first is None:
             self._first_term = now
-        # Slurm signals the step's processes directly AND srun forwards the batch shell's signal,
-        # so one preemption often arrives as two SIGTERMs at once. Only a SIGTERM that comes
-        # later means "stop now, without a checkpoint".
-        if signum == signal.SIGTERM and first is not None and now - first > DUPLICATE_WINDOW_S:
-            # A second SIGTERM means "really stop now": behave as if we had no handler.
+        elif signum == signal.SIGTERM and first is not None and self._acked and now - first > DUPLICATE_WINDOW_S:
+            # Acknowledged earlier, and another SIGTERM now: "really stop", as if unhandled.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self._flag.set()
+        self._signalled = True
 
     def _watch(self) -> None:
         assert self._control is not None
@@ -116,7 +134,7 @@ class PreemptContext:
         self._old.clear()
 
     def _local_answer(self) -> bool:
-        return self._flag.is_set()
+        return self._signalled or self._flag.is_set()
 
     def should_preempt(self, auto_ack: bool = True) -> bool:
         if not self._started:

@@ -116,6 +116,11 @@ def _run_hook(workdir: Path, env: dict[str, str]) -> int:
 
 def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
     """The entrypoint in its own process group, with our signals forwarded to that group."""
+    # In a Slurm job the entrypoint usually gets Slurm's SIGTERM twice: once from slurmstepd,
+    # which signals every process of the step whatever its session, and once forwarded from
+    # here. Forwarding stays, for runs where only this process is signalled (local runs,
+    # `kill` by hand, the batch shell's warning signal); the trial's handler treats repeats
+    # as one preemption (detslurm.core._preempt explains why it must).
     from detslurm.launch._common import forward_signals
 
     proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
