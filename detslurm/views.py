@@ -131,8 +131,9 @@ def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
     for m in s.scalars(q):
         # Metrics are the trial's own JSON (untrusted): a string or null under the metric's name
         # is skipped, not a crash of `det c list`.
-        if isinstance(m.get(metric), (int, float)):
-            return float(m[metric])
+        value = m.get(metric)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
     return None
 
 

@@ -15,25 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.config import stored_config
-from detslurm.store.models import Checkpoint, Experiment, Metric, Trial
-
-
-def _validation_metric(session: Session, ck: Checkpoint, metric: str) -> float | None:
-    q = (
-        select(Metric.metrics)
-        .where(Metric.trial_id == ck.trial_id)
-        .where(Metric.group == "validation")
-        # A checkpoint is scored by the validation taken at its own step, as Determined does; one
-        # without such a validation can only be kept as a latest checkpoint.
-        .where(Metric.steps_completed == ck.steps_completed)
-        # Archived rows belong to a run that was rolled back past this step.
-        .where(Metric.archived.is_(False))
-    )
-    for row in session.scalars(q):
-        v = row.get(metric)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
+from detslurm.store.models import Checkpoint, Experiment, Trial
+from detslurm.views import validation_metric
 
 
 def keep_set(session: Session, exp: Experiment) -> set[str]:
@@ -58,7 +41,7 @@ def keep_set(session: Session, exp: Experiment) -> set[str]:
         latest = policy.save_trial_latest
         if latest:
             keep.update(c.uuid for c in cks[-latest:])
-        scored = [(sign * v, c.uuid) for c in cks if (v := _validation_metric(session, c, metric)) is not None]
+        scored = [(sign * v, c.uuid) for c in cks if (v := validation_metric(session, c, metric)) is not None]
         scored.sort()
         keep.update(u for _, u in scored[: policy.save_trial_best])
         scored_all += scored
