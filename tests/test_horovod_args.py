@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from detslurm.launch._common import LaunchError
@@ -136,3 +138,21 @@ def test_legacy_harness_torch_env_from_each_launcher() -> None:
         torch_env_for_trial({k: v for k, v in hvd.items() if k != "DETSLURM_TORCH_PORT"})
     with pytest.raises(ValueError, match="did not set CROSS_RANK"):
         torch_env_for_trial({k: v for k, v in ds.items() if k != "CROSS_RANK"})
+
+
+def test_legacy_harness_names_a_missing_module_or_class(tmp_path: Path) -> None:
+    import os
+
+    from detslurm.exec.harness import load_trial_class
+
+    (tmp_path / "model_def.py").write_text("class Real:\n    pass\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="no module 'nope'"):
+            load_trial_class("nope:Trial")
+        with pytest.raises(ValueError, match="model_def has no attribute 'Typo'"):
+            load_trial_class("model_def:Typo")
+        assert load_trial_class("model_def:Real").__name__ == "Real"
+    finally:
+        os.chdir(cwd)

@@ -34,8 +34,15 @@ def load_trial_class(spec: str) -> Any:
     # A module of that name imported earlier (e.g. by a launcher) would otherwise be reused
     # instead of the context's file.
     sys.modules.pop(module_name, None)
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise  # the trial's own module failed to import something: its traceback says what
+        raise ValueError(f"--trial {spec}: no module {module_name!r} in {os.getcwd()}") from None
     for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"--trial {spec}: {module_name} has no attribute {part!r}")
         obj = getattr(obj, part)
     return obj
 
@@ -114,10 +121,10 @@ def main(argv: list[str]) -> int:
     try:
         # Set before pytorch.init(), which reads these variables to join the process group.
         os.environ.update(torch_env_for_trial(os.environ))
+        trial_cls = load_trial_class(argv[0])
     except ValueError as e:
         print(f"detslurm harness: {e}", file=sys.stderr)
         return 2
-    trial_cls = load_trial_class(argv[0])
     cfg = info.trial._config
     # Records and epochs in the config's periods convert to batches through global_batch_size,
     # which Determined also reads from the hparams.
