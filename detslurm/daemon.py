@@ -27,7 +27,7 @@ from detslurm import settings as settings_mod
 from detslurm.errors import StateError
 from detslurm.jobenv import daemon_env, warn_once
 from detslurm.settings import Settings
-from detslurm.util import atomic_write_text
+from detslurm.util import atomic_write_text, env_number
 
 if TYPE_CHECKING:
     from detslurm.controller.controller import Controller
@@ -323,7 +323,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args[:1] == ["run"]:
         # An idle daemon exits (after 10 minutes by default) so no process lingers on a shared login
         # node; the next `det e create` or activate starts one again.
-        return run_forever(s, float(os.environ.get("DETSLURM_DAEMON_IDLE_EXIT_S", "600")))
+        return run_forever(s, env_number("DETSLURM_DAEMON_IDLE_EXIT_S", 600.0))
     print("usage: python -m detslurm.daemon run", file=sys.stderr)
     return 2
 

@@ -72,3 +72,17 @@ def import_from_path(path: str | os.PathLike[str]) -> Iterator[None]:
             # A prefix test alone would also match a sibling dir (/ckpt/code2 for /ckpt/code).
             if origin and os.path.realpath(origin).startswith(root + os.sep):
                 del sys.modules[name]
+
+
+def env_number(name: str, default: float, env: Any = None) -> float:
+    """A numeric setting from the environment; a value that is not a number is a clear error
+    naming the variable (never a ValueError traceback from deep inside)."""
+    from detslurm.errors import DetSlurmError
+
+    raw = (os.environ if env is None else env).get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise DetSlurmError(f"${name} must be a number, got {raw!r}") from None

@@ -196,3 +196,12 @@ def test_mask_hides_both_forms_of_the_password() -> None:
 
     url = "postgresql+psycopg://alice:p%40ss@db/x"
     assert _mask("dsn alice:p%40ss@db and p@ss", url) == "dsn alice:***@db and ***"
+
+
+def test_numeric_settings_are_checked() -> None:
+    from detslurm.errors import DetSlurmError
+    from detslurm.util import env_number
+
+    assert env_number("X_T", 3.0, {"X_T": "2.5"}) == 2.5 and env_number("X_T", 3.0, {}) == 3.0
+    with pytest.raises(DetSlurmError, match=r"\$X_T must be a number, got 'ten'"):
+        env_number("X_T", 3.0, {"X_T": "ten"})

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret, secret_from_env
+from detslurm.util import env_number
 
 DEFAULT_PORT = 12360  # Determined's default (its constants.py), so firewall rules for it apply
 # How long a server waits for all of its members, and a member for its server; long enough for
@@ -66,8 +67,7 @@ class _BadPeer(Exception):
 
 
 def _join_timeout_s() -> float:
-    raw = os.environ.get("DETSLURM_DIST_JOIN_TIMEOUT_S")
-    return float(raw) if raw else JOIN_TIMEOUT_S
+    return env_number("DETSLURM_DIST_JOIN_TIMEOUT_S", JOIN_TIMEOUT_S)
 
 
 def _mac(key: bytes, *parts: object) -> bytes:
@@ -459,8 +459,8 @@ class DistributedContext:
         if chief_ip is None and local_size != size:
             raise ValueError("chief_ip is required when the group spans more than one node")
         self.chief_ip = chief_ip or "127.0.0.1"
-        env_port = os.environ.get("DETSLURM_DIST_PORT")
-        self.port = port or pub_port or (int(env_port) if env_port else DEFAULT_PORT + port_offset)
+        env_port = int(env_number("DETSLURM_DIST_PORT", 0))
+        self.port = port or pub_port or env_port or DEFAULT_PORT + port_offset
         # No secret, no group: there is deliberately no fallback key (see detslurm.protocol.secret).
         secret = _secret if _secret is not None else (secret_from_env(os.environ) if size > 1 else b"")
         global_addr = (self.chief_ip if size != local_size else "127.0.0.1", self.port)  # one node: loopback only

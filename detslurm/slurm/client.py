@@ -17,6 +17,7 @@ from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
+from detslurm.util import env_number
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -184,5 +185,5 @@ class SlurmClient:
 
 
 def client_from_env() -> SlurmClient:
-    timeout = float(os.environ.get("DETSLURM_SLURM_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    timeout = env_number("DETSLURM_SLURM_TIMEOUT_S", DEFAULT_TIMEOUT_S)
     return SlurmClient(timeout_s=timeout)
