@@ -93,6 +93,9 @@ def test_adaptive_asha_search_early_stops_and_completes(det: Any) -> None:
     assert any(t.early_stopped for t in ts)
     code, out, _ = det("e", "list-checkpoints", "1")
     assert code == 0 and "COMPLETED" in out and "DELETED" in out  # GC kept only best/latest
+    for cmd in (("e", "list"), ("e", "list-trials", "1"), ("e", "describe", "1"), ("t", "describe", "1")):
+        code, out, _ = det(*cmd)  # states print as users know them, not as Python enum names
+        assert code == 0 and "COMPLETED" in out and "State." not in out, (cmd, out)
 
 
 def test_killed_trial_resumes_from_checkpoint_without_recounting(det: Any) -> None:

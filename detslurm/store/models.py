@@ -58,7 +58,18 @@ class Base(DeclarativeBase):
 
 # Determined's experiment and trial states and names, so ``det experiment list`` reads the same.
 # Stored as strings (not a DB enum) so adding a state needs no migration of existing rows.
-class ExperimentState(str, enum.Enum):
+class _ValueEnum(str, enum.Enum):
+    """A state that prints as its value ("COMPLETED"): tables, messages and f-strings show it to
+    users, and Python 3.11 would print a str-mixin enum as "TrialState.COMPLETED"."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class ExperimentState(_ValueEnum):
     ACTIVE = "ACTIVE"
     PAUSED = "PAUSED"
     STOPPING_CANCELED = "STOPPING_CANCELED"
@@ -79,7 +90,7 @@ class ExperimentState(str, enum.Enum):
         return self.value.startswith("STOPPING_")
 
 
-class TrialState(str, enum.Enum):
+class TrialState(_ValueEnum):
     ACTIVE = "ACTIVE"
     PAUSED = "PAUSED"
     STOPPING_CANCELED = "STOPPING_CANCELED"
@@ -95,7 +106,7 @@ class TrialState(str, enum.Enum):
         return self in (TrialState.CANCELED, TrialState.COMPLETED, TrialState.ERROR)
 
 
-class RunState(str, enum.Enum):
+class RunState(_ValueEnum):
     """A trial run (one attempt = one local process or one Slurm job)."""
 
     PENDING = "PENDING"  # recorded, not yet handed to the executor
