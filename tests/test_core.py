@@ -18,8 +18,6 @@ from detslurm.errors import CheckpointNotFound
 from detslurm.protocol import CheckpointDeleted, Metrics, decode, from_env, read_lines, trial_env
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret
 
-_port = [23000 + os.getpid() % 2000 * 10]
-
 
 @pytest.fixture(autouse=True)
 def run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -29,8 +27,13 @@ def run_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def next_port() -> int:
-    _port[0] += 7
-    return _port[0]
+    """A port free right now (not a fixed sequence: two suites may run side by side)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
 
 
 def run_ranks(
