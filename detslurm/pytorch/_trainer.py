@@ -524,5 +524,5 @@ def _to_numbers(pending: list[dict[str, Any]]) -> None:
         groups.setdefault((row[k].device, row[k].dtype), []).append((row, k))
     for places in groups.values():
         values = torch.stack([row[k].reshape(()) for row, k in places]).tolist()
-        for (row, k), value in zip(places, values):
+        for (row, k), value in zip(places, values, strict=True):
             row[k] = value
