@@ -26,6 +26,8 @@ from detslurm.controller.executor import (
 from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
+from detslurm.slurm.reasons import pending_reason
+from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
 from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -177,6 +179,38 @@ class SlurmExecutor:
                 raise
             return SLURM_DEFAULT_MAX_ARRAY_SIZE
 
+    # -- refuse what can never run ----------------------------------------------------------
+    def refusals(self, subs: Sequence[Submission]) -> list[Refusal]:
+        """Why the planned jobs could never run here ([] when they may): the shape checked
+        against the partitions and nodes (two queries), then ``sbatch --test-only`` once per
+        distinct job shape. A 256-trial grid is one shape: the trials differ only in identity,
+        paths and environment, none of which slurmctld's admission depends on, so one test
+        answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
+        try:
+            partitions, nodes = self.client.partitions(), self.client.nodes()
+        except (SlurmCommandError, SlurmUnavailable):
+            if not self.offline:
+                raise
+            return []
+        out: list[Refusal] = []
+        tested: set[tuple[str, ...]] = set()
+        for sub in subs:
+            key = _shape_key(sub.request.args)
+            if key in tested:
+                continue
+            tested.add(key)
+            found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
+            # sbatch's verdict only where our own check found nothing: its message for a request that
+            # is too big ("Requested node configuration is not available") says less than ours.
+            message = None if found else self.client.sbatch_test_only(sub.request.args, sub.request.script)
+            if message is not None:
+                where = (
+                    f"{CONFIG}.slurm.sbatch_args" if sub.specs[0].config.slurm.sbatch_args else f"{CONFIG}.resources"
+                )
+                found = [Refusal(RefusalKind.SBATCH, where, f"sbatch --test-only refused the job: {message}")]
+            out += [r for r in found if r not in out]  # two shapes may share a refusal
+        return out
+
     # -- execute ----------------------------------------------------------------------------
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
         """Execute the plan. Returns each spec's job id (``ARRAY_TASK`` for array tasks), or
@@ -240,7 +274,23 @@ class SlurmExecutor:
         self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
         gone = [j for j in jobs if j not in self.last_queue]
         accounted = self._sacct(gone)
-        return {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        out = {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        return self._cancel_unschedulable(out)
+
+    def _cancel_unschedulable(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
+        """Jobs that wait for a reason that never clears are cancelled, and only then reported
+        ended: a trial ended while its job stayed queued could start later, unwatched. If the
+        scancel fails they stay QUEUED (with their reason) and the next tick tries again."""
+        doomed = [j for j, st in statuses.items() if st.cause == ExitCause.UNSCHEDULABLE]
+        if not doomed:
+            return statuses
+        try:
+            self.kill_many(doomed)
+        except (SlurmCommandError, SlurmUnavailable):
+            return {
+                j: JobStatus(JobState.QUEUED, detail=st.detail) if j in doomed else st for j, st in statuses.items()
+            }
+        return statuses
 
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
         """Final states of jobs that left the queue, where slurmdbd keeps them. A failing sacct
@@ -268,7 +318,12 @@ class SlurmExecutor:
         if state == JobState.EXITED:
             return _ended(q.state, code)
         if state == JobState.QUEUED:
-            return JobStatus(JobState.QUEUED, detail=None if q.reason in _NO_REASON else q.reason)
+            reason = None if q.reason in _NO_REASON else q.reason
+            if reason is not None and pending_reason(reason).permanent:
+                # Waiting cannot help (PartitionNodeLimit, InvalidAccount, ...): the run ends now,
+                # with Slurm's reason as its detail, and poll() cancels the job.
+                return JobStatus(JobState.EXITED, None, ExitCause.UNSCHEDULABLE, reason)
+            return JobStatus(JobState.QUEUED, detail=reason)
         return JobStatus(JobState.RUNNING)
 
     # -- control ----------------------------------------------------------------------------
@@ -287,6 +342,15 @@ class SlurmExecutor:
                 ended = ("Invalid job id", "already completing or completed")
                 if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
                     raise
+
+
+# Options that name one job (identity, logs, dirs, array indices), not what it asks of the cluster.
+_PER_JOB = ("--job-name=", "--comment=", "--output=", "--chdir=", "--array=")
+
+
+def _shape_key(args: Sequence[str]) -> tuple[str, ...]:
+    """What slurmctld's admission of a job depends on: its options minus the per-job ones."""
+    return tuple(a for a in args if not a.startswith(_PER_JOB))
 
 
 def _classify(e: Exception) -> Exception:
