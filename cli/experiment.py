@@ -221,12 +221,13 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
     _print_experiment(e)
     click.echo("\nTrials:")
     table(
-        ["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
+        ["Trial ID", "Experiment ID", "State", "Reason", "Started", "Ended", "H-Params"],
         [
             [
                 t["id"],
                 t["experiment_id"],
                 t["state"],
+                views.trial_reason(t),
                 fmt_time(t["start_time"]),
                 fmt_time(t["end_time"]),
                 json.dumps(t["hparams"], indent=2),
