@@ -16,7 +16,7 @@ from detslurm.controller.executor import ExitCause, JobState, RunSpec
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.expconf import ExperimentConfig, validate
 from detslurm.slurm.client import Result, SlurmClient
-from detslurm.slurm.parse import NodeInfo, parse_sinfo_json
+from detslurm.slurm.parse import parse_sinfo_json
 from detslurm.slurm.partitions import PartitionInfo, parse_partitions
 from detslurm.slurm.reasons import REASONS, describe_reason, pending_reason
 from detslurm.slurm.refusals import Refusal, RefusalKind, RequestRefused, check_shape, fmt_duration, job_shape
