@@ -24,7 +24,8 @@ class PendingReason:
 
     def shown(self) -> str:
         """``waiting for free nodes (Resources)``: the words, then Slurm's own code."""
-        return f"{self.words} ({self.code})" if self.code else self.words
+        words = f"never runs: {self.words}" if self.permanent else self.words
+        return f"{words} ({self.code})" if self.code else words
 
 
 def _r(code: str, words: str, permanent: bool = False) -> tuple[str, PendingReason]:
@@ -61,15 +62,15 @@ REASONS: dict[str, PendingReason] = dict(
         _r("AccountingPolicy", "waiting: an accounting limit is reached"),
         _r("launch failed requeued held", "held after a failed launch; release to retry"),
         # Never clear while the job stays as it is:
-        _r("PartitionConfig", "never runs: the request does not fit the partition's nodes", True),
-        _r("PartitionNodeLimit", "never runs: more nodes than the partition allows per job", True),
-        _r("PartitionTimeLimit", "never runs: a longer time limit than the partition allows", True),
-        _r("AccountNotAllowed", "never runs: the account may not use this partition", True),
-        _r("QOSNotAllowed", "never runs: the QOS may not use this partition", True),
-        _r("InvalidAccount", "never runs: the account does not exist or is not yours", True),
-        _r("InvalidQOS", "never runs: the QOS does not exist or is not allowed for the account", True),
-        _r("BadConstraints", "never runs: no node has the features asked for (--constraint)", True),
-        _r("DependencyNeverSatisfied", "never runs: a job it depends on failed", True),
+        _r("PartitionConfig", "the request does not fit the partition's nodes", True),
+        _r("PartitionNodeLimit", "more nodes than the partition allows per job", True),
+        _r("PartitionTimeLimit", "a longer time limit than the partition allows", True),
+        _r("AccountNotAllowed", "the account may not use this partition", True),
+        _r("QOSNotAllowed", "the QOS may not use this partition", True),
+        _r("InvalidAccount", "the account does not exist or is not yours", True),
+        _r("InvalidQOS", "the QOS does not exist or is not allowed for the account", True),
+        _r("BadConstraints", "no node has the features asked for (--constraint)", True),
+        _r("DependencyNeverSatisfied", "a job it depends on failed", True),
         _r("FrontEndDown", "waiting: no front end node is available"),
     ]
 )
@@ -96,7 +97,7 @@ def pending_reason(code: str | None) -> PendingReason:
     if head in REASONS:
         return REASONS[head]
     if _per_job_limit(head):
-        return PendingReason(head, "never runs: the job asks for more than a per-job limit allows", True)
+        return PendingReason(head, "the job asks for more than a per-job limit allows", True)
     for prefix, words, permanent in _PREFIXES:
         if head.startswith(prefix):
             return PendingReason(head, words, permanent)
