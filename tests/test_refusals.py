@@ -21,6 +21,7 @@ from detslurm.slurm.partitions import PartitionInfo, parse_partitions
 from detslurm.slurm.reasons import REASONS, describe_reason, pending_reason
 from detslurm.slurm.refusals import Refusal, RefusalKind, RequestRefused, check_shape, fmt_duration, job_shape
 from detslurm.slurm.site import SiteConfig, load_site_config
+from detslurm.views import pending_words
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
@@ -180,6 +181,12 @@ def test_reasons_in_words_with_the_code(code: str, shown: str, permanent: bool) 
     assert pending_reason(code).permanent is permanent
 
 
+def test_a_trials_noted_queue_state_in_words() -> None:
+    assert pending_words("queued: Priority") == "waiting for higher-priority jobs (Priority)"
+    assert pending_words("queued: waiting") == "waiting to be scheduled"  # Slurm gave no reason
+    assert pending_words(None) is None and pending_words("test_done") is None
+
+
 def test_only_reasons_that_never_clear_are_permanent() -> None:
     permanent = {c for c, r in REASONS.items() if r.permanent}
     assert permanent == {
@@ -281,6 +288,19 @@ def test_sbatch_test_only_refusal_carries_sbatchs_message(tmp_path: Path) -> Non
     assert str(refusal) == (
         "<config>.slurm.sbatch_args: sbatch --test-only refused the job: allocation failure: Invalid feature specification"
     )
+
+
+@pytest.mark.parametrize("sbatch_takes_it", [True, False])
+def test_a_partition_scontrol_does_not_show_is_left_to_sbatch(tmp_path: Path, sbatch_takes_it: bool) -> None:
+    # scontrol hides Hidden partitions that sbatch still accepts: "no such partition" stands
+    # only when sbatch --test-only refuses the job too.
+    answer = Result(0, "", "sbatch: Job 3 to start") if sbatch_takes_it else Result(1, "", "invalid partition")
+    fake = FakeSlurm(test_only=answer)
+    site = SiteConfig.model_validate({"default_pool": "x", "pools": {"x": {"partition": "hidden"}}})
+    ex = SlurmExecutor(SlurmClient(fake, user="alice"), site)
+    got = ex.refusals(ex.plan_many(specs(tmp_path, config(), 1)))
+    assert fake.count("sbatch", "--test-only") == 1
+    assert [r.kind for r in got] == ([] if sbatch_takes_it else [RefusalKind.NO_PARTITION])
 
 
 def test_a_shape_our_check_refuses_is_not_sent_to_sbatch(tmp_path: Path) -> None:

@@ -200,16 +200,24 @@ class SlurmExecutor:
                 continue
             tested.add(key)
             found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
-            # sbatch's verdict only where our own check found nothing: its message for a request that
-            # is too big ("Requested node configuration is not available") says less than ours.
-            message = None if found else self.client.sbatch_test_only(sub.request.args, sub.request.script)
-            if message is not None:
-                where = (
-                    f"{CONFIG}.slurm.sbatch_args" if sub.specs[0].config.slurm.sbatch_args else f"{CONFIG}.resources"
-                )
-                found = [Refusal(RefusalKind.SBATCH, where, f"sbatch --test-only refused the job: {message}")]
-            out += [r for r in found if r not in out]  # two shapes may share a refusal
+            out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
         return out
+
+    def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
+        """sbatch's verdict where our own check found nothing (its message for a request that
+        is too big, "Requested node configuration is not available", says less than ours), or
+        only a partition we could not see: scontrol hides Hidden partitions, which sbatch
+        still takes, so our "no such partition" stands only if sbatch refuses too."""
+        if any(r.kind is not RefusalKind.NO_PARTITION for r in found):
+            return found
+        message = self.client.sbatch_test_only(sub.request.args, sub.request.script)
+        if message is None:
+            return []
+        if found:
+            return found  # our message names the site config's pool; sbatch's would not
+        config = sub.specs[0].config
+        where = f"{CONFIG}.slurm.sbatch_args" if config.slurm.sbatch_args else f"{CONFIG}.resources"
+        return [Refusal(RefusalKind.SBATCH, where, f"sbatch --test-only refused the job: {message}")]
 
     # -- execute ----------------------------------------------------------------------------
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:

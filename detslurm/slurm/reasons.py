@@ -25,7 +25,8 @@ class PendingReason:
     def shown(self) -> str:
         """``waiting for free nodes (Resources)``: the words, then Slurm's own code."""
         words = f"never runs: {self.words}" if self.permanent else self.words
-        return f"{words} ({self.code})" if self.code else words
+        # "None" is Slurm's word for no reason at all: nothing to put beside the words.
+        return f"{words} ({self.code})" if self.code not in ("", "None") else words
 
 
 def _r(code: str, words: str, permanent: bool = False) -> tuple[str, PendingReason]:
