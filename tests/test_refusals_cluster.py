@@ -123,7 +123,7 @@ def test_a_job_made_impossible_while_queued_ends_its_trial(det: Any, tmp_path: P
     # The whole cpu pool (2 nodes x 2 slots) for the trial, one node taken by a blocker job: the
     # trial's job waits for Resources until the partition's MaxNodes drops below its 2 nodes.
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-p", "cpu", "-N1", "-c2", "--wrap", "sleep 120"],
+        ["sbatch", "--parsable", "-p", "cpu", "-N1", "-c2", "--output=/dev/null", "--wrap", "sleep 120"],
         capture_output=True,
         text=True,
         check=True,
