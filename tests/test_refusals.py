@@ -335,7 +335,7 @@ def test_a_job_pending_for_a_permanent_reason_is_cancelled_and_ends(tmp_path: Pa
     assert (out["41"].state, out["41"].cause, out["41"].detail) == (
         JobState.EXITED,
         ExitCause.UNSCHEDULABLE,
-        "PartitionNodeLimit",
+        "more nodes than the partition allows per job (PartitionNodeLimit)",
     )
     assert (out["42"].state, out["42"].detail) == (JobState.QUEUED, "Resources")
     assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "41"]]

@@ -143,8 +143,7 @@ def test_a_job_made_impossible_while_queued_ends_its_trial(det: Any, tmp_path: P
     with partition_limit("cpu", MaxNodes="1"):
         d = until("the trial to end", lambda: ended(trial_view(det)))
     assert d["trial"]["exit_reason"] == (
-        "the Slurm job can never start: more nodes than the partition allows per job "
-        "(PartitionNodeLimit); it was canceled"
+        "the job can never start: more nodes than the partition allows per job (PartitionNodeLimit); it was canceled"
     )
     # Ended once, not restarted (max_restarts: 3 would resubmit the same impossible job).
     assert [(r["run_id"], r["exit_reason"]) for r in d["runs"]] == [(1, "unschedulable")]

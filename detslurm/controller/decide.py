@@ -10,7 +10,6 @@ from detslurm.controller.apply import apply_actions, note
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause, JobState, JobStatus
 from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, SearchMethod
-from detslurm.slurm.reasons import pending_reason
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
 # Ends that spend none of the trial's restarts: the cluster's doing (a preemption, a dead node), or
@@ -144,8 +143,8 @@ def decide_exit(
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, why)
     elif cause == ExitCause.UNSCHEDULABLE:
         # Never restarted: the same request would pend for the same reason forever.
-        reason = pending_reason(status.detail)
-        why = f"the Slurm job can never start: {reason.words} ({reason.code}); it was canceled"
+        # The executor's detail says why in words, with the scheduler's own code.
+        why = f"the job can never start: {status.detail or 'the scheduler refuses it'}; it was canceled"
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
     elif cause == ExitCause.INVALID_HP:
         why = "trial reported invalid hyperparameters"

@@ -295,9 +295,9 @@ class SlurmExecutor:
         try:
             self.kill_many(doomed)
         except (SlurmCommandError, SlurmUnavailable):
-            return {
-                j: JobStatus(JobState.QUEUED, detail=st.detail) if j in doomed else st for j, st in statuses.items()
-            }
+            # Queued as before, with Slurm's code as the detail (the queue's own record of it).
+            waiting = {j: JobStatus(JobState.QUEUED, detail=self.last_queue[j].reason) for j in doomed}
+            return {**statuses, **waiting}
         return statuses
 
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
@@ -327,10 +327,11 @@ class SlurmExecutor:
             return _ended(q.state, code)
         if state == JobState.QUEUED:
             reason = None if q.reason in _NO_REASON else q.reason
-            if reason is not None and pending_reason(reason).permanent:
+            why = pending_reason(reason)
+            if reason is not None and why.permanent:
                 # Waiting cannot help (PartitionNodeLimit, InvalidAccount, ...): the run ends now,
-                # with Slurm's reason as its detail, and poll() cancels the job.
-                return JobStatus(JobState.EXITED, None, ExitCause.UNSCHEDULABLE, reason)
+                # with Slurm's reason in words as its detail, and poll() cancels the job.
+                return JobStatus(JobState.EXITED, None, ExitCause.UNSCHEDULABLE, f"{why.words} ({why.code})")
             return JobStatus(JobState.QUEUED, detail=reason)
         return JobStatus(JobState.RUNNING)
 
