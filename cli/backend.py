@@ -46,6 +46,10 @@ class Backend(Protocol):
         """Fail before creating anything when the scheduler cannot be reached."""
         ...
 
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        """Raise RequestRefused, before anything exists, when the first jobs could never run."""
+        ...
+
     def dry_run(self, plan: CreatePlan) -> str:
         """What the first submission would run, built by the code that submits."""
         ...
@@ -77,6 +81,20 @@ class SlurmBackend:
         site = self.app.site()
         resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
         return site
+
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        from detslurm.controller.create import dry_run as plan_first_runs
+        from detslurm.controller.slurm_executor import SlurmExecutor
+        from detslurm.slurm.refusals import RequestRefused
+
+        # The jobs the create would submit, planned by the code that submits them (a paused
+        # experiment's too: `det e activate` would queue them). A dry run may be offline: with
+        # no Slurm in reach it checks nothing rather than fail.
+        executor = SlurmExecutor(self.app.client, self.app.site(), offline=dry_run)
+        specs = plan_first_runs(self.app.store, self.app.settings, plan, executor, even_paused=True)
+        refusals = executor.refusals(executor.plan_many(specs))
+        if refusals:
+            raise RequestRefused(refusals)
 
     def require_reachable(self) -> None:
         # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the
@@ -127,6 +145,9 @@ class LocalBackend:
 
     def site_for_create(self, plan: CreatePlan) -> None:
         return None  # no pools, no partitions
+
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        pass  # local processes: max_local_trials queues them, nothing is ever impossible
 
     def require_reachable(self) -> None:
         pass

@@ -131,6 +131,10 @@ def _create(
     # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
     # create would fail on, and before any row or directory exists.
     backend.site_for_create(plan)
+    # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
+    # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
+    # would sit PENDING forever with nothing said.
+    backend.refuse_impossible(plan, dry_run=dry_run)
     if plan.config.environment.image:
         # Containers are not built yet: say so rather than run the trial outside the image silently.
         click.echo(
@@ -217,12 +221,13 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
     _print_experiment(e)
     click.echo("\nTrials:")
     table(
-        ["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
+        ["Trial ID", "Experiment ID", "State", "Reason", "Started", "Ended", "H-Params"],
         [
             [
                 t["id"],
                 t["experiment_id"],
                 t["state"],
+                views.trial_reason(t),
                 fmt_time(t["start_time"]),
                 fmt_time(t["end_time"]),
                 json.dumps(t["hparams"], indent=2),

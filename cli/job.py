@@ -12,6 +12,7 @@ from detslurm import views
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
 from detslurm.controller import ops as ops_mod
+from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
         # A job's slots are its GPUs when it asks for any, else its CPUs (as a pool's slot type).
         needed = j.gpus or j.num_cpus
         ours = j.identity is not None
+        # squeue prints the literal "None" for a job that is not waiting on anything.
+        reason = "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason
         rows.append(
             {
                 "#": n,
@@ -63,8 +66,9 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
                 "state": "STATE_SCHEDULED" if j.state == SlurmState.RUNNING else "STATE_QUEUED",
                 "user": j.user,
                 "partition": j.partition,
-                # squeue prints the literal "None" for a job that is not waiting on anything.
-                "reason": "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason,
+                "reason": reason,
+                # The same code in words, with the code beside them ("waiting for free nodes (Resources)").
+                "reason_text": describe_reason(reason) if reason else "",
             }
         )
     return rows
@@ -115,7 +119,7 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
                 r["state"],
                 r["user"],
                 r["partition"],
-                r["reason"],
+                r["reason_text"],
             ]
             for r in rows
         ],

@@ -50,7 +50,7 @@ def follow_first_trial(app: App, exp_id: int) -> None:
             click.echo(f"Following first trial with ID {tid}")
         # Say why the job waits (Slurm's pending reason) only when it changes, not every poll.
         if runner and runner.startswith("queued") and runner != shown_reason:
-            click.echo(f"HPC job waiting to be scheduled: {runner.removeprefix('queued: ')}")
+            click.echo(f"HPC job waiting to be scheduled: {views.pending_words(runner)}")
             shown_reason = runner
         if follower is not None:
             follower.pump()

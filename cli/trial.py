@@ -61,7 +61,7 @@ def _print_trial(d: dict[str, Any]) -> None:
     headers = ["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric"]
     metric = "" if d["searcher_metric"] is None else d["searcher_metric"]
     row = [d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "", metric]
-    table([*headers, "H-Params"], [[*row, json.dumps(d["hparams"], sort_keys=True)]])
+    table([*headers, "Reason", "H-Params"], [[*row, views.trial_reason(d), json.dumps(d["hparams"], sort_keys=True)]])
 
 
 def _print_runs(runs: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
 from detslurm.slurm.parse import comment_tag, experiment_tag
+from detslurm.slurm.reasons import describe_reason
 from detslurm.store.models import (
     Checkpoint,
     Experiment,
@@ -115,7 +116,27 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
         "batches": batches(s, t.id),
         "early_stopped": t.early_stopped,
         "exit_reason": t.exit_reason,
+        # Why its job waits, in words with Slurm's code ("waiting for free nodes (Resources)").
+        "pending_reason": pending_words(t.runner_state) if not t.state.is_terminal else None,
     }
+
+
+# The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).
+_QUEUED = "queued: "
+
+
+def pending_words(runner_state: str | None) -> str | None:
+    """A queued trial's pending reason in words, or None when it is not waiting in a queue."""
+    if not runner_state or not runner_state.startswith(_QUEUED):
+        return None
+    code = runner_state.removeprefix(_QUEUED)
+    # "waiting" is what the controller notes when Slurm gave no reason at all.
+    return describe_reason(None if code == "waiting" else code)
+
+
+def trial_reason(d: dict[str, Any]) -> str:
+    """What a table shows beside a trial: why it waits, else why it ended (or nothing)."""
+    return str(d.get("pending_reason") or d.get("exit_reason") or "")
 
 
 def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:

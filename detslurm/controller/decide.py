@@ -141,6 +141,11 @@ def decide_exit(
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
         why = ExitCause.CANCELED_BY_USER.text
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, why)
+    elif cause == ExitCause.UNSCHEDULABLE:
+        # Never restarted: the same request would pend for the same reason forever.
+        # The executor's detail says why in words, with the scheduler's own code.
+        why = f"the job can never start: {status.detail or 'the scheduler refuses it'}; it was canceled"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
     elif cause == ExitCause.INVALID_HP:
         why = "trial reported invalid hyperparameters"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP, why)

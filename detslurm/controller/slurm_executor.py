@@ -26,6 +26,8 @@ from detslurm.controller.executor import (
 from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
+from detslurm.slurm.reasons import pending_reason
+from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
 from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -177,6 +179,46 @@ class SlurmExecutor:
                 raise
             return SLURM_DEFAULT_MAX_ARRAY_SIZE
 
+    # -- refuse what can never run ----------------------------------------------------------
+    def refusals(self, subs: Sequence[Submission]) -> list[Refusal]:
+        """Why the planned jobs could never run here ([] when they may): the shape checked
+        against the partitions and nodes (two queries), then ``sbatch --test-only`` once per
+        distinct job shape. A 256-trial grid is one shape: the trials differ only in identity,
+        paths and environment, none of which slurmctld's admission depends on, so one test
+        answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
+        try:
+            partitions, nodes = self.client.partitions(), self.client.nodes()
+        except (SlurmCommandError, SlurmUnavailable):
+            if not self.offline:
+                raise
+            return []
+        out: list[Refusal] = []
+        tested: set[tuple[str, ...]] = set()
+        for sub in subs:
+            key = _shape_key(sub.request.args)
+            if key in tested:
+                continue
+            tested.add(key)
+            found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
+            out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
+        return out
+
+    def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
+        """sbatch's verdict where our own check found nothing (its message for a request that
+        is too big, "Requested node configuration is not available", says less than ours), or
+        only a partition we could not see: scontrol hides Hidden partitions, which sbatch
+        still takes, so our "no such partition" stands only if sbatch refuses too."""
+        if any(r.kind is not RefusalKind.NO_PARTITION for r in found):
+            return found
+        message = self.client.sbatch_test_only(sub.request.args, sub.request.script)
+        if message is None:
+            return []
+        if found:
+            return found  # our message names the site config's pool; sbatch's would not
+        config = sub.specs[0].config
+        where = f"{CONFIG}.slurm.sbatch_args" if config.slurm.sbatch_args else f"{CONFIG}.resources"
+        return [Refusal(RefusalKind.SBATCH, where, f"sbatch --test-only refused the job: {message}")]
+
     # -- execute ----------------------------------------------------------------------------
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
         """Execute the plan. Returns each spec's job id (``ARRAY_TASK`` for array tasks), or
@@ -240,7 +282,23 @@ class SlurmExecutor:
         self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
         gone = [j for j in jobs if j not in self.last_queue]
         accounted = self._sacct(gone)
-        return {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        out = {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        return self._cancel_unschedulable(out)
+
+    def _cancel_unschedulable(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
+        """Jobs that wait for a reason that never clears are cancelled, and only then reported
+        ended: a trial ended while its job stayed queued could start later, unwatched. If the
+        scancel fails they stay QUEUED (with their reason) and the next tick tries again."""
+        doomed = [j for j, st in statuses.items() if st.cause == ExitCause.UNSCHEDULABLE]
+        if not doomed:
+            return statuses
+        try:
+            self.kill_many(doomed)
+        except (SlurmCommandError, SlurmUnavailable):
+            # Queued as before, with Slurm's code as the detail (the queue's own record of it).
+            waiting = {j: JobStatus(JobState.QUEUED, detail=self.last_queue[j].reason) for j in doomed}
+            return {**statuses, **waiting}
+        return statuses
 
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
         """Final states of jobs that left the queue, where slurmdbd keeps them. A failing sacct
@@ -268,7 +326,13 @@ class SlurmExecutor:
         if state == JobState.EXITED:
             return _ended(q.state, code)
         if state == JobState.QUEUED:
-            return JobStatus(JobState.QUEUED, detail=None if q.reason in _NO_REASON else q.reason)
+            reason = None if q.reason in _NO_REASON else q.reason
+            why = pending_reason(reason)
+            if reason is not None and why.permanent:
+                # Waiting cannot help (PartitionNodeLimit, InvalidAccount, ...): the run ends now,
+                # with Slurm's reason in words as its detail, and poll() cancels the job.
+                return JobStatus(JobState.EXITED, None, ExitCause.UNSCHEDULABLE, f"{why.words} ({why.code})")
+            return JobStatus(JobState.QUEUED, detail=reason)
         return JobStatus(JobState.RUNNING)
 
     # -- control ----------------------------------------------------------------------------
@@ -287,6 +351,15 @@ class SlurmExecutor:
                 ended = ("Invalid job id", "already completing or completed")
                 if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
                     raise
+
+
+# Options that name one job (identity, logs, dirs, array indices), not what it asks of the cluster.
+_PER_JOB = ("--job-name=", "--comment=", "--output=", "--chdir=", "--array=")
+
+
+def _shape_key(args: Sequence[str]) -> tuple[str, ...]:
+    """What slurmctld's admission of a job depends on: its options minus the per-job ones."""
+    return tuple(a for a in args if not a.startswith(_PER_JOB))
 
 
 def _classify(e: Exception) -> Exception:

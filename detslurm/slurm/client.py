@@ -123,6 +123,20 @@ class SlurmClient:
         res = self._run(["sbatch", "--parsable", *args], input=script, env=daemon_env(os.environ).env)
         return parse.parse_sbatch(res.stdout)
 
+    def sbatch_test_only(self, args: Sequence[str], script: str) -> Optional[str]:
+        """Ask slurmctld whether it would take this job, without queueing it (``sbatch
+        --test-only``): None if it would, else sbatch's own message. Raises SlurmCommandError
+        when slurmctld does not answer (that says nothing about the job)."""
+        res = self._run(["sbatch", "--test-only", *args], input=script, check=False, env=daemon_env(os.environ).env)
+        if res.returncode == 0:
+            return None
+        message = "\n".join(line for line in (res.stderr + res.stdout).splitlines() if line.strip())
+        err = SlurmCommandError(["sbatch", "--test-only"], res.returncode, message)
+        if err.unreachable:
+            raise err
+        # sbatch prints its usage text after an option error: its first lines are the message.
+        return "; ".join(message.splitlines()[:3]) or f"sbatch --test-only failed (exit {res.returncode})"
+
     # -- queries ---------------------------------------------------------------------------
     def squeue(self, all_users: bool = False) -> list[QueuedJob]:
         """One call for every job of this user (or all users): the only per-tick query."""

@@ -93,6 +93,7 @@ class ResourcePlan:
     args: tuple[str, ...]
     nodes: int
     slots: int
+    per_node: int = 1  # slots each node gets (the refusal check compares it with the nodes)
 
 
 def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
@@ -122,7 +123,7 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
         args.append(f"--time={pool.time_limit_min}")
     # Site arguments come after ours so a site can override them (sbatch keeps the last value).
     args += pool.extra_sbatch_args
-    return ResourcePlan(tuple(args), nodes, slots)
+    return ResourcePlan(tuple(args), nodes, slots, per_node)
 
 
 def _job_args(
