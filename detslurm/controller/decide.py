@@ -141,6 +141,11 @@ def decide_exit(
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
         why = ExitCause.CANCELED_BY_USER.text
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, why)
+    elif cause == ExitCause.IMAGE_UNAVAILABLE:
+        # Not retried: every restart would pull the same missing image (the runtime's own
+        # message is in the trial's logs, written by the batch shell).
+        why = f"{cause.text} (environment.image); not retried: the runtime's message is in the trial's logs"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
     elif cause == ExitCause.INVALID_HP:
         why = "trial reported invalid hyperparameters"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP, why)

@@ -55,6 +55,8 @@ from detslurm.protocol.reader import Batch, Line, read_lines
 # exit records the other, each read with a size bound.
 from detslurm.protocol.records import (
     BATCH_EXIT_PRINTF,
+    IMAGE_EXIT_PRINTF,
+    IMAGE_SOURCE,
     BestValidation,
     ControlRecord,
     ExitOutcome,
@@ -67,6 +69,8 @@ from detslurm.protocol.records import (
 # side and the in-job side from importing each other around it.
 __all__ = [
     "BATCH_EXIT_PRINTF",
+    "IMAGE_EXIT_PRINTF",
+    "IMAGE_SOURCE",
     "NODE_TMPDIR_ENV",
     "Alert",
     "BadEvent",

@@ -64,6 +64,11 @@ class ExpPaths:
     def arrays(self) -> Path:
         return self.root / "arrays"
 
+    @property
+    # The in-job library container trials import detslurm from (slurm/container_lib.py).
+    def container_lib(self) -> Path:
+        return self.root / "container-lib"
+
     def array_links(self, trial_id: int, run_id: int) -> Path:
         """The dir of symlinks (task index -> run dir) that one job array runs in."""
         return self.arrays / f"t{trial_id}-r{run_id}"
