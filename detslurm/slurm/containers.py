@@ -141,7 +141,8 @@ def _podman(spec: ContainerSpec) -> ContainerCommand:
     for b in spec.binds:
         run += ["-v", f"{b.host}:{b.container}" + (":ro" if b.read_only else "")]
     run += [f"--env={p}*" for p in ENV_PREFIXES]
-    run += [f"--env={n}" for n in _unique(ENV_NAMES + spec.env_names)]
+    # By name: what no prefix covers (the user's environment_variables, GPU variables).
+    run += [f"--env={n}" for n in _unique(ENV_NAMES + spec.env_names) if not n.startswith(ENV_PREFIXES)]
     run += [f"--env={k}={v}" for k, v in spec.env_set]
     if spec.gpu == Gpu.NVIDIA:
         run.append("--device=nvidia.com/gpu=all")  # CDI: the NVIDIA container toolkit's spec
