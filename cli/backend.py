@@ -79,7 +79,9 @@ class SlurmBackend:
         res = resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
         if site.container_runtime != "none":
             # An image map without this pool's device kind fails here too, not in the daemon.
-            image_for(plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE)
+            image_for(
+                plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
+            )
         return site
 
     def require_reachable(self) -> None:

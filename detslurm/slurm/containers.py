@@ -171,7 +171,9 @@ def _apptainer(spec: ContainerSpec) -> ContainerCommand:
     elif spec.gpu == Gpu.AMD:
         opts.append("--rocm")
     if spec.binds:
-        opts.append("--bind=" + ",".join(f"{b.host}:{b.container}" + (":ro" if b.read_only else "") for b in spec.binds))
+        opts.append(
+            "--bind=" + ",".join(f"{b.host}:{b.container}" + (":ro" if b.read_only else "") for b in spec.binds)
+        )
     # The host environment passes into the container by default (SLURM_*, DET_*, the user's
     # variables); only the fixed values are set here.
     opts += [f"--env={k}={v}" for k, v in spec.env_set]
@@ -182,11 +184,22 @@ def _apptainer(spec: ContainerSpec) -> ContainerCommand:
     return ContainerCommand(fetch, (), run, spec.python)
 
 
+def pyxis_image(image: str) -> str:
+    """enroot names a registry with ``#`` (``nvcr.io#nvidia/pytorch:24.01-py3``): a Docker-style
+    name whose first part is a host (has a dot or a port, or is localhost) is rewritten."""
+    image = image.removeprefix("docker://")
+    host, sep, rest = image.partition("/")
+    if "#" in image or not sep or not ("." in host or ":" in host or host == "localhost"):
+        return image
+    return f"{host}#{rest}"
+
+
 def _pyxis(spec: ContainerSpec) -> ContainerCommand:
-    srun = [f"--container-image={spec.image}"]
+    srun = [f"--container-image={pyxis_image(spec.image)}"]
     if spec.binds:
         srun.append(
-            "--container-mounts=" + ",".join(f"{b.host}:{b.container}" + (":ro" if b.read_only else "") for b in spec.binds)
+            "--container-mounts="
+            + ",".join(f"{b.host}:{b.container}" + (":ro" if b.read_only else "") for b in spec.binds)
         )
     # The job's environment passes into the container; fixed values go on the srun's own env.
     srun += [*spec.run_options]
