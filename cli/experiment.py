@@ -135,6 +135,11 @@ def _create(
         # Say so rather than run the trial outside the image silently.
         where = "--local runs trials" if site is None else "this site has no container_runtime; trials run"
         click.echo(f"Warning: environment.image is ignored: {where} with this machine's own Python", err=True)
+    elif site is not None:
+        from detslurm.slurm.render import container_warnings
+
+        for line in container_warnings(plan.config, site):
+            click.echo(f"Warning: {line}", err=True)
     if dry_run:
         click.echo(plan.describe())
         click.echo(backend.dry_run(plan), nl=False)

@@ -325,3 +325,29 @@ def test_signals_file_of_the_batch_shell_preempts(tmp_path: Path) -> None:
         assert ctx.should_preempt() and acks == [1]
     finally:
         ctx.close()
+
+
+def test_registry_auth_reaches_apptainer_through_the_environment_only() -> None:
+    auth = {"username": "alice", "password": "s3cret pass", "serveraddress": "ghcr.io"}
+    env = {"image": "ghcr.io/alice/img:1", "registry_auth": auth}
+    text = _render(_config(environment=env), _site("apptainer"))
+    assert "\nexport APPTAINER_DOCKER_USERNAME=alice\n" in text
+    assert "\nexport APPTAINER_DOCKER_PASSWORD='s3cret pass'\n" in text
+    # Only exported: no command line carries the password.
+    assert all("s3cret" not in line for line in text.splitlines() if not line.startswith("export "))
+    assert "SINGULARITY_DOCKER_USERNAME=alice" in _render(_config(environment=env), _site("singularity"))
+    assert "s3cret" not in _render(_config(environment=env), _site("podman"))
+
+
+def test_container_settings_a_runtime_does_not_apply_are_warned_about() -> None:
+    from detslurm.slurm.render import container_warnings
+
+    cfg = _config(
+        environment={"image": "img:1", "registry_auth": {"username": "a"}, "add_capabilities": ["SYS_PTRACE"]},
+        resources={"shm_size": "4G"},
+    )
+    assert container_warnings(cfg, _site("podman")) == [
+        "environment.registry_auth is not used with podman: use podman login on the nodes",
+        "environment.add_capabilities, resources.shm_size: not applied to podman containers",
+    ]
+    assert container_warnings(cfg, _site("none")) == [] and container_warnings(_config(), _site("apptainer")) == []

@@ -125,6 +125,47 @@ def image_for(config: ExperimentConfig, gpu: Gpu) -> str | None:
     return image[kind]
 
 
+def registry_env(config: ExperimentConfig, site: SiteConfig) -> dict[str, str]:
+    """``environment.registry_auth`` as the variables Apptainer/Singularity read when pulling
+    from a Docker registry (exported in the script like environment_variables, never put on a
+    command line other users could read in ``ps``). Other runtimes: {} (see container_warnings)."""
+    auth = config.environment.registry_auth or {}
+    prefix = {"apptainer": "APPTAINER", "singularity": "SINGULARITY"}.get(site.container_runtime)
+    if not config.environment.image or prefix is None or not auth.get("username"):
+        return {}
+    return {
+        f"{prefix}_DOCKER_USERNAME": str(auth["username"]),
+        f"{prefix}_DOCKER_PASSWORD": str(auth.get("password", "")),
+    }
+
+
+def container_warnings(config: ExperimentConfig, site: SiteConfig) -> list[str]:
+    """Container settings of the config this site's runtime does not apply, one line each."""
+    env, runtime = config.environment, site.container_runtime
+    if not env.image or runtime == "none":
+        return []
+    out: list[str] = []
+    if env.registry_auth and runtime not in ("apptainer", "singularity"):
+        login = "podman login on the nodes" if runtime == "podman" else "enroot's credentials file"
+        out.append(f"environment.registry_auth is not used with {runtime}: use {login}")
+    ignored = [
+        name
+        for name, value in (
+            ("environment.add_capabilities", env.add_capabilities),
+            ("environment.drop_capabilities", env.drop_capabilities),
+            ("environment.ports", env.ports),
+            ("environment.proxy_ports", env.proxy_ports),
+            ("environment.pod_spec", env.pod_spec),
+            ("resources.shm_size", config.resources.shm_size),
+            ("resources.devices", config.resources.devices),
+        )
+        if value
+    ]
+    if ignored:
+        out.append(f"{', '.join(ignored)}: not applied to {runtime} containers")
+    return out
+
+
 def container_spec(
     config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, env_names: list[str], paths: ContainerPaths
 ) -> ContainerSpec | None:
@@ -303,6 +344,8 @@ def plan_trial_run(
     res = resource_plan(config, site)
     args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir)
     cmd = _container(config, site, res, list(env), container)
+    if cmd is not None:
+        env = {**env, **registry_env(config, site)}
     script = _script(site, res, ident, env, run_dir, python, container=cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
 
@@ -341,7 +384,10 @@ def plan_array(
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
     args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
     names = sorted({k for t in tasks for k in t.env})
-    script = _script(site, res, ident, common, "", python, per_task, _container(config, site, res, names, container))
+    cmd = _container(config, site, res, names, container)
+    if cmd is not None:
+        common = {**common, **registry_env(config, site)}
+    script = _script(site, res, ident, common, "", python, per_task, cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
 
 
