@@ -351,3 +351,20 @@ def test_container_settings_a_runtime_does_not_apply_are_warned_about() -> None:
         "environment.add_capabilities, resources.shm_size: not applied to podman containers",
     ]
     assert container_warnings(cfg, _site("none")) == [] and container_warnings(_config(), _site("apptainer")) == []
+
+
+def test_in_a_container_the_shim_wins_over_an_images_own_determined(tmp_path: Path) -> None:
+    # An image with the real `determined` installed: outside a container it wins (README), in
+    # one it would look for a master that does not exist, so detslurm's shim goes first.
+    (tmp_path / "determined").mkdir()
+    (tmp_path / "determined" / "__init__.py").write_text("")
+    probe = (
+        "from pathlib import Path; from detslurm.exec.launch import COMPAT_DIR, child_env\n"
+        "inside = child_env({'DETSLURM_IN_CONTAINER': 'podman'}, Path('/w'))['PYTHONPATH']\n"
+        "outside = child_env({}, Path('/w'))['PYTHONPATH']\n"
+        "print(str(COMPAT_DIR) in inside.split(':'), str(COMPAT_DIR) in outside.split(':'))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["True", "False"]

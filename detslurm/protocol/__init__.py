@@ -46,7 +46,7 @@ from detslurm.protocol.events import (
 
 # Both sides compute every path from here: a file named differently on one side would leave the
 # controller waiting for something the trial wrote elsewhere.
-from detslurm.protocol.paths import NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
+from detslurm.protocol.paths import IN_CONTAINER_ENV, NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
 
 # Bounded, exactly-once reading of event files from a byte offset the store commits with the rows.
 from detslurm.protocol.reader import Batch, Line, read_lines
@@ -72,6 +72,7 @@ __all__ = [
     "IMAGE_EXIT_PRINTF",
     "IMAGE_SOURCE",
     "NODE_TMPDIR_ENV",
+    "IN_CONTAINER_ENV",
     "Alert",
     "BadEvent",
     "BadRecord",

@@ -211,3 +211,6 @@ def exit_record_of(run_dir: Path) -> Path:
 # The site config's node_tmpdir, expanded by the batch shell, reaches each node's launcher in
 # this variable; the launcher makes its private working dir below it (detslurm/exec/workdir.py).
 NODE_TMPDIR_ENV = "DETSLURM_NODE_TMPDIR"
+# Set by the container command line (slurm/containers.py) to the runtime's name: the launcher
+# runs inside an image, with detslurm bind-mounted from the host.
+IN_CONTAINER_ENV = "DETSLURM_IN_CONTAINER"

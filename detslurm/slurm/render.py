@@ -18,7 +18,7 @@ import jinja2
 
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
-from detslurm.protocol import BATCH_EXIT_PRINTF, IMAGE_EXIT_PRINTF, NODE_TMPDIR_ENV
+from detslurm.protocol import BATCH_EXIT_PRINTF, IMAGE_EXIT_PRINTF, IN_CONTAINER_ENV, NODE_TMPDIR_ENV
 from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
 from detslurm.slurm.containers import (
     LIB_IN_CONTAINER,
@@ -189,7 +189,7 @@ def container_spec(
         image=image,
         binds=tuple(binds),
         env_names=tuple(sorted(env_names)),
-        env_set=(("PYTHONPATH", LIB_IN_CONTAINER),),
+        env_set=(("PYTHONPATH", LIB_IN_CONTAINER), (IN_CONTAINER_ENV, runtime.value)),
         gpu=gpu,
         force_pull=config.environment.force_pull_image,
         executable=opts.executable or "",
