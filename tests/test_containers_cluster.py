@@ -31,9 +31,10 @@ PROBE = """\
 import os, sys
 import determined as det
 inside = os.path.exists("/run/.containerenv")
+lr = det.get_cluster_info().trial.hparams.get("lr", 0)
 print(f"in container: {inside}; python {sys.executable}; detslurm from {det.__file__}", flush=True)
 with det.core.init() as ctx:
-    ctx.train.report_validation_metrics(1, {"loss": 0.0, "inside": int(inside)})
+    ctx.train.report_validation_metrics(1, {"loss": 0.0, "inside": int(inside), "lr": lr})
 """
 
 
@@ -83,6 +84,26 @@ def test_single_node_trial_runs_inside_the_image(det: Any, image: str, tmp_path:
     # The image's interpreter, with detslurm imported from the read-only library mount.
     assert "in container: True; python /usr/bin/python3; detslurm from /opt/detslurm/lib/" in out, out
     assert _exp_state(1) == "COMPLETED" and _validation(1)["inside"] == 1
+
+
+def test_a_job_array_of_container_trials(det: Any, image: str, tmp_path: Path) -> None:
+    # Trials that start together share one sbatch (a job array): each task's own DET_* variables
+    # still reach its container.
+    write(tmp_path / "ctx/probe.py", PROBE)
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 probe.py\nsearcher: {name: grid, metric: loss, max_length: 1}\nmax_restarts: 0\n"
+        f"hyperparameters: {{lr: {{type: categorical, vals: [1, 2]}}}}\nenvironment: {{image: {image}}}\n",
+    )
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx")
+    assert code == 0, err
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    with store().tx() as s:
+        runs = list(s.scalars(select(TrialRun).order_by(TrialRun.trial_id)))
+        lrs = sorted(m.metrics["lr"] for m in s.scalars(select(Metric).where(Metric.group == "validation")))
+    assert [r.job_id.split("_")[1] for r in runs] == ["0", "1"]  # one array, one task each
+    assert lrs == [1, 2]
 
 
 def test_two_nodes_one_container_each(det: Any, image: str, tmp_path: Path) -> None:
