@@ -72,12 +72,12 @@ class SlurmBackend:
         self.app = app
 
     def site_for_create(self, plan: CreatePlan) -> SiteConfig:
-        from detslurm.slurm.containers import Gpu
+        from detslurm.slurm.containers import Gpu, Runtime
         from detslurm.slurm.render import image_for, resource_plan
 
         site = self.app.site()
         res = resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
-        if site.container_runtime != "none":
+        if site.container_runtime != Runtime.NONE:
             # An image map without this pool's device kind fails here too, not in the daemon.
             image_for(
                 plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE

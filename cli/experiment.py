@@ -131,7 +131,7 @@ def _create(
     # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
     # create would fail on, and before any row or directory exists.
     site = backend.site_for_create(plan)
-    if plan.config.environment.image and (site is None or site.container_runtime == "none"):
+    if plan.config.environment.image and (site is None or not site.runs_containers):
         # Say so rather than run the trial outside the image silently.
         where = "--local runs trials" if site is None else "this site has no container_runtime; trials run"
         click.echo(f"Warning: environment.image is ignored: {where} with this machine's own Python", err=True)

@@ -26,6 +26,7 @@ from detslurm.controller.executor import (
 from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
+from detslurm.slurm.containers import Runtime
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
 from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
@@ -159,7 +160,7 @@ class SlurmExecutor:
     def _container_paths(self, spec: RunSpec) -> Optional[ContainerPaths]:
         """Host paths a container trial needs (None when it runs no container). The in-job
         library's path is content-addressed: computing it only stats files; execute() makes it."""
-        if not spec.config.environment.image or self.site.container_runtime == "none":
+        if not spec.config.environment.image or self.site.container_runtime == Runtime.NONE:
             return None
         lib = container_lib.lib_dir(ExpPaths(spec.exp_dir).container_lib)
         return ContainerPaths(exp_dir=str(spec.exp_dir), lib_dir=str(lib))

@@ -130,7 +130,7 @@ def registry_env(config: ExperimentConfig, site: SiteConfig) -> dict[str, str]:
     from a Docker registry (exported in the script like environment_variables, never put on a
     command line other users could read in ``ps``). Other runtimes: {} (see container_warnings)."""
     auth = config.environment.registry_auth or {}
-    prefix = {"apptainer": "APPTAINER", "singularity": "SINGULARITY"}.get(site.container_runtime)
+    prefix = {Runtime.APPTAINER: "APPTAINER", Runtime.SINGULARITY: "SINGULARITY"}.get(site.container_runtime)
     if not config.environment.image or prefix is None or not auth.get("username"):
         return {}
     return {
@@ -142,12 +142,12 @@ def registry_env(config: ExperimentConfig, site: SiteConfig) -> dict[str, str]:
 def container_warnings(config: ExperimentConfig, site: SiteConfig) -> list[str]:
     """Container settings of the config this site's runtime does not apply, one line each."""
     env, runtime = config.environment, site.container_runtime
-    if not env.image or runtime == "none":
+    if not env.image or runtime == Runtime.NONE:
         return []
     out: list[str] = []
-    if env.registry_auth and runtime not in ("apptainer", "singularity"):
-        login = "podman login on the nodes" if runtime == "podman" else "enroot's credentials file"
-        out.append(f"environment.registry_auth is not used with {runtime}: use {login}")
+    if env.registry_auth and runtime not in (Runtime.APPTAINER, Runtime.SINGULARITY):
+        login = "podman login on the nodes" if runtime == Runtime.PODMAN else "enroot's credentials file"
+        out.append(f"environment.registry_auth is not used with {runtime.value}: use {login}")
     ignored = [
         name
         for name, value in (
@@ -162,7 +162,7 @@ def container_warnings(config: ExperimentConfig, site: SiteConfig) -> list[str]:
         if value
     ]
     if ignored:
-        out.append(f"{', '.join(ignored)}: not applied to {runtime} containers")
+        out.append(f"{', '.join(ignored)}: not applied to {runtime.value} containers")
     return out
 
 
@@ -170,7 +170,7 @@ def container_spec(
     config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, env_names: list[str], paths: ContainerPaths
 ) -> ContainerSpec | None:
     """The container a trial runs in, or None (no image, or the site runs none)."""
-    runtime = Runtime(site.container_runtime)
+    runtime = site.container_runtime
     opts = site.container
     gpu = (Gpu.AMD if opts.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
     image = image_for(config, gpu)
@@ -304,7 +304,7 @@ def _script(
         nodes=res.nodes,
         prepare=prepare,
         launch=launch,
-        runtime=site.container_runtime if container else "",
+        runtime=site.container_runtime.value if container else "",
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir or "",
         node_tmpdir_env=NODE_TMPDIR_ENV,

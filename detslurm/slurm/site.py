@@ -18,6 +18,7 @@ from detslurm.errors import ConfigError
 from detslurm.expconf.load import _pydantic_errors, parse_yaml
 from detslurm.expconf.sbatch_args import check_sbatch_args
 from detslurm.expconf.schema import Strict
+from detslurm.slurm.containers import Runtime
 
 ROOT = "<site-config>"
 
@@ -84,7 +85,8 @@ class SiteConfig(Strict):
     signal: str = "USR2"  # one of SIGNALS (not USR1: NCCL installs its own USR1 handler)
     signal_lead_s: int = Field(default=300, ge=0)
     # How trials with environment.image run: slurm/containers.py (none = the nodes' own Python).
-    container_runtime: Literal["none", "podman", "apptainer", "singularity", "pyxis", "enroot"] = "none"
+    # Strict models take no enum from YAML text: the value is checked against the enum's values.
+    container_runtime: Runtime = Field(default=Runtime.NONE, strict=False)
     container: ContainerOptions = Field(default_factory=ContainerOptions)
     # Shell lines run (verbatim: written by the site's admins) before every trial, e.g. module load.
     setup: list[str] = Field(default_factory=list)
@@ -139,6 +141,11 @@ class SiteConfig(Strict):
             valid = ", ".join(sorted(self.pools))
             raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools: {valid}")
         return self
+
+    @property
+    def runs_containers(self) -> bool:
+        """environment.image is honoured (a runtime is configured)."""
+        return self.container_runtime != Runtime.NONE
 
     def sbatch_arg_errors(self) -> list[str]:
         """Problems with the pools' extra_sbatch_args, validated like a user's sbatch_args."""
