@@ -177,3 +177,19 @@ def test_missing_image_errors_without_retries(det: Any, tmp_path: Path) -> None:
     # Podman's own message, then ours.
     assert f"Error: initializing source docker://{BAD_IMAGE}" in logs, logs
     assert "the container runtime (podman) could not provide the trial's image" in logs
+
+
+def test_the_trials_exit_code_passes_through_the_container(det: Any, image: str, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/fail.py", "import sys\nprint('failing on purpose', flush=True)\nsys.exit(7)\n")
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 fail.py\nsearcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+        f"environment: {{image: {image}}}\n",
+    )
+    code, out, err = det("e", "create", cfg, tmp_path / "ctx")
+    assert code == 0, err
+    code, out, _ = det("e", "wait", "1")
+    assert code == 1 and _exp_state(1) == "ERROR", out
+    (run,) = _runs(trials(1)[0].id)
+    # The trial's own failure, counted as one (not an image problem).
+    assert (run.exit_code, run.exit_reason) == (7, "failed")
