@@ -76,10 +76,16 @@ class SlurmBackend:
         self.app = app
 
     def site_for_create(self, plan: CreatePlan) -> SiteConfig:
-        from detslurm.slurm.render import resource_plan
+        from detslurm.slurm.containers import Gpu, Runtime
+        from detslurm.slurm.render import image_for, resource_plan
 
         site = self.app.site()
-        resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+        res = resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+        if site.container_runtime != Runtime.NONE:
+            # An image map without this pool's device kind fails here too, not in the daemon.
+            image_for(
+                plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
+            )
         return site
 
     def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:

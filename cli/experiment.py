@@ -130,17 +130,20 @@ def _create(
     backend = backend_mod.for_create(app, local=run_local)
     # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
     # create would fail on, and before any row or directory exists.
-    backend.site_for_create(plan)
+    site = backend.site_for_create(plan)
     # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
     # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
     # would sit PENDING forever with nothing said.
     backend.refuse_impossible(plan, dry_run=dry_run)
-    if plan.config.environment.image:
-        # Containers are not built yet: say so rather than run the trial outside the image silently.
-        click.echo(
-            "Warning: environment.image is not supported by detslurm yet; trials run with the nodes' own Python",
-            err=True,
-        )
+    if plan.config.environment.image and (site is None or not site.runs_containers):
+        # Say so rather than run the trial outside the image silently.
+        where = "--local runs trials" if site is None else "this site has no container_runtime; trials run"
+        click.echo(f"Warning: environment.image is ignored: {where} with this machine's own Python", err=True)
+    elif site is not None:
+        from detslurm.slurm.render import container_warnings
+
+        for line in container_warnings(plan.config, site):
+            click.echo(f"Warning: {line}", err=True)
     if dry_run:
         click.echo(plan.describe())
         click.echo(backend.dry_run(plan), nl=False)

@@ -146,6 +146,11 @@ def decide_exit(
         # The executor's detail says why in words, with the scheduler's own code.
         why = f"the job can never start: {status.detail or 'the scheduler refuses it'}; it was canceled"
         finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
+    elif cause == ExitCause.IMAGE_UNAVAILABLE:
+        # Not retried: every restart would pull the same missing image (the runtime's own
+        # message is in the trial's logs, written by the batch shell).
+        why = f"{cause.text} (environment.image); not retried: the runtime's message is in the trial's logs"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
     elif cause == ExitCause.INVALID_HP:
         why = "trial reported invalid hyperparameters"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP, why)

@@ -23,12 +23,14 @@ from detslurm.controller.executor import (
     SchedulerUnavailable,
     SubmitUnknown,
 )
-from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
+from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
+from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
+from detslurm.slurm.containers import Runtime
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
 from detslurm.slurm.reasons import pending_reason
 from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
-from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
+from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 
@@ -136,6 +138,7 @@ class SlurmExecutor:
             run_dir=str(spec.run_dir),
             log_path=str(spec.log_path),
             python=self.site.python or sys.executable,
+            container=self._container_paths(spec),
         )
         return Submission(req, (spec,))
 
@@ -152,8 +155,17 @@ class SlurmExecutor:
             links_dir=str(links),
             log_name=first.log_path.name,
             python=self.site.python or sys.executable,
+            container=self._container_paths(first),
         )
         return Submission(req, tuple(specs), links)
+
+    def _container_paths(self, spec: RunSpec) -> Optional[ContainerPaths]:
+        """Host paths a container trial needs (None when it runs no container). The in-job
+        library's path is content-addressed: computing it only stats files; execute() makes it."""
+        if not spec.config.environment.image or self.site.container_runtime == Runtime.NONE:
+            return None
+        lib = container_lib.lib_dir(ExpPaths(spec.exp_dir).container_lib)
+        return ContainerPaths(exp_dir=str(spec.exp_dir), lib_dir=str(lib))
 
     def _chunks(self, order: list[RunSpec]) -> list[list[RunSpec]]:
         """Split specs (sorted by trial) so that task ids stay below MaxArraySize and scripts
@@ -240,6 +252,12 @@ class SlurmExecutor:
         """Make the dirs the job writes to, then one sbatch; returns Slurm's job id."""
         for spec in sub.specs:
             spec.run_dir.mkdir(parents=True, exist_ok=True)
+        paths = self._container_paths(sub.specs[0])
+        if paths is not None:
+            container_lib.ensure_lib(Path(paths.lib_dir))
+            # A runtime refuses to bind a host path that does not exist yet; a base detslurm
+            # creates is private, as the Core API would have made it.
+            Path(sub.specs[0].config.storage_base).mkdir(mode=0o700, parents=True, exist_ok=True)
         if sub.links_dir is not None:
             if sub.links_dir.exists():  # left by a controller that died before this submission
                 shutil.rmtree(sub.links_dir)
@@ -314,17 +332,21 @@ class SlurmExecutor:
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
-        code = _exit_code(run_dir)
+        record = exit_outcome(exit_record_of(run_dir))
+        # The code the batch shell recorded, or None (no record, or one we cannot read: what a
+        # trial leaves in its run dir is never trusted to parse).
+        code = record.code
+        image = code is not None and record.source == IMAGE_SOURCE
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
-            return _ended(acct.state, code if code is not None else acct.exit_code)
+            return _ended(acct.state, code if code is not None else acct.exit_code, image)
         if q is None:
             if code is not None:
-                return _ended(None, code)
+                return _ended(None, code, image)
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
         state = JOB_STATE[q.state]
         if state == JobState.EXITED:
-            return _ended(q.state, code)
+            return _ended(q.state, code, image)
         if state == JobState.QUEUED:
             reason = None if q.reason in _NO_REASON else q.reason
             why = pending_reason(reason)
@@ -370,16 +392,14 @@ def _classify(e: Exception) -> Exception:
     return e
 
 
-def _exit_code(run_dir: Path) -> Optional[int]:
-    """The code the batch shell recorded, or None (no record, or one we cannot read: what a
-    trial leaves in its run dir is never trusted to parse)."""
-    return exit_outcome(exit_record_of(run_dir)).code
-
-
-def _ended(state: Optional[SlurmState], code: Optional[int]) -> JobStatus:
+def _ended(state: Optional[SlurmState], code: Optional[int], image_failed: bool = False) -> JobStatus:
     """A finished job: Slurm's final state says why, the run's own record gives the code."""
     cause = EXIT_CAUSE.get(state) if state is not None else None
     if cause is None or cause == ExitCause.COMPLETED:
         cause = ExitCause.COMPLETED if code == 0 else ExitCause.FAILED
+    if image_failed and code != 0 and cause == ExitCause.FAILED:
+        # Not the trial's failure (no trial code ran), and one the next run would repeat; a
+        # preemption or node failure meanwhile keeps its own cause and is retried as usual.
+        cause = ExitCause.IMAGE_UNAVAILABLE
     detail = state.value if state is not None and state != SlurmState.COMPLETED else None
     return JobStatus(JobState.EXITED, code, cause, detail)

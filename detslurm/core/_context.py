@@ -187,7 +187,7 @@ def init(
         writer.emit(PreemptAck())
         writer.flush()
 
-    preempt = PreemptContext(dist, paths.control, ack, preempt_mode)
+    preempt = PreemptContext(dist, paths.control, ack, preempt_mode, signals_path=paths.signals)
     config = info.trial._config
     base = _storage_base(checkpoint_storage, info.checkpoint_base)
     units = _units(config)

@@ -72,9 +72,14 @@ class PreemptContext:
         control_path: Path | None,
         ack: Callable[[], None],
         mode: PreemptMode = PreemptMode.WorkersAskChief,
+        signals_path: Path | None = None,
     ) -> None:
         self._dist = dist
         self._control = control_path
+        # The batch shell appends every signal it gets (TERM, the warning signal) to this file.
+        # Read as a preemption too: in a container the signal itself may never arrive (Slurm's
+        # SIGTERM also kills the helper `podman run` starts to pass it on), the shared run dir does.
+        self._signals = signals_path
         self._ack = ack
         self.mode = mode
         self._flag = threading.Event()
@@ -116,6 +121,10 @@ class PreemptContext:
     def _watch(self) -> None:
         assert self._control is not None
         while not self._stop.wait(POLL_S):
+            if self._signals is not None and _has_content(self._signals):
+                self.reason = "preempt"
+                self._flag.set()
+                return
             try:
                 record = ControlRecord.read(self._control)
             except BadRecord:
@@ -153,6 +162,13 @@ class PreemptContext:
         if not self._acked:
             self._acked = True
             self._ack()
+
+
+def _has_content(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 class DummyPreemptContext(PreemptContext):

@@ -25,7 +25,14 @@ from detslurm.context import extract
 from detslurm.errors import ContextError
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
-from detslurm.protocol import ExitRecord, NotARunDir, RunPaths, entrypoint_from_env, expand_nodelist
+from detslurm.protocol import (
+    IN_CONTAINER_ENV,
+    ExitRecord,
+    NotARunDir,
+    RunPaths,
+    entrypoint_from_env,
+    expand_nodelist,
+)
 
 LEGACY_TRIAL = re.compile(r"^[a-zA-Z0-9_.]+:[a-zA-Z0-9_]+$")
 COMPAT_DIR = Path(__file__).resolve().parent.parent / "_compat"
@@ -72,7 +79,9 @@ def child_env(env: dict[str, str], workdir: Path) -> dict[str, str]:
     # `python3` in an entrypoint must be this interpreter (the one that has detslurm).
     out["PATH"] = bindir + os.pathsep + out.get("PATH", os.defpath)
     paths = [str(workdir)]
-    if not _has_real_determined():
+    # In a container detslurm comes from the host (slurm/containers.py): an image's own
+    # `determined` would look for a master that does not exist, so the shim goes first there.
+    if env.get(IN_CONTAINER_ENV) or not _has_real_determined():
         paths.append(str(COMPAT_DIR))
     if out.get("PYTHONPATH"):
         paths.append(out["PYTHONPATH"])

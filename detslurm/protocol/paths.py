@@ -64,6 +64,11 @@ class ExpPaths:
     def arrays(self) -> Path:
         return self.root / "arrays"
 
+    @property
+    # The in-job library container trials import detslurm from (slurm/container_lib.py).
+    def container_lib(self) -> Path:
+        return self.root / "container-lib"
+
     def array_links(self, trial_id: int, run_id: int) -> Path:
         """The dir of symlinks (task index -> run dir) that one job array runs in."""
         return self.arrays / f"t{trial_id}-r{run_id}"
@@ -206,3 +211,6 @@ def exit_record_of(run_dir: Path) -> Path:
 # The site config's node_tmpdir, expanded by the batch shell, reaches each node's launcher in
 # this variable; the launcher makes its private working dir below it (detslurm/exec/workdir.py).
 NODE_TMPDIR_ENV = "DETSLURM_NODE_TMPDIR"
+# Set by the container command line (slurm/containers.py) to the runtime's name: the launcher
+# runs inside an image, with detslurm bind-mounted from the host.
+IN_CONTAINER_ENV = "DETSLURM_IN_CONTAINER"

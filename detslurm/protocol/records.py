@@ -22,6 +22,11 @@ MAX_RECORD_BYTES = 64 * 1024
 # The batch shell's printf format for the exit record (code, then job id). It is rendered into
 # the sbatch script by render.py, so ExitRecord.decode and the shell cannot disagree.
 BATCH_EXIT_PRINTF = '{"v": 1, "code": %d, "source": "batch", "job": "%s"}\\n'
+# The same, written when the container runtime could not provide the run's image (fetch or start
+# failed before any trial code ran): the controller ends the trial without retrying it, since
+# the next run would fail the same way.
+IMAGE_SOURCE = "image"
+IMAGE_EXIT_PRINTF = '{"v": 1, "code": %d, "source": "image", "job": "%s"}\\n'
 
 
 def read_record(path: Path) -> Any:
@@ -103,6 +108,7 @@ class ExitOutcome:
     present: bool
     code: int | None = None
     problem: str | None = None
+    source: str | None = None
 
 
 def exit_outcome(path: Path) -> ExitOutcome:
@@ -112,7 +118,7 @@ def exit_outcome(path: Path) -> ExitOutcome:
         record = ExitRecord.read(path)
     except BadRecord as e:
         return ExitOutcome(True, None, e.reason)
-    return ExitOutcome(False) if record is None else ExitOutcome(True, record.code)
+    return ExitOutcome(False) if record is None else ExitOutcome(True, record.code, source=record.source)
 
 
 @dataclass(frozen=True)
