@@ -102,12 +102,14 @@ class EventWriter:
             for w in waiters:
                 w.set()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write what is queued and stop the thread, waiting at most ``timeout_s`` (the thread
+        is a daemon: one stuck on a hung filesystem never keeps the process alive)."""
         if self._closed:
             return
         self._closed = True
         self._q.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=timeout_s)
 
 
 class NullWriter:
@@ -122,5 +124,5 @@ class NullWriter:
     def flush(self) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 0.0) -> None:
         pass
