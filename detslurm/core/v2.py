@@ -207,7 +207,9 @@ def close() -> None:
 
 def url_reverse_webui_exp_view() -> str:
     """Determined's link to the experiment's web page; detslurm has no web UI yet."""
-    raise NotImplementedError("core_v2.url_reverse_webui_exp_view is not built: detslurm has no web UI (det e describe)")
+    raise NotImplementedError(
+        "core_v2.url_reverse_webui_exp_view is not built: detslurm has no web UI (use det e describe)"
+    )
 
 
 def _set_globals(ctx: Context | None) -> None:

@@ -22,6 +22,7 @@ Slurm job ids, public in squeue, and a name anyone can compute is a name anyone 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -106,10 +107,9 @@ def load_key(root: Path) -> bytes:
                 f.write(secrets.token_bytes(_KEY_BYTES).hex() + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            try:
+            # Another job may win the race: then its key is the one every job reads.
+            with contextlib.suppress(FileExistsError):
                 os.link(tmp, path)
-            except FileExistsError:
-                pass  # another job won the race: use its key
         finally:
             os.unlink(tmp)
     return _read_key(path)
