@@ -275,3 +275,23 @@ def test_unreadable_registrations_are_skipped(det_env: Path) -> None:
     _, result = _ingest()
     assert result.recorded == 1
     assert [name for name, _, _ in _experiments()] == ["ingest"]
+
+
+def test_a_stuck_event_writer_does_not_hold_the_exit(tmp_path: Path) -> None:
+    """The writer thread blocked on its file (a hung filesystem, here a FIFO nobody reads):
+    a bounded flush and close give up in time instead of keeping the script alive."""
+    from detslurm.core._events import EventWriter
+    from detslurm.protocol import Progress
+
+    fifo = tmp_path / "events" / "rank-0.jsonl"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    writer = EventWriter(fifo)
+    writer.emit(Progress(progress=0.5))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish"):
+        writer.flush(0.5)
+    writer.close(0.5)
+    assert time.monotonic() - start < 5
+    # The thread stays blocked (a daemon thread: it holds nothing at the interpreter's exit).
+    assert writer._thread.daemon and writer._thread.is_alive()

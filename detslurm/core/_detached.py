@@ -156,7 +156,10 @@ class DetachedContext(Context):
         flushed = False
         try:
             self.preempt.close()
-            self._writer.flush()
+            if isinstance(self._writer, EventWriter):
+                self._writer.flush(CLOSE_WAIT_S)  # bounded: a hung filesystem must not hang the exit
+            else:
+                self._writer.flush()
             flushed = True
         except Exception as e:  # a full or hung filesystem: still close what we can, quickly
             log.warning("detached run: could not flush events: %s", e)
