@@ -179,10 +179,13 @@ class LocalBackend:
 
 
 # Experiments of the user's own scripts (detslurm/controller/detached.py): recorded, never driven.
+# Only `det e wait` reaches their backend (ops refuse pause/activate/cancel/kill): the Slurm
+# backend's wait does the read's reconcile step, which ingests detached runs too.
 DETACHED = "detached"
 _BACKENDS: dict[str, Callable[[App], Backend]] = {
     SlurmBackend.executor: SlurmBackend,
     LocalBackend.executor: LocalBackend,
+    DETACHED: SlurmBackend,
 }
 
 
@@ -196,12 +199,6 @@ def of_experiment(app: App, exp_id: int) -> Backend:
     with app.store.read() as s:
         name = views.get_experiment(s, exp_id, app.scope).executor
     cls = _BACKENDS.get(name)
-    if name == DETACHED:
-        # The user's own script runs it (core_v2): there is nothing for detslurm to pause or resume.
-        raise DetSlurmError(
-            f"experiment {exp_id} is detached (your own script using core_v2): detslurm records it but "
-            "does not run it; stop it with scancel, and requeue or rerun the script to continue it"
-        )
     if cls is None:
         # The name is read from the store, which a newer detslurm may have written: refuse clearly
         # instead of guessing a backend.

@@ -295,3 +295,18 @@ def test_a_stuck_event_writer_does_not_hold_the_exit(tmp_path: Path) -> None:
     assert time.monotonic() - start < 5
     # The thread stays blocked (a daemon thread: it holds nothing at the interpreter's exit).
     assert writer._thread.daemon and writer._thread.is_alive()
+
+
+def test_cli_shows_detached_runs_and_refuses_what_it_cannot_do(det_env: Path, det: Any) -> None:
+    proc = _run(det_env, "detached_train.py", EXP_NAME="cli", STEPS="1")
+    assert proc.returncode == 0, proc.stderr
+    code, out, _ = det("e", "list")  # the read's own step records the run
+    assert code == 0 and "cli" in out and "COMPLETED" in out
+    code, out, _ = det("e", "wait", "1")
+    assert code == 0 and "COMPLETED" in out
+    code, _, err = det("e", "kill", "1")
+    assert code != 0 and "detached" in err and "scancel" in err
+    code, _, err = det("t", "kill", "1")
+    assert code != 0 and "detached" in err
+    code, out, _ = det("t", "logs", "1")
+    assert code == 0 and "run 1 ended: completed" in out
