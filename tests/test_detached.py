@@ -310,3 +310,18 @@ def test_cli_shows_detached_runs_and_refuses_what_it_cannot_do(det_env: Path, de
     assert code != 0 and "detached" in err
     code, out, _ = det("t", "logs", "1")
     assert code == 0 and "run 1 ended: completed" in out
+
+
+def test_sigterm_ends_a_script_that_never_asks_should_preempt(det_env: Path) -> None:
+    """scancel's SIGTERM: a detached script that never polls should_preempt() dies at once (no
+    close record: the daemon marks it ERROR) instead of lingering until Slurm's SIGKILL."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "DET_"))}
+    full.update(EXP_NAME="term", HANG="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(FIXTURES / "detached_fail.py")], env=full, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "reported"
+    proc.terminate()
+    assert proc.wait(timeout=10) == -15
+    _ingest()  # the process is gone and never closed its run
+    assert _experiments() == [("term", "ERROR", [("ERROR", 0, 1)])]

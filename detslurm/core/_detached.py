@@ -306,7 +306,9 @@ def _assemble(
         writer=writer,
         info=info,
         searcher=SearcherContextMissing(),
-        preempt=PreemptContext(dist, paths.control if paths is not None else None, ack, preempt_mode),
+        preempt=PreemptContext(
+            dist, paths.control if paths is not None else None, ack, preempt_mode, lazy_signals=True
+        ),
         train=TrainContext(writer, paths.run_id if paths else 0, paths if chief else None),
         checkpoint=CheckpointContext(dist, base, report, require_steps=False),
     )
