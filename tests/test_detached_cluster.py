@@ -66,10 +66,12 @@ def experiments(name: str) -> list[dict[str, Any]]:
         return out
 
 
-def ended(name: str, count: int = 1) -> list[dict[str, Any]] | None:
+def ended(name: str, trials: int = 1) -> list[dict[str, Any]] | None:
+    """The one experiment of this name once it has ``trials`` trials and has ended (an array's
+    experiment may end before its last task starts, and comes back to life when it does)."""
     exps = experiments(name)
-    done = len(exps) == count and all(e["state"] in ("COMPLETED", "ERROR", "CANCELED") for e in exps)
-    return exps if done else None
+    done = len(exps) == 1 and all(e["state"] in ("COMPLETED", "ERROR", "CANCELED") for e in exps)
+    return exps if done and len(exps[0]["trials"]) == trials else None
 
 
 def metric_rows(trial_id: int) -> list[tuple[str, int, dict[str, Any]]]:
@@ -120,7 +122,7 @@ def test_requeue_continues_from_latest_checkpoint(tmp_path: Path, det: Det) -> N
 
 def test_array_is_one_experiment_with_a_trial_per_task(tmp_path: Path, det: Det) -> None:
     sbatch(tmp_path, "array", f"#SBATCH --array=0-2\nexport EXP_NAME=array STEPS=2\nsrun {py('detached_train.py')}\n")
-    (exp,) = until(det, lambda: ended("array"), what="the array's experiment to end")
+    (exp,) = until(det, lambda: ended("array", trials=3), what="the array's experiment to end")
     assert exp["state"] == "COMPLETED"
     assert exp["trials"] == [("COMPLETED", 2, [1])] * 3
     with open_store(settings.load().db_url).read() as s:
