@@ -205,9 +205,14 @@ class LocalBackend:
         return self.app.poll_until(step)
 
 
+# Experiments of the user's own scripts (detslurm/controller/detached.py): recorded, never driven.
+# Only `det e wait` reaches their backend (ops refuse pause/activate/cancel/kill): the Slurm
+# backend's wait does the read's reconcile step, which ingests detached runs too.
+DETACHED = "detached"
 _BACKENDS: dict[str, Callable[[App], Backend]] = {
     SlurmBackend.executor: SlurmBackend,
     LocalBackend.executor: LocalBackend,
+    DETACHED: SlurmBackend,
 }
 
 

@@ -35,6 +35,8 @@ def _caller(client: SlurmClient) -> q.Caller:
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
     with app.store.read() as s:
         names = views.trial_job_names(s, jobs, app.scope)
+        detached = views.detached_job_names(s, jobs, app.scope)
+    names.update(detached)
     # Determined lists a pool's queue running jobs first, then pending ones in scheduling
     # order; Slurm's order is priority, then submit time for ties.
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
@@ -54,7 +56,8 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
                 "id": j.job_id,
                 # Jobs without a detslurm identity tag in their comment are other users' or other tools':
                 # shown as Determined shows jobs its master does not manage.
-                "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
+                # Detached jobs are the user's own sbatch scripts that detslurm records (core_v2).
+                "type": "TYPE_EXPERIMENT" if ours or j.job_id in detached else "TYPE_EXTERNAL",
                 "name": names.get(j.job_id, j.name),
                 # Only our jobs' nice values were set on Determined's 1..99 scale; mapping a foreign nice
                 # would show a priority nobody chose.

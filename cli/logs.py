@@ -166,7 +166,8 @@ def lines(app: App, trial_id: int, ranks: Sequence[int] = ()) -> Iterator[str]:
         if not ranks:
             yield f"=== trial {trial_id} run {run.run_id} ({run.path})"
         p = Path(run.path)
-        if p.exists():
+        # is_file: a run may have no output file (a detached run outside Slurm records none).
+        if run.path and p.is_file():
             yield from (line for line in file_lines(p) if keep(line))
     if not ranks:
         yield from notes
@@ -183,7 +184,7 @@ def tail(app: App, trial_id: int, n: int, ranks: Sequence[int] = ()) -> list[str
     out: list[str] = [] if ranks else notes[::-1][:n]
     for run in reversed(runs):
         p = Path(run.path)
-        if len(out) < n and p.exists():
+        if len(out) < n and run.path and p.is_file():
             out += islice((line for line in file_lines_reversed(p) if keep(line)), n - len(out))
         if len(out) < n and not ranks:
             out.append(f"=== trial {trial_id} run {run.run_id} ({run.path})")
@@ -216,7 +217,7 @@ class Follower:
             paths = [r.log_path for r in views.runs(s, self.trial_id)]
         for path in paths:
             p = Path(path)
-            if not p.exists():
+            if not path or not p.is_file():
                 continue
             # One cutter per file, kept across pumps, so a line split over two pumps is printed whole.
             cutter = self.cutters.setdefault(path, LineCutter())

@@ -9,6 +9,7 @@ from detslurm import views
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
 from detslurm.identity import os_user
+from detslurm.protocol.detached import detached_root
 from detslurm.store.models import ExperimentState
 
 # The executor name `det e create` stores for Slurm experiments.
@@ -26,7 +27,9 @@ def reconcile(app: App) -> None:
         # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
         # makes no Slurm call at all (and works while slurmctld is down).
         unfinished = views.has_unfinished(s, EXECUTOR, os_user())
-    if unfinished:
+    # Detached runs (the user's own sbatch scripts) register on the shared filesystem at any
+    # time: once the dir exists, a read looks there too (one directory scan).
+    if unfinished or detached_root(app.settings.experiments_dir).is_dir():
         daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
 
 

@@ -340,3 +340,24 @@ def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict
         if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
             out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
     return out
+
+
+def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t> (detached)" for the queue's jobs that run
+    the scope's detached experiments (the user's own sbatch scripts using core_v2)."""
+    ids = [j.job_id for j in jobs]
+    if not ids:
+        return {}
+    # Newest run last: a requeued job keeps its id, and its latest run names it.
+    q = (
+        select(TrialRun.job_id, Trial.id, Experiment.id, Experiment.name)
+        .join(Trial, TrialRun.trial_id == Trial.id)
+        .join(Experiment, Trial.experiment_id == Experiment.id)
+        .where(TrialRun.executor == "detached")
+        .where(TrialRun.job_id.in_(ids))
+        .order_by(TrialRun.id)
+    )
+    if scope.owner is not None:
+        q = q.where(Experiment.owner == scope.owner)
+    rows = s.execute(q)
+    return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}

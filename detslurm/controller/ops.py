@@ -34,10 +34,22 @@ def _get(s: Session, exp_id: int, scope: Scope | None) -> Experiment:
     return get_experiment(s, exp_id, scope or Scope.mine())
 
 
+def _driven(s: Session, exp_id: int, scope: Scope | None) -> Experiment:
+    """An experiment detslurm runs. A detached one (the user's own script, recorded through
+    core_v2) has no controller to carry out a state change: refused, saying what works."""
+    exp = _get(s, exp_id, scope)
+    if exp.executor == "detached":
+        raise StateError(
+            f"experiment {exp_id} is detached (your own script using core_v2): detslurm records it but does "
+            "not run it; stop its job with scancel, and requeue or rerun the script to continue it"
+        )
+    return exp
+
+
 def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Pause an active experiment (``scope`` None: the caller's own experiments)."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # Idempotent, as Determined's pause: a second `det e pause` (or a retry) is not an error.
         if st == ExperimentState.PAUSED:
@@ -52,7 +64,7 @@ def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Resume a paused experiment; its owner's daemon (or local driver) submits its trials."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         if st == ExperimentState.ACTIVE:
             return
@@ -64,7 +76,7 @@ def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Stop an experiment, letting its trials checkpoint first (Determined's cancel)."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # A cancel never downgrades a kill already in progress (a stopping state stays as it is).
         if st.is_terminal or st.is_stopping:
@@ -75,7 +87,7 @@ def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def kill(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Stop an experiment now: its jobs are cancelled without waiting for checkpoints."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # A kill does override a cancel in progress: the user wants it gone now, without waiting
         # for the checkpoints a cancel lets the trials write.
@@ -88,6 +100,7 @@ def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
     """Stop one trial now; the searcher sees it as ended early."""
     with store.tx() as s:
         t: Trial = get_trial(s, trial_id, scope or Scope.mine())
+        _driven(s, t.experiment_id, scope)
         if t.state.is_terminal:
             return
         t.state = TrialState.STOPPING_KILLED
