@@ -57,20 +57,20 @@ def _without_report(p: PoolProbe) -> list[Finding]:
     """The job ended but no usable report came back: say what the exit code and files tell."""
     subject = _subject(p, "probe")
     where = f"job {p.job_id} on {p.node or '?'} ended {p.state}, exit code {p.exit_code}"
-    out = [
-        Finding(
-            _subject(p, f"{name} dir"),
-            PROBLEM,
-            f"{where}: the node "
-            + " and ".join(
-                w
-                for w, bad in (("cannot see the login node's test file", unseen), ("cannot write there", unwritable))
-                if bad
-            ),
-            _DIR_ACTIONS.get(name, ""),
+    bases = dict(zip(p.dirs, p.bases, strict=False))
+    out = []
+    for name, unseen, unwritable in dir_failures(p.exit_code, p.dirs):
+        what = [
+            w for w, bad in (("cannot see the login node's test file", unseen), ("cannot write", unwritable)) if bad
+        ]
+        out.append(
+            Finding(
+                _subject(p, f"{name} dir"),
+                PROBLEM,
+                f"{where}: in {bases.get(name, name)} the node {' and '.join(what)}",
+                _DIR_ACTIONS.get(name, ""),
+            )
         )
-        for name, unseen, unwritable in dir_failures(p.exit_code, p.dirs)
-    ]
     if p.python_failure:
         out.append(
             Finding(
@@ -97,13 +97,15 @@ def _without_report(p: PoolProbe) -> list[Finding]:
 def check_dir(p: PoolProbe, d: DirCheck) -> Finding:
     came_back = dict(p.login_reads).get(d.name, False)
     subject = _subject(p, f"{d.name} dir")
+    # Name the dir the user configured, not the probe's random subdir in it.
+    path = dict(zip(p.dirs, p.bases, strict=False)).get(d.name, d.path)
     if d.seen and d.written and came_back:
-        return Finding(subject, OK, f"{d.path}: shared with {p.node} both ways", "")
+        return Finding(subject, OK, f"{path}: shared with {p.node} both ways", "")
     problems = [d.error] if d.error else []
     if d.written and not came_back:
         problems.append("the node's test file never reached the login node")
     return Finding(
-        subject, PROBLEM, f"{p.node} sees {d.path} differently: {'; '.join(problems)}", _DIR_ACTIONS.get(d.name, "")
+        subject, PROBLEM, f"{p.node} sees {path} differently: {'; '.join(problems)}", _DIR_ACTIONS.get(d.name, "")
     )
 
 
@@ -114,19 +116,14 @@ def _describe(f: DirFacts) -> str:
 
 def check_scratch(p: PoolProbe, s: Scratch) -> Finding:
     subject = _subject(p, "node scratch")
-    per_job = s.slurm_tmpdir if s.slurm_tmpdir.exists else s.tmpdir
-    private = per_job.exists and per_job.private
-    detail = f"per-job tmp {'private' if private else 'none'}"
-    if per_job.exists:
-        detail += f": {_describe(per_job)}"
+    per_job = next((d for d in (s.slurm_tmpdir, s.tmpdir) if d.exists and d.private), None)
+    detail = f"per-job private tmp: {_describe(per_job)}" if per_job else "no per-job private tmp"
     if s.chosen is None:
         return Finding(
             subject, WARNING, detail, "unknown which base the launcher picks: detslurm is not importable there"
         )
     detail += f"; trials unpack their code under {_describe(s.chosen)}"
-    action = "a fresh 0700 dir per launcher" + (
-        "" if s.chosen.private else " in the shared dir (sticky /tmp keeps it ours)"
-    )
+    action = "a fresh 0700 dir per launcher" + ("" if s.chosen.private else " (the sticky bit keeps it ours)")
     if s.chosen.free_bytes is not None and s.chosen.free_bytes < MIN_SCRATCH_BYTES:
         return Finding(subject, WARNING, detail, f"{action}; little room: set node_tmpdir to a bigger local disk")
     return Finding(subject, OK, detail, action)
@@ -174,11 +171,14 @@ def check_gpus(p: PoolProbe, r: NodeReport) -> Finding:
             subject,
             WARNING,
             f"{assigned} (Slurm assigned GPU {g.slurm_job_gpus or '?'}), "
-            f"but nvidia-smi: {g.nvidia_smi_error or 'no GPUs'}",
+            f"but {g.nvidia_smi_error or 'nvidia-smi lists no GPUs'}",
             "trials get the GPUs Slurm assigns; no driver could confirm them",
         )
     return Finding(
-        subject, PROBLEM, f"{assigned}, nvidia-smi: {g.nvidia_smi_error or 'no GPUs'}", "GPU trials would see no GPU"
+        subject,
+        PROBLEM,
+        f"{assigned}; {g.nvidia_smi_error or 'nvidia-smi lists no GPUs'}",
+        "GPU trials would see no GPU",
     )
 
 
@@ -206,7 +206,8 @@ def pool_findings(p: PoolProbe, login_version: str) -> list[Finding]:
     r = p.report
     if r is None:
         return _without_report(p)
-    out = [Finding(_subject(p, "node"), OK, f"probe job {p.job_id} ran on {r.node} and ended {p.state}", "")]
+    ended = f"ended {p.state}" + (f" (exit code {p.exit_code}: see below)" if p.exit_code else "")
+    out = [Finding(_subject(p, "node"), OK, f"probe job {p.job_id} ran on {r.node} and {ended}", "")]
     out += [check_dir(p, d) for d in r.dirs]
     out.append(check_scratch(p, r.scratch))
     out += check_python(p, r, login_version)

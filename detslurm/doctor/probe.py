@@ -70,6 +70,7 @@ class PoolProbe:
     # Per probe dir: did the node's token come back to the login node?
     login_reads: tuple[tuple[str, bool], ...] = ()
     dirs: tuple[str, ...] = field(default=())  # the probe dirs' names, in the exit code's bit order
+    bases: tuple[str, ...] = field(default=())  # the dirs under test (experiments dir, ...), same order
 
 
 def node_probe_source() -> str:
@@ -222,9 +223,10 @@ def run_probes(
     """Submit every pool's probe, wait (polling no faster than the site's floor) until each has
     ended or ``timeout_s`` passed, cancel what never started, and collect the reports."""
     names = tuple(d.name for d in dirs)
+    bases = tuple(str(d.base) for d in dirs)
     probes: list[PoolProbe] = []
     for name, pool in pools:
-        base = PoolProbe(name, pool.partition, pool.slot_type, dirs=names)
+        base = PoolProbe(name, pool.partition, pool.slot_type, dirs=names, bases=bases)
         try:
             req = probe_request(name, pool, site, python, dirs, image)
             job = client.sbatch(req.args, req.script)
