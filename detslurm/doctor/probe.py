@@ -10,7 +10,9 @@ verdict in bits (``scontrol show job`` keeps it for MinJobAge).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import secrets
 import shlex
 import shutil
@@ -73,6 +75,12 @@ class PoolProbe:
     bases: tuple[str, ...] = field(default=())  # the dirs under test (experiments dir, ...), same order
 
 
+def file_key(pool: str) -> str:
+    """The pool's name in the probe's file names: pool names are YAML keys (any text), file
+    names must stay plain."""
+    return hashlib.sha256(pool.encode()).hexdigest()[:12]
+
+
 def node_probe_source() -> str:
     """The node probe's code, sent inside the script (the node may lack detslurm altogether)."""
     return resources.files("detslurm.exec").joinpath("node_probe.py").read_text()
@@ -86,14 +94,15 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
         raise ValueError(f"the node probe's source contains its here-document end marker {_HEREDOC}")
     config = {
         "pool": pool,
+        "key": file_key(pool),
         "dirs": [{"name": d.name, "path": str(d.path), "token": d.token} for d in dirs],
         "runtime": site.container_runtime,
         "image": image,
     }
-    fail_name = f"python-failed-{pool}"
+    fail_name = f"python-failed-{file_key(pool)}"
     lines = [
         "#!/bin/bash",
-        f"# detslurm site doctor: probe for pool {pool}",
+        f"# detslurm site doctor: probe for pool {json.dumps(pool)}",
         "set -u",
         *site.setup,
     ]
@@ -127,8 +136,10 @@ def probe_request(
     pool_name: str, pool: Pool, site: SiteConfig, python: str, dirs: Sequence[ProbeDir], image: str
 ) -> SbatchRequest:
     """sbatch's options and script for one pool's probe (pure)."""
+    # The name only helps people reading squeue: anything odd in a pool's name becomes "_".
+    slug = re.sub(r"[^A-Za-z0-9_.-]", "_", pool_name)[:40]
     args = [
-        f"--job-name=det-doctor-{pool_name}",
+        f"--job-name=det-doctor-{slug}",
         f"--comment={COMMENT}",
         f"--partition={pool.partition}",
         "--nodes=1",
@@ -188,18 +199,18 @@ def collect(probe: PoolProbe, dirs: Sequence[ProbeDir]) -> PoolProbe:
     report: Optional[NodeReport] = None
     error = failure = ""
     for d in dirs:
-        text = _read_small(d.path / f"report-{probe.pool}.json", 256 * 1024)
+        text = _read_small(d.path / f"report-{file_key(probe.pool)}.json", 256 * 1024)
         if text is not None and report is None:
             try:
                 report = parse_report(text)
             except ReportError as e:
                 error = str(e)
-        failed = _read_small(d.path / f"python-failed-{probe.pool}", 2000)
+        failed = _read_small(d.path / f"python-failed-{file_key(probe.pool)}", 2000)
         if failed and not failure:
             failure = clean(failed)
     reads: list[tuple[str, bool]] = []
     for d in dirs:
-        token = _read_small(d.path / f"node-{probe.pool}.token", 200)
+        token = _read_small(d.path / f"node-{file_key(probe.pool)}.token", 200)
         reads.append((d.name, report is not None and token is not None and token.strip() == report.node_token))
     return replace(probe, report=report, report_error=error, python_failure=failure, login_reads=tuple(reads))
 

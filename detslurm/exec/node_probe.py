@@ -6,7 +6,7 @@ it imports nothing but the standard library at module level. The login side read
 as untrusted input (``detslurm.doctor.report``).
 
 Shared dirs are checked both ways: the login node wrote ``login-token`` into each probe dir;
-this probe reads it back and writes ``node-<pool>.token`` for the login node to read. The
+this probe reads it back and writes ``node-<key>.token`` for the login node to read. The
 report goes into every probe dir (one that the login node cannot see simply never returns it),
 and the exit code carries the same verdict in bits, for when no report comes back at all.
 """
@@ -57,7 +57,7 @@ def _write_atomic(path: str, text: str) -> None:
     os.rename(tmp, path)
 
 
-def check_dir(entry: dict[str, Any], pool: str, node_token: str) -> dict[str, Any]:
+def check_dir(entry: dict[str, Any], key: str, node_token: str) -> dict[str, Any]:
     """Read the login node's token from one probe dir, then leave ours for it to read."""
     path = str(entry["path"])
     out: dict[str, Any] = {"name": entry["name"], "path": path, "seen": False, "written": False, "error": ""}
@@ -69,7 +69,7 @@ def check_dir(entry: dict[str, Any], pool: str, node_token: str) -> dict[str, An
     except OSError as e:
         out["error"] = f"cannot read the login node's test file: {e.strerror}"
     try:
-        _write_atomic(os.path.join(path, f"node-{pool}.token"), node_token)
+        _write_atomic(os.path.join(path, f"node-{key}.token"), node_token)
         out["written"] = True
     except OSError as e:
         out["error"] = (out["error"] + "; " if out["error"] else "") + f"cannot write here: {e.strerror}"
@@ -159,9 +159,9 @@ def container(runtime: str, image: str) -> dict[str, Any]:
 
 def probe(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The report and the exit code for one probe config (see the module docstring)."""
-    pool = str(config["pool"])
+    pool, key = str(config["pool"]), str(config["key"])
     node_token = secrets.token_hex(16)
-    dirs = [check_dir(entry, pool, node_token) for entry in config["dirs"]]
+    dirs = [check_dir(entry, key, node_token) for entry in config["dirs"]]
     bits = 0
     for i, d in enumerate(dirs):
         bits |= (0 if d["seen"] else 1 << (2 * i)) | (0 if d["written"] else 1 << (2 * i + 1))
@@ -188,7 +188,7 @@ def main(argv: list[str]) -> int:
     for d in config["dirs"]:
         # A dir not writable here is skipped: the bits in the exit code say so.
         with contextlib.suppress(OSError):
-            _write_atomic(os.path.join(str(d["path"]), f"report-{config['pool']}.json"), text)
+            _write_atomic(os.path.join(str(d["path"]), f"report-{config['key']}.json"), text)
     return code
 
 
