@@ -44,6 +44,8 @@ def doctor(app: App, as_json: bool, no_probe: bool, pools: tuple[str, ...], imag
     from detslurm.doctor.run import ProbeOptions, diagnose
     from detslurm.slurm.site import site_config_path
 
+    # site_config_path names $DETSLURM_SITE_CONFIG even when missing (loading it then fails
+    # clearly); "found" here means a file was actually read.
     site_path = site_config_path()
     options = ProbeOptions(enabled=not no_probe, pools=pools, image=image, timeout_s=timeout_s)
     result = diagnose(
@@ -62,6 +64,7 @@ def doctor(app: App, as_json: bool, no_probe: bool, pools: tuple[str, ...], imag
                 maxcolwidths=[None, None, _DETAIL_WIDTH, _ACTION_WIDTH],
             )
         )
+    # Warnings keep exit code 0, so CI and cron jobs fail only on what breaks trials.
     if worst(result.findings) is Status.PROBLEM:
         raise click.exceptions.Exit(1)
 

@@ -410,3 +410,51 @@ def test_starter_config_from_the_test_cluster(tmp_path: Path) -> None:
     busy = facts(site=SiteConfig(), site_path=None)
     busy = dataclasses.replace(busy, caps=dataclasses.replace(busy.caps, rate_limited=True))
     assert "poll_interval_s: 30" in starter.starter_yaml(busy)
+
+
+class FailingSqueue(FakeSlurm):
+    """squeue answers with ``stderr`` (exit 1); everything else as FakeSlurm."""
+
+    def __init__(self, stderr: str) -> None:
+        super().__init__("Resources")
+        self.stderr = stderr
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        input: Optional[str] = None,
+        timeout: float,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Result:
+        if argv[0] == "squeue":
+            self.calls.append(list(argv))
+            return Result(1, "", self.stderr)
+        return super().__call__(argv, input=input, timeout=timeout, env=env)
+
+
+def test_slurm_failing_while_waiting_leaves_no_probe_queued() -> None:
+    clock = iter(range(0, 1000, 5))
+    kwargs = {"python": "/p", "timeout_s": 12, "clock": lambda: float(next(clock)), "sleep": lambda s: None}
+    # A busy slurmctld is no news: the doctor keeps waiting until its timeout, then cancels.
+    busy = FailingSqueue("squeue: error: Unable to contact slurm controller (connect failure)")
+    (result,) = probe.run_probes(
+        SlurmClient(runner=busy, user="u"), SiteConfig(), [("cpu", Pool(partition="cpu"))], [], **kwargs
+    )  # type: ignore[arg-type]
+    assert result.timed_out and ["scancel", "100"] in busy.calls
+    # Any other failure ends the doctor, but not before the probes are cancelled.
+    broken = FailingSqueue("squeue: error: Invalid user")
+    with pytest.raises(Exception, match="Invalid user"):
+        probe.run_probes(
+            SlurmClient(runner=broken, user="u"), SiteConfig(), [("cpu", Pool(partition="cpu"))], [], **kwargs
+        )  # type: ignore[arg-type]
+    assert ["scancel", "100"] in broken.calls
+
+
+def test_probe_time_fits_the_partition() -> None:
+    f = facts()
+    short = dataclasses.replace(f, partitions=[dataclasses.replace(p, max_time_s=300) for p in f.partitions])
+    pools = dict(probe_pools(short, ("cpu",)))
+    assert pools["cpu"].time_limit_min == 5
+    assert "--time=5" in probe.probe_request("cpu", pools["cpu"], f.site, "/p", [], "").args
+    assert "--time=15" in probe.probe_request("cpu", dict(probe_pools(f, ()))["cpu"], f.site, "/p", [], "").args

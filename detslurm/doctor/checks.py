@@ -33,6 +33,7 @@ def check_slurm(f: SiteFacts) -> Finding:
 
 def check_plugins(f: SiteFacts) -> Finding:
     p = f.caps.plugins
+    # Listed whatever the verdict: admins answering a user's question want the whole set.
     names = [
         f"{p.select} ({p.select_params})" if p.select_params else p.select,
         p.proctrack,
@@ -44,6 +45,7 @@ def check_plugins(f: SiteFacts) -> Finding:
         f"GresTypes={p.gres_types}" if p.gres_types else "GresTypes none",
     ]
     detail = ", ".join(n for n in names if n)
+    # Without gpu in GresTypes, slurmctld rejects every --gres=gpu:N at submission time.
     gpu_pools = [name for name, pool in f.site.pools.items() if pool.slot_type == "gpu"]
     if gpu_pools and "gpu" not in p.gres_types.split(","):
         return Finding(
@@ -59,6 +61,7 @@ def check_plugins(f: SiteFacts) -> Finding:
             detail,
             "select/linear allocates whole nodes: every trial holds a node, however few slots it asks for",
         )
+    # linuxproc and pgid track processes by parent or group, which a double-forked process leaves.
     if p.proctrack and p.proctrack != "proctrack/cgroup":
         return Finding(
             "plugins",
@@ -73,6 +76,7 @@ def check_plugins(f: SiteFacts) -> Finding:
 def check_accounting(f: SiteFacts) -> Finding:
     caps = f.caps
     if caps.accounting:
+        # Configured but unreachable slurmdbd: sacct fails too, so final states fall back to squeue.
         if f.assoc_error:
             return Finding(
                 "accounting", WARNING, f"slurmdbd configured, but sacctmgr failed: {f.assoc_error}", "sacct is used"
@@ -80,6 +84,7 @@ def check_accounting(f: SiteFacts) -> Finding:
         return Finding(
             "accounting", OK, "slurmdbd: sacct knows how jobs ended", "final states of jobs gone from squeue via sacct"
         )
+    # No slurmdbd is common on small clusters and works, but the window to learn an ending is short.
     return Finding(
         "accounting",
         WARNING,
@@ -114,6 +119,7 @@ def check_preemption(f: SiteFacts) -> Finding:
     if not exposed:
         return Finding("preemption", OK, f"none ({caps.plugins.preempt_type or 'preempt/none'}); {detail}", "")
     mode = caps.preempt_mode.upper()
+    # SUSPEND sends no SIGTERM: the trial is frozen, not stopped, so there is nothing to checkpoint.
     if "SUSPEND" in mode or "GANG" in mode:
         return Finding(
             "preemption",
@@ -122,6 +128,7 @@ def check_preemption(f: SiteFacts) -> Finding:
             "suspended trials keep their memory and GPUs and resume where they were; "
             "detslurm shows them as suspended and does not resubmit them",
         )
+    # The tightest partition decides: a pool there gets only this much between SIGTERM and SIGKILL.
     window = caps.kill_wait_s + min(p.grace_time_s for p in exposed)
     status = WARNING if window < MIN_PREEMPT_WINDOW_S else OK
     return Finding(
@@ -139,6 +146,7 @@ def check_limits(f: SiteFacts) -> Finding:
     if f.assoc is None:
         parts.append("MaxSubmitJobs: no accounting, no per-user limit")
     else:
+        # Slurm applies the strictest association that matches a job, so the minimum is the bound.
         submit = [a.max_submit_jobs for a in f.assoc if a.max_submit_jobs is not None]
         running = [a.max_jobs for a in f.assoc if a.max_jobs is not None]
         parts.append(f"MaxSubmitJobs {min(submit) if submit else 'unlimited'}")
@@ -182,6 +190,7 @@ def check_user_top(f: SiteFacts) -> Finding:
 
 def check_polling(f: SiteFacts) -> Finding:
     floor = f.site.poll_interval_s
+    # The same rule as the daemon's (daemon.py): a user may poll slower than the floor, never faster.
     used = max(floor, f.user_poll_interval_s)
     detail = f"site floor poll_interval_s {floor:g} s; this user's setting {f.user_poll_interval_s:g} s"
     action = f"the daemon polls Slurm every {used:g} s"
@@ -218,8 +227,10 @@ def check_partition(f: SiteFacts, p: PartitionInfo) -> Finding:
         f"GraceTime {p.grace_time_s} s, PreemptMode {p.preempt_mode}, PriorityTier {p.priority_tier}"
     )
     pools = sorted(name for name, pool in f.site.pools.items() if pool.partition == p.name)
+    # Without a site config every partition is a pool; with one, unused partitions matter less.
     used = f"pool {', '.join(pools)}" if pools else ("a pool" if not f.site.pools else "not used by any pool")
     subject = f"partition {p.name}"
+    # A partition no pool uses cannot hurt a trial: it is a warning, not a problem.
     if not p.up:
         return Finding(subject, PROBLEM if pools else WARNING, detail, f"{used}: jobs queue but never start")
     if p.total_nodes == 0:
@@ -252,6 +263,7 @@ def check_pool(f: SiteFacts, name: str, pool: Pool) -> Finding:
                 f"{detail}; the nodes have {gpus} GPUs",
                 f"a trial asking for {pool.slots_per_node} GPUs per node never starts: set slots_per_node {gpus}",
             )
+    # Slurm holds such a job forever (PartitionTimeLimit) unless EnforcePartLimits rejects it.
     if pool.time_limit_min and p.max_time_s is not None and pool.time_limit_min * 60 > p.max_time_s:
         return Finding(
             subject,

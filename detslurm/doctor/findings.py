@@ -21,6 +21,7 @@ class Status(enum.Enum):
         return self.value
 
 
+# Severity order for `worst`: enum values are strings, and "warning" > "problem" alphabetically.
 _RANK = {Status.OK: 0, Status.WARNING: 1, Status.PROBLEM: 2}
 
 
@@ -37,6 +38,7 @@ class Finding:
     detail: str
     action: str = ""
 
+    # The --json form: plain strings only, so the schema never depends on Python's enum names.
     def as_dict(self) -> dict[str, str]:
         return {"subject": self.subject, "status": self.status.value, "detail": self.detail, "action": self.action}
 

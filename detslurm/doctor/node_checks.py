@@ -95,6 +95,8 @@ def _without_report(p: PoolProbe) -> list[Finding]:
 
 
 def check_dir(p: PoolProbe, d: DirCheck) -> Finding:
+    # Both ways: a node may read the login node's file from a stale cache (NFS attribute caching)
+    # yet write where the login node never looks; only the round trip proves one filesystem.
     came_back = dict(p.login_reads).get(d.name, False)
     subject = _subject(p, f"{d.name} dir")
     # Name the dir the user configured, not the probe's random subdir in it.
@@ -116,6 +118,7 @@ def _describe(f: DirFacts) -> str:
 
 def check_scratch(p: PoolProbe, s: Scratch) -> Finding:
     subject = _subject(p, "node scratch")
+    # The launcher's first two choices (exec/workdir.py): a per-job dir only we can enter.
     per_job = next((d for d in (s.slurm_tmpdir, s.tmpdir) if d.exists and d.private), None)
     detail = f"per-job private tmp: {_describe(per_job)}" if per_job else "no per-job private tmp"
     if s.chosen is None:
@@ -130,6 +133,7 @@ def check_scratch(p: PoolProbe, s: Scratch) -> Finding:
 
 
 def check_python(p: PoolProbe, r: NodeReport, login_version: str) -> list[Finding]:
+    # Text from the node: a version we cannot read counts as too old rather than failing the doctor.
     parts = r.python_version.split(".")
     try:
         version = (int(parts[0]), int(parts[1]))
@@ -164,6 +168,7 @@ def check_gpus(p: PoolProbe, r: NodeReport) -> Finding:
     g = r.gpus
     subject = _subject(p, "GPUs")
     assigned = f"CUDA_VISIBLE_DEVICES={g.cuda_visible_devices}" if g.cuda_visible_devices else "no CUDA_VISIBLE_DEVICES"
+    # nvidia-smi lists what the driver sees (the job's cgroup may narrow it to the assigned GPU).
     if g.nvidia_smi:
         return Finding(subject, OK, f"{assigned}; nvidia-smi: {'; '.join(g.nvidia_smi)}", "")
     if g.cuda_visible_devices:
@@ -200,6 +205,7 @@ def check_container(p: PoolProbe, r: NodeReport) -> Finding:
 
 def pool_findings(p: PoolProbe, login_version: str) -> list[Finding]:
     """Every finding for one pool's probe, in the table's order."""
+    # A probe that never ran says nothing about the nodes: one line says why, nothing else.
     not_run = _not_run(p)
     if not_run:
         return not_run

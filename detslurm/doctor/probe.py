@@ -10,6 +10,7 @@ verdict in bits (``scontrol show job`` keeps it for MinJobAge).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from detslurm.doctor.report import NodeReport, ReportError, clean, parse_report
-from detslurm.slurm.client import SlurmClient, SlurmCommandError
+from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.render import SbatchRequest
 from detslurm.slurm.site import Pool, SiteConfig
 
@@ -90,6 +91,8 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
     """The probe job's batch script (pure). Every value is quoted; the probe's config is one
     JSON argument; the site's setup lines run first, as they do before every trial."""
     source = node_probe_source()
+    # The source travels in a quoted here-document (no expansion inside): only its end marker
+    # could cut it short.
     if _HEREDOC in source:
         raise ValueError(f"the node probe's source contains its here-document end marker {_HEREDOC}")
     config = {
@@ -100,6 +103,7 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
         "image": image,
     }
     fail_name = f"python-failed-{file_key(pool)}"
+    # set -u as in the trial script, so setup lines behave here exactly as before a trial.
     lines = [
         "#!/bin/bash",
         f"# detslurm site doctor: probe for pool {json.dumps(pool)}",
@@ -111,6 +115,7 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
         lines.append(f'export DETSLURM_NODE_TMPDIR="{site.node_tmpdir}"')
     lines += [
         f"_det_py={shlex.quote(python)}",
+        # stderr goes to a node-local file: the job's output is /dev/null (see probe_request).
         "_det_err=$(mktemp 2>/dev/null || echo /dev/null)",
         f'"$_det_py" - {shlex.quote(json.dumps(config))} 2>"$_det_err" <<\'{_HEREDOC}\'',
         source.rstrip("\n"),
@@ -144,7 +149,8 @@ def probe_request(
         f"--partition={pool.partition}",
         "--nodes=1",
         "--ntasks=1",
-        f"--time={JOB_TIME_MIN}",
+        # Short, so backfill can start it in any gap; a pool's own shorter limit wins (MaxTime).
+        f"--time={min(pool.time_limit_min or JOB_TIME_MIN, JOB_TIME_MIN)}",
         # The job's output file would need a dir the node can see, which is what is being tested.
         "--output=/dev/null",
         "--chdir=/",
@@ -158,7 +164,7 @@ def probe_request(
         args.append(f"--qos={pool.qos}")
     args += pool.extra_sbatch_args
     return SbatchRequest(
-        name=f"det-doctor-{pool_name}", args=args, script=render_script(pool_name, site, python, dirs, image)
+        name=f"det-doctor-{slug}", args=args, script=render_script(pool_name, site, python, dirs, image)
     )
 
 
@@ -198,6 +204,7 @@ def collect(probe: PoolProbe, dirs: Sequence[ProbeDir]) -> PoolProbe:
     """Read what the job left in the probe dirs (all of it untrusted)."""
     report: Optional[NodeReport] = None
     error = failure = ""
+    # The first dir with a report wins: every copy is the same, and any one that came back will do.
     for d in dirs:
         text = _read_small(d.path / f"report-{file_key(probe.pool)}.json", 256 * 1024)
         if text is not None and report is None:
@@ -208,6 +215,7 @@ def collect(probe: PoolProbe, dirs: Sequence[ProbeDir]) -> PoolProbe:
         failed = _read_small(d.path / f"python-failed-{file_key(probe.pool)}", 2000)
         if failed and not failure:
             failure = clean(failed)
+    # The other direction: the node's token must be readable here, with the report's value.
     reads: list[tuple[str, bool]] = []
     for d in dirs:
         token = _read_small(d.path / f"node-{file_key(probe.pool)}.token", 200)
@@ -244,7 +252,16 @@ def run_probes(
             probes.append(replace(base, job_id=job, state="PENDING"))
         except SlurmCommandError as e:
             probes.append(replace(base, submitted=False, state="NOT SUBMITTED", reason=e.stderr or str(e)))
-    probes = _wait(client, probes, site.poll_interval_s, timeout_s, clock, sleep)
+    try:
+        probes = _wait(client, probes, site.poll_interval_s, timeout_s, clock, sleep)
+    except BaseException:
+        # Ctrl-C or a failing Slurm while waiting: the probe dirs are about to be removed, so
+        # no probe may stay queued behind us (best effort: the error that got us here wins).
+        submitted = [p.job_id for p in probes if p.job_id]
+        if submitted:
+            with contextlib.suppress(SlurmCommandError, SlurmUnavailable):
+                client.scancel(submitted)
+        raise
     return [collect(p, dirs) if p.submitted and not p.timed_out else p for p in probes]
 
 
@@ -253,10 +270,17 @@ def _wait(
 ) -> list[PoolProbe]:
     start = clock()
     waiting = {p.job_id for p in probes if p.job_id}
+    # The last state, reason and node squeue showed: what a timed-out probe is reported with.
     last: dict[str, tuple[str, str, str]] = {}
     while waiting and clock() - start < timeout_s:
+        # The site's polling floor: the doctor must not load slurmctld more than a daemon does.
         sleep(poll_s)
-        queue = {j.job_id: j for j in client.squeue() if j.job_id in waiting}
+        try:
+            queue = {j.job_id: j for j in client.squeue() if j.job_id in waiting}
+        except SlurmCommandError as e:
+            if not e.unreachable:
+                raise
+            continue  # slurmctld busy or restarting: no news this round, the timeout still holds
         for job_id in list(waiting):
             job = queue.get(job_id)
             if job is not None:
@@ -277,6 +301,7 @@ def _wait(
         if p.job_id in waiting:
             out.append(replace(p, state=state, reason=reason, waited_s=waited, timed_out=True))
             continue
+        # scontrol keeps an ended job for MinJobAge with its exit code: the fallback channel.
         shown = client.show_job(p.job_id)
         code = _exit_code(shown.get("ExitCode", ""))
         out.append(

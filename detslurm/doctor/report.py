@@ -15,8 +15,11 @@ from typing import Any, Optional
 
 from detslurm.errors import DetSlurmError
 
+# A real report is a few KiB; anything much bigger was not written by our probe.
 MAX_REPORT_BYTES = 256 * 1024
+# Every text field ends up in one table cell.
 _TEXT_LIMIT = 500
+# Terminal escapes and carriage returns could rewrite other lines of the table on screen.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -90,12 +93,14 @@ class NodeReport:
 class _Reader:
     """Typed access to one JSON object, naming the path of whatever is wrong."""
 
+    # ``where`` is a JSON path ("report.dirs[0]"): errors name the exact field, as config errors do.
     def __init__(self, data: Any, where: str) -> None:
         if not isinstance(data, dict):
             raise ReportError(where, "is not an object")
         self.data, self.where = data, where
 
     def _get(self, key: str, types: tuple[type, ...], optional: bool) -> Any:
+        # A missing key reads as None, so "missing" and "null" are one error for required fields.
         value = self.data.get(key)
         if value is None and optional:
             return None
@@ -155,6 +160,7 @@ def _scratch(r: _Reader) -> Scratch:
 
 
 def _gpus(r: _Reader) -> Gpus:
+    # 64: more GPUs than any node has; a longer list is not nvidia-smi's output.
     lines = r.items("nvidia_smi", 64)
     if not all(isinstance(x, str) for x in lines):
         raise ReportError(f"{r.where}.nvidia_smi", "expected a list of strings")
@@ -190,6 +196,7 @@ def parse_report(text: str) -> NodeReport:
     except ValueError as e:
         raise ReportError("", f"not JSON ({e})") from None
     r = _Reader(data, "report")
+    # The node may run an older or newer detslurm's probe: only a known layout is read.
     if r.data.get("version") != 1:
         raise ReportError("report.version", f"unknown version {r.data.get('version')!r}")
     py, det = r.obj("python"), r.obj("detslurm")

@@ -38,6 +38,7 @@ def probe_pools(f: facts.SiteFacts, wanted: Sequence[str]) -> list[tuple[str, Po
     if f.site.pools:
         pools = dict(f.site.pools)
     else:
+        # As `det resource-pool list` does on an undescribed site: each partition is a pool.
         pools = {
             p.name: Pool(partition=p.name, slot_type="gpu" if f.gpus_per_node(p.name) else "cpu") for p in f.partitions
         }
@@ -48,8 +49,18 @@ def probe_pools(f: facts.SiteFacts, wanted: Sequence[str]) -> list[tuple[str, Po
             source="doctor options",
         )
     # A pool whose partition is missing or down already has its problem line; its probe would only wait.
-    usable = {p.name for p in f.partitions if p.up and p.total_nodes > 0}
-    return [(n, pool) for n, pool in sorted(pools.items()) if (not wanted or n in wanted) and pool.partition in usable]
+    usable = {p.name: p for p in f.partitions if p.up and p.total_nodes > 0}
+    out = []
+    for name, pool in sorted(pools.items()):
+        part = usable.get(pool.partition)
+        if part is None or (wanted and name not in wanted):
+            continue
+        # The probe asks for at most probe.JOB_TIME_MIN; a partition with a shorter MaxTime
+        # would refuse (or forever hold) a job asking for more.
+        if part.max_time_s is not None and part.max_time_s // 60 < (pool.time_limit_min or probe.JOB_TIME_MIN):
+            pool = pool.model_copy(update={"time_limit_min": max(1, part.max_time_s // 60)})
+        out.append((name, pool))
+    return out
 
 
 def diagnose(
@@ -67,6 +78,7 @@ def diagnose(
     if not options.enabled:
         return Diagnosis(f, findings)
     pools = probe_pools(f, options.pools)
+    # Both dirs a trial needs on its nodes: run dirs (events, control files) and checkpoints.
     dirs, failed = probe.make_probe_dirs([("experiments", f.experiments_dir), ("checkpoints", f.checkpoint_dir)])
     findings += [
         Finding(
@@ -88,6 +100,7 @@ def diagnose(
             timeout_s=options.timeout_s,
         )
     finally:
+        # Tokens and reports are of no use after this run; leave the user's dirs as they were.
         probe.remove_probe_dirs(dirs)
     for result in results:
         findings += node_checks.pool_findings(result, __version__)

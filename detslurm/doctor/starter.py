@@ -42,6 +42,7 @@ def starter_yaml(f: SiteFacts) -> str:
     parts = [p for p in f.partitions if p.up and p.total_nodes > 0]
     if not parts:
         raise SiteInitError("no partition is up with nodes: nothing to describe as a pool")
+    # Slurm's Default=YES partition is where a plain sbatch goes: the natural default pool.
     default = next((p.name for p in parts if p.default), parts[0].name)
     total_nodes = sum(p.total_nodes for p in f.partitions)
     cluster = f.caps.cluster_name or "this cluster"
@@ -63,6 +64,7 @@ def starter_yaml(f: SiteFacts) -> str:
     ]
     for p in parts:
         gpus = f.gpus_per_node(p.name)
+        # Average CPUs per node: mixed partitions get a slot count every node can offer or close.
         cpus = p.total_cpus // p.total_nodes
         limit = f", MaxTime {p.max_time_s // 60} min" if p.max_time_s is not None else ""
         lines += [

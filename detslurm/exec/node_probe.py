@@ -61,6 +61,7 @@ def check_dir(entry: dict[str, Any], key: str, node_token: str) -> dict[str, Any
     """Read the login node's token from one probe dir, then leave ours for it to read."""
     path = str(entry["path"])
     out: dict[str, Any] = {"name": entry["name"], "path": path, "seen": False, "written": False, "error": ""}
+    # Never mkdir here: a missing dir must stay missing, not become a node-local copy.
     try:
         with open(os.path.join(path, LOGIN_TOKEN)) as fh:
             out["seen"] = fh.read().strip() == entry["token"]
@@ -123,6 +124,7 @@ def detslurm_info() -> dict[str, Any]:
 
 def gpus() -> dict[str, Any]:
     env = os.environ
+    # CUDA_VISIBLE_DEVICES is what Slurm's gres plugin assigned; nvidia-smi is what the driver sees.
     smi = _run(["nvidia-smi", "-L"])
     lines = [ln for ln in smi["out"].splitlines() if ln.startswith("GPU ")] if smi["rc"] == 0 else []
     return {
@@ -135,6 +137,7 @@ def gpus() -> dict[str, Any]:
 
 def container(runtime: str, image: str) -> dict[str, Any]:
     """``<runtime> --version``, and a test image run when one is named."""
+    # Same keys in every branch: the login side reads one fixed layout.
     if runtime == "none":
         return {"runtime": runtime, "version": None, "error": "", "image": image, "image_ok": None, "image_error": ""}
     if runtime == "pyxis":
@@ -160,6 +163,7 @@ def container(runtime: str, image: str) -> dict[str, Any]:
 def probe(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The report and the exit code for one probe config (see the module docstring)."""
     pool, key = str(config["pool"]), str(config["key"])
+    # Fresh per run: a file left by an earlier probe can never pass for this one's.
     node_token = secrets.token_hex(16)
     dirs = [check_dir(entry, key, node_token) for entry in config["dirs"]]
     bits = 0
@@ -182,6 +186,7 @@ def probe(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 def main(argv: list[str]) -> int:
+    # The config is the one argument the batch script passes (login-side JSON, quoted there).
     config = json.loads(argv[0])
     report, code = probe(config)
     text = json.dumps(report)
