@@ -22,7 +22,7 @@ from detslurm.doctor.run import probe_pools
 from detslurm.exec import node_probe
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.parse import REC_END, SEP, SQUEUE_FIELDS, parse_config, parse_sinfo
-from detslurm.slurm.partitions import AssocLimit, parse_partitions
+from detslurm.slurm.partitions import AssocLimit, parse_assoc_limits, parse_partitions
 from detslurm.slurm.site import Pool, SiteConfig, load_site_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +137,15 @@ def test_limits_accounting_rate_limit_and_missing_site_config() -> None:
     assert [(n, p.slot_type) for n, p in probe_pools(f, ())] == [("cpu", "cpu"), ("gpu", "gpu"), ("high", "gpu")]
     with pytest.raises(Exception, match="--pool nope: no such pool"):
         probe_pools(f, ("nope",))
+
+
+def test_association_limits_captured_from_sacctmgr() -> None:
+    # Captured on the test cluster with accounting after `sacctmgr modify user root set
+    # MaxSubmitJobs=50 MaxJobs=8`.
+    assoc = parse_assoc_limits((DATA / "sacctmgr-assoc.txt").read_text())
+    assert assoc == [AssocLimit("default", "", 50, 8), AssocLimit("root", "", 50, 8)]
+    f = facts(caps=dataclasses.replace(facts().caps, accounting=True), assoc=assoc)
+    assert "MaxSubmitJobs 50, MaxJobs 8" in checks.check_limits(f).detail
 
 
 def test_json_document_schema() -> None:

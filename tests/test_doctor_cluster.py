@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 from conftest import ROOT, Det
 
+# The accounting cluster (MariaDB + slurmdbd) of the accounting tests, shared by module scope.
+from test_accounting_cluster import dbd_cluster  # noqa: F401
+
 from detslurm.slurm.site import load_site_config
 
 pytestmark = [pytest.mark.slurm]
@@ -135,3 +138,22 @@ def test_site_init_writes_a_config_that_loads(slurm_env: Path, det: Det) -> None
     assert det("site", "init", "-o", str(path), "--force")[0] == 0
     code, out, _ = det("site", "init", "--print")
     assert code == 0 and out.startswith("# detslurm site config for detslurm")
+
+
+def test_doctor_reads_association_limits_where_there_is_accounting(
+    dbd_cluster: Path,  # noqa: F811
+    det: Det,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SLURM_CONF", str(dbd_cluster / "etc/slurm.conf"))
+    monkeypatch.setenv("DETSLURM_SITE_CONFIG", str(ROOT / "site-configs/test-cluster.yaml"))
+    user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    limits = ["sacctmgr", "-i", "modify", "user", user, "set"]
+    subprocess.run([*limits, "MaxSubmitJobs=50", "MaxJobs=8"], check=True, capture_output=True)
+    try:
+        code, found, _ = _doctor(det, "--no-probe")
+    finally:
+        subprocess.run([*limits, "MaxSubmitJobs=-1", "MaxJobs=-1"], check=False, capture_output=True)
+    assert code == 0
+    assert found["accounting"]["status"] == "ok"
+    assert found["job limits"]["detail"].endswith("MaxSubmitJobs 50, MaxJobs 8")
