@@ -175,7 +175,8 @@ def make_probe_dirs(bases: Sequence[tuple[str, Path]]) -> tuple[list[ProbeDir], 
     run = secrets.token_hex(6)
     for name, base in bases:
         try:
-            base.mkdir(parents=True, exist_ok=True)
+            # Private, as detslurm makes these bases for experiments and checkpoints itself.
+            base.mkdir(parents=True, exist_ok=True, mode=0o700)
             (base / PROBE_DIR).mkdir(mode=0o700, exist_ok=True)
             path = base / PROBE_DIR / run
             path.mkdir(mode=0o700)  # exclusive: never a dir someone else made
