@@ -104,6 +104,8 @@ def test_pools_against_partitions() -> None:
     assert found["pool b"].status is Status.PROBLEM and "no GPU GRES" in found["pool b"].detail
     assert found["pool c"].status is Status.WARNING and "set slots_per_node 2" in found["pool c"].action
     assert found["pool d"].status is Status.OK
+    mixed = checks.check_pool(facts(), "h", Pool(partition="high", slot_type="gpu", slots_per_node=2))
+    assert mixed.status is Status.OK and "2 of its 4 nodes have GPUs" in mixed.detail
     assert found["partition high"].action == "not used by any pool"
     f = facts(site=site)
     down = dataclasses.replace(f, partitions=[dataclasses.replace(p, up=p.name != "gpu") for p in f.partitions])
@@ -134,7 +136,8 @@ def test_limits_accounting_rate_limit_and_missing_site_config() -> None:
     broken = dataclasses.replace(acct, assoc=None, assoc_error="sacctmgr failed (exit 1): no slurmdbd")
     assert checks.check_accounting(broken).status is Status.WARNING
     # Without a site config every partition is probed as a pool (GPU slots where sinfo shows GPUs).
-    assert [(n, p.slot_type) for n, p in probe_pools(f, ())] == [("cpu", "cpu"), ("gpu", "gpu"), ("high", "gpu")]
+    # high mixes CPU and GPU nodes: a CPU pool.
+    assert [(n, p.slot_type) for n, p in probe_pools(f, ())] == [("cpu", "cpu"), ("gpu", "gpu"), ("high", "cpu")]
     with pytest.raises(Exception, match="--pool nope: no such pool"):
         probe_pools(f, ("nope",))
 
@@ -410,9 +413,10 @@ def test_starter_config_from_the_test_cluster(tmp_path: Path) -> None:
     assert {n: (p.partition, p.slot_type, p.slots_per_node) for n, p in site.pools.items()} == {
         "cpu": ("cpu", "cpu", 2),
         "gpu": ("gpu", "gpu", 2),
-        "high": ("high", "gpu", 2),
+        "high": ("high", "cpu", 2),
     }
     assert site.pools["gpu"].description == "2 nodes (g[1-2]), 2 GPUs each"
+    assert site.pools["high"].description == "4 nodes (c[1-2],g[1-2]), 2 CPUs each (2 of them with GPUs)"
     with pytest.raises(starter.SiteInitError, match="exists; use --force"):
         starter.write_starter("x", path, force=False)
     starter.write_starter(text, path, force=True)

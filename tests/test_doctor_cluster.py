@@ -133,6 +133,7 @@ def test_site_init_writes_a_config_that_loads(slurm_env: Path, det: Det) -> None
     site = load_site_config(path)
     assert site.default_pool == "cpu" and sorted(site.pools) == ["cpu", "gpu", "high"]
     assert site.pools["gpu"].slot_type == "gpu" and site.pools["cpu"].slots_per_node == 2
+    assert site.pools["high"].slot_type == "cpu"  # c1, c2 have no GPUs
     code, _, err = det("site", "init", "-o", str(path))
     assert code == 1 and "exists; use --force" in err
     assert det("site", "init", "-o", str(path), "--force")[0] == 0

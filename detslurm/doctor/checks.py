@@ -252,6 +252,8 @@ def check_pool(f: SiteFacts, name: str, pool: Pool) -> Finding:
     detail = f"partition {p.name}, {pool.slot_type} slots, {pool.slots_per_node} per node"
     if pool.slot_type == "gpu":
         gpus = f.gpus_per_node(p.name)
+        if 0 < f.gpu_nodes(p.name) < p.total_nodes:
+            detail += f"; {f.gpu_nodes(p.name)} of its {p.total_nodes} nodes have GPUs (GPU trials run only there)"
         if gpus == 0:
             return Finding(
                 subject, PROBLEM, f"{detail}; the partition's nodes have no GPU GRES", "GPU trials never start"

@@ -45,6 +45,16 @@ class SiteFacts:
     def gpus_per_node(self, partition: str) -> int:
         return max((n.gpus_per_node for n in self.sinfo if n.partition == partition), default=0)
 
+    def gpu_nodes(self, partition: str) -> int:
+        """How many of the partition's nodes have GPUs (sinfo prints nodes with other GRES on
+        lines of their own, so a partition of mixed nodes shows as such)."""
+        return sum(n.nodes for n in self.sinfo if n.partition == partition and n.gpus_per_node > 0)
+
+    def all_gpu(self, partition: str) -> bool:
+        """Every node of the partition has GPUs: the partition is a pool of GPU slots."""
+        p = self.partition(partition)
+        return p is not None and p.total_nodes > 0 and self.gpu_nodes(partition) >= p.total_nodes
+
 
 def gather(
     client: SlurmClient,

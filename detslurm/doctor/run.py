@@ -39,9 +39,7 @@ def probe_pools(f: facts.SiteFacts, wanted: Sequence[str]) -> list[tuple[str, Po
         pools = dict(f.site.pools)
     else:
         # As `det resource-pool list` does on an undescribed site: each partition is a pool.
-        pools = {
-            p.name: Pool(partition=p.name, slot_type="gpu" if f.gpus_per_node(p.name) else "cpu") for p in f.partitions
-        }
+        pools = {p.name: Pool(partition=p.name, slot_type="gpu" if f.all_gpu(p.name) else "cpu") for p in f.partitions}
     unknown = sorted(set(wanted) - set(pools))
     if unknown:
         raise ConfigError(

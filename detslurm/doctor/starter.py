@@ -63,7 +63,9 @@ def starter_yaml(f: SiteFacts) -> str:
         "pools:",
     ]
     for p in parts:
-        gpus = f.gpus_per_node(p.name)
+        # A partition that mixes GPU and CPU nodes is a CPU pool: a GPU pool there would still
+        # run (Slurm picks GPU nodes for --gres), but its slot counts would describe half the nodes.
+        gpus = f.gpus_per_node(p.name) if f.all_gpu(p.name) else 0
         # Average CPUs per node: mixed partitions get a slot count every node can offer or close.
         cpus = p.total_cpus // p.total_nodes
         limit = f", MaxTime {p.max_time_s // 60} min" if p.max_time_s is not None else ""
@@ -75,8 +77,10 @@ def starter_yaml(f: SiteFacts) -> str:
         ]
         if gpus:
             lines.append("    gres_name: gpu")
-        what = f"{gpus} GPUs" if gpus else f"{cpus} CPUs"
-        lines.append(f"    description: {_q(f'{p.total_nodes} nodes ({p.nodes}), {what} each{limit}')}")
+        what = f"{gpus} GPUs each" if gpus else f"{cpus} CPUs each"
+        if not gpus and f.gpu_nodes(p.name):
+            what += f" ({f.gpu_nodes(p.name)} of them with GPUs)"
+        lines.append(f"    description: {_q(f'{p.total_nodes} nodes ({p.nodes}), {what}{limit}')}")
     text = "\n".join(lines) + "\n"
     # Never write a config that would not load: the same validation `det` applies to it.
     from detslurm.expconf.load import parse_yaml
