@@ -471,3 +471,20 @@ def test_probe_time_fits_the_partition() -> None:
     assert pools["cpu"].time_limit_min == 5
     assert "--time=5" in probe.probe_request("cpu", pools["cpu"], f.site, "/p", [], "").args
     assert "--time=15" in probe.probe_request("cpu", dict(probe_pools(f, ()))["cpu"], f.site, "/p", [], "").args
+
+
+def test_a_report_cannot_add_or_drop_dirs(tmp_path: Path) -> None:
+    dirs, _ = probe.make_probe_dirs([("experiments", tmp_path / "exps"), ("checkpoints", tmp_path / "ckpts")])
+    assert (
+        _run_script(probe.render_script("cpu", SiteConfig(), sys.executable, dirs, ""), {"PATH": os.environ["PATH"]})
+        == 0
+    )
+    result = probe.collect(_pool_probe("cpu", dirs, 0), dirs)
+    assert result.report is not None
+    forged = dataclasses.replace(
+        result.report, dirs=(dataclasses.replace(result.report.dirs[0], name="elsewhere"), result.report.dirs[1])
+    )
+    found = by_subject(node_checks.pool_findings(dataclasses.replace(result, report=forged), "0.1.0"))
+    assert "pool cpu: elsewhere dir" not in found
+    assert found["pool cpu: experiments dir"].status is Status.PROBLEM
+    assert found["pool cpu: experiments dir"].detail == f"the report says nothing about {tmp_path / 'exps'}"

@@ -214,7 +214,14 @@ def pool_findings(p: PoolProbe, login_version: str) -> list[Finding]:
         return _without_report(p)
     ended = f"ended {p.state}" + (f" (exit code {p.exit_code}: see below)" if p.exit_code else "")
     out = [Finding(_subject(p, "node"), OK, f"probe job {p.job_id} ran on {r.node} and {ended}", "")]
-    out += [check_dir(p, d) for d in r.dirs]
+    # The login side's list decides which dirs are judged; a report may not add or drop any.
+    reported = {d.name: d for d in r.dirs}
+    for name, base in zip(p.dirs, p.bases, strict=False):
+        d = reported.get(name)
+        if d is None:
+            out.append(Finding(_subject(p, f"{name} dir"), PROBLEM, f"the report says nothing about {base}", ""))
+        else:
+            out.append(check_dir(p, d))
     out.append(check_scratch(p, r.scratch))
     out += check_python(p, r, login_version)
     if p.slot_type == "gpu":

@@ -95,6 +95,9 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
     # could cut it short.
     if _HEREDOC in source:
         raise ValueError(f"the node probe's source contains its here-document end marker {_HEREDOC}")
+    # Two bits per dir in an exit code of EXIT_BASE..EXIT_BASE+15: room for two dirs.
+    if len(dirs) > 2:
+        raise ValueError(f"the probe checks at most 2 shared dirs, not {len(dirs)}")
     config = {
         "pool": pool,
         "key": file_key(pool),
