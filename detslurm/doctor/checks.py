@@ -215,7 +215,7 @@ def check_site_config(f: SiteFacts) -> Finding:
         "site config",
         OK,
         f"{f.site_path}: pools {pools}{default}, container_runtime {f.site.container_runtime}",
-        "",
+        "experiments choose a pool with resources.resource_pool",
     )
 
 

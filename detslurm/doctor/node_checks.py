@@ -15,6 +15,11 @@ MIN_SCRATCH_BYTES = 1 << 30
 # Slurm's pending reasons that only mean "busy, wait": anything else will not fix itself.
 _BUSY = ("Priority", "Resources", "None", "BeginTime", "Dependency", "JobArrayTaskLimit")
 
+# What a healthy dir is used for (the action of an ok line).
+_DIR_USE = {
+    "experiments": "run dirs (events, logs, control files) go there",
+    "checkpoints": "checkpoints are written there (private, renamed into place when complete)",
+}
 _DIR_ACTIONS = {
     "experiments": (
         "trials in this pool cannot run (their run dirs, events and control files live there): set "
@@ -102,7 +107,7 @@ def check_dir(p: PoolProbe, d: DirCheck) -> Finding:
     # Name the dir the user configured, not the probe's random subdir in it.
     path = dict(zip(p.dirs, p.bases, strict=False)).get(d.name, d.path)
     if d.seen and d.written and came_back:
-        return Finding(subject, OK, f"{path}: shared with {p.node} both ways", "")
+        return Finding(subject, OK, f"{path}: shared with {p.node} both ways", _DIR_USE.get(d.name, ""))
     problems = [d.error] if d.error else []
     if d.written and not came_back:
         problems.append("the node's test file never reached the login node")
@@ -139,7 +144,12 @@ def check_python(p: PoolProbe, r: NodeReport, login_version: str) -> list[Findin
         version = (int(parts[0]), int(parts[1]))
     except (IndexError, ValueError):
         version = (0, 0)
-    py = Finding(_subject(p, "python"), OK, f"{r.python_version} ({r.python_executable})", "")
+    py = Finding(
+        _subject(p, "python"),
+        OK,
+        f"{r.python_version} ({r.python_executable})",
+        "trials run `python -m detslurm.exec.launch` with it",
+    )
     if version < MIN_PYTHON:
         py = Finding(py.subject, PROBLEM, py.detail, "detslurm needs Python 3.10+: set `python` in the site config")
     subject = _subject(p, "detslurm")
