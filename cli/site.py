@@ -21,7 +21,7 @@ _ACTION_WIDTH = 50
 
 @click.group(name="site")
 def site() -> None:
-    """What this Slurm site offers detslurm: `doctor` checks it, `init` writes a site config."""
+    """Site doctor and starter site config: what this Slurm offers detslurm."""
 
 
 @site.command("doctor")
