@@ -245,8 +245,10 @@ def test_no_report_back_is_read_from_the_exit_code(tmp_path: Path) -> None:
     ]
     assert "in /e the node cannot see the login node's test file and cannot write" in found[0].detail
     assert found[1].detail.endswith("in /c the node cannot write")
-    silent = dataclasses.replace(p, exit_code=0)
+    silent = dataclasses.replace(p, exit_code=0, state="COMPLETED")
     assert "no report reached the login node" in node_checks.pool_findings(silent, "0.1.0")[0].detail
+    lost = dataclasses.replace(p, exit_code=0, state="NODE_FAIL")
+    assert "ended before the probe could report" in node_checks.pool_findings(lost, "0.1.0")[0].detail
 
 
 def test_a_missing_interpreter_is_reported(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from detslurm.doctor.findings import Finding, Status
 from detslurm.doctor.probe import PoolProbe, dir_failures
 from detslurm.doctor.report import DirCheck, DirFacts, NodeReport, Scratch
@@ -37,7 +39,7 @@ def _subject(p: PoolProbe, what: str) -> str:
 
 
 def _not_run(p: PoolProbe) -> list[Finding]:
-    """The probe never ran: refused, still queued, or ended without a word."""
+    """The probe never ran: refused by sbatch, or still queued at the timeout."""
     if not p.submitted:
         return [
             Finding(
@@ -87,6 +89,16 @@ def _without_report(p: PoolProbe) -> list[Finding]:
         )
     if p.report_error:
         out.append(Finding(subject, PROBLEM, f"{where}: unusable report ({p.report_error})", "run the doctor again"))
+    if not out and p.state not in ("COMPLETED", "FAILED"):
+        # Cancelled, node failure, boot failure, time limit: the job ended before the probe could.
+        out.append(
+            Finding(
+                subject,
+                PROBLEM,
+                f"{where}: the job ended before the probe could report",
+                "run the doctor again; if it repeats, trials on these nodes would end the same way",
+            )
+        )
     if not out:
         out.append(
             Finding(
@@ -222,6 +234,8 @@ def pool_findings(p: PoolProbe, login_version: str) -> list[Finding]:
     r = p.report
     if r is None:
         return _without_report(p)
+    # scontrol forgets a job after MinJobAge; the report still knows where it ran.
+    p = replace(p, node=p.node or r.node)
     ended = f"ended {p.state}" + (f" (exit code {p.exit_code}: see below)" if p.exit_code else "")
     out = [Finding(_subject(p, "node"), OK, f"probe job {p.job_id} ran on {r.node} and {ended}", "")]
     # The login side's list decides which dirs are judged; a report may not add or drop any.
