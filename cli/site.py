@@ -88,11 +88,8 @@ def init(app: App, output: Optional[Path], force: bool, to_stdout: bool) -> None
     from detslurm.doctor.facts import gather
     from detslurm.slurm.site import SiteConfig
 
-    settings = app.settings
     # Described from Slurm alone: an existing site config must not shape its own replacement.
-    f = gather(
-        app.client, SiteConfig(), None, settings.experiments_dir, settings.checkpoint_dir, settings.poll_interval_s
-    )
+    f = gather(app.client, SiteConfig(), None, app.settings)
     text = starter.starter_yaml(f)
     if to_stdout:
         click.echo(text, nl=False)

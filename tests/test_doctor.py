@@ -15,7 +15,7 @@ from typing import Optional
 import pytest
 
 from detslurm.doctor import checks, node_checks, probe, starter
-from detslurm.doctor.facts import SiteFacts
+from detslurm.doctor.facts import SiteFacts, StoreFacts, store_facts
 from detslurm.doctor.findings import Finding, Status, report_json, worst
 from detslurm.doctor.report import ReportError, parse_report
 from detslurm.doctor.run import probe_pools
@@ -490,3 +490,20 @@ def test_a_report_cannot_add_or_drop_dirs(tmp_path: Path) -> None:
     assert "pool cpu: elsewhere dir" not in found
     assert found["pool cpu: experiments dir"].status is Status.PROBLEM
     assert found["pool cpu: experiments dir"].detail == f"the report says nothing about {tmp_path / 'exps'}"
+
+
+MOUNTINFO = (
+    "22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n40 22 0:50 / /home rw,relatime - nfs4 server:/home rw,vers=4.2\n"
+)
+
+
+def test_store_line() -> None:
+    local = store_facts("sqlite:////var/tmp/det/detslurm.db", MOUNTINFO)
+    assert local == StoreFacts("sqlite", Path("/var/tmp/det/detslurm.db"), None)
+    assert checks.check_store(facts(store=local)).status is Status.OK
+    nfs = store_facts("sqlite:////home/alice/.local/share/detslurm/detslurm.db", MOUNTINFO)
+    assert nfs.network_fs == "nfs4"
+    line = checks.check_store(facts(store=nfs))
+    assert line.status is Status.WARNING and "DETSLURM_DATA_DIR" in line.action
+    pg = checks.check_store(facts(store=store_facts("postgresql+psycopg://bob:s3cret@db/det", MOUNTINFO)))
+    assert pg.status is Status.OK and pg.detail == "postgresql (db_url)" and "s3cret" not in pg.detail + pg.action

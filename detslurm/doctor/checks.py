@@ -219,6 +219,22 @@ def check_site_config(f: SiteFacts) -> Finding:
     )
 
 
+def check_store(f: SiteFacts) -> Finding:
+    s = f.store
+    if s.kind != "sqlite":
+        # Never the URL itself: it may hold a password.
+        return Finding("store", OK, f"{s.kind} (db_url)", "writers take a per-user lock; reads take none")
+    if s.network_fs:
+        return Finding(
+            "store",
+            WARNING,
+            f"SQLite {s.sqlite_path} is on a network filesystem ({s.network_fs})",
+            "SQLite's locking is unsafe there from several hosts: set DETSLURM_DATA_DIR to a local disk, "
+            "or db_url to PostgreSQL when you work from several login nodes",
+        )
+    return Finding("store", OK, f"SQLite {s.sqlite_path} on a local filesystem", "use it from this login node only")
+
+
 def check_partition(f: SiteFacts, p: PartitionInfo) -> Finding:
     gres = f.gres(p.name) or "no GRES"
     detail = (
@@ -285,6 +301,7 @@ def site_findings(f: SiteFacts) -> list[Finding]:
     out = [
         check_slurm(f),
         check_site_config(f),
+        check_store(f),
         check_plugins(f),
         check_accounting(f),
         check_preemption(f),

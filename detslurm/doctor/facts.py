@@ -7,14 +7,35 @@ that judge it are pure functions over :class:`SiteFacts` (tests build them from 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from detslurm.settings import Settings
 from detslurm.slurm.client import SlurmClient, SlurmCommandError
 from detslurm.slurm.parse import Capabilities, PartitionNodes, SlurmParseError
 from detslurm.slurm.partitions import AssocLimit, PartitionInfo
 from detslurm.slurm.site import SiteConfig
+from detslurm.store.fs import network_fs_of
+
+
+@dataclass(frozen=True)
+class StoreFacts:
+    """Where the user's store is: the doctor warns about SQLite on a network filesystem."""
+
+    kind: str  # "sqlite", "postgresql", or the URL's scheme
+    sqlite_path: Optional[Path]  # the SQLite file (never a URL: a password must not be shown)
+    network_fs: Optional[str]  # e.g. "nfs4" when the SQLite file's dir is on one
+
+
+def store_facts(db_url: str, mountinfo: Optional[str] = None) -> StoreFacts:
+    """What kind of store ``db_url`` names and, for SQLite, which filesystem holds it."""
+    scheme = db_url.partition(":")[0].split("+")[0].lower()
+    if scheme != "sqlite":
+        return StoreFacts(scheme, None, None)
+    # sqlite:///relative or sqlite:////absolute: the path follows the third slash.
+    path = Path(db_url.partition(":///")[2] or ":memory:")
+    return StoreFacts("sqlite", path, network_fs_of(path, mountinfo))
 
 
 @dataclass(frozen=True)
@@ -34,6 +55,7 @@ class SiteFacts:
     assoc: Optional[list[AssocLimit]] = None
     # Why the associations could not be read, when accounting exists but sacctmgr failed.
     assoc_error: str = ""
+    store: StoreFacts = field(default_factory=lambda: StoreFacts("sqlite", None, None))
 
     def partition(self, name: str) -> Optional[PartitionInfo]:
         return next((p for p in self.partitions if p.name == name), None)
@@ -56,14 +78,7 @@ class SiteFacts:
         return p is not None and p.total_nodes > 0 and self.gpu_nodes(partition) >= p.total_nodes
 
 
-def gather(
-    client: SlurmClient,
-    site: SiteConfig,
-    site_path: Optional[Path],
-    experiments_dir: Path,
-    checkpoint_dir: Path,
-    user_poll_interval_s: float,
-) -> SiteFacts:
+def gather(client: SlurmClient, site: SiteConfig, site_path: Optional[Path], settings: Settings) -> SiteFacts:
     """Four or five Slurm calls: config, partitions, sinfo, and the user's associations."""
     caps = client.capabilities()
     assoc: Optional[list[AssocLimit]] = None
@@ -80,9 +95,10 @@ def gather(
         sinfo=client.sinfo(),
         site=site,
         site_path=site_path,
-        experiments_dir=experiments_dir,
-        checkpoint_dir=checkpoint_dir,
-        user_poll_interval_s=user_poll_interval_s,
+        experiments_dir=settings.experiments_dir,
+        checkpoint_dir=settings.checkpoint_dir,
+        user_poll_interval_s=settings.poll_interval_s,
         assoc=assoc,
         assoc_error=assoc_error,
+        store=store_facts(settings.db_url),
     )

@@ -69,9 +69,7 @@ def diagnose(
     options: ProbeOptions,
 ) -> Diagnosis:
     """Every finding about this site, in the table's order: site-level lines, then each pool's."""
-    f = facts.gather(
-        client, site, site_path, settings.experiments_dir, settings.checkpoint_dir, settings.poll_interval_s
-    )
+    f = facts.gather(client, site, site_path, settings)
     findings = checks.site_findings(f)
     if not options.enabled:
         return Diagnosis(f, findings)
