@@ -159,6 +159,7 @@ def check_limits(f: SiteFacts) -> Finding:
         "job limits",
         OK,
         detail,
+        # Task ids run from 0 to MaxArraySize-1, and detslurm numbers tasks from 0.
         f"trials that start together go as job arrays of at most {caps.max_array_size - 1} tasks (split if more)",
     )
 
@@ -176,6 +177,7 @@ def check_rate_limit(f: SiteFacts) -> Finding:
 
 
 def check_user_top(f: SiteFacts) -> Finding:
+    # Without it `scontrol top` is an operator command, and Determined's "move ahead" has no user-level twin.
     if f.caps.enable_user_top:
         return Finding(
             "enable_user_top", OK, "users may reorder their own jobs", "det job update --ahead-of uses scontrol top"

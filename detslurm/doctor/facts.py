@@ -62,6 +62,7 @@ class SiteFacts:
 
     def gres(self, partition: str) -> str:
         """The partition's GRES as sinfo prints them (``gpu:2``), "" when it has none."""
+        # sinfo prints one line per node state and GRES: the set of distinct values describes it.
         return ",".join(sorted({n.gres for n in self.sinfo if n.partition == partition and n.gres}))
 
     def gpus_per_node(self, partition: str) -> int:

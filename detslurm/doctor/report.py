@@ -43,9 +43,10 @@ class DirCheck:
 class DirFacts:
     path: str
     exists: bool
+    # Owned by the job's user, writable by nobody else: what a per-job tmp dir looks like.
     private: bool
     writable: bool
-    free_bytes: Optional[int]
+    free_bytes: Optional[int]  # None where statvfs failed
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Scratch:
 
 @dataclass(frozen=True)
 class Gpus:
+    # What Slurm's gres plugin set for the job (None: not set at all, as on CPU nodes).
     cuda_visible_devices: Optional[str]
     slurm_job_gpus: Optional[str]
     nvidia_smi: tuple[str, ...]
@@ -67,9 +69,10 @@ class Gpus:
 @dataclass(frozen=True)
 class Container:
     runtime: str
-    version: Optional[str]
+    version: Optional[str]  # None: the runtime is missing or broken (``error`` says how)
     error: str
     image: str
+    # None when no image was tried (none named, or no runtime to try it with).
     image_ok: Optional[bool]
     image_error: str
 
