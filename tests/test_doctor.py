@@ -425,6 +425,7 @@ def test_starter_config_from_the_test_cluster(tmp_path: Path) -> None:
     busy = facts(site=SiteConfig(), site_path=None)
     busy = dataclasses.replace(busy, caps=dataclasses.replace(busy.caps, rate_limited=True))
     assert "poll_interval_s: 30" in starter.starter_yaml(busy)
+    assert "#        PreemptMode REQUEUE (preempt/partition_prio), KillWait 5 s; MaxArraySize 1001" in text
 
 
 class FailingSqueue(FakeSlurm):

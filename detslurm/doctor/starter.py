@@ -37,6 +37,19 @@ def _q(text: str) -> str:
     return json.dumps(text)
 
 
+def _found(f: SiteFacts) -> list[str]:
+    """What Slurm said, as comments: the reasons behind the values below, for the admin reading it."""
+    caps, p = f.caps, f.caps.plugins
+    yes_no = {True: "yes", False: "no"}
+    return [
+        f"# Found: {p.select or 'select/?'}, {p.proctrack or 'proctrack/?'}, GresTypes {p.gres_types or 'none'}; "
+        f"accounting {yes_no[caps.accounting]}; enable_user_top {yes_no[caps.enable_user_top]}; "
+        f"RPC rate limiting {yes_no[caps.rate_limited]}",
+        f"#        PreemptMode {caps.preempt_mode} ({p.preempt_type or 'preempt/none'}), "
+        f"KillWait {caps.kill_wait_s} s; MaxArraySize {caps.max_array_size}, MaxJobCount {caps.max_job_count}",
+    ]
+
+
 def starter_yaml(f: SiteFacts) -> str:
     """The starter site config's text (pure)."""
     parts = [p for p in f.partitions if p.up and p.total_nodes > 0]
@@ -49,6 +62,7 @@ def starter_yaml(f: SiteFacts) -> str:
     lines = [
         f"# detslurm site config for {cluster} (Slurm {f.caps.version}), written by `det site init`.",
         "# Check it with `det site doctor`; every key is described in site-configs/generic.yaml.",
+        *_found(f),
         f"default_pool: {_q(default)}",
         "# A floor: no user's daemon polls slurmctld more often than this.",
         f"poll_interval_s: {poll_floor(f.caps, total_nodes)}",
