@@ -32,6 +32,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "resource_pool",
         "Resource pools (Slurm partitions, described in the site config).",
     ),
+    "site": ("site", "site", "Site doctor and starter site config: what this Slurm offers detslurm."),
 }
 _ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
 

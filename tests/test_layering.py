@@ -34,6 +34,7 @@ LOGIN = (
     "detslurm.settings",
     "detslurm.searcher",
     "detslurm.expconf",
+    "detslurm.doctor",
 )
 
 

@@ -17,7 +17,7 @@ from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
-from detslurm.slurm.partitions import PartitionInfo, parse_partitions
+from detslurm.slurm.partitions import ASSOC_FIELDS, AssocLimit, PartitionInfo, parse_assoc_limits, parse_partitions
 from detslurm.util import env_number
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -170,6 +170,12 @@ class SlurmClient:
     def partitions(self) -> list[PartitionInfo]:
         """Every partition's limits (one RPC), for refusing what can never run."""
         return parse_partitions(self._run(["scontrol", "show", "partition", "-o"]).stdout)
+
+    def assoc_limits(self) -> list[AssocLimit]:
+        """This user's associations and their job limits (MaxSubmitJobs, MaxJobs). Only where
+        accounting exists (slurmdbd); callers check capabilities().accounting."""
+        argv = ["sacctmgr", "-n", "-P", "show", "assoc", f"user={self.user}", f"format={ASSOC_FIELDS}"]
+        return parse_assoc_limits(self._run(argv).stdout)
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:
