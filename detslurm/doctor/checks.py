@@ -216,7 +216,7 @@ def check_site_config(f: SiteFacts) -> Finding:
     return Finding(
         "site config",
         OK,
-        f"{f.site_path}: pools {pools}{default}, container_runtime {f.site.container_runtime}",
+        f"{f.site_path}: pools {pools}{default}, container_runtime {f.site.container_runtime.value}",
         "experiments choose a pool with resources.resource_pool",
     )
 

@@ -102,7 +102,7 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
         "pool": pool,
         "key": file_key(pool),
         "dirs": [{"name": d.name, "path": str(d.path), "token": d.token} for d in dirs],
-        "runtime": site.container_runtime,
+        "runtime": site.container_runtime.value,
         "image": image,
     }
     fail_name = f"python-failed-{file_key(pool)}"

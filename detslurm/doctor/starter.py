@@ -69,7 +69,7 @@ def starter_yaml(f: SiteFacts) -> str:
         "# Sent this many seconds before a job's time limit so the trial can checkpoint (never USR1: NCCL's).",
         "signal: USR2",
         "signal_lead_s: 300",
-        "container_runtime: none     # or apptainer, singularity, pyxis",
+        "container_runtime: none     # or podman, apptainer, singularity, pyxis",
         "# Shell lines run before every trial, e.g. module load python/3.11",
         "setup: []",
         "# python: /path/to/venv/bin/python   # the interpreter on the nodes (default: the one running det)",
