@@ -212,3 +212,18 @@ def test_the_trials_exit_code_passes_through_the_container(det: Any, image: str,
     (run,) = _runs(trials(1)[0].id)
     # The trial's own failure, counted as one (not an image problem).
     assert (run.exit_code, run.exit_reason) == (7, "failed")
+
+
+def test_dry_run_shows_the_container_command_slurm_receives(det: Any, image: str) -> None:
+    from test_dry_run_cluster import normalize, stored_script, submissions, wait_jobs
+
+    over = ["--config", "hyperparameters.sleep=0.3", "--config", f"environment.image={image}"]
+    code, dry, err = det("e", "create", "--dry-run", CORE / "const.yaml", CORE, *over)
+    assert code == 0, err
+    ((_, script),) = submissions(dry)
+    assert f"--ulimit nofile=1024:1024 --ulimit nproc=4096:4096 {image} python3 -m detslurm.exec.launch &" in script
+    assert det("e", "create", "--paused", CORE / "const.yaml", CORE, *over)[0] == 0
+    assert det("e", "activate", "1")[0] == 0
+    # Same script, the in-job library's content key included.
+    assert normalize(stored_script(wait_jobs(1)[0])) == normalize(script)
+    assert det("e", "kill", "1")[0] == 0
