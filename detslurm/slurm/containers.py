@@ -15,7 +15,8 @@ Runtimes:
 - ``podman``: ``podman run --rm --init --network=host ...``. ``--init`` puts a tiny init as PID 1
   that passes signals on (a Python PID 1 would ignore a SIGTERM it has no handler for yet), and
   podman's default ``--sig-proxy`` forwards the SIGTERM Slurm sends ``podman run`` into the
-  container, so preemption checkpoints; ``podman run`` exits with the container's code.
+  container, so preemption checkpoints; ``podman run`` exits with the container's code. On GPU
+  pools it gets one CDI device per GPU Slurm allocated (see ``_GPU_DEVICES``).
 - ``apptainer`` / ``singularity``: ``exec`` with ``--nv``/``--rocm`` on GPU pools; a name that is
   not a path or a URI is a Docker image (``docker://``). The host environment passes through.
 - ``pyxis`` (alias ``enroot``): the image goes on srun (``--container-image``,
