@@ -204,6 +204,7 @@ PODMAN = {
 SCRIPTS = {
     "podman-1node": ("podman", PODMAN, {}),
     "podman-2nodes": ("podman", PODMAN, {"resources": {"slots_per_trial": 4}}),
+    "podman-gpu-2nodes": ("podman", PODMAN, {"resources": {"slots_per_trial": 8, "resource_pool": "gpu"}}),
     "apptainer-gpu-2nodes": ("apptainer", {}, {"resources": {"slots_per_trial": 8, "resource_pool": "gpu"}}),
     "singularity-1node": ("singularity", {"executable": "/opt/singularity/bin/singularity"}, {}),
     "pyxis-1node-gpu": ("pyxis", {}, {"resources": {"slots_per_trial": 2, "resource_pool": "gpu"}}),
@@ -368,3 +369,26 @@ def test_in_a_container_the_shim_wins_over_an_images_own_determined(tmp_path: Pa
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.parametrize(
+    "env,devices,visible",
+    [
+        ({"SLURM_STEP_GPUS": "2,3", "SLURM_JOB_GPUS": "0,1,2,3"}, ["2", "3"], "0,1"),  # a step's GPUs win
+        ({"SLURM_JOB_GPUS": "5"}, ["5"], "0"),  # the batch step (one node) has only the job's
+    ],
+)
+def test_podman_gets_exactly_the_allocated_gpus(
+    tmp_path: Path, env: dict[str, str], devices: list[str], visible: str
+) -> None:
+    # A fake podman that prints its arguments: the real shell line runs with Slurm's variables.
+    fake = tmp_path / "podman"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    cmd = container_command(_spec(Runtime.PODMAN, gpu=Gpu.NVIDIA, executable=str(fake)))
+    argv = [*cmd.prefix, "python3", "-m", "detslurm.exec.launch"]
+    res = subprocess.run(argv, capture_output=True, text=True, env={"PATH": os.environ["PATH"], **env}, check=True)
+    args = res.stdout.splitlines()
+    assert [a.split("=")[-1] for a in args if a.startswith("--device=nvidia.com/gpu=")] == devices
+    assert f"--env=CUDA_VISIBLE_DEVICES={visible}" in args and "--env=CUDA_VISIBLE_DEVICES" not in args
+    assert args[-4:] == ["determinedai/pytorch-ngc:0.38.0", "python3", "-m", "detslurm.exec.launch"]

@@ -157,6 +157,25 @@ def test_preemption_checkpoints_through_the_container_and_resumes(det: Any, imag
     assert _runs(t.id)[0].preempt_acked
 
 
+def test_time_limit_warning_reaches_the_container(det: Any, image: str) -> None:
+    # The site's warning signal (USR2, signal_lead_s before the time limit) goes to the batch
+    # shell, which passes it to `podman run` (and into the container) and records it.
+    code, _, err = det(
+        "e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15",
+        "--config", f"environment.image={image}",
+    )  # fmt: skip
+    assert code == 0, err
+    tid = trials(1)[0].id
+    wait_for(lambda: trials(1)[0].latest_checkpoint is not None and bool(_runs(tid)) and bool(_runs(tid)[-1].job_id))
+    subprocess.run(["scancel", "--signal=USR2", "--batch", str(_runs(tid)[-1].job_id)], check=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.run_count == 2 and t.restarts == 0
+    assert [s for s, _ in steps(t.id)] == list(range(1, 41))
+    assert _runs(t.id)[0].preempt_acked
+
+
 def test_missing_image_errors_without_retries(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/probe.py", PROBE)
     cfg = write(
@@ -193,3 +212,18 @@ def test_the_trials_exit_code_passes_through_the_container(det: Any, image: str,
     (run,) = _runs(trials(1)[0].id)
     # The trial's own failure, counted as one (not an image problem).
     assert (run.exit_code, run.exit_reason) == (7, "failed")
+
+
+def test_dry_run_shows_the_container_command_slurm_receives(det: Any, image: str) -> None:
+    from test_dry_run_cluster import normalize, stored_script, submissions, wait_jobs
+
+    over = ["--config", "hyperparameters.sleep=0.3", "--config", f"environment.image={image}"]
+    code, dry, err = det("e", "create", "--dry-run", CORE / "const.yaml", CORE, *over)
+    assert code == 0, err
+    ((_, script),) = submissions(dry)
+    assert f"--ulimit nofile=1024:1024 --ulimit nproc=4096:4096 {image} python3 -m detslurm.exec.launch &" in script
+    assert det("e", "create", "--paused", CORE / "const.yaml", CORE, *over)[0] == 0
+    assert det("e", "activate", "1")[0] == 0
+    # Same script, the in-job library's content key included.
+    assert normalize(stored_script(wait_jobs(1)[0])) == normalize(script)
+    assert det("e", "kill", "1")[0] == 0

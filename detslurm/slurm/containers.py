@@ -15,7 +15,8 @@ Runtimes:
 - ``podman``: ``podman run --rm --init --network=host ...``. ``--init`` puts a tiny init as PID 1
   that passes signals on (a Python PID 1 would ignore a SIGTERM it has no handler for yet), and
   podman's default ``--sig-proxy`` forwards the SIGTERM Slurm sends ``podman run`` into the
-  container, so preemption checkpoints; ``podman run`` exits with the container's code.
+  container, so preemption checkpoints; ``podman run`` exits with the container's code. On GPU
+  pools it gets one CDI device per GPU Slurm allocated (see ``_GPU_DEVICES``).
 - ``apptainer`` / ``singularity``: ``exec`` with ``--nv``/``--rocm`` on GPU pools; a name that is
   not a path or a URI is a Docker image (``docker://``). The host environment passes through.
 - ``pyxis`` (alias ``enroot``): the image goes on srun (``--container-image``,
@@ -141,16 +142,38 @@ def _podman(spec: ContainerSpec) -> ContainerCommand:
     for b in spec.binds:
         run += ["-v", f"{b.host}:{b.container}" + (":ro" if b.read_only else "")]
     run += [f"--env={p}*" for p in ENV_PREFIXES]
-    # By name: what no prefix covers (the user's environment_variables, GPU variables).
-    run += [f"--env={n}" for n in _unique(ENV_NAMES + spec.env_names) if not n.startswith(ENV_PREFIXES)]
+    # By name: what no prefix covers (the user's environment_variables, GPU variables). NVIDIA
+    # containers get their own CUDA_VISIBLE_DEVICES (below), not the host's.
+    skip = ("CUDA_VISIBLE_DEVICES",) if spec.gpu == Gpu.NVIDIA else ()
+    names = _unique(ENV_NAMES + spec.env_names)
+    run += [f"--env={n}" for n in names if not n.startswith(ENV_PREFIXES) and n not in skip]
     run += [f"--env={k}={v}" for k, v in spec.env_set]
-    if spec.gpu == Gpu.NVIDIA:
-        run.append("--device=nvidia.com/gpu=all")  # CDI: the NVIDIA container toolkit's spec
-    elif spec.gpu == Gpu.AMD:
+    if spec.gpu == Gpu.AMD:
         run += ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=keep-groups"]
     # The site's options last, so a site may override ours (podman keeps the last value).
-    run += [*spec.run_options, image]
-    return ContainerCommand(("sh", "-c", fetch), (), tuple(run), spec.python)
+    tail = [*spec.run_options, image]
+    if spec.gpu == Gpu.NVIDIA:
+        return ContainerCommand(("sh", "-c", fetch), (), _with_allocated_gpus(run, tail), spec.python)
+    return ContainerCommand(("sh", "-c", fetch), (), (*run, *tail), spec.python)
+
+
+# Shell run on each node (POSIX sh) for Podman on GPU pools: one CDI device per GPU Slurm
+# allocated to this step or job (host indices), and CUDA_VISIBLE_DEVICES numbering them from 0
+# as the container sees them. Exposing all of the node's GPUs and passing Slurm's variable on
+# would pick the wrong ones where Slurm renumbers GPUs (ConstrainDevices): the container runs
+# outside the job's device cgroup.
+_GPU_DEVICES = (
+    'd=""; c=""; i=0; '
+    'for g in $(echo "${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}" | tr , " "); do '
+    'd="$d --device=nvidia.com/gpu=$g"; c="$c${c:+,}$i"; i=$((i+1)); done; '
+)
+
+
+def _with_allocated_gpus(run: list[str], tail: list[str]) -> tuple[str, ...]:
+    """``sh -c 'exec podman run ... $d --env=CUDA_VISIBLE_DEVICES=$c IMAGE "$@"' sh`` : the
+    launcher's argv follows as the script's arguments."""
+    script = f'{_GPU_DEVICES}exec {shlex.join(run)} $d "--env=CUDA_VISIBLE_DEVICES=$c" {shlex.join(tail)} "$@"'
+    return ("sh", "-c", script, "sh")
 
 
 def apptainer_image(image: str) -> str:

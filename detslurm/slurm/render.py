@@ -179,11 +179,13 @@ def container_spec(
         return None
     binds = [Bind(b.host_path, b.container_path, b.read_only) for b in config.top.bind_mounts]
     covered = [b.container.rstrip("/") + "/" for b in binds]
-    # Same paths inside as outside: every DET_* path the trial gets stays valid. A user's bind
-    # mount that already provides a path (say, directory storage's container_path) wins.
-    for path in (paths.exp_dir, config.storage_base):
-        if not any((path.rstrip("/") + "/").startswith(c) for c in covered):
-            binds.append(Bind(path, path))
+    # Same paths inside as outside: every DET_* path the trial gets stays valid. The experiment
+    # dir is always ours (mounted after the user's, so it wins); for the checkpoint storage a
+    # user's bind mount that provides its path (as directory storage's container_path needs) wins.
+    binds.append(Bind(paths.exp_dir, paths.exp_dir))
+    storage = config.storage_base
+    if not any((storage.rstrip("/") + "/").startswith(c) for c in covered):
+        binds.append(Bind(storage, storage))
     binds.append(Bind(paths.lib_dir, LIB_IN_CONTAINER, read_only=True))
     return ContainerSpec(
         runtime=runtime,
