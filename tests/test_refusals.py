@@ -95,6 +95,13 @@ def test_more_slots_on_one_node_than_any_node_holds() -> None:
     ]
 
 
+def test_slots_of_a_gres_sinfo_does_not_count_are_left_to_sbatch() -> None:
+    shards = SiteConfig.model_validate(
+        {"default_pool": "s", "pools": {"s": {"partition": "gpu", "slot_type": "gpu", "gres_name": "shard"}}}
+    )
+    assert refusals(config(resources={"slots_per_trial": 8}), site=shards) == []
+
+
 def test_partition_max_nodes_and_max_cpus_per_node() -> None:
     out = refusals(config(resources={"slots_per_trial": 4}), partitions(MaxNodes="1", MaxCPUsPerNode="1"))
     assert out == [
@@ -308,6 +315,20 @@ def test_a_shape_our_check_refuses_is_not_sent_to_sbatch(tmp_path: Path) -> None
     ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
     (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 2)))
     assert refusal.kind is RefusalKind.TOO_MANY_NODES and fake.count("sbatch") == 0
+
+
+def test_without_sinfo_json_the_size_is_left_to_sbatch(tmp_path: Path) -> None:
+    class NoJson(FakeSlurm):
+        def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
+            if list(argv[:2]) == ["sinfo", "--json"]:
+                self.calls.append(list(argv))
+                return Result(1, "", "sinfo: error: unrecognized option '--json'")
+            return super().__call__(argv, **kw)
+
+    fake = NoJson(test_only=Result(1, "", "allocation failure: Requested node configuration is not available"))
+    ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
+    (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 1)))
+    assert refusal.kind is RefusalKind.SBATCH and "Requested node configuration is not available" in refusal.message
 
 
 def test_an_offline_dry_run_checks_nothing_when_slurm_is_away(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from detslurm.controller.executor import (
 )
 from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
-from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
+from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
 from detslurm.slurm.reasons import pending_reason
 from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
 from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
@@ -187,7 +187,7 @@ class SlurmExecutor:
         paths and environment, none of which slurmctld's admission depends on, so one test
         answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
         try:
-            partitions, nodes = self.client.partitions(), self.client.nodes()
+            partitions, nodes = self.client.partitions(), self._nodes()
         except (SlurmCommandError, SlurmUnavailable):
             if not self.offline:
                 raise
@@ -202,6 +202,18 @@ class SlurmExecutor:
             found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
             out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
         return out
+
+    def _nodes(self) -> list[NodeInfo]:
+        """The nodes for the size checks, or none where ``sinfo --json`` is missing (a Slurm
+        built without its JSON plugins): sbatch --test-only then judges the size alone."""
+        try:
+            return self.client.nodes()
+        except SlurmParseError:
+            return []
+        except SlurmCommandError as e:
+            if e.unreachable:
+                raise
+            return []
 
     def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
         """sbatch's verdict where our own check found nothing (its message for a request that

@@ -78,6 +78,7 @@ class JobShape:
     partition: str  # "" = Slurm's default partition
     partition_path: str
     slot_type: str
+    gres_name: str  # the GRES a GPU pool's slots are (sinfo counts only "gpu" per node)
     slots: int
     nodes: int
     slots_per_node: int  # slots each node must hold
@@ -126,6 +127,7 @@ def job_shape(config: ExperimentConfig, site: SiteConfig) -> JobShape:
         partition=pool.partition,
         partition_path=f"{at}.partition" if site.pools else f"{CONFIG}.resources.resource_pool",
         slot_type=pool.slot_type,
+        gres_name=pool.gres_name,
         slots=res.slots,
         nodes=res.nodes,
         slots_per_node=res.per_node,
@@ -166,7 +168,10 @@ def _node_refusals(shape: JobShape, part: PartitionInfo, nodes: Sequence[NodeInf
     sizes = Counter(_capacity(shape, n) for n in ours)
     asked = f"slots_per_trial={shape.slots}"
     out: list[Refusal] = []
-    if shape.slots > 0 and ours:
+    # A pool of another GRES (shard, mps, a site's own name) has slots we cannot count here:
+    # sbatch --test-only judges those.
+    countable = shape.slot_type == "cpu" or shape.gres_name == "gpu"
+    if shape.slots > 0 and ours and countable:
         big = sum(n for c, n in sizes.items() if c >= shape.slots_per_node)
         if big == 0:
             largest = max(sizes)
