@@ -45,14 +45,15 @@ def assert_nothing_created(det: Any, env: Path) -> None:
 
 
 def refused(det: Any, *args: Any) -> str:
-    """Both the dry run and the create refuse the same way; the error text (no traceback)."""
+    """The dry run, a paused create and the create refuse the same way; the error text (no
+    traceback)."""
     messages = []
-    for dry in (["--dry-run"], []):
+    for dry in (["--dry-run"], ["--paused"], []):
         code, out, err = det("e", "create", *dry, *args)
         assert code == 1, (out, err)
         assert "Traceback" not in err and "Created experiment" not in out
         messages.append(err)
-    assert messages[0] == messages[1]
+    assert messages[0] == messages[1] == messages[2]
     return messages[0]
 
 
