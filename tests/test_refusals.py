@@ -368,3 +368,43 @@ def test_a_doomed_job_stays_queued_until_its_scancel_succeeds(tmp_path: Path) ->
     ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
     st = ex.poll({"41": tmp_path / "a"})["41"]
     assert (st.state, st.cause, st.detail) == (JobState.QUEUED, None, "BadConstraints")
+
+
+def test_the_controller_ends_an_unschedulable_trial_once_and_never_resubmits(det_env: Path, tmp_path: Path) -> None:
+    from sqlalchemy import select
+
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.store import Trial, TrialRun, open_store
+
+    class Submits(FakeSlurm):
+        def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
+            if list(argv[:2]) == ["sbatch", "--parsable"]:
+                self.calls.append(list(argv))
+                return Result(0, "77\n", "")
+            return super().__call__(argv, **kw)
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 3\nsearcher: {name: single, metric: m}\n")
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Submits()
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # submits job 77
+    fake.queue = queued("77", "PartitionTimeLimit")
+    for _ in range(3):  # later ticks must neither resubmit nor cancel again
+        ctl.tick([exp_id])
+    with store.read() as s:
+        (trial,) = s.scalars(select(Trial)).all()
+        runs = [(r.run_id, r.exit_reason) for r in s.scalars(select(TrialRun))]
+        assert trial.state == "ERROR" and runs == [(1, "unschedulable")]
+        assert trial.exit_reason == (
+            "the job can never start: a longer time limit than the partition allows (PartitionTimeLimit); "
+            "it was canceled"
+        )
+    assert fake.count("sbatch", "--parsable") == 1 and fake.count("scancel") == 1
