@@ -97,6 +97,8 @@ class SlurmBackend:
         refusals = executor.refusals(executor.plan_many(specs))
         if refusals:
             raise RequestRefused(refusals)
+        if executor.unchecked:
+            click.echo(f"Warning: not checked against the cluster's limits ({executor.unchecked})", err=True)
 
     def require_reachable(self) -> None:
         # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the

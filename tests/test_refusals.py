@@ -337,6 +337,7 @@ def test_an_offline_dry_run_checks_nothing_when_slurm_is_away(tmp_path: Path) ->
 
     ex = SlurmExecutor(SlurmClient(away, user="alice"), SITE, offline=True)
     assert ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 1))) == []
+    assert ex.unchecked is not None and "Unable to contact slurm controller" in ex.unchecked
 
 
 def queued(job_id: str, reason: str) -> str:

@@ -103,6 +103,8 @@ class SlurmExecutor:
         # default limits stand in for the site's.
         self.offline = offline
         self.last_queue: dict[str, QueuedJob] = {}
+        # Why refusals() checked nothing (offline, Slurm out of reach), for the dry run to say.
+        self.unchecked: Optional[str] = None
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
 
     def capacity(self) -> Optional[int]:
@@ -188,9 +190,10 @@ class SlurmExecutor:
         answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
         try:
             partitions, nodes = self.client.partitions(), self._nodes()
-        except (SlurmCommandError, SlurmUnavailable):
+        except (SlurmCommandError, SlurmUnavailable) as e:
             if not self.offline:
                 raise
+            self.unchecked = str(e)
             return []
         out: list[Refusal] = []
         tested: set[tuple[str, ...]] = set()
