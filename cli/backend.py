@@ -8,6 +8,7 @@ place that maps the name stored with an experiment to its backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -93,14 +94,17 @@ class SlurmBackend:
         from detslurm.controller.slurm_executor import SlurmExecutor
         from detslurm.slurm.refusals import RequestRefused
 
-        # The jobs the create would submit, planned by the code that submits them (a paused
-        # experiment's too: `det e activate` would queue them). A dry run may be offline: with
-        # no Slurm in reach it checks nothing rather than fail.
+        # The jobs the create would submit, planned by the code that submits them; for a paused
+        # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
+        # Slurm in reach it checks nothing rather than fail.
         executor = SlurmExecutor(self.app.client, self.app.site(), offline=dry_run)
-        specs = plan_first_runs(self.app.store, self.app.settings, plan, executor, even_paused=True)
+        active = dataclasses.replace(plan, paused=False)
+        specs = plan_first_runs(self.app.store, self.app.settings, active, executor)
         refusals = executor.refusals(executor.plan_many(specs))
         if refusals:
             raise RequestRefused(refusals)
+        if executor.unchecked:
+            click.echo(f"Warning: not checked against the cluster's limits ({executor.unchecked})", err=True)
 
     def require_reachable(self) -> None:
         # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the

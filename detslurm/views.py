@@ -25,6 +25,7 @@ from detslurm.store.models import (
     ExperimentState,
     LogEntry,
     Metric,
+    RunState,
     Trial,
     TrialRun,
 )
@@ -117,8 +118,13 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
         "early_stopped": t.early_stopped,
         "exit_reason": t.exit_reason,
         # Why its job waits, in words with Slurm's code ("waiting for free nodes (Resources)").
-        "pending_reason": pending_words(t.runner_state) if not t.state.is_terminal else None,
+        # Only while a run is queued: the note outlives the wait (a paused trial keeps it).
+        "pending_reason": pending_words(t.runner_state) if _queued(t) else None,
     }
+
+
+def _queued(t: Trial) -> bool:
+    return not t.state.is_terminal and any(r.state == RunState.QUEUED for r in t.runs)
 
 
 # The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).

@@ -95,6 +95,13 @@ def test_more_slots_on_one_node_than_any_node_holds() -> None:
     ]
 
 
+def test_slots_of_a_gres_sinfo_does_not_count_are_left_to_sbatch() -> None:
+    shards = SiteConfig.model_validate(
+        {"default_pool": "s", "pools": {"s": {"partition": "gpu", "slot_type": "gpu", "gres_name": "shard"}}}
+    )
+    assert refusals(config(resources={"slots_per_trial": 8}), site=shards) == []
+
+
 def test_partition_max_nodes_and_max_cpus_per_node() -> None:
     out = refusals(config(resources={"slots_per_trial": 4}), partitions(MaxNodes="1", MaxCPUsPerNode="1"))
     assert out == [
@@ -310,12 +317,27 @@ def test_a_shape_our_check_refuses_is_not_sent_to_sbatch(tmp_path: Path) -> None
     assert refusal.kind is RefusalKind.TOO_MANY_NODES and fake.count("sbatch") == 0
 
 
+def test_without_sinfo_json_the_size_is_left_to_sbatch(tmp_path: Path) -> None:
+    class NoJson(FakeSlurm):
+        def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
+            if list(argv[:2]) == ["sinfo", "--json"]:
+                self.calls.append(list(argv))
+                return Result(1, "", "sinfo: error: unrecognized option '--json'")
+            return super().__call__(argv, **kw)
+
+    fake = NoJson(test_only=Result(1, "", "allocation failure: Requested node configuration is not available"))
+    ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
+    (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 1)))
+    assert refusal.kind is RefusalKind.SBATCH and "Requested node configuration is not available" in refusal.message
+
+
 def test_an_offline_dry_run_checks_nothing_when_slurm_is_away(tmp_path: Path) -> None:
     def away(argv: Sequence[str], **_: Any) -> Result:
         return Result(1, "", "slurm_load_partitions: Unable to contact slurm controller (connect failure)")
 
     ex = SlurmExecutor(SlurmClient(away, user="alice"), SITE, offline=True)
     assert ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 1))) == []
+    assert ex.unchecked is not None and "Unable to contact slurm controller" in ex.unchecked
 
 
 def queued(job_id: str, reason: str) -> str:
@@ -347,3 +369,43 @@ def test_a_doomed_job_stays_queued_until_its_scancel_succeeds(tmp_path: Path) ->
     ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
     st = ex.poll({"41": tmp_path / "a"})["41"]
     assert (st.state, st.cause, st.detail) == (JobState.QUEUED, None, "BadConstraints")
+
+
+def test_the_controller_ends_an_unschedulable_trial_once_and_never_resubmits(det_env: Path, tmp_path: Path) -> None:
+    from sqlalchemy import select
+
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.store import Trial, TrialRun, open_store
+
+    class Submits(FakeSlurm):
+        def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
+            if list(argv[:2]) == ["sbatch", "--parsable"]:
+                self.calls.append(list(argv))
+                return Result(0, "77\n", "")
+            return super().__call__(argv, **kw)
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 3\nsearcher: {name: single, metric: m}\n")
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Submits()
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # submits job 77
+    fake.queue = queued("77", "PartitionTimeLimit")
+    for _ in range(3):  # later ticks must neither resubmit nor cancel again
+        ctl.tick([exp_id])
+    with store.read() as s:
+        (trial,) = s.scalars(select(Trial)).all()
+        runs = [(r.run_id, r.exit_reason) for r in s.scalars(select(TrialRun))]
+        assert trial.state == "ERROR" and runs == [(1, "unschedulable")]
+        assert trial.exit_reason == (
+            "the job can never start: a longer time limit than the partition allows (PartitionTimeLimit); "
+            "it was canceled"
+        )
+    assert fake.count("sbatch", "--parsable") == 1 and fake.count("scancel") == 1

@@ -45,15 +45,20 @@ def assert_nothing_created(det: Any, env: Path) -> None:
 
 
 def refused(det: Any, *args: Any) -> str:
-    """Both the dry run and the create refuse the same way; the error text (no traceback)."""
+    """The dry run, a paused create and the create refuse the same way; the error text (no
+    traceback)."""
     messages = []
-    for dry in (["--dry-run"], []):
+    for dry in (["--dry-run"], ["--paused"], []):
         code, out, err = det("e", "create", *dry, *args)
         assert code == 1, (out, err)
         assert "Traceback" not in err and "Created experiment" not in out
         messages.append(err)
-    assert messages[0] == messages[1]
+    assert messages[0] == messages[1] == messages[2]
     return messages[0]
+
+
+# What the test cluster's partitions have: no limit, everyone allowed.
+UNSET = {"MaxTime": "UNLIMITED", "MaxNodes": "UNLIMITED", "AllowAccounts": "ALL", "AllowQos": "ALL"}
 
 
 @contextmanager
@@ -64,7 +69,7 @@ def partition_limit(name: str, **limits: str) -> Iterator[None]:
     try:
         yield
     finally:
-        undo = [f"{k}=UNLIMITED" for k in limits]
+        undo = [f"{k}={UNSET[k]}" for k in limits]
         subprocess.run(["scontrol", "update", f"PartitionName={name}", *undo], check=True)
 
 
@@ -109,6 +114,15 @@ def test_time_over_the_partitions_max_time_is_refused(det: Any, slurm_env: Path,
         # Within the limit it is accepted (dry run: nothing is queued).
         code, out, err = det("e", "create", "--dry-run", config(tmp_path, sbatch_args="['--time=5']"), CORE)
         assert code == 0 and "--time=5" in out, err
+    assert_nothing_created(det, slurm_env)
+
+
+def test_account_and_qos_the_partition_does_not_allow_are_refused(det: Any, slurm_env: Path, tmp_path: Path) -> None:
+    with partition_limit("gpu", AllowAccounts="ml,vision", AllowQos="normal"):
+        cfg = config(tmp_path, "{slots_per_trial: 1, resource_pool: gpu}", "[-A, physics, '--qos=debug']")
+        err = refused(det, cfg, CORE)
+        assert "<config>.slurm.sbatch_args[0]: account 'physics' may not use partition gpu (allowed: ml, vision)" in err
+        assert "<config>.slurm.sbatch_args[2]: QOS 'debug' may not use partition gpu (allowed: normal)" in err
     assert_nothing_created(det, slurm_env)
 
 

@@ -168,19 +168,15 @@ class _DryRun(Exception):
     """Raised inside the dry run's transaction to roll it back."""
 
 
-def dry_run(
-    store: Store, settings: Settings, plan: CreatePlan, executor: Executor, even_paused: bool = False
-) -> list[RunSpec]:
+def dry_run(store: Store, settings: Settings, plan: CreatePlan, executor: Executor) -> list[RunSpec]:
     """What creating the experiment would submit first, computed by the code that submits
     (the same rows, the same run plans), inside a transaction that is then rolled back. On
-    SQLite the ids shown are the ones a create right after would get. ``even_paused``: plan
-    a paused experiment's first runs too (what `det e activate` will submit), for the check
-    that refuses what can never run."""
+    SQLite the ids shown are the ones a create right after would get."""
     specs: list[RunSpec] = []
     try:
         with store.tx() as s:
             exp = _insert(s, settings, plan, executor.kind)
-            if exp.state == ExperimentState.ACTIVE or even_paused:
+            if exp.state == ExperimentState.ACTIVE:
                 specs = [spec for _, spec in Controller(store, executor).plan_submission(s, exp)]
             # Roll back: the dry run must leave no rows, though it ran the real code path to get its answer.
             raise _DryRun

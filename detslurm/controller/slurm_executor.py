@@ -27,7 +27,7 @@ from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.containers import Runtime
-from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
+from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
 from detslurm.slurm.reasons import pending_reason
 from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
 from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
@@ -105,6 +105,8 @@ class SlurmExecutor:
         # default limits stand in for the site's.
         self.offline = offline
         self.last_queue: dict[str, QueuedJob] = {}
+        # Why refusals() checked nothing (offline, Slurm out of reach), for the dry run to say.
+        self.unchecked: Optional[str] = None
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
 
     def capacity(self) -> Optional[int]:
@@ -199,10 +201,11 @@ class SlurmExecutor:
         paths and environment, none of which slurmctld's admission depends on, so one test
         answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
         try:
-            partitions, nodes = self.client.partitions(), self.client.nodes()
-        except (SlurmCommandError, SlurmUnavailable):
+            partitions, nodes = self.client.partitions(), self._nodes()
+        except (SlurmCommandError, SlurmUnavailable) as e:
             if not self.offline:
                 raise
+            self.unchecked = str(e)
             return []
         out: list[Refusal] = []
         tested: set[tuple[str, ...]] = set()
@@ -214,6 +217,18 @@ class SlurmExecutor:
             found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
             out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
         return out
+
+    def _nodes(self) -> list[NodeInfo]:
+        """The nodes for the size checks, or none where ``sinfo --json`` is missing (a Slurm
+        built without its JSON plugins): sbatch --test-only then judges the size alone."""
+        try:
+            return self.client.nodes()
+        except SlurmParseError:
+            return []
+        except SlurmCommandError as e:
+            if e.unreachable:
+                raise
+            return []
 
     def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
         """sbatch's verdict where our own check found nothing (its message for a request that

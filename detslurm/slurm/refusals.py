@@ -78,6 +78,7 @@ class JobShape:
     partition: str  # "" = Slurm's default partition
     partition_path: str
     slot_type: str
+    gres_name: str  # the GRES a GPU pool's slots are (sinfo counts only "gpu" per node)
     slots: int
     nodes: int
     slots_per_node: int  # slots each node must hold
@@ -87,21 +88,21 @@ class JobShape:
     qos: Optional[Setting]
 
 
-# sbatch options whose last value counts, by their long names (sbatch keeps the last one).
-_WATCHED = {"time": "time", "account": "account", "qos": "qos"}
+# The options checked against partition limits, by long name (-t, -A, -q resolve to these).
+_WATCHED = frozenset({"time", "account", "qos"})
 
 
-def _last_values(args: Sequence[str], path: str, indexed: bool) -> dict[str, Setting]:
-    """--time/--account/--qos as sbatch reads ``args``; ``indexed`` adds ``[i]`` to the path."""
+def _last_values(args: Sequence[str], path: str) -> dict[str, Setting]:
+    """--time/--account/--qos as sbatch reads ``args`` (the last one wins), each with the
+    path of the word that set it (``path[i]``)."""
     try:
         parsed = parse_sbatch_args(args)
     except SbatchArgError:
         return {}  # validation has already reported it (expconf / site config)
     out: dict[str, Setting] = {}
     for p in parsed:
-        key = _WATCHED.get(p.option.long)
-        if key is not None and p.value is not None:
-            out[key] = Setting(p.value, f"{path}[{p.index}]" if indexed else path)
+        if p.option.long in _WATCHED and p.value is not None:
+            out[p.option.long] = Setting(p.value, f"{path}[{p.index}]")
     return out
 
 
@@ -118,14 +119,15 @@ def job_shape(config: ExperimentConfig, site: SiteConfig) -> JobShape:
         found["account"] = Setting(pool.account, f"{at}.account")
     if pool.qos:
         found["qos"] = Setting(pool.qos, f"{at}.qos")
-    found.update(_last_values(pool.extra_sbatch_args, f"{at}.extra_sbatch_args", True))
-    found.update(_last_values(config.slurm.sbatch_args, f"{CONFIG}.slurm.sbatch_args", True))
+    found.update(_last_values(pool.extra_sbatch_args, f"{at}.extra_sbatch_args"))
+    found.update(_last_values(config.slurm.sbatch_args, f"{CONFIG}.slurm.sbatch_args"))
     spn_set = config.slurm.slots_per_node is not None
     return JobShape(
         pool=pool_name,
         partition=pool.partition,
         partition_path=f"{at}.partition" if site.pools else f"{CONFIG}.resources.resource_pool",
         slot_type=pool.slot_type,
+        gres_name=pool.gres_name,
         slots=res.slots,
         nodes=res.nodes,
         slots_per_node=res.per_node,
@@ -166,7 +168,10 @@ def _node_refusals(shape: JobShape, part: PartitionInfo, nodes: Sequence[NodeInf
     sizes = Counter(_capacity(shape, n) for n in ours)
     asked = f"slots_per_trial={shape.slots}"
     out: list[Refusal] = []
-    if shape.slots > 0 and ours:
+    # A pool of another GRES (shard, mps, a site's own name) has slots we cannot count here:
+    # sbatch --test-only judges those.
+    countable = shape.slot_type == "cpu" or shape.gres_name == "gpu"
+    if shape.slots > 0 and ours and countable:
         big = sum(n for c, n in sizes.items() if c >= shape.slots_per_node)
         if big == 0:
             largest = max(sizes)
