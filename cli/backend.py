@@ -62,6 +62,15 @@ class Backend(Protocol):
         """Block until the experiment ends; its final state."""
         ...
 
+    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
+        """After `det e kill` (every live job) or `det e pause` (jobs not started yet): reach the
+        scheduler at once instead of at the next tick; the job ids acted on."""
+        ...
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        """Give the experiment's live jobs a new priority now (`det e set priority`)."""
+        ...
+
 
 class SlurmBackend:
     """Trials are Slurm jobs; the per-user daemon submits and watches them."""
@@ -116,6 +125,31 @@ class SlurmBackend:
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
 
+    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
+        from detslurm.controller import ops
+        from detslurm.controller.slurm_executor import SlurmExecutor
+
+        executor = SlurmExecutor(self.app.client, self.app.site())
+        # One scancel for all of them (batched by the executor), before this command returns.
+        if kill:
+            return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope)
+        return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        from detslurm.queue import nice_for
+
+        nice = nice_for(priority)
+        client = self.app.client
+        if nice < 0 and not client.may_raise_priority():
+            # Slurm lets ordinary users only lower their jobs' priority (a positive nice).
+            click.echo(
+                f"Warning: priority {priority} is above the default (42); Slurm lets only operators raise a job's "
+                "priority, so its jobs stay at the default",
+                err=True,
+            )
+            nice = 0
+        client.update(job_ids, Nice=str(nice))  # one scontrol call for all of them
+
 
 class LocalBackend:
     """Trials are processes of this machine, driven by the `det` process that runs them."""
@@ -157,6 +191,12 @@ class LocalBackend:
         if not detach and is_mine(self.app, exp_id):  # only the owner runs its trials
             state = local_mod.drive(self.app, exp_id)
             click.echo(f"Experiment {exp_id} {state.value}")
+
+    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
+        return []  # local trials are children of the `det` driving them; its next round stops them
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        pass  # no scheduler queue: local trials start as soon as there is room
 
     def wait(self, exp_id: int) -> ExperimentState:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""

@@ -26,8 +26,14 @@ def reconcile(app: App) -> None:
         # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
         # makes no Slurm call at all (and works while slurmctld is down).
         unfinished = views.has_unfinished(s, EXECUTOR, os_user())
-    if unfinished:
-        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
+    if not unfinished:
+        return
+    site = app.site()
+    # The same floor as the daemon's: many users' read commands in a loop (`watch det e list`)
+    # must not poll slurmctld faster than the site allows; a read within it shows the last poll.
+    floor = max(site.poll_interval_s, app.settings.poll_interval_s)
+    if daemon_mod.claim_poll(app.store, os_user(), floor):
+        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=site)
 
 
 def submit_now(app: App) -> None:

@@ -212,6 +212,7 @@ class ExperimentRow(NamedTuple):
     start_time: datetime | None
     end_time: datetime | None
     resource_pool: str
+    archived: bool
 
 
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
@@ -220,7 +221,9 @@ def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) ->
     e = Experiment
     # scope.owner None is root's --all-users; otherwise the filter is in SQL, not applied after
     # loading, so other users' rows never leave the database.
-    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    q = select(
+        e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool, e.archived
+    )
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
     if not include_archived:
@@ -319,3 +322,26 @@ def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict
         if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
             out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
     return out
+
+
+def ranked_checkpoints(
+    s: Session, cks: Sequence[Checkpoint], metric: str, smaller_is_better: bool, n: int | None = None
+) -> list[Checkpoint]:
+    """The COMPLETED checkpoints with a validation ``metric``, best first (at most ``n``): what
+    `det e download --top-n` and `det t download --best` choose from. Deleted or partial ones
+    cannot be restored, and one without a validation has nothing to rank it by."""
+    scored = [(v, c) for c in cks if c.state == "COMPLETED" and (v := validation_metric(s, c, metric)) is not None]
+    # Negating makes one ascending sort serve both directions; steps break ties (newer first).
+    scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
+    best = [c for _, c in scored]
+    return best if n is None else best[:n]
+
+
+def experiment_filter_rows(
+    rows: Sequence[ExperimentRow], *, states: Sequence[str] = (), name: str | None = None
+) -> list[ExperimentRow]:
+    """`det e list` filters: any of ``states``, and a name containing ``name`` (case-insensitive)."""
+    wanted = {st.upper() for st in states}
+    return [
+        r for r in rows if (not wanted or str(r.state) in wanted) and (name is None or name.lower() in r.name.lower())
+    ]

@@ -26,7 +26,13 @@ from detslurm.controller.executor import (
 from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
-from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
+from detslurm.slurm.render import (
+    ArrayTask,
+    Identity,
+    SbatchRequest,
+    plan_array,
+    plan_trial_run,
+)
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 
@@ -134,6 +140,7 @@ class SlurmExecutor:
             run_dir=str(spec.run_dir),
             log_path=str(spec.log_path),
             python=self.site.python or sys.executable,
+            may_raise_priority=self._may_raise_priority(),
         )
         return Submission(req, (spec,))
 
@@ -150,8 +157,13 @@ class SlurmExecutor:
             links_dir=str(links),
             log_name=first.log_path.name,
             python=self.site.python or sys.executable,
+            may_raise_priority=self._may_raise_priority(),
         )
         return Submission(req, tuple(specs), links)
+
+    def _may_raise_priority(self) -> bool:
+        # Offline (a dry run): no Slurm to ask; the plan shows what an ordinary user gets.
+        return not self.offline and self.client.may_raise_priority()
 
     def _chunks(self, order: list[RunSpec]) -> list[list[RunSpec]]:
         """Split specs (sorted by trial) so that task ids stay below MaxArraySize and scripts
@@ -278,10 +290,14 @@ class SlurmExecutor:
         name = sigmod.Signals(signum).name.removeprefix("SIG")
         self.client.scancel(job_id, signal=name, batch_too=True)
 
-    def kill_many(self, job_ids: Sequence[str]) -> None:
+    def cancel_pending(self, job_ids: Sequence[str]) -> None:
+        """Cancel those of these jobs that are still waiting in the queue (`det e pause`)."""
+        self.kill_many(job_ids, pending_only=True)
+
+    def kill_many(self, job_ids: Sequence[str], pending_only: bool = False) -> None:
         for i in range(0, len(job_ids), 500):  # bounded command lines
             try:
-                self.client.scancel(job_ids[i : i + 500])
+                self.client.scancel(job_ids[i : i + 500], pending_only=pending_only)
             except SlurmCommandError as e:
                 # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
                 ended = ("Invalid job id", "already completing or completed")

@@ -125,8 +125,27 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
     return ResourcePlan(tuple(args), nodes, slots)
 
 
+def priority_args(config: ExperimentConfig, may_raise: bool) -> list[str]:
+    """``--nice`` for ``resources.priority`` (Determined's 1..99, smaller is higher; 42 is the
+    default and nice 0). sbatch lets every user give a positive nice (a lower priority) but only
+    operators and admins a negative one, so an ordinary user's priority above the default is
+    submitted at nice 0 (the best they may have) rather than refused by sbatch."""
+    from detslurm.queue import nice_for  # the one mapping, shared with `det job update`
+
+    if config.resources.priority is None:
+        return []
+    nice = nice_for(config.resources.priority)
+    return [f"--nice={nice if may_raise else max(0, nice)}"]
+
+
 def _job_args(
-    config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, ident: Identity, output: str, chdir: str
+    config: ExperimentConfig,
+    site: SiteConfig,
+    res: ResourcePlan,
+    ident: Identity,
+    output: str,
+    chdir: str,
+    may_raise: bool = False,
 ) -> list[str]:
     sig = site.signal.upper().removeprefix("SIG")
     args = [
@@ -142,6 +161,9 @@ def _job_args(
         # B: sends the warning only to the batch shell, which forwards it to the step (see the
         # template), signal_lead_s seconds before the time limit so the trial can checkpoint.
         f"--signal=B:{sig}@{site.signal_lead_s}",
+        # Set at every submission, so a priority given with `det job update` (saved in the config)
+        # or in the config itself holds for restarts and resumes too.
+        *priority_args(config, may_raise),
         # User arguments last; expconf/sbatch_args.py has already refused every option detslurm
         # sets or computes, so they cannot override the identity, logs or signal above.
         *config.slurm.sbatch_args,
@@ -199,9 +221,10 @@ def plan_trial_run(
     run_dir: str,
     log_path: str,
     python: str,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
     res = resource_plan(config, site)
-    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir)
+    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir, may_raise_priority)
     script = _script(site, res, ident, env, run_dir, python)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
 
@@ -215,6 +238,7 @@ def plan_array(
     links_dir: str,
     log_name: str,
     python: str,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
     """One sbatch for many trial runs that share resources (a job array).
 
@@ -237,7 +261,7 @@ def plan_array(
     # %a is the array task id: Slurm opens each task's log through links_dir/<task>, a symlink to that
     # trial's run dir, since one --output pattern cannot name the run dirs themselves.
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
-    args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
+    args = [*_job_args(config, site, res, ident, output, links_dir, may_raise_priority), f"--array={spec}"]
     script = _script(site, res, ident, common, "", python, per_task)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
 
