@@ -375,7 +375,7 @@ experiment.add_command(list_checkpoints, "lc")
 @click.argument("exp_id", type=int)
 @logs_mod.log_options
 @pass_app
-def logs(app: App, exp_id: int, **opts: Any) -> None:
+def logs(app: App, /, exp_id: int, **opts: Any) -> None:
     """Show the first trial's logs (with the filters of `det trial logs`)."""
     slurm_mod.reconcile(app)
     with app.store.read() as s:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import click
 
@@ -241,11 +241,13 @@ class Follower:
                             click.echo(line)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 # show() takes options named head and tail, which hide the functions of those names.
 _first, _last = head, tail
 
 
-def log_options(fn: Callable[..., None]) -> Callable[..., None]:
+def log_options(fn: F) -> F:
     """The options of `det trial logs` (and `det e logs`), in Determined's spelling."""
     opts = [
         click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the trial ends."),
@@ -275,9 +277,10 @@ def log_options(fn: Callable[..., None]) -> Callable[..., None]:
             help="Only what was logged before TIME.",
         ),
     ]
+    out: Any = fn
     for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
+        out = opt(out)
+    return cast(F, out)
 
 
 def show(

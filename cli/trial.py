@@ -87,7 +87,7 @@ def _print_runs(runs: list[dict[str, Any]]) -> None:
 @click.argument("trial_id", type=int)
 @logs_mod.log_options
 @pass_app
-def logs(app: App, trial_id: int, **opts: Any) -> None:
+def logs(app: App, /, trial_id: int, **opts: Any) -> None:
     """Show a trial's logs (all of its runs)."""
     logs_mod.show(app, trial_id, **opts)
 

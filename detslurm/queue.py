@@ -206,7 +206,7 @@ def plan_update(
     if behind_of is not None:
         return list(plan_behind_of(job, _find(queue, behind_of), caller))
     if resource_pool is not None:
-        return plan_pool(job, resource_pool, site)
+        return list(plan_pool(job, resource_pool, site))
     if job.state != SlurmState.PENDING:
         raise QueueError(f"job {job.job_id} is {job.state.value.lower()}: only pending jobs can be held or released")
     return [Op("hold" if hold else "release", job.job_id)]

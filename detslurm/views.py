@@ -228,7 +228,7 @@ def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) ->
         q = q.where(e.owner == scope.owner)
     if not include_archived:
         q = q.where(e.archived.is_(False))
-    return [ExperimentRow(*row) for row in s.execute(q.order_by(e.id))]
+    return [ExperimentRow._make(row) for row in s.execute(q.order_by(e.id))]
 
 
 def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -> list[dict[str, Any]]:
