@@ -105,8 +105,8 @@ def kill(app: App, trial_id: int) -> None:
 
 @trial.command("download")
 @click.argument("trial_id", type=int)
-@click.option("--best", "which", flag_value="best", help="The best checkpoint by validation metric.")
-@click.option("--latest", "which", flag_value="latest", help="The latest checkpoint.")
+@click.option("--best", is_flag=True, help="The best checkpoint by validation metric.")
+@click.option("--latest", is_flag=True, help="The latest checkpoint.")
 @click.option("--uuid", "uuid", default=None, help="This checkpoint of the trial.")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--sort-by", default=None, metavar="METRIC", help="With --best: rank by this metric.")
@@ -116,7 +116,8 @@ def kill(app: App, trial_id: int) -> None:
 def download(
     app: App,
     trial_id: int,
-    which: str | None,
+    best: bool,
+    latest: bool,
     uuid: str | None,
     output_dir: Path | None,
     sort_by: str | None,
@@ -124,9 +125,9 @@ def download(
     quiet: bool,
 ) -> None:
     """Download one of a trial's checkpoints (--best, --latest or --uuid) to checkpoints/<uuid>."""
-    if (which is None) == (uuid is None):
+    if best + latest + (uuid is not None) != 1:
         raise click.UsageError("give exactly one of --best, --latest and --uuid")
-    chosen = _choose_checkpoint(app, trial_id, which, uuid, sort_by, smaller_is_better)
+    chosen = _choose_checkpoint(app, trial_id, "latest" if latest else "best", uuid, sort_by, smaller_is_better)
     ck = client.Client(app.store, app.scope).get_checkpoint(chosen)
     path = ck.download(output_dir)
     if quiet:
@@ -137,7 +138,7 @@ def download(
 
 
 def _choose_checkpoint(
-    app: App, trial_id: int, which: str | None, uuid: str | None, sort_by: str | None, sib: bool | None
+    app: App, trial_id: int, which: str, uuid: str | None, sort_by: str | None, sib: bool | None
 ) -> str:
     from detslurm.expconf import from_stored
 

@@ -184,7 +184,7 @@ def plan_fork(
     cfg = validate(apply_overrides(config, overrides), default_storage(settings))
     # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
     # context has the parent's sha256, and the parent's dir is never shared with the child.
-    ctxmod.extract(tarball, staging)
+    ctxmod.extract_as_packaged(tarball, staging)
     bundle = ctxmod.package(staging)
     return CreatePlan(
         config=cfg, original_yaml=original, bundle=bundle, test_mode=False, paused=False, parent_id=exp_id
