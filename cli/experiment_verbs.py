@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -29,9 +30,10 @@ def _command(fn: click.Command) -> click.Command:
 @click.command("fork")
 @click.argument("exp_id", type=int)
 @click.option("--config", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value.")
+@click.option("--config-file", type=click.Path(dir_okay=False, path_type=Path), help="YAML laid over the config.")
 @click.option("--paused", is_flag=True, help="Create the new experiment without starting it.")
 @pass_app
-def fork(app: App, exp_id: int, overrides: tuple[str, ...], paused: bool) -> None:
+def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | None, paused: bool) -> None:
     """Create a new experiment from EXP_ID's config (with overrides) and its code."""
     from dataclasses import replace
 
@@ -40,7 +42,8 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], paused: bool) -> Non
     backend = backend_mod.of_experiment(app, exp_id)
     # The unpacked context must outlive the create: the new experiment's tarball is written from it.
     with tempfile.TemporaryDirectory(prefix="detslurm-fork-") as staging:
-        plan = plan_fork(app.settings, app.store, exp_id, app.scope, overrides, Path(staging) / "context")
+        ctx = Path(staging) / "context"
+        plan = plan_fork(app.settings, app.store, exp_id, app.scope, overrides, ctx, _patch(config_file))
         plan = replace(plan, paused=paused)
         backend.site_for_create(plan)  # an unknown pool in an override fails before anything exists
         backend.require_reachable()
@@ -55,13 +58,28 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], paused: bool) -> Non
 @click.command("continue")
 @click.argument("exp_id", type=int)
 @click.option("--config", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config value (single).")
+@click.option("--config-file", type=click.Path(dir_okay=False, path_type=Path), help="YAML laid over the config.")
 @click.option("--detach", is_flag=True, help="Local experiments: only mark it active; do not run it here.")
 @pass_app
-def continue_(app: App, exp_id: int, overrides: tuple[str, ...], detach: bool) -> None:
+def continue_(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | None, detach: bool) -> None:
     """Train an ended experiment's trials on from their latest checkpoints (same ids)."""
-    n = edit.continue_experiment(app.store, exp_id, overrides, app.scope)
+    n = edit.continue_experiment(app.store, exp_id, overrides, app.scope, _patch(config_file))
     click.echo(f"Continued experiment {exp_id} ({n} trial{'s' if n != 1 else ''} resume from their latest checkpoint)")
     backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
+
+
+def _patch(config_file: Path | None) -> dict[str, Any] | None:
+    """The --config-file mapping (a clear error naming the file when it cannot be read)."""
+    if config_file is None:
+        return None
+    from detslurm.errors import ConfigError
+    from detslurm.expconf import parse_yaml
+
+    try:
+        text = config_file.read_text()
+    except OSError as e:
+        raise ConfigError([f"{config_file}: cannot read the config file: {e.strerror}"]) from None
+    return parse_yaml(text, str(config_file))
 
 
 def _archive_cmd(name: str, archived: bool) -> click.Command:

@@ -81,7 +81,7 @@ def test_archive_labels_set_and_list_filters(det: Any) -> None:
     assert code != 0 and "experiment 9 not found" in err
 
 
-def test_fork_reuses_the_context_with_overrides(det: Any) -> None:
+def test_fork_reuses_the_context_with_overrides(det: Any, tmp_path: Path) -> None:
     create(det)
     code, out, err = det("e", "fork", "1", "--config", "hyperparameters.lr=0.2")
     assert code == 0 and "Created experiment 2 (forked from experiment 1)" in out, (out, err)
@@ -91,6 +91,13 @@ def test_fork_reuses_the_context_with_overrides(det: Any) -> None:
     assert child["trials"][0]["hparams"]["lr"] == 0.2 and parent["trials"][0]["hparams"]["lr"] == 0.1
     code, _, err = det("e", "fork", "1", "--config", "searcher.name=nope")
     assert code != 0 and "searcher" in err
+    # --config-file is laid over the parent's config: only the keys it names change.
+    patch = tmp_path / "patch.yaml"
+    patch.write_text("hyperparameters: {lr: 0.3}\n")
+    code, out, err = det("e", "fork", "1", "--config-file", patch, "--paused")
+    assert code == 0 and "Created experiment 3" in out, err
+    hp = describe(det, 3)["trials"][0]["hparams"]
+    assert (hp["lr"], hp["noise"]) == (0.3, 0.1)
 
 
 def test_continue_trains_the_same_trial_on_from_its_checkpoint(det: Any) -> None:

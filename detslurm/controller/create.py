@@ -11,7 +11,7 @@ import json
 import random
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
-from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
+from detslurm.expconf import ExperimentConfig, apply_overrides, merge_config, parse_yaml, validate
 from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
@@ -169,7 +169,13 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
 
 
 def plan_fork(
-    settings: Settings, store: Store, exp_id: int, scope: Scope, overrides: Sequence[str], staging: Path
+    settings: Settings,
+    store: Store,
+    exp_id: int,
+    scope: Scope,
+    overrides: Sequence[str],
+    staging: Path,
+    patch: Mapping[str, Any] | None = None,
 ) -> CreatePlan:
     """`det e fork`: a new experiment from an existing one's config (with ``overrides``) and the
     very context it ran with, unpacked into ``staging`` (a temporary dir the caller removes)."""
@@ -181,7 +187,7 @@ def plan_fork(
         tarball = ExpPaths(Path(parent.exp_dir)).context
     # The stored config already has the parent's --config overrides and defaults in it; the fork's
     # own overrides go on top and the result is validated like any new config.
-    cfg = validate(apply_overrides(config, overrides), default_storage(settings))
+    cfg = validate(apply_overrides(merge_config(config, patch or {}), overrides), default_storage(settings))
     # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
     # context has the parent's sha256, and the parent's dir is never shared with the child.
     ctxmod.extract_as_packaged(tarball, staging)

@@ -10,7 +10,7 @@ created one: a label that is not a string or a priority outside 1..99 is refused
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import ConfigError, StateError
-from detslurm.expconf import apply_overrides, from_stored
+from detslurm.expconf import apply_overrides, from_stored, merge_config
 from detslurm.identity import Scope
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
@@ -114,9 +114,16 @@ def save_priority(store: Store, exp_id: int, priority: int, *, tag: str, scope: 
         return True
 
 
-def continue_experiment(store: Store, exp_id: int, overrides: Sequence[str] = (), scope: Scope | None = None) -> int:
+def continue_experiment(
+    store: Store,
+    exp_id: int,
+    overrides: Sequence[str] = (),
+    scope: Scope | None = None,
+    patch: Mapping[str, Any] | None = None,
+) -> int:
     """Determined's `det e continue`: an ended experiment trains on, from each unfinished trial's
-    latest checkpoint, with the same experiment and trial ids. Returns how many trials resume."""
+    latest checkpoint, with the same experiment and trial ids (``patch``: a --config-file laid
+    over the config, then ``overrides``). Returns how many trials resume."""
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
         name = exp.config.get("searcher", {}).get("name")
@@ -124,10 +131,11 @@ def continue_experiment(store: Store, exp_id: int, overrides: Sequence[str] = ()
             raise StateError(f"Unsupported searcher type provided: '{name}' (continue works for single, random, grid)")
         if not exp.state.is_terminal:
             raise StateError(f"experiment in non terminal state '{exp.state}', try again later")
-        if overrides and name != "single":
+        if (overrides or patch) and name != "single":
             raise StateError("config overrides are only allowed for single-searcher experiments")
-        if overrides:
-            exp.config = from_stored(apply_overrides(exp.config, overrides), "--config").as_dict()
+        if overrides or patch:
+            raw = apply_overrides(merge_config(exp.config, patch or {}), overrides)
+            exp.config = from_stored(raw, "--config").as_dict()
         multi = len(exp.trials) > 1
         # A multi-trial experiment skips its completed trials; a single one trains its trial on.
         todo = [t for t in exp.trials if not (multi and t.state == TrialState.COMPLETED)]
