@@ -230,3 +230,96 @@ def test_every_command_has_an_example_in_its_help(det: Any) -> None:
             if code != 0 or not re.search(r"Example:\n +det ", out):
                 missing.append(path)
     assert missing == []
+
+
+class FakeCanceller:
+    """Records what `det e pause/kill` asked the executor to cancel; fails when told to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.pending: list[list[str]] = []
+        self.killed: list[list[str]] = []
+
+    def cancel_pending(self, job_ids: Any) -> None:
+        if self.fail:
+            raise RuntimeError("slurmctld is down")
+        self.pending.append(list(job_ids))
+
+    def kill_many(self, job_ids: Any) -> None:
+        self.killed.append(list(job_ids))
+
+
+def _queued_run(det_env: Path, job_id: str) -> Any:
+    from detslurm import settings
+    from detslurm.store import RunState, TrialRun
+
+    store = open_store(settings.load().db_url)
+    with store.tx() as s:
+        s.add(
+            TrialRun(
+                trial_id=1,
+                run_id=1,
+                state=RunState.QUEUED,
+                executor="slurm",
+                job_id=job_id,
+                run_dir=str(det_env),
+                log_path=str(det_env / "log"),
+            )
+        )
+    return store
+
+
+def test_pause_marks_and_cancels_queued_runs_and_the_exit_reads_as_the_pause(det: Any, det_env: Path) -> None:
+    from detslurm.controller import ops
+    from detslurm.controller.controller import load_searcher
+    from detslurm.controller.decide import decide_exit
+    from detslurm.controller.executor import ExitCause, JobState, JobStatus
+    from detslurm.store import Experiment, TrialRun
+
+    assert det("e", "create", "--local", CORE / "const.yaml", CORE, "--paused")[0] == 0
+    store = _queued_run(det_env, "77")
+    down = FakeCanceller(fail=True)
+    with pytest.raises(RuntimeError):
+        ops.cancel_queued_now(store, 1, down)
+    with store.read() as s:
+        assert s.get(TrialRun, 1).exit_reason is None  # not reaching Slurm leaves an ordinary queued run
+    up = FakeCanceller()
+    assert ops.cancel_queued_now(store, 1, up) == ["77"] and up.pending == [["77"]]
+    with store.tx() as s:
+        exp = s.get(Experiment, 1)
+        run = s.get(TrialRun, 1)
+        decide_exit(
+            s, exp, run.trial, run, JobStatus(JobState.EXITED, None, ExitCause.CANCELED_BY_USER), load_searcher(exp)
+        )
+        assert (run.trial.state, run.trial.restarts, run.exit_reason) == ("PAUSED", 0, "canceled by detslurm")
+    # Kill: the trials are stopping in the same transaction, and every live job goes at once.
+    assert ops.kill(store, 1) is None and ops.kill_jobs_now(store, 1, up) == []  # no live run left
+    with store.read() as s:
+        assert s.get(Experiment, 1).trials[0].state == "STOPPING_KILLED"
+
+
+def test_a_pause_mark_gives_way_when_the_job_had_started(det: Any, det_env: Path) -> None:
+    from detslurm.controller import ops
+    from detslurm.controller.controller import load_searcher
+    from detslurm.controller.decide import decide_exit
+    from detslurm.controller.executor import ExitCause, JobState, JobStatus
+    from detslurm.store import Experiment, TrialRun
+
+    assert det("e", "create", "--local", CORE / "const.yaml", CORE, "--paused")[0] == 0
+    store = _queued_run(det_env, "78")
+    ops.cancel_queued_now(store, 1, FakeCanceller())
+    with store.tx() as s:
+        exp, run = s.get(Experiment, 1), s.get(TrialRun, 1)
+        run.preempt_acked = True  # it started, saw the pause, checkpointed and exited
+        decide_exit(s, exp, run.trial, run, JobStatus(JobState.EXITED, 0, ExitCause.COMPLETED), load_searcher(exp))
+        assert (run.trial.state, run.exit_reason) == ("PAUSED", "completed")
+
+
+def test_continue_of_a_037_style_trial_needs_a_longer_max_length(det: Any) -> None:
+    create(det, "--config", "searcher.max_length.batches=10")
+    code, _, err = det("e", "continue", "1", "--config", "searcher.max_length.batches=10")
+    assert code != 0 and "give a larger searcher.max_length" in err
+    longer = "environment.environment_variables=[EXAMPLE_TOTAL_BATCHES=20]"
+    code, out, err = det("e", "continue", "1", "--config", "searcher.max_length.batches=20", "--config", longer)
+    assert code == 0 and "Experiment 1 COMPLETED" in out, (out, err)
+    assert describe(det, 1)["trials"][0]["batches"] == 20

@@ -14,15 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy.orm import Session
-
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import ConfigError, StateError
 from detslurm.expconf import apply_overrides, from_stored, merge_config
-from detslurm.identity import Scope
+from detslurm.identity import Scope, os_user
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
-from detslurm.store.models import Experiment, ExperimentState, TrialState
+from detslurm.store.models import Experiment, ExperimentState, Trial, TrialState
 from detslurm.views import get_experiment
 
 # Searchers whose trials can simply be resumed: Determined's ContinueExperiment refuses the rest.
@@ -91,8 +89,6 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
     caller applies a new priority to the jobs returned (their nice) at once."""
     if key not in ("max_slots", "weight", "priority"):
         raise ConfigError([f"resources.{key} cannot be set here (max_slots, weight or priority)"])
-    from detslurm.identity import os_user
-
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
         _edit_config(exp, lambda cfg: cfg.setdefault("resources", {}).__setitem__(key, value))
@@ -141,7 +137,7 @@ def continue_experiment(
         todo = [t for t in exp.trials if not (multi and t.state == TrialState.COMPLETED)]
         if not todo:
             raise StateError("experiment has been completed, cannot continue this experiment")
-        _reopen(s, exp, [t.request_id for t in todo])
+        _reopen(exp, [t.request_id for t in todo])
         for t in todo:
             _reopen_trial(exp, t)
         exp.state = ExperimentState.ACTIVE
@@ -150,17 +146,17 @@ def continue_experiment(
         return len(todo)
 
 
-def _reopen(s: Session, exp: Experiment, request_ids: list[str]) -> None:
+def _reopen(exp: Experiment, request_ids: list[str]) -> None:
     """Forget that the searcher saw these trials end, so their next exit ends the search again."""
     state: dict[str, Any] = json.loads(json.dumps(exp.searcher_state or {}))
-    book = state.get("book", {})
+    book = state.setdefault("book", {})
     for key in ("closed", "canceled", "errored", "invalid"):
         book[key] = [r for r in book.get(key, []) if r not in request_ids]
     book["shut_down"] = False
     exp.searcher_state = state
 
 
-def _reopen_trial(exp: Experiment, t: Any) -> None:
+def _reopen_trial(exp: Experiment, t: Trial) -> None:
     t.state = TrialState.ACTIVE
     # ContinueExperiment resets restarts: the trial gets its full max_restarts again.
     t.restarts = 0
