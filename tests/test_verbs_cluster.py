@@ -8,6 +8,7 @@ observed in Slurm's own queue."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from typing import Any
@@ -26,6 +27,14 @@ def job_state(job: str) -> tuple[str, int]:
         ["squeue", "-h", "--states=all", "-j", job, "-o", "%T %y"], capture_output=True, text=True, check=True
     ).stdout.split()
     return out[0], int(out[1])
+
+
+def job_info_calls() -> int:
+    """How many queue listings (squeue) slurmctld has answered so far (sdiag's RPC counts)."""
+    out = subprocess.run(["sdiag"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REQUEST_JOB_INFO\s+\(\s*\d+\)\s+count:(\d+)", out)
+    assert m is not None, out
+    return int(m.group(1))
 
 
 def runs(det: Any, trial_id: int) -> list[dict[str, Any]]:
@@ -88,6 +97,13 @@ def test_set_priority_reaches_live_jobs_and_later_submissions(det: Any) -> None:
     assert code == 0, err
     job = wait_for_job(det, 1, 1)
     assert job_state(job) == ("PENDING", 0)  # no resources.priority: Slurm's default nice
+    # With no daemon, reads poll Slurm themselves, but not faster than the site's floor (1 s).
+    assert det("daemon", "stop")[0] == 0
+    before = job_info_calls()
+    assert det("e", "list")[0] == 0 and det("e", "list")[0] == 0
+    assert job_info_calls() - before == 1  # the second read reused the first one's poll
+    time.sleep(1.2)
+    assert det("e", "list")[0] == 0 and job_info_calls() - before == 2
     code, out, err = det("e", "set", "priority", "1", "55")
     assert code == 0 and "Set `priority` of experiment 1 to 55" in out, err
     assert job_state(job) == ("PENDING", 1300)
