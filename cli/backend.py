@@ -71,6 +71,10 @@ class Backend(Protocol):
         """Give the experiment's live jobs a new priority now (`det e set priority`)."""
         ...
 
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        """Apply a new max_slots to the experiment's live job arrays now; the arrays changed."""
+        ...
+
 
 class SlurmBackend:
     """Trials are Slurm jobs; the per-user daemon submits and watches them."""
@@ -150,6 +154,17 @@ class SlurmBackend:
             nice = 0
         client.update(job_ids, Nice=str(nice))  # one scontrol call for all of them
 
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        from detslurm.slurm.render import array_throttle
+
+        # Array tasks are "ARRAY_TASK"; the throttle belongs to the array, so one update per array
+        # (0 lifts the limit, as an array submitted without max_slots has none).
+        arrays = sorted({j.split("_", 1)[0] for j in job_ids if "_" in j}, key=int)
+        if arrays:
+            n = array_throttle(max_slots, slots_per_trial)
+            self.app.client.update(arrays, ArrayTaskThrottle=str(n))
+        return arrays
+
 
 class LocalBackend:
     """Trials are processes of this machine, driven by the `det` process that runs them."""
@@ -197,6 +212,9 @@ class LocalBackend:
 
     def reprioritize(self, job_ids: list[str], priority: int) -> None:
         pass  # no scheduler queue: local trials start as soon as there is room
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        return []  # max_local_trials, not max_slots, bounds local trials
 
     def wait(self, exp_id: int) -> ExperimentState:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""

@@ -156,9 +156,13 @@ def set_name(app: App, exp_id: int, name: str) -> None:
 @click.argument("max_slots", type=click.IntRange(min=0))
 @pass_app
 def set_max_slots(app: App, exp_id: int, max_slots: int) -> None:
-    """Cap the slots the experiment holds at once (the job arrays' throttle, from its next submission)."""
-    edit.set_resource(app.store, exp_id, "max_slots", max_slots, app.scope)
+    """Cap the slots the experiment holds at once (its job arrays' throttle, now and later)."""
+    live = edit.set_resource(app.store, exp_id, "max_slots", max_slots, app.scope)
     click.echo(f"Set `max_slots` of experiment {exp_id} to {max_slots}")
+    if live.mine and live.job_ids:
+        arrays = backend_mod.of_experiment(app, exp_id).throttle(list(live.job_ids), max_slots, live.slots_per_trial)
+        if arrays:
+            click.echo(f"Throttled Slurm job array{'s' if len(arrays) > 1 else ''} {', '.join(arrays)}")
 
 
 @set_.command("weight")

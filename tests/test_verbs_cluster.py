@@ -110,3 +110,16 @@ def test_set_priority_reaches_live_jobs_and_later_submissions(det: Any) -> None:
     code, out, _ = det("e", "set", "priority", "1", "0")
     assert code == 2 and "0 is not in the range 1<=x<=99" in out + _
     assert det("e", "kill", "1")[0] == 0
+
+
+def test_set_max_slots_throttles_a_live_job_array(det: Any) -> None:
+    code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", QUEUED)
+    assert code == 0, err
+    job = wait_for_job(det, 1, 1)
+    array = job.split("_")[0]
+    assert "_" in job  # the first trials share one sbatch: a job array
+    code, out, err = det("e", "set", "max-slots", "1", "2")
+    assert code == 0 and f"Throttled Slurm job array {array}" in out, (out, err)
+    shown = subprocess.run(["scontrol", "show", "job", array], capture_output=True, text=True, check=True).stdout
+    assert "ArrayTaskThrottle=2" in shown
+    assert det("e", "kill", "1")[0] == 0

@@ -82,6 +82,7 @@ class LiveJobs:
 
     job_ids: tuple[str, ...]
     mine: bool  # the caller owns the experiment: only then does this process touch its jobs
+    slots_per_trial: int = 1
 
 
 def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope: Scope | None = None) -> LiveJobs:
@@ -93,7 +94,8 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
         _edit_config(exp, lambda cfg: cfg.setdefault("resources", {}).__setitem__(key, value))
         jobs = tuple(r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id)
-        return LiveJobs(jobs, exp.owner == os_user())
+        slots = int(exp.config.get("resources", {}).get("slots_per_trial") or 1)
+        return LiveJobs(jobs, exp.owner == os_user(), slots)
 
 
 def save_priority(store: Store, exp_id: int, priority: int, *, tag: str, scope: Scope | None = None) -> bool:

@@ -249,10 +249,7 @@ def plan_array(
     """
     base = ident.trial_id
     res = resource_plan(config, site)
-    max_slots = config.resources.max_slots
-    # max_slots caps the slots the whole experiment holds; each task takes res.slots, so this many
-    # tasks may run at once (at least one, or the array would never start).
-    throttle = max(1, max_slots // max(1, res.slots)) if max_slots else 0
+    throttle = array_throttle(config.resources.max_slots, res.slots)
     # Exported once for all tasks; only what differs goes into the script's per-task case arms,
     # which keeps a many-trial script small.
     common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
@@ -264,6 +261,13 @@ def plan_array(
     args = [*_job_args(config, site, res, ident, output, links_dir, may_raise_priority), f"--array={spec}"]
     script = _script(site, res, ident, common, "", python, per_task)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
+
+
+def array_throttle(max_slots: int | None, slots_per_task: int) -> int:
+    """How many tasks of an array may run at once under ``resources.max_slots`` (0: no limit).
+    max_slots caps the slots the whole experiment holds and each task takes slots_per_task, so
+    this many tasks fit (at least one, or the array would never start)."""
+    return max(1, max_slots // max(1, slots_per_task)) if max_slots else 0
 
 
 def index_ranges(indices: list[int]) -> str:
