@@ -62,9 +62,10 @@ class Backend(Protocol):
         """Block until the experiment ends; its final state."""
         ...
 
-    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
-        """After `det e kill` (every live job) or `det e pause` (jobs not started yet): reach the
-        scheduler at once instead of at the next tick; the job ids acted on."""
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        """After `det e kill` (every live job), `det t kill` (the trial's) or `det e pause` (jobs
+        not started yet): reach the scheduler at once instead of at the next tick; the job ids
+        acted on."""
         ...
 
     def reprioritize(self, job_ids: list[str], priority: int) -> None:
@@ -129,14 +130,14 @@ class SlurmBackend:
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
 
-    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
         from detslurm.controller import ops
         from detslurm.controller.slurm_executor import SlurmExecutor
 
         executor = SlurmExecutor(self.app.client, self.app.site())
         # One scancel for all of them (batched by the executor), before this command returns.
         if kill:
-            return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope)
+            return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope, trial_id)
         return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
 
     def reprioritize(self, job_ids: list[str], priority: int) -> None:
@@ -207,7 +208,7 @@ class LocalBackend:
             state = local_mod.drive(self.app, exp_id)
             click.echo(f"Experiment {exp_id} {state.value}")
 
-    def stop_now(self, exp_id: int, *, kill: bool) -> list[str]:
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
         return []  # local trials are children of the `det` driving them; its next round stops them
 
     def reprioritize(self, job_ids: list[str], priority: int) -> None:
@@ -257,6 +258,19 @@ def of_experiment(app: App, exp_id: int) -> Backend:
         # instead of guessing a backend.
         raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
     return cls(app)
+
+
+def stop_now(app: App, exp_id: int, *, kill: bool, trial_id: int | None = None) -> None:
+    """Reach the scheduler at once after a kill or pause, and say which jobs it canceled; a
+    failure only warns (the state change is recorded, and the daemon's next tick carries it out)."""
+    try:
+        jobs = of_experiment(app, exp_id).stop_now(exp_id, kill=kill, trial_id=trial_id)
+    except DetSlurmError as e:
+        click.echo(f"Warning: Slurm could not be told at once ({e}); the daemon will do it at its next tick", err=True)
+        return
+    if jobs:
+        what = "job" if len(jobs) == 1 else "jobs"
+        click.echo(f"Canceled Slurm {what} {', '.join(jobs)}" + ("" if kill else " (queued, not started yet)"))
 
 
 def is_mine(app: App, exp_id: int) -> bool:

@@ -398,21 +398,9 @@ def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None], now
         fn(app.store, exp_id, app.scope)
         click.echo(f"{past} experiment {exp_id}")
         if now:
-            _stop_now(app, exp_id, kill=verb == "kill")
+            backend_mod.stop_now(app, exp_id, kill=verb == "kill")
 
     return cmd
-
-
-def _stop_now(app: App, exp_id: int, *, kill: bool) -> None:
-    try:
-        jobs = backend_mod.of_experiment(app, exp_id).stop_now(exp_id, kill=kill)
-    except DetSlurmError as e:
-        # The state change is recorded: the daemon's next tick still carries it out.
-        click.echo(f"Warning: Slurm could not be told at once ({e}); the daemon will do it at its next tick", err=True)
-        return
-    if jobs:
-        what = "job" if len(jobs) == 1 else "jobs"
-        click.echo(f"Canceled Slurm {what} {', '.join(jobs)}" + ("" if kill else " (queued, not started yet)"))
 
 
 experiment.add_command(_state_change("pause", "Paused", ops.pause, now=True))

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from detslurm import client, views
+from detslurm.cli import backend as backend_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
@@ -97,10 +98,13 @@ def logs(app: App, /, trial_id: int, **opts: Any) -> None:
 @pass_app
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
-    # Recorded in the store like the experiment commands; the daemon cancels the job at its
-    # next tick, and the searcher sees the trial as ended early.
+    # Recorded in the store like the experiment commands, and the trial's live job is canceled
+    # at once (the daemon would at its next tick); the searcher sees the trial as ended early.
     ops.kill_trial(app.store, trial_id, app.scope)
     click.echo(f"Killed trial {trial_id}")
+    with app.store.read() as s:
+        exp_id = views.get_trial(s, trial_id, app.scope).experiment_id
+    backend_mod.stop_now(app, exp_id, kill=True, trial_id=trial_id)
 
 
 @trial.command("download")

@@ -29,6 +29,12 @@ def job_state(job: str) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
+def queued_tasks(array: str) -> set[str]:
+    """The array's tasks still waiting in the queue."""
+    argv = ["squeue", "-h", "-r", "-j", array, "--states=PENDING", "-o", "%i"]
+    return set(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split())
+
+
 def job_info_calls() -> int:
     """How many queue listings (squeue) slurmctld has answered so far (sdiag's RPC counts)."""
     out = subprocess.run(["sdiag"], capture_output=True, text=True, check=True).stdout
@@ -112,7 +118,7 @@ def test_set_priority_reaches_live_jobs_and_later_submissions(det: Any) -> None:
     assert det("e", "kill", "1")[0] == 0
 
 
-def test_set_max_slots_throttles_a_live_job_array(det: Any) -> None:
+def test_set_max_slots_throttles_a_live_array_and_trial_kill_is_at_once(det: Any) -> None:
     code, _, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", QUEUED)
     assert code == 0, err
     job = wait_for_job(det, 1, 1)
@@ -122,4 +128,11 @@ def test_set_max_slots_throttles_a_live_job_array(det: Any) -> None:
     assert code == 0 and f"Throttled Slurm job array {array}" in out, (out, err)
     shown = subprocess.run(["scontrol", "show", "job", array], capture_output=True, text=True, check=True).stdout
     assert "ArrayTaskThrottle=2" in shown
+    # `det t kill` cancels that trial's task at once; its sibling stays queued.
+    job2 = wait_for_job(det, 2, 1)
+    assert queued_tasks(array) == {job, job2}
+    code, out, err = det("t", "kill", "2")
+    assert code == 0 and f"Canceled Slurm job {job2}" in out, (out, err)
+    # A canceled pending task leaves the array's record at once (squeue no longer lists it).
+    assert queued_tasks(array) == {job}
     assert det("e", "kill", "1")[0] == 0

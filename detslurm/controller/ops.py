@@ -102,15 +102,19 @@ class Canceller(Protocol):
     def cancel_pending(self, job_ids: Sequence[str]) -> None: ...
 
 
-def kill_jobs_now(store: Store, exp_id: int, canceller: Canceller, scope: Scope | None = None) -> list[str]:
-    """After :func:`kill`: cancel every live job of the experiment now, in one call, instead of
-    waiting for the next tick. Only the owner's process touches the jobs (root's --all-users
-    changes rows; the owner's daemon cancels)."""
+def kill_jobs_now(
+    store: Store, exp_id: int, canceller: Canceller, scope: Scope | None = None, trial_id: int | None = None
+) -> list[str]:
+    """After :func:`kill` (or :func:`kill_trial`, given ``trial_id``): cancel the live jobs of
+    the killed trials now, in one call, instead of waiting for the next tick. Only the owner's
+    process touches the jobs (root's --all-users changes rows; the owner's daemon cancels)."""
     with store.read() as s:
         exp = _get(s, exp_id, scope)
-        if exp.owner != os_user() or exp.state != ExperimentState.STOPPING_KILLED:
+        if exp.owner != os_user():
             return []
-        jobs = [r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id]
+        # Only trials marked killed: a kill that found the trial already ended leaves nothing to do.
+        killed = [t for t in exp.trials if t.state == TrialState.STOPPING_KILLED and trial_id in (None, t.id)]
+        jobs = [r.job_id for t in killed for r in t.runs if r.state in ACTIVE_RUN and r.job_id]
     if jobs:
         canceller.kill_many(jobs)
     return jobs
