@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 # Keyed by the command's path under `det`, with each command's own name (aliases share it).
+# A new command needs a line here: tests/test_verbs.py fails for any command without one.
 EXAMPLES: dict[str, str] = {
     "experiment": "det e create const.yaml . && det e list",
     "experiment label": "det e label add 7 baseline",
@@ -70,5 +71,6 @@ def add_examples(cmd: click.Command, path: str) -> None:
             if sub.name == name:  # an alias is the same object: visited under its own name
                 add_examples(sub, f"{path} {name}")
     example = EXAMPLES.get(path)
+    # A command that wrote its own epilog keeps it; the test of this table finds any without one.
     if example is not None and not cmd.epilog:
         cmd.epilog = f"\b\nExample:\n  {example}"

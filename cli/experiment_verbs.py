@@ -39,6 +39,8 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
 
     from detslurm.controller.create import execute_create, plan_fork
 
+    # The fork runs where its parent ran (Slurm or local): Determined's fork has no executor
+    # choice either, and a fork of a Slurm experiment should not quietly run on the login node.
     backend = backend_mod.of_experiment(app, exp_id)
     # The unpacked context must outlive the create: the new experiment's tarball is written from it.
     with tempfile.TemporaryDirectory(prefix="detslurm-fork-") as staging:
@@ -46,6 +48,7 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
         plan = plan_fork(app.settings, app.store, exp_id, app.scope, overrides, ctx, _patch(config_file))
         plan = replace(plan, paused=paused)
         backend.site_for_create(plan)  # an unknown pool in an override fails before anything exists
+        # As in `det e create`: a created experiment that cannot be submitted would sit ACTIVE.
         backend.require_reachable()
         new_id = execute_create(app.store, app.settings, plan, executor=backend.executor)
     click.echo(f"Created experiment {new_id} (forked from experiment {exp_id})")
@@ -63,6 +66,8 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
 @pass_app
 def continue_(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | None, detach: bool) -> None:
     """Train an ended experiment's trials on from their latest checkpoints (same ids)."""
+    # The store change first (ACTIVE again, trials reopened), then the backend carries it out
+    # exactly as after `det e activate`: the daemon resubmits, a local driver runs it here.
     n = edit.continue_experiment(app.store, exp_id, overrides, app.scope, _patch(config_file))
     click.echo(f"Continued experiment {exp_id} ({n} trial{'s' if n != 1 else ''} resume from their latest checkpoint)")
     backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
@@ -95,6 +100,7 @@ def _archive_cmd(name: str, archived: bool) -> click.Command:
     return cmd
 
 
+# One factory for both: they differ only in the flag they set and the word they print.
 COMMANDS += [_archive_cmd("archive", True), _archive_cmd("unarchive", False)]
 
 
@@ -171,6 +177,8 @@ def set_max_slots(app: App, exp_id: int, max_slots: int) -> None:
 @pass_app
 def set_weight(app: App, exp_id: int, weight: float) -> None:
     """Set the fair-share weight (kept and shown; Slurm has no per-job weight)."""
+    # Determined's fair share orders one master's jobs; Slurm's fair share is per account and
+    # set by the site, so there is nothing per job to tell it.
     edit.set_resource(app.store, exp_id, "weight", weight, app.scope)
     # As Determined on Slurm: the value is saved in the config, and Slurm is not told.
     click.echo(f"Set `weight` of experiment {exp_id} to {weight} (kept in its config; Slurm has no per-job weight)")
@@ -182,8 +190,10 @@ def set_weight(app: App, exp_id: int, weight: float) -> None:
 @pass_app
 def set_priority(app: App, exp_id: int, priority: int) -> None:
     """Set the priority (1..99, smaller is higher): its queued and running jobs at once, and every later one."""
+    # Saved first: even if Slurm cannot be reached now, every later submission gets the new nice.
     live = edit.set_resource(app.store, exp_id, "priority", priority, app.scope)
     click.echo(f"Set `priority` of experiment {exp_id} to {priority}")
+    # Only the owner's det touches the jobs: root's --all-users changes the row, not Slurm.
     if live.mine and live.job_ids:
         backend_mod.of_experiment(app, exp_id).reprioritize(list(live.job_ids), priority)
 
@@ -216,6 +226,7 @@ def download(
         searcher = from_stored(views.get_experiment(s, exp_id, app.scope).config).searcher
         metric = sort_by or searcher.metric or ""
         sib = searcher.smaller_is_better if smaller_is_better is None else smaller_is_better
+        # Ranked inside the read: the validation lookup needs the session.
         best = [
             c.uuid for c in views.ranked_checkpoints(s, views.checkpoints(s, exp_id, app.scope), metric, sib, top_n)
         ]
@@ -223,6 +234,8 @@ def download(
         raise click.ClickException(
             f"experiment {exp_id} has no completed checkpoint with a validation metric {metric!r}"
         )
+    # Through the client, as `det c download`: its copy refuses odd uuids, partial checkpoints and
+    # links out of the checkpoint (security review H2).
     cl = client.Client(app.store, app.scope)
     for uuid in best:
         path = cl.get_checkpoint(uuid).download(output_dir / uuid if output_dir else None)

@@ -51,11 +51,13 @@ def _check(s: Session, uuid: str, scope: Scope) -> tuple[Checkpoint, Path | None
 def delete_checkpoints(store: Store, uuids: Sequence[str], scope: Scope | None = None) -> list[str]:
     """Delete whole checkpoints; every uuid is checked before any is deleted. The uuids deleted."""
     plan: list[Removal] = []
+    # All rows in one transaction: one refused uuid (not found, in use) deletes none of them.
     with store.tx() as s:
         for uuid in dict.fromkeys(uuids):  # a uuid given twice is deleted once
             ck, path = _check(s, uuid, scope or Scope.mine())
             ck.state = "DELETED"
             plan.append(Removal(uuid, path))
+    # After the commit: a big tree on a network filesystem must not hold the store's write lock.
     for r in plan:
         if r.directory is not None:
             remove_own_dir(r.directory)
@@ -71,12 +73,15 @@ def remove_files(store: Store, uuids: Sequence[str], globs: Sequence[str], scope
     with store.tx() as s:
         for uuid in dict.fromkeys(uuids):
             ck, path = _check(s, uuid, scope or Scope.mine())
+            # Matched against the recorded file list (names relative to the checkpoint's top, as
+            # Determined's --glob is), not by walking the disk: the row and the files stay in step.
             names = [n for n in ck.resources if any(fnmatch.fnmatch(n, g) for g in globs)]
             if not names:
                 continue
             left = {k: v for k, v in ck.resources.items() if k not in names}
             # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
             ck.resources = left
+            # Sizes come from the trial's report (untrusted): anything but an int counts as nothing.
             ck.size = sum(int(v) for v in left.values() if isinstance(v, int))
             ck.state = "PARTIALLY_DELETED" if left else "DELETED"
             files = tuple(f for n in names if path is not None and (f := _inside(path, n)) is not None)

@@ -51,6 +51,7 @@ def set_labels(store: Store, exp_id: int, label: str, add: bool, scope: Scope | 
         raise ConfigError(["a label must not be empty"])
 
     def change(cfg: dict[str, Any]) -> None:
+        # Removed first, so adding a label twice keeps one copy (and moves it last, as added).
         labels = [x for x in cfg.get("labels") or [] if x != label]
         cfg["labels"] = [*labels, label] if add else labels
 
@@ -93,6 +94,8 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
         _edit_config(exp, lambda cfg: cfg.setdefault("resources", {}).__setitem__(key, value))
+        # Runs without a job id were never submitted (or their sbatch reply was lost): the
+        # resubmission picks the new value up from the config anyway.
         jobs = tuple(r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id)
         slots = int(exp.config.get("resources", {}).get("slots_per_trial") or 1)
         return LiveJobs(jobs, exp.owner == os_user(), slots)
@@ -142,6 +145,8 @@ def continue_experiment(
         _reopen(exp, [t.request_id for t in todo])
         for t in todo:
             _reopen_trial(exp, t)
+        # ACTIVE straight away (Determined goes PAUSED then activates): the controller's next tick
+        # submits a run for every reopened trial, from its latest checkpoint.
         exp.state = ExperimentState.ACTIVE
         exp.end_time = None
         exp.error_message = None
@@ -155,6 +160,7 @@ def _reopen(exp: Experiment, request_ids: list[str]) -> None:
     for key in ("closed", "canceled", "errored", "invalid"):
         book[key] = [r for r in book.get(key, []) if r not in request_ids]
     book["shut_down"] = False
+    # Reassigned as a new dict: the JSON column only notices a new value.
     exp.searcher_state = state
 
 
@@ -164,6 +170,7 @@ def _reopen_trial(exp: Experiment, t: Trial) -> None:
     t.restarts = 0
     t.end_time = None
     t.exit_reason = None
+    # An early stop (ASHA, test mode) would end the new run at once; continue means train on.
     t.early_stopped = False
     length = exp.config.get("searcher", {}).get("max_length")
     if t.searcher_ops:
