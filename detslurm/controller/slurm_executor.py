@@ -23,7 +23,9 @@ from detslurm.controller.executor import (
     SchedulerUnavailable,
     SubmitUnknown,
 )
+from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
+from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
 from detslurm.slurm.render import (
@@ -140,7 +142,7 @@ class SlurmExecutor:
             run_dir=str(spec.run_dir),
             log_path=str(spec.log_path),
             python=self.site.python or sys.executable,
-            may_raise_priority=self._may_raise_priority(),
+            may_raise_priority=self._may_raise_priority(spec.config),
         )
         return Submission(req, (spec,))
 
@@ -157,13 +159,18 @@ class SlurmExecutor:
             links_dir=str(links),
             log_name=first.log_path.name,
             python=self.site.python or sys.executable,
-            may_raise_priority=self._may_raise_priority(),
+            may_raise_priority=self._may_raise_priority(first.config),
         )
         return Submission(req, tuple(specs), links)
 
-    def _may_raise_priority(self) -> bool:
-        # Offline (a dry run): no Slurm to ask; the plan shows what an ordinary user gets.
-        return not self.offline and self.client.may_raise_priority()
+    def _may_raise_priority(self, config: ExperimentConfig) -> bool:
+        # Asked only for a priority above the default (a negative nice), so an ordinary config
+        # costs no Slurm call; offline (a dry run) there is no Slurm to ask, and the plan shows
+        # what an ordinary user gets.
+        priority = config.resources.priority
+        if priority is None or priority >= DEFAULT_PRIORITY or self.offline:
+            return False
+        return self.client.may_raise_priority()
 
     def _chunks(self, order: list[RunSpec]) -> list[list[RunSpec]]:
         """Split specs (sorted by trial) so that task ids stay below MaxArraySize and scripts
