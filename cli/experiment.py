@@ -156,7 +156,13 @@ def _create(
 
 
 @experiment.command("list")
-@click.option("-a", "--all", "show_all", is_flag=True, help="Include archived experiments (and an Archived column).")
+@click.option(
+    "-a",
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="Include archived experiments (and an Archived column); other users' only with root's det --all-users.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
 @click.option("--state", "states", multiple=True, metavar="STATE", help="Only experiments in STATE (repeatable).")

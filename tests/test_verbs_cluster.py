@@ -115,7 +115,12 @@ def test_set_priority_reaches_live_jobs_and_later_submissions(det: Any) -> None:
     assert job_state(job) == ("PENDING", 1300)
     code, out, _ = det("e", "set", "priority", "1", "0")
     assert code == 2 and "0 is not in the range 1<=x<=99" in out + _
-    assert det("e", "kill", "1")[0] == 0
+    # A fork is a Slurm experiment too, and its config carries the priority set above.
+    code, out, err = det("e", "fork", "1")
+    assert code == 0 and "Created experiment 2 (forked from experiment 1)" in out, err
+    forked = wait_for_job(det, 2, 1)
+    assert job_state(forked) == ("PENDING", 1300)
+    assert det("e", "kill", "1")[0] == 0 and det("e", "kill", "2")[0] == 0
 
 
 def test_set_max_slots_throttles_a_live_array_and_trial_kill_is_at_once(det: Any) -> None:
