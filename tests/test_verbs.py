@@ -156,6 +156,11 @@ def test_logs_filters_on_a_real_trial(det: Any) -> None:
     assert code == 0 and "done: w=" not in out and "=== trial" not in out
     code, out, _ = det("e", "logs", "1", "--level", "info", "--tail", "5")
     assert "done: w=" in out
+    # -f on an ended trial prints what there is and returns (a running one is followed to its end).
+    code, out, _ = det("e", "logs", "1", "-f", "--level", "WARNING")
+    assert code == 0 and "done: w=" not in out
+    code, out, _ = det("e", "logs", "1", "-f")
+    assert code == 0 and "done: w=" in out
     code, out, _ = det("t", "logs", "1", "--since", "2999-01-01")
     assert code == 0 and out == ""
     code, out, _ = det("t", "logs", "1", "--until", "2000-01-01T00:00:00Z")
