@@ -334,8 +334,9 @@ experiment.add_command(list_trials, "lt")
 @click.argument("exp_id", type=int)
 @click.option("--best", type=int, default=None, help="Only the N best by the searcher metric.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
 @pass_app
-def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> None:
+def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool, as_csv: bool) -> None:
     """List an experiment's checkpoints."""
     slurm_mod.reconcile(app)
     with app.store.read() as s:
@@ -352,22 +353,22 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
     if as_json:
         dump_json(cks)
         return
-    table(
-        ["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
+    headers = ["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"]
+    values = [
         [
-            [
-                c["trial_id"],
-                c["steps_completed"],
-                c["state"],
-                _blank_none(c["validation_metric"]),
-                c["uuid"],
-                # The number of files in the checkpoint, as Determined's Resources column counts them.
-                len(c["resources"]),
-                f"{int(c['size']) / 1024:.1f} KiB",
-            ]
-            for c in cks
-        ],
-    )
+            c["trial_id"],
+            c["steps_completed"],
+            c["state"],
+            _blank_none(c["validation_metric"]),
+            c["uuid"],
+            # The number of files in the checkpoint, as Determined's Resources column counts them.
+            len(c["resources"]),
+            f"{int(c['size']) / 1024:.1f} KiB",
+        ]
+        for c in cks
+    ]
+    # Determined's `lc --csv`: the same columns, for scripts.
+    (write_csv if as_csv else table)(headers, values)
 
 
 def _blank_none(v: object) -> object:

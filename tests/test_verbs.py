@@ -131,6 +131,8 @@ def test_downloads_and_checkpoint_delete_and_rm(det: Any, tmp_path: Path) -> Non
 
     code, out, _ = det("c", "list", "1", "--json")
     first, last = [c["uuid"] for c in json.loads(out)][:2]
+    code, out, _ = det("e", "lc", "1", "--csv")
+    assert [r["UUID"] for r in csv.DictReader(io.StringIO(out))] == [first, last]
     code, out, err = det("c", "rm", first, "--glob", "state.json", "--yes")
     assert code == 0 and f"Removed 1 file(s) from checkpoint {first}" in out, err
     code, out, _ = det("c", "list", "1", "--json")
