@@ -67,6 +67,20 @@ class Backend(Protocol):
         """Block until the experiment ends; its final state."""
         ...
 
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        """After `det e kill` (every live job), `det t kill` (the trial's) or `det e pause` (jobs
+        not started yet): reach the scheduler at once instead of at the next tick; the job ids
+        acted on."""
+        ...
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        """Give the experiment's live jobs a new priority now (`det e set priority`)."""
+        ...
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        """Apply a new max_slots to the experiment's live job arrays now; the arrays changed."""
+        ...
+
 
 class SlurmBackend:
     """Trials are Slurm jobs; the per-user daemon submits and watches them."""
@@ -144,6 +158,42 @@ class SlurmBackend:
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
 
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        from detslurm.controller import ops
+        from detslurm.controller.slurm_executor import SlurmExecutor
+
+        executor = SlurmExecutor(self.app.client, self.app.site())
+        # One scancel for all of them (batched by the executor), before this command returns.
+        if kill:
+            return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope, trial_id)
+        return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        from detslurm.queue import nice_for
+
+        nice = nice_for(priority)
+        client = self.app.client
+        if nice < 0 and not client.may_raise_priority():
+            # Slurm lets ordinary users only lower their jobs' priority (a positive nice).
+            click.echo(
+                f"Warning: priority {priority} is above the default (42); Slurm lets only operators raise a job's "
+                "priority, so its jobs stay at the default",
+                err=True,
+            )
+            nice = 0
+        client.update(job_ids, Nice=str(nice))  # one scontrol call for all of them
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        from detslurm.slurm.render import array_throttle
+
+        # Array tasks are "ARRAY_TASK"; the throttle belongs to the array, so one update per array
+        # (0 lifts the limit, as an array submitted without max_slots has none).
+        arrays = sorted({j.split("_", 1)[0] for j in job_ids if "_" in j}, key=int)
+        if arrays:
+            n = array_throttle(max_slots, slots_per_trial)
+            self.app.client.update(arrays, ArrayTaskThrottle=str(n))
+        return arrays
+
 
 class LocalBackend:
     """Trials are processes of this machine, driven by the `det` process that runs them."""
@@ -188,6 +238,15 @@ class LocalBackend:
         if not detach and is_mine(self.app, exp_id):  # only the owner runs its trials
             state = local_mod.drive(self.app, exp_id)
             click.echo(f"Experiment {exp_id} {state.value}")
+
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        return []  # local trials are children of the `det` driving them; its next round stops them
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        pass  # no scheduler queue: local trials start as soon as there is room
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        return []  # max_local_trials, not max_slots, bounds local trials
 
     def wait(self, exp_id: int) -> ExperimentState:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""
@@ -235,6 +294,19 @@ def of_experiment(app: App, exp_id: int) -> Backend:
         # instead of guessing a backend.
         raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
     return cls(app)
+
+
+def stop_now(app: App, exp_id: int, *, kill: bool, trial_id: int | None = None) -> None:
+    """Reach the scheduler at once after a kill or pause, and say which jobs it canceled; a
+    failure only warns (the state change is recorded, and the daemon's next tick carries it out)."""
+    try:
+        jobs = of_experiment(app, exp_id).stop_now(exp_id, kill=kill, trial_id=trial_id)
+    except DetSlurmError as e:
+        click.echo(f"Warning: Slurm could not be told at once ({e}); the daemon will do it at its next tick", err=True)
+        return
+    if jobs:
+        what = "job" if len(jobs) == 1 else "jobs"
+        click.echo(f"Canceled Slurm {what} {', '.join(jobs)}" + ("" if kill else " (queued, not started yet)"))
 
 
 def is_mine(app: App, exp_id: int) -> bool:

@@ -11,6 +11,7 @@ from detslurm import queue as q
 from detslurm import views
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
+from detslurm.controller import edit
 from detslurm.controller import ops as ops_mod
 from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
@@ -132,7 +133,7 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
 job.add_command(list_, "ls")
 
 
-def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run: bool) -> None:
+def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove | q.SavePriority], dry_run: bool) -> None:
     for op in ops:
         click.echo(("would run: " if dry_run else "") + op.describe())
     if dry_run:
@@ -142,6 +143,9 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run:
     q.execute(client, [o for o in ops if isinstance(o, q.Op)])
     for move in (o for o in ops if isinstance(o, q.PoolMove)):
         ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag, scope=app.scope)
+    for save in (o for o in ops if isinstance(o, q.SavePriority)):
+        # Another store's trial (tag mismatch) keeps only the scontrol change above.
+        edit.save_priority(app.store, save.experiment_id, save.priority, tag=save.tag, scope=app.scope)
 
 
 @job.command("update")

@@ -48,6 +48,9 @@ class LazyGroup(click.Group):
         module = importlib.import_module(f"detslurm.cli.{entry[0]}")
         cmd = getattr(module, entry[1])
         assert isinstance(cmd, click.Command)
+        from detslurm.cli.examples import add_examples
+
+        add_examples(cmd, _ALIASES.get(cmd_name, cmd_name))
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

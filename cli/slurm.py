@@ -29,8 +29,14 @@ def reconcile(app: App) -> None:
         unfinished = views.has_unfinished(s, EXECUTOR, os_user())
     # Detached runs (the user's own sbatch scripts) register on the shared filesystem at any
     # time: once the dir exists, a read looks there too (one directory scan).
-    if unfinished or detached_root(app.settings.experiments_dir).is_dir():
-        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
+    if not (unfinished or detached_root(app.settings.experiments_dir).is_dir()):
+        return
+    site = app.site()
+    # The same floor as the daemon's: many users' read commands in a loop (`watch det e list`)
+    # must not poll slurmctld faster than the site allows; a read within it shows the last poll.
+    floor = max(site.poll_interval_s, app.settings.poll_interval_s)
+    if daemon_mod.claim_poll(app.store, os_user(), floor):
+        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=site)
 
 
 def submit_now(app: App) -> None:

@@ -218,6 +218,28 @@ def _detached_step(ingest: DetachedIngest) -> bool:
     return result.active or result.recorded > 0
 
 
+def claim_poll(store: Store, owner: str, floor_s: float) -> bool:
+    """Whether a read command may poll Slurm now: no read polled for ``owner`` in the last
+    ``floor_s`` seconds (the site's polling floor). Claimed in a write transaction, so two
+    reads started together poll once, and the claim is the new stamp."""
+    from datetime import datetime, timedelta, timezone
+
+    from detslurm.store.models import PollStamp
+
+    now = datetime.now(timezone.utc)
+    with store.tx() as tx:
+        stamp = tx.get(PollStamp, owner)
+        if stamp is not None:
+            last = stamp.last_poll if stamp.last_poll.tzinfo else stamp.last_poll.replace(tzinfo=timezone.utc)
+            # A stamp in the future (the clock went back) does not hold reads off for that long.
+            if timedelta(0) <= now - last < timedelta(seconds=floor_s):
+                return False
+            stamp.last_poll = now
+        else:
+            tx.add(PollStamp(owner=owner, last_poll=now))
+    return True
+
+
 def start(s: Settings, wait_s: float = 10.0) -> int:
     """Start the daemon in the background unless it runs here already; its pid."""
     pid = running_pid(s)

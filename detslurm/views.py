@@ -239,6 +239,7 @@ class ExperimentRow(NamedTuple):
     start_time: datetime | None
     end_time: datetime | None
     resource_pool: str
+    archived: bool
 
 
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
@@ -247,12 +248,14 @@ def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) ->
     e = Experiment
     # scope.owner None is root's --all-users; otherwise the filter is in SQL, not applied after
     # loading, so other users' rows never leave the database.
-    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    q = select(
+        e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool, e.archived
+    )
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
     if not include_archived:
         q = q.where(e.archived.is_(False))
-    return [ExperimentRow(*row) for row in s.execute(q.order_by(e.id))]
+    return [ExperimentRow._make(row) for row in s.execute(q.order_by(e.id))]
 
 
 def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -> list[dict[str, Any]]:
@@ -367,3 +370,26 @@ def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> d
         q = q.where(Experiment.owner == scope.owner)
     rows = s.execute(q)
     return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}
+
+
+def ranked_checkpoints(
+    s: Session, cks: Sequence[Checkpoint], metric: str, smaller_is_better: bool, n: int | None = None
+) -> list[Checkpoint]:
+    """The COMPLETED checkpoints with a validation ``metric``, best first (at most ``n``): what
+    `det e download --top-n` and `det t download --best` choose from. Deleted or partial ones
+    cannot be restored, and one without a validation has nothing to rank it by."""
+    scored = [(v, c) for c in cks if c.state == "COMPLETED" and (v := validation_metric(s, c, metric)) is not None]
+    # Negating makes one ascending sort serve both directions; steps break ties (newer first).
+    scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
+    best = [c for _, c in scored]
+    return best if n is None else best[:n]
+
+
+def experiment_filter_rows(
+    rows: Sequence[ExperimentRow], *, states: Sequence[str] = (), name: str | None = None
+) -> list[ExperimentRow]:
+    """`det e list` filters: any of ``states``, and a name containing ``name`` (case-insensitive)."""
+    wanted = {st.upper() for st in states}
+    return [
+        r for r in rows if (not wanted or str(r.state) in wanted) and (name is None or name.lower() in r.name.lower())
+    ]

@@ -23,7 +23,9 @@ from detslurm.controller.executor import (
     SchedulerUnavailable,
     SubmitUnknown,
 )
+from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
+from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.containers import Runtime
@@ -141,6 +143,7 @@ class SlurmExecutor:
             log_path=str(spec.log_path),
             python=self.site.python or sys.executable,
             container=self._container_paths(spec),
+            may_raise_priority=self._may_raise_priority(spec.config),
         )
         return Submission(req, (spec,))
 
@@ -158,6 +161,7 @@ class SlurmExecutor:
             log_name=first.log_path.name,
             python=self.site.python or sys.executable,
             container=self._container_paths(first),
+            may_raise_priority=self._may_raise_priority(first.config),
         )
         return Submission(req, tuple(specs), links)
 
@@ -168,6 +172,15 @@ class SlurmExecutor:
             return None
         lib = container_lib.lib_dir(ExpPaths(spec.exp_dir).container_lib)
         return ContainerPaths(exp_dir=str(spec.exp_dir), lib_dir=str(lib))
+
+    def _may_raise_priority(self, config: ExperimentConfig) -> bool:
+        # Asked only for a priority above the default (a negative nice), so an ordinary config
+        # costs no Slurm call; offline (a dry run) there is no Slurm to ask, and the plan shows
+        # what an ordinary user gets.
+        priority = config.resources.priority
+        if priority is None or priority >= DEFAULT_PRIORITY or self.offline:
+            return False
+        return self.client.may_raise_priority()
 
     def _chunks(self, order: list[RunSpec]) -> list[list[RunSpec]]:
         """Split specs (sorted by trial) so that task ids stay below MaxArraySize and scripts
@@ -379,10 +392,14 @@ class SlurmExecutor:
         name = sigmod.Signals(signum).name.removeprefix("SIG")
         self.client.scancel(job_id, signal=name, batch_too=True)
 
-    def kill_many(self, job_ids: Sequence[str]) -> None:
+    def cancel_pending(self, job_ids: Sequence[str]) -> None:
+        """Cancel those of these jobs that are still waiting in the queue (`det e pause`)."""
+        self.kill_many(job_ids, pending_only=True)
+
+    def kill_many(self, job_ids: Sequence[str], pending_only: bool = False) -> None:
         for i in range(0, len(job_ids), 500):  # bounded command lines
             try:
-                self.client.scancel(job_ids[i : i + 500])
+                self.client.scancel(job_ids[i : i + 500], pending_only=pending_only)
             except SlurmCommandError as e:
                 # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
                 ended = ("Invalid job id", "already completing or completed")

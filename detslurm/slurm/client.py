@@ -182,19 +182,39 @@ class SlurmClient:
             self._caps = parse.parse_config(self._run(["scontrol", "show", "config"]).stdout)
         return self._caps
 
+    def may_raise_priority(self) -> bool:
+        """Whether Slurm takes a negative nice (a raised priority) from us: root, or the
+        SlurmUser slurmctld runs as. Operators and admins listed in slurm.conf may too, but a
+        user cannot see that list; they get nice 0, the best any user may ask for."""
+        if os.geteuid() == 0:
+            return True
+        try:
+            return self.user == self.capabilities().slurm_user
+        except (SlurmCommandError, SlurmUnavailable):
+            return False
+
     # -- control ---------------------------------------------------------------------------
-    def scancel(self, job_id: str | Sequence[str], signal: Optional[str] = None, batch_too: bool = False) -> None:
+    def scancel(
+        self,
+        job_id: str | Sequence[str],
+        signal: Optional[str] = None,
+        batch_too: bool = False,
+        pending_only: bool = False,
+    ) -> None:
         """One call for one job or many (scancel takes a list: an experiment's 256 array tasks
-        are one RPC round, not 256)."""
-        argv = ["scancel"]
+        are one RPC round, not 256). ``pending_only``: slurmctld skips jobs that have started,
+        so a job that began since our last look is never killed by mistake."""
+        argv = ["scancel", *(["--state=PENDING"] if pending_only else [])]
         if signal:
             argv += [f"--signal={signal}"]
             if batch_too:
                 argv += ["--full"]
         self._run([*argv, *([job_id] if isinstance(job_id, str) else job_id)])
 
-    def update(self, job_id: str, **fields: str) -> None:
-        self._run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+    def update(self, job_id: str | Sequence[str], **fields: str) -> None:
+        """scontrol update of one job, or of many in one call (JobId takes a comma list)."""
+        ids = job_id if isinstance(job_id, str) else ",".join(job_id)
+        self._run(["scontrol", "update", f"JobId={ids}", *(f"{k}={v}" for k, v in fields.items())])
 
     def hold(self, job_id: str) -> None:
         self._run(["scontrol", "hold", job_id])

@@ -233,8 +233,27 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
     return ResourcePlan(tuple(args), nodes, slots, per_node, gpu)
 
 
+def priority_args(config: ExperimentConfig, may_raise: bool) -> list[str]:
+    """``--nice`` for ``resources.priority`` (Determined's 1..99, smaller is higher; 42 is the
+    default and nice 0). sbatch lets every user give a positive nice (a lower priority) but only
+    operators and admins a negative one, so an ordinary user's priority above the default is
+    submitted at nice 0 (the best they may have) rather than refused by sbatch."""
+    from detslurm.queue import nice_for  # the one mapping, shared with `det job update`
+
+    if config.resources.priority is None:
+        return []
+    nice = nice_for(config.resources.priority)
+    return [f"--nice={nice if may_raise else max(0, nice)}"]
+
+
 def _job_args(
-    config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, ident: Identity, output: str, chdir: str
+    config: ExperimentConfig,
+    site: SiteConfig,
+    res: ResourcePlan,
+    ident: Identity,
+    output: str,
+    chdir: str,
+    may_raise: bool = False,
 ) -> list[str]:
     sig = site.signal.upper().removeprefix("SIG")
     args = [
@@ -250,6 +269,9 @@ def _job_args(
         # B: sends the warning only to the batch shell, which forwards it to the step (see the
         # template), signal_lead_s seconds before the time limit so the trial can checkpoint.
         f"--signal=B:{sig}@{site.signal_lead_s}",
+        # Set at every submission, so a priority given with `det job update` (saved in the config)
+        # or in the config itself holds for restarts and resumes too.
+        *priority_args(config, may_raise),
         # User arguments last; expconf/sbatch_args.py has already refused every option detslurm
         # sets or computes, so they cannot override the identity, logs or signal above.
         *config.slurm.sbatch_args,
@@ -341,11 +363,12 @@ def plan_trial_run(
     log_path: str,
     python: str,
     container: ContainerPaths | None = None,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
     """One sbatch for one trial run. ``container`` names the host paths a container trial
     needs; without it (or without environment.image) the trial runs with ``python``."""
     res = resource_plan(config, site)
-    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir)
+    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir, may_raise_priority)
     cmd = _container(config, site, res, list(env), container)
     if cmd is not None:
         env = {**env, **registry_env(config, site)}
@@ -363,6 +386,7 @@ def plan_array(
     log_name: str,
     python: str,
     container: ContainerPaths | None = None,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
     """One sbatch for many trial runs that share resources (a job array).
 
@@ -373,10 +397,7 @@ def plan_array(
     """
     base = ident.trial_id
     res = resource_plan(config, site)
-    max_slots = config.resources.max_slots
-    # max_slots caps the slots the whole experiment holds; each task takes res.slots, so this many
-    # tasks may run at once (at least one, or the array would never start).
-    throttle = max(1, max_slots // max(1, res.slots)) if max_slots else 0
+    throttle = array_throttle(config.resources.max_slots, res.slots)
     # Exported once for all tasks; only what differs goes into the script's per-task case arms,
     # which keeps a many-trial script small.
     common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
@@ -385,13 +406,20 @@ def plan_array(
     # %a is the array task id: Slurm opens each task's log through links_dir/<task>, a symlink to that
     # trial's run dir, since one --output pattern cannot name the run dirs themselves.
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
-    args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
+    args = [*_job_args(config, site, res, ident, output, links_dir, may_raise_priority), f"--array={spec}"]
     names = sorted({k for t in tasks for k in t.env})
     cmd = _container(config, site, res, names, container)
     if cmd is not None:
         common = {**common, **registry_env(config, site)}
     script = _script(site, res, ident, common, "", python, per_task, cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
+
+
+def array_throttle(max_slots: int | None, slots_per_task: int) -> int:
+    """How many tasks of an array may run at once under ``resources.max_slots`` (0: no limit).
+    max_slots caps the slots the whole experiment holds and each task takes slots_per_task, so
+    this many tasks fit (at least one, or the array would never start)."""
+    return max(1, max_slots // max(1, slots_per_task)) if max_slots else 0
 
 
 def index_ranges(indices: list[int]) -> str:

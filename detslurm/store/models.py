@@ -264,3 +264,12 @@ class LogEntry(Base):
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     level: Mapped[str] = mapped_column(String(16), default="INFO")
     message: Mapped[str] = mapped_column(Text)
+
+
+class PollStamp(Base):
+    """When a read command without a daemon last polled Slurm for this user: the next read
+    within the site's poll_interval_s reuses that poll instead of making another."""
+
+    __tablename__ = "poll_stamps"
+    owner: Mapped[str] = mapped_column(String(128), primary_key=True)
+    last_poll: Mapped[datetime] = mapped_column(DateTime(timezone=True))
