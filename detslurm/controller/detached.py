@@ -96,8 +96,11 @@ class DetachedIngest:
         """Discover, ingest and end: one directory scan and at most one squeue."""
         recorded = self._discover()
         runs = self._active_runs()
+        # Polled before any close record is read: a job that closed and left in between is then
+        # seen closed, never taken for a killed one.
         statuses = self._statuses(runs)
         ended = 0
+        # One transaction for all runs, as a tick's reconcile: rows and offsets commit together.
         with self.store.tx() as s:
             for pk in runs:
                 ended += self._reconcile(s, pk, statuses)
@@ -114,6 +117,7 @@ class DetachedIngest:
             # Somebody else could have planted runs there: ingest none of them.
             log.warning("not ingesting detached runs: %s", e)
             return 0
+        # Run dirs are unique per run (exclusive mkdir), so "seen before" is a lookup by path.
         with self.store.read() as s:
             q = select(TrialRun.run_dir).where(TrialRun.executor == EXECUTOR)
             known = set(s.scalars(q))
@@ -128,6 +132,7 @@ class DetachedIngest:
                 continue
             if rec is None:
                 continue
+            # One transaction per new run: a bad one costs only itself, never the others.
             with self.store.tx() as s:
                 self._record(s, paths, rec)
             count += 1
@@ -137,6 +142,8 @@ class DetachedIngest:
         exp = s.scalar(
             select(Experiment).where(Experiment.exp_dir == str(paths.exp_root)).where(Experiment.owner == self.owner)
         )
+        # The experiment dir names the experiment (its name is keyed on the external id), and the
+        # trial's key names the trial: a rerun of the same ids lands in the same rows.
         if exp is None:
             exp = self._new_experiment(s, paths, rec)
         request = f"{paths.trial_id}"
@@ -154,9 +161,11 @@ class DetachedIngest:
             exp.trials.append(trial)
             s.flush()
             note(s, trial.id, f"detached trial {rec.external_trial_id!r} of {rec.external_experiment_id!r}")
+        # A new run revives an ended trial and experiment: a requeue or a rerun continues them.
         trial.state, trial.end_time = TrialState.ACTIVE, None
         exp.state, exp.end_time = ExperimentState.ACTIVE, None
         trial.run_count = max(trial.run_count or 0, paths.run_id)
+        # The job's own --output file (asked once, now, while the job is still known to Slurm).
         log_path = (self.job_log(rec.job_id) if self.job_log and rec.job_id else None) or ""
         s.add(
             TrialRun(
@@ -174,6 +183,7 @@ class DetachedIngest:
 
     def _new_experiment(self, s: Session, paths: RunPaths, rec: DetachedRun) -> Experiment:
         config = detached_config(rec)
+        # No context and no yaml: the user's own script is what runs, and it is not ours to keep.
         exp = Experiment(
             name=rec.name,
             owner=self.owner,
@@ -226,9 +236,12 @@ class DetachedIngest:
             closed = RunClosed.read(paths)  # read before ingest: it is written after the last event
         except BadRecord as e:
             closed = RunClosed("ERROR", f"unreadable close record: {e.reason}")
+        # The managed trials' ingest, exactly once by byte offset; a searcher that decides nothing,
+        # since a detached experiment has no search to drive.
         ingest_run(s, trial.experiment, trial, run, SearchMethod(0))
         if closed is not None:
             return _end(s, run, closed.state, closed.message)
+        # A requeued job that was killed before closing: its next run taking over ends it.
         if any(r.run_id > run.run_id for r in trial.runs):
             return _end(s, run, "SUPERSEDED", "a newer run of this trial started (requeued or run again)")
         gone = _gone(run, statuses)
@@ -246,6 +259,7 @@ class DetachedIngest:
             exp = s.get(Experiment, exp_id)
             assert exp is not None
             states = [t.state for t in exp.trials]
+            # Any live trial keeps the experiment ACTIVE; an error anywhere makes it ERROR.
             if any(st == TrialState.ACTIVE for st in states):
                 continue
             final = (
@@ -270,6 +284,8 @@ def _end(s: Session, run: TrialRun, how: str, message: str) -> int:
     run.exit_reason = {"COMPLETED": "completed", "STOPPED": "preempted", "SUPERSEDED": "requeued"}.get(how, "failed")
     trial = run.trial
     latest = max(r.run_id for r in trial.runs)
+    # Only the trial's newest run decides its state: an old run ending late must not end a trial
+    # that a requeue has already resumed.
     if how != "SUPERSEDED" and run.run_id == latest:
         trial.state = _TRIAL_END[how]
         trial.end_time = _now()

@@ -60,6 +60,8 @@ def default_identity(env: Mapping[str, str], experiment: str | None, trial: str 
     """Ids as given, else from Slurm: a job array is one experiment with a trial per task; a
     plain job is an experiment of one trial. ``sbatch --requeue`` keeps the job id, so a requeued
     job continues its trial. Outside Slurm an unnamed run is a new experiment every time."""
+    # The cluster's name is part of the id: job ids restart from 1 on another cluster (or after
+    # a reinstall), and two clusters may share a home directory.
     cluster = env.get("SLURM_CLUSTER_NAME", "slurm")
     array, task, job = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_JOB_ID")
     if array and task:
@@ -99,6 +101,7 @@ def user_dirs(env: Mapping[str, str]) -> UserDirs:
     """Env (DETSLURM_EXPERIMENTS_DIR / _CHECKPOINT_DIR), then the user config file, then the
     defaults: the same order as ``detslurm.settings`` (which the in-job side may not import)."""
     cfg: dict[str, Any] = {}
+    # A broken config file is the login side's error to report; a job only falls back to defaults.
     path = Path(env.get("DETSLURM_CONFIG") or Path(platformdirs.user_config_dir("detslurm")) / "config.yaml")
     try:
         loaded = yaml.safe_load(path.read_text()) if path.exists() else None
@@ -151,6 +154,7 @@ class DetachedContext(Context):
         if self._closed:
             return
         self._closed = True
+        # An exception leaving a `with` block (init_context style) is an error like an uncaught one.
         if exc is not None and not _clean_exit(exc):
             self.outcome.error = self.outcome.error or f"{type(exc).__name__}: {exc}"[:2000]
         flushed = False
@@ -168,12 +172,15 @@ class DetachedContext(Context):
             if close is not None:
                 close(CLOSE_WAIT_S)
             self.distributed.close()
+        # The close record promises "every event is on disk": without a flush it is not written,
+        # and the login side then ends the run by its job instead.
         if self._paths is not None and flushed:
             self._write_close()
 
     def _write_close(self) -> None:
         assert self._paths is not None
         o = self.outcome
+        # STOPPED: the script acknowledged a stop request (requeue, preemption) and left cleanly.
         state = "ERROR" if o.error else ("STOPPED" if o.stopped or self.preempt._acked else "COMPLETED")
         try:
             RunClosed(state, o.error or "", time.time()).write(self._paths)
@@ -227,6 +234,7 @@ def _latest(paths: RunPaths) -> LatestCheckpoint | None:
 
 def _register(spec: DetachedSpec, layout: DetachedLayout, base: Path) -> tuple[RunPaths, LatestCheckpoint | None]:
     ident = spec.identity
+    # The run dir exists (exclusively ours) before the record that makes it visible is written.
     exp_dir = layout.exp_dir(ident.experiment)
     paths = allocate_run(exp_dir, layout.trial_key(ident.experiment, ident.trial))
     DetachedRun(
@@ -257,6 +265,7 @@ def make_context(
 ) -> DetachedContext:
     """Register this run (chief) and build its Core API context (every rank)."""
     dist = distributed or DummyDistributedContext()
+    # Without a DistributedContext the ranks cannot talk: each decides alone from its environment.
     rank = dist.rank if distributed is not None else env_rank(env)
     dirs = user_dirs(env)
     base = storage_base(spec.checkpoint_storage, dirs.checkpoints)
@@ -272,6 +281,7 @@ def make_context(
         trial_dir = layout.trial_dir(spec.identity.experiment, spec.identity.trial)
         latest = _latest(RunPaths(trial_dir.parent.parent, int(trial_dir.name), 0))
     if distributed is not None and dist.size > 1:
+        # Every rank takes the chief's run and resume point (a collective: all ranks call init).
         shared = dist.broadcast([paths.run_id if paths else 0, latest.__dict__ if latest else None])
         if paths is None:
             trial_dir = layout.trial_dir(spec.identity.experiment, spec.identity.trial)
@@ -291,6 +301,8 @@ def _assemble(
     outcome: Outcome,
 ) -> DetachedContext:
     chief = rank == 0 and paths is not None
+    # Only the chief writes events: other ranks' reports go to a null writer (Determined's rule
+    # that the chief reports), so one file per run holds everything.
     writer: Writer = EventWriter(paths.event_file(0)) if chief and paths is not None else NullWriter()
     report: Callable[[Event], None] = _ChiefReports(writer, paths) if chief and paths is not None else writer.emit
     info = _cluster_info(spec, paths, latest, base, rank)

@@ -93,11 +93,13 @@ searcher: SearcherContext | None = None
 info: ClusterInfo | None = None
 
 _context: Context | None = None
+# Shared with the context so the excepthook can mark the run failed before atexit closes it.
 _outcome = Outcome()
 _hooks_installed = False
 
 
 def _merge(config: Config | None, defaults: Config | None, unmanaged: Config | None) -> Config:
+    # Determined's deprecated defaults/unmanaged pair folds into one Config; config wins outright.
     if config is not None:
         return config
     merged = dataclasses.replace(defaults) if defaults is not None else Config()
@@ -113,6 +115,7 @@ def _spec(cfg: Config, checkpoint_storage: str | dict[str, Any] | None) -> Detac
         raise ValueError("core_v2.Config: external_trial_id must not be empty")
     if cfg.external_experiment_id is not None and not cfg.external_experiment_id:
         raise ValueError("core_v2.Config: external_experiment_id must not be empty")
+    # Only the searcher's metric is kept (for det e describe); a detached run has no search.
     searcher_cfg = cfg.searcher or {}
     metric = searcher_cfg.get("metric")
     ident = default_identity(_environ(), cfg.external_experiment_id, cfg.external_trial_id)
@@ -177,6 +180,7 @@ def init(
 ) -> None:
     """Start the singleton: ``core_v2.train``, ``.checkpoint``, ``.info``... are set until close()."""
     global _context
+    # A second init starts a new run, as in Determined: the previous one is closed first.
     if _context is not None:
         close()
     _outcome.error, _outcome.stopped = None, False
@@ -199,6 +203,7 @@ def init(
 def close() -> None:
     """End the run: flush reports and record how it ended (also run at interpreter exit)."""
     global _context
+    # Cleared before closing: a close that fails must not leave a half-closed singleton behind.
     ctx, _context = _context, None
     _set_globals(None)
     if ctx is not None:
@@ -228,6 +233,7 @@ def _install_hooks() -> None:
     atexit.register(close)
     previous = sys.excepthook
 
+    # Chained, never replaced: the user's (or another library's) hook still prints the traceback.
     def hook(typ: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if not issubclass(typ, SystemExit):
             _outcome.error = _outcome.error or f"{typ.__name__}: {exc}"[:2000]

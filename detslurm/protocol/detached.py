@@ -70,6 +70,7 @@ def check_private_dir(path: Path) -> None:
 def ensure_private_dir(path: Path) -> None:
     """Create ``path`` (and missing parents) 0700, then check it as :func:`check_private_dir`."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Created, then checked whatever happened: an existing dir must pass the same checks.
     try:
         path.mkdir(mode=0o700)
         os.chmod(path, 0o700)  # the umask may have taken bits; never more than 0700 either way
@@ -79,6 +80,7 @@ def ensure_private_dir(path: Path) -> None:
 
 
 def _read_key(path: Path) -> bytes:
+    # O_NOFOLLOW and fstat on the open file: what is checked is what is read.
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
@@ -115,6 +117,7 @@ def load_key(root: Path) -> bytes:
     return _read_key(path)
 
 
+# NUL-separated: no two different (experiment, trial) pairs can join into the same message.
 def _digest(key: bytes, *parts: str) -> str:
     return hmac.new(key, "\x00".join(parts).encode(), hashlib.sha256).hexdigest()
 
@@ -200,6 +203,7 @@ class DetachedRun:
     start: float = 0.0
 
     def encode(self) -> dict[str, Any]:
+        # Versioned like the events: a future field change is refused by an older reader, not misread.
         out = dict(self.__dict__)
         out["labels"] = list(self.labels)
         out["v"] = 1
@@ -210,6 +214,7 @@ class DetachedRun:
 
     @classmethod
     def decode(cls, value: Any) -> DetachedRun:
+        # Written in the job, so untrusted: every field checked, bounded, typed (never a KeyError).
         if not isinstance(value, dict):
             raise BadRecord("the detached run record must be a JSON object")
         d = value
@@ -303,6 +308,7 @@ def scan(root: Path) -> Iterator[RunPaths]:
 
 
 def _subdirs(path: Path, keep: Any) -> list[Path]:
+    # No symlinks followed: a link planted in a run tree would point the scan (and ingest) elsewhere.
     try:
         entries = list(os.scandir(path))
     except OSError:
