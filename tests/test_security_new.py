@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,15 @@ from detslurm.doctor.report import clean
 from detslurm.exec import node_probe
 from detslurm.expconf import validate
 from detslurm.identity import os_user
-from detslurm.protocol import trial_env
-from detslurm.protocol.detached import DetachedError, DetachedLayout, DetachedRun, allocate_run, detached_root
+from detslurm.protocol import BadRecord, trial_env
+from detslurm.protocol.detached import (
+    DetachedError,
+    DetachedLayout,
+    DetachedRun,
+    RunClosed,
+    allocate_run,
+    detached_root,
+)
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.render import ContainerPaths, Identity, plan_trial_run
@@ -348,3 +356,31 @@ def test_sbatch_test_only_gets_its_arguments_without_a_shell(tmp_path: Path, mon
 
     assert SlurmClient(runner=runner).sbatch_test_only(args, "x") is None
     assert seen == [["sbatch", "--test-only", *args]]
+
+
+def test_a_fifo_in_place_of_a_record_does_not_block_the_daemon(tmp_path: Path) -> None:
+    """Fixed (reliability): a FIFO where a record belongs (``closed.json`` of a detached run, an
+    exit record) blocked the reader's open() until someone wrote to it, and the reader is the
+    daemon serving every experiment. Now only regular files are read, without blocking."""
+    layout = DetachedLayout.open(tmp_path / "detached")
+    paths = allocate_run(layout.exp_dir("e"), layout.trial_key("e", "t"))
+    fifo = paths.dir / "closed.json"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[str] = []
+
+    def read() -> None:
+        try:
+            RunClosed.read(paths)
+            outcome.append("read")
+        except BadRecord as e:
+            outcome.append(e.reason)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5)
+    blocked = reader.is_alive()
+    if blocked:  # the old code: unblock its open() so the test ends either way
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    assert not blocked, "reading the record blocked on a FIFO"
+    assert outcome and "not a regular file" in outcome[0]
