@@ -24,6 +24,7 @@ from detslurm import settings
 from detslurm.controller.detached import DetachedIngest
 from detslurm.doctor import probe as doctor_probe
 from detslurm.doctor.report import clean
+from detslurm.doctor.starter import write_starter
 from detslurm.exec import node_probe
 from detslurm.expconf import validate
 from detslurm.identity import os_user
@@ -384,3 +385,29 @@ def test_a_fifo_in_place_of_a_record_does_not_block_the_daemon(tmp_path: Path) -
         reader.join(5)
     assert not blocked, "reading the record blocked on a FIFO"
     assert outcome and "not a regular file" in outcome[0]
+
+
+PLANT_TMP_LINKS = r"""
+import os, sys
+d, target, name, pid = sys.argv[1:5]
+os.symlink(target, os.path.join(d, ".%s.tmp-%s" % (name, pid)))
+"""
+
+
+def test_site_init_never_writes_through_a_planted_link(mallory: Attacker, base: Path) -> None:
+    """Hole (fixed, low): ``det site init --output DIR/site.yaml`` wrote through
+    ``.site.yaml.tmp-<pid>`` with a plain open(); in a config dir others may write (a group's
+    shared dir, not sticky), a symlink planted at that predictable name made it overwrite any
+    file of the user running it (often an admin). Now the temp name is random and made with
+    O_EXCL | O_NOFOLLOW."""
+    precious = base / "precious.txt"
+    precious.write_text("precious")
+    precious.chmod(0o600)
+    shared = base / "site-config"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # writable by the group/everyone, and not sticky
+    r = mallory.python_snippet(PLANT_TMP_LINKS, str(shared), str(precious), "site.yaml", str(os.getpid()))
+    assert r.returncode == 0, r.stderr
+    write_starter("pools: {}\n", shared / "site.yaml", force=False)
+    assert precious.read_text() == "precious"
+    assert (shared / "site.yaml").read_text() == "pools: {}\n"
