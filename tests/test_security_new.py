@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from security_harness import Attacker, victim_base
+from security_harness import Attacker, run_as, victim_base
 
 from detslurm import settings
 from detslurm.controller.detached import DetachedIngest
@@ -411,3 +411,40 @@ def test_site_init_never_writes_through_a_planted_link(mallory: Attacker, base: 
     write_starter("pools: {}\n", shared / "site.yaml", force=False)
     assert precious.read_text() == "precious"
     assert (shared / "site.yaml").read_text() == "pools: {}\n"
+
+
+@pytest.mark.slurm
+def test_registry_password_in_a_queued_job_is_hidden_from_other_users(
+    mallory: Attacker, base: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sound (on the real cluster): Apptainer's pull password is in the batch script, which
+    reaches slurmctld on sbatch's stdin; another user's ``scontrol show job`` (also ``-dd``),
+    ``squeue -o %all`` and ``scontrol write batch_script`` show none of it (Slurm hands the script
+    to its owner and operators only). The job is held, so it never runs."""
+    conf = str(slurm_cluster / "etc" / "slurm.conf")
+    monkeypatch.setenv("SLURM_CONF", conf)
+    run_dir = base / "exp" / "trials" / "2" / "runs" / "3"
+    run_dir.mkdir(parents=True)
+    auth = {"username": "alice", "password": "s3cret-q7w", "serveraddress": "ghcr.io"}
+    req = _plan(_config({"image": "ghcr.io/alice/img:1", "registry_auth": auth}), _site("apptainer"), run_dir)
+    client = SlurmClient()
+    job = client.sbatch([*req.args, "--hold"], req.script)
+    try:
+        env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": conf, "LANG": "C.UTF-8", "HOME": "/nonexistent"}
+        seen = {
+            " ".join(argv): run_as(mallory.user, argv, env=env, cwd=str(mallory.home))
+            for argv in (
+                ["scontrol", "show", "job", job],
+                ["scontrol", "-dd", "show", "job", job],
+                ["squeue", "-j", job, "-o", "%all"],
+                ["scontrol", "write", "batch_script", job, "-"],
+            )
+        }
+        assert req.name in seen[f"scontrol show job {job}"].stdout  # she does see the job itself
+        leaks = [cmd for cmd, r in seen.items() if "s3cret" in r.stdout + r.stderr]
+        assert not leaks, f"{mallory.user.pw_name} read the registry password through {leaks}"
+        # Control: the password is in the stored script, for its owner.
+        own = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True)
+        assert "s3cret-q7w" in own.stdout
+    finally:
+        client.scancel([job])
