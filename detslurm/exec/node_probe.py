@@ -65,8 +65,8 @@ def _own_private_dir(path: str) -> str:
     dir 0700; one owned or writable by someone else is not it, and is never written into."""
     try:
         st = os.lstat(path)
-    except OSError as e:
-        return f"cannot use the probe dir: {e.strerror}"
+    except OSError:
+        return ""  # not there (a dir the node does not share): the reads and writes say so
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         return "the probe dir is not a private dir of this user (another user's?): not written to"
     return ""
