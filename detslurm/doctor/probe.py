@@ -11,12 +11,15 @@ verdict in bits (``scontrol show job`` keeps it for MinJobAge).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import os
 import re
 import secrets
 import shlex
 import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -181,14 +184,33 @@ def make_probe_dirs(bases: Sequence[tuple[str, Path]]) -> tuple[list[ProbeDir], 
             # Private, as detslurm makes these bases for experiments and checkpoints itself.
             base.mkdir(parents=True, exist_ok=True, mode=0o700)
             (base / PROBE_DIR).mkdir(mode=0o700, exist_ok=True)
+            # A base may be shared (a site's /scratch/checkpoints, mode 1777): there, another user
+            # can pre-create PROBE_DIR, and as its owner rename our run dir away and put one of
+            # theirs (with planted reports or symlinks) in its place. Only a dir of ours will do.
+            _check_own_private(base / PROBE_DIR)
             path = base / PROBE_DIR / run
             path.mkdir(mode=0o700)  # exclusive: never a dir someone else made
             token = secrets.token_hex(16)
-            (path / LOGIN_TOKEN).write_text(token)
+            _write_new(path / LOGIN_TOKEN, token)
             made.append(ProbeDir(name, base, path, token))
         except OSError as e:
             failed.append((name, base, e.strerror or str(e)))
     return made, failed
+
+
+def _check_own_private(path: Path) -> None:
+    """``path`` is a real dir (not a symlink) owned by us that no one else may write into;
+    else OSError with a message that says what to do (the caller reports it as a failed base)."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise OSError(errno.EPERM, f"{path} is not a private dir of yours (another user's?): remove it and rerun")
+
+
+def _write_new(path: Path, text: str) -> None:
+    # O_EXCL | O_NOFOLLOW: a file (or symlink) already there is never written through.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 def remove_probe_dirs(dirs: Sequence[ProbeDir]) -> None:

@@ -19,8 +19,9 @@ from detslurm.errors import DetSlurmError
 MAX_REPORT_BYTES = 256 * 1024
 # Every text field ends up in one table cell.
 _TEXT_LIMIT = 500
-# Terminal escapes and carriage returns could rewrite other lines of the table on screen.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# Terminal escapes and carriage returns could rewrite other lines of the table on screen; the
+# C1 range too (U+009B is a one-character CSI to many terminals, the same as ESC [).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class ReportError(DetSlurmError):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 from detslurm.doctor.facts import SiteFacts
@@ -109,8 +110,14 @@ def write_starter(text: str, path: Path, force: bool) -> None:
         raise SiteInitError(f"{path} exists; use --force to overwrite it (or --output to write elsewhere)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
+        # A random temp name, created exclusively and never through a link: the config may go to
+        # a dir others can write (a group's shared config dir), where a predictable name (the
+        # pid) could be pre-planted as a symlink that this write would follow.
+        tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+        # 0644: a site config is read by every user of the site; it holds no secret.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
         tmp.replace(path)
     except OSError as e:
         raise SiteInitError(f"cannot write {path}: {e.strerror}") from None

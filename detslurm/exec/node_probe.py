@@ -48,19 +48,38 @@ def _run(argv: list[str], timeout: float = 30.0) -> dict[str, Any]:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    # Written under a temporary name and renamed: the login node never reads half a file.
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
+    # Written under a temporary name and renamed: the login node never reads half a file. The
+    # name is random and created exclusively without following links: a name someone could
+    # predict (the pid) and pre-plant as a symlink would make this job write through it.
+    tmp = f"{path}.tmp-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
     os.rename(tmp, path)
 
 
+def _own_private_dir(path: str) -> str:
+    """Why ``path`` is not a dir only we can write ("" when it is). The login node made each probe
+    dir 0700; one owned or writable by someone else is not it, and is never written into."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""  # not there (a dir the node does not share): the reads and writes say so
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return "the probe dir is not a private dir of this user (another user's?): not written to"
+    return ""
+
+
 def check_dir(entry: dict[str, Any], key: str, node_token: str) -> dict[str, Any]:
     """Read the login node's token from one probe dir, then leave ours for it to read."""
     path = str(entry["path"])
     out: dict[str, Any] = {"name": entry["name"], "path": path, "seen": False, "written": False, "error": ""}
+    refused = _own_private_dir(path)
+    if refused:
+        out["error"] = refused
+        return out
     # Never mkdir here: a missing dir must stay missing, not become a node-local copy.
     try:
         with open(os.path.join(path, LOGIN_TOKEN)) as fh:
@@ -191,7 +210,9 @@ def main(argv: list[str]) -> int:
     report, code = probe(config)
     text = json.dumps(report)
     for d in config["dirs"]:
-        # A dir not writable here is skipped: the bits in the exit code say so.
+        # A dir not writable here (or not ours) is skipped: the bits in the exit code say so.
+        if _own_private_dir(str(d["path"])):
+            continue
         with contextlib.suppress(OSError):
             _write_atomic(os.path.join(str(d["path"]), f"report-{config['key']}.json"), text)
     return code

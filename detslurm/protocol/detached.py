@@ -150,7 +150,11 @@ def allocate_run(exp_dir: Path, trial_key: int) -> RunPaths:
     """A fresh run dir for the trial: the next number, taken with an exclusive mkdir, so two
     starts of one trial (a requeue racing a re-run) never share a dir."""
     runs = exp_dir / "trials" / str(trial_key) / "runs"
-    runs.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Level by level: mkdir(parents=True) gives the parents it makes the umask's mode (0755), not
+    # 0700. The private root already closes them; each level closed too keeps a run private if
+    # the root's mode is ever loosened by hand.
+    for d in (exp_dir, exp_dir / "trials", runs.parent, runs):
+        d.mkdir(exist_ok=True, mode=0o700)
     for _ in range(1000):
         taken = [int(n) for n in os.listdir(runs) if n.isdigit()]
         run = max(taken, default=0) + 1

@@ -9,6 +9,8 @@ most ``MAX_RECORD_BYTES`` and turn anything malformed into :class:`BadRecord`.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,12 @@ def read_record(path: Path) -> Any:
     """The JSON value in ``path``; None when the file does not exist. Bounded: a file larger
     than MAX_RECORD_BYTES, non-UTF-8 bytes or bad JSON raise BadRecord."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO put where a record belongs (by a trial, or a link to one) must not
+        # block the reader, which is the daemon serving every experiment; only files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise BadRecord(f"{path.name} is not a regular file")
             # One byte over the limit is enough to know the file is too large, without reading it.
             data = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
