@@ -16,6 +16,7 @@ from pathlib import Path
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from detslurm import tbevents
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
 from detslurm.protocol import (
@@ -25,6 +26,7 @@ from detslurm.protocol import (
     CheckpointSaved,
     EarlyExit,
     Event,
+    ExpPaths,
     Line,
     Metrics,
     OpCompleted,
@@ -167,6 +169,7 @@ def _on_metrics(
             archived=False,
         )
     )
+    _tensorboard(exp, trial, ev)
     # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
         return []
@@ -183,6 +186,21 @@ def _on_metrics(
     if trial.early_stopped or trial.state.is_terminal:
         return []
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
+
+
+def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
+    """The report also goes to the trial's TensorBoard event file. Written here, on the login
+    side, rather than in the job: the trial then needs no TensorBoard install and writes nothing
+    more, and every way of reporting (Core API, Trainer, legacy harness) gets the same files."""
+    # Written before the tick's commit: a tick that rolls back re-ingests the event and the
+    # point is written twice, which TensorBoard shows as one point (same step, same value).
+    try:
+        tbevents.append(
+            ExpPaths(Path(exp.exp_dir)).trial_tensorboard(trial.id), ev.group, ev.steps_completed, ev.time, ev.metrics
+        )
+    except OSError as e:
+        # A full or read-only disk must not stop ingest: the metrics are in the store.
+        log.warning("trial %s: could not write its TensorBoard events: %s", trial.id, e)
 
 
 def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:

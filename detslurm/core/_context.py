@@ -204,6 +204,8 @@ def init(
         info=info,
         searcher=searcher,
         preempt=preempt,
-        train=TrainContext(writer, info.trial._trial_run_id, paths),
+        train=TrainContext(
+            writer, info.trial._trial_run_id, paths, rank=dist.rank, tb_auto=tensorboard_mode == TensorboardMode.AUTO
+        ),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )

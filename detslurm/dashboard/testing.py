@@ -7,7 +7,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from detslurm.dashboard.serve import bind, url_of
 from detslurm.dashboard.server import Dashboard, Sources, build_app, new_token

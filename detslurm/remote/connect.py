@@ -165,6 +165,13 @@ class Connection:
         chan.exec_command(command)
         return chan
 
+    def open_tcp(self, port: int) -> paramiko.Channel:
+        """A connection to the login node's 127.0.0.1:``port`` (what `ssh -L` opens)."""
+        try:
+            return self.transport.open_channel("direct-tcpip", ("127.0.0.1", port), ("127.0.0.1", 0))
+        except (paramiko.SSHException, OSError) as e:
+            raise RemoteError(f"{self.login}: cannot open a connection to its port {port}: {e}") from None
+
     def sftp(self) -> paramiko.SFTPClient:
         client = paramiko.SFTPClient.from_transport(self.transport)
         if client is None:

@@ -42,6 +42,8 @@ class Holder:
                 self._exec(client, str(req["command"]))
             elif req.get("op") == "sftp":
                 self._sftp(client)
+            elif req.get("op") == "tcp":
+                self._tcp(client, int(req["port"]))
         except (EOFError, OSError, ValueError, KeyError):
             pass  # the command went away (Ctrl-C): its channel closes with it
         finally:
@@ -75,6 +77,12 @@ class Holder:
                 if chan.exit_status_ready() and not got and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
             send_frame(client, EXIT, struct.pack("!i", chan.recv_exit_status()))
+
+    def _tcp(self, client: socket.socket, port: int) -> None:
+        from detslurm.remote.forward import relay
+
+        # A port forward of `det -m ... dashboard`: bytes both ways, as for SFTP below.
+        relay(client, self.conn.open_tcp(port))
 
     def _sftp(self, client: socket.socket) -> None:
         chan = self.conn.transport.open_session()
