@@ -107,7 +107,9 @@ def _read(path: str, start: int, budget: int) -> bytes:
 
 
 def _lines(body: bytes, rank: int | None) -> list[str]:
-    out = []
+    out: list[str] = []
+    if not body:
+        return out
     for raw in body.split(b"\n")[:-1] if body.endswith(b"\n") else body.split(b"\n"):
         line = raw.decode("utf-8", errors="replace")
         if len(line) > MAX_LINE:

@@ -1,0 +1,182 @@
+"""The dashboard's server and queries, against real stores (no browser: see
+test_dashboard_browser.py): token and Host checks, loopback-only binding, actions only when
+allowed, scoping, and JSON that agrees with the store, up to 1000 trials and 1M points."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from detslurm.dashboard import downsample, logs, serve
+from detslurm.dashboard.server import Sources
+from detslurm.dashboard.testing import running_dashboard
+from detslurm.identity import os_user
+from detslurm.store import Experiment, Store, open_store
+from detslurm.store.models import ExperimentState, Metric
+
+sys.path.insert(0, str(ROOT / "bench"))
+from dashboard_load import build_store, open_page  # noqa: E402
+
+
+def get(base: str, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, Any]:
+    req = urllib.request.Request(base + path, headers=headers or {}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+            return r.status, json.loads(body) if r.headers.get_content_type() == "application/json" else body.decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> tuple[Store, int]:
+    return build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 12, 40, tmp_path / "exp")
+
+
+def test_downsample_keeps_mean_min_and_max() -> None:
+    rows = [(s, float(s), 1.0 if s != 37 else 9.0) for s in range(100)]
+    ser = downsample.bucketize(1, rows, 10)
+    assert len(ser.value) == 10 and ser.raw_points == 100
+    # The spike at step 37 survives in its bucket's max, and the mean moves with it.
+    assert max(ser.vmax) == 9.0 and ser.vmax[3] == 9.0 and ser.value[3] == pytest.approx(1.8)
+    assert downsample.points_per_series(1000) == 100 and downsample.points_per_series(1) == downsample.MAX_PER_SERIES
+
+
+def test_binds_only_to_loopback() -> None:
+    for host in ("0.0.0.0", "::", "example.org", "10.0.0.1"):
+        with pytest.raises(serve.BindError, match="binds only to 127.0.0.1"):
+            serve.bind(host, 0)
+    with serve.bind("localhost", 0) as s:
+        assert s.getsockname()[0] == "127.0.0.1"
+
+
+def test_every_request_needs_the_token(small: tuple[Store, int]) -> None:
+    store, exp_id = small
+    with running_dashboard(store) as (base, cookie):
+        token = cookie.split("=", 1)[1]
+        for path in ("/", "/static/app.js", "/api/experiments", f"/api/experiments/{exp_id}"):
+            assert get(base, path)[0] == 403
+            assert get(base, path, {"Cookie": cookie.split("=")[0] + "=wrong"})[0] == 403
+            assert get(base, path, {"Cookie": cookie})[0] == 200
+        # The printed URL's ?token= becomes a cookie and the token leaves the address bar.
+        opener = urllib.request.build_opener(NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            opener.open(base + "/?token=" + token)
+        assert e.value.code == 303 and e.value.headers["Location"] == "/"
+        assert f"{cookie}" in e.value.headers["Set-Cookie"] and "HttpOnly" in e.value.headers["Set-Cookie"]
+        # A page on another site that resolves its name to 127.0.0.1 (DNS rebinding) is refused.
+        assert get(base, "/api/experiments", {"Cookie": cookie, "Host": "evil.example:80"})[0] == 403
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_pages_agree_with_the_store(small: tuple[Store, int]) -> None:
+    store, exp_id = small
+    with running_dashboard(store) as (base, cookie):
+        h = {"Cookie": cookie}
+        _, exps = get(base, "/api/experiments", h)
+        assert [(e["id"], e["name"], e["state"], e["searcher"], e["trials"], e["owner"]) for e in exps] == [
+            (exp_id, "synthetic-1000", "COMPLETED", "random", 12, os_user())
+        ]
+        _, page = get(base, f"/api/experiments/{exp_id}", h)
+        with store.read() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            best = min(t.searcher_metric for t in exp.trials if t.searcher_metric is not None)
+            n_val = s.query(Metric).filter(Metric.group == "validation").count()
+        assert exps[0]["best_metric"] == pytest.approx(best)
+        assert [t["id"] for t in page["trials"]] == [t.id for t in exp.trials]
+        assert page["metric_names"] == {"training": ["loss"], "validation": ["accuracy", "loss"]}
+        assert page["hparam_names"] == ["layers", "lr", "opt"]
+        _, curves = get(base, f"/api/experiments/{exp_id}/curves?group=validation&metric=loss", h)
+        # Every stored point is in some bucket, each trial is one series.
+        assert len(curves["series"]) == 12 and sum(s["raw_points"] for s in curves["series"]) == n_val
+        assert curves["epochs_per_batch"] == pytest.approx(64 / 6400)
+        tid = page["trials"][0]["id"]
+        _, trial = get(base, f"/api/trials/{tid}", h)
+        assert trial["trial"]["id"] == tid and trial["experiment"]["id"] == exp_id
+        _, tc = get(base, f"/api/trials/{tid}/curves?group=training&metric=loss", h)
+        assert [s["trial_id"] for s in tc["series"]] == [tid] and tc["series"][0]["raw_points"] == 20
+
+
+def test_another_users_experiment_is_not_found(tmp_path: Path) -> None:
+    store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 2, 4, tmp_path / "exp")
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        exp.owner = "someone-else"
+    with running_dashboard(store) as (base, cookie):
+        h = {"Cookie": cookie}
+        assert get(base, "/api/experiments", h)[1] == []
+        code, body = get(base, f"/api/experiments/{exp_id}", h)
+        assert code == 404 and f"experiment {exp_id} not found" in body
+        assert get(base, f"/api/experiments/{exp_id}/curves?group=validation&metric=loss", h)[0] == 404
+        assert get(base, "/api/trials/1/logs", h)[0] == 404
+
+
+def test_actions_need_the_flag_a_post_and_the_token_header(small: tuple[Store, int]) -> None:
+    store, exp_id = small
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        exp.state = ExperimentState.ACTIVE
+    done: list[tuple[str, int]] = []
+    with running_dashboard(store) as (base, cookie):
+        assert get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie}, "POST")[0] == 403  # read-only
+    sources = Sources(jobs=list, pools=list, act=lambda a, e: done.append((a, e)))
+    with running_dashboard(store, sources) as (base, cookie):
+        token = cookie.split("=", 1)[1]
+        assert get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie}, "POST")[0] == 403  # no header
+        assert get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie}, "GET")[0] == 405
+        code, body = get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST")
+        assert (code, body) == (200, {"ok": True, "action": "pause"})
+        assert get(base, f"/api/experiments/{exp_id}/delete", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST")[0] == 404
+    assert done == [("pause", exp_id)]
+
+
+def test_logs_follow_from_a_cursor_with_a_rank_filter(tmp_path: Path) -> None:
+    a, b = tmp_path / "run1.log", tmp_path / "run2.log"
+    a.write_text("[rank=0] one\n[rank=1] two\n")
+    b.write_text("[rank=0] three\n[rank=1] fo")  # the last line is still being written
+    first = logs.read([str(a), str(b)], logs.Cursor())
+    assert first.lines == [f"=== run 1 ({a})", "[rank=0] one", "[rank=1] two", f"=== run 2 ({b})", "[rank=0] three"]
+    with b.open("a") as f:
+        f.write("ur\n[rank=0] five\n")
+    nxt = logs.read([str(a), str(b)], logs.Cursor.parse(first.cursor))
+    assert nxt.lines == ["[rank=1] four", "[rank=0] five"] and not nxt.more
+    only1 = logs.read([str(a), str(b)], logs.Cursor(), rank=1)
+    assert [x for x in only1.lines if not x.startswith("===")] == ["[rank=1] two", "[rank=1] four"]
+
+
+def test_a_1000_trial_1m_point_experiment_is_downsampled_in_sql(tmp_path: Path) -> None:
+    """The shape of the large page (timing is bench/dashboard_load.py's business): every trial
+    is a series, the points sent stay within the budget, and every stored point is counted."""
+    store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 1000, 1000, tmp_path / "exp")
+    with running_dashboard(store) as (base, cookie):
+        _, page, curves = open_page(base, cookie, exp_id)
+    assert len(page["trials"]) == 1000
+    series = curves["series"]
+    assert len(series) == 1000 and sum(s["raw_points"] for s in series) == 500_000
+    sent = sum(len(s["value"]) for s in series)
+    assert sent <= downsample.TOTAL_POINT_BUDGET and all(len(s["value"]) >= 90 for s in series)
+    # Bands are not sent for 1000 curves (the browser draws them only for a few).
+    assert all(s["vmin"] == [] for s in series)
+
+
+def test_store_without_a_cluster(tmp_path: Path) -> None:
+    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with running_dashboard(store) as (base, cookie):
+        assert get(base, "/api/experiments", {"Cookie": cookie})[1] == []
+        assert get(base, "/api/queue", {"Cookie": cookie})[1] == []
+        code, body = get(base, "/api/experiments/notanumber", {"Cookie": cookie})
+        assert code == 400 and "exp_id must be an integer" in body
