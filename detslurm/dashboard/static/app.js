@@ -21,6 +21,11 @@ function h(tag, attrs, ...children) {
   return el;
 }
 
+// replaceChildren() would print a null (an absent section) as the text "null".
+function show(...nodes) {
+  app.replaceChildren(...nodes.flat().filter((n) => n !== null && n !== undefined && n !== false));
+}
+
 async function api(path, opts) {
   const resp = await fetch(path, Object.assign({ credentials: "same-origin" }, opts || {}));
   const body = await resp.json().catch(() => ({ error: resp.statusText }));
@@ -53,7 +58,7 @@ function select(id, options, value, onchange) {
 
 async function experimentsPage() {
   const rows = await api("/api/experiments");
-  app.replaceChildren(
+  show(
     h("h1", {}, "Experiments"),
     rows.length === 0 ? h("p", { class: "muted" }, "No experiments yet: det experiment create CONFIG CONTEXT") :
       table("experiments", ["#ID", "Name", "State", "Progress", "Best metric", "Searcher", "#Trials", "Owner", "Pool", "Started"],
@@ -125,7 +130,7 @@ function hparamView(data) {
   axes.push({ name: e.metric || "searcher metric", values: withMetric.map((t) => t.searcher_metric) });
   const canvas = h("canvas", { id: "hparams" });
   setTimeout(() => DS.parallelCoords(canvas, axes, { smallerIsBetter: e.smaller_is_better }), 0);
-  return h("div", { class: "panel" }, h("div", { class: "legend" }, `${withMetric.length} trials with a searcher metric; color: better is warmer`), canvas);
+  return h("div", { class: "panel" }, h("div", { class: "legend" }, `${withMetric.length} trials with a searcher metric; blue: better, red: worse`), canvas);
 }
 
 function rungTable(rungs) {
@@ -139,7 +144,7 @@ async function experimentPage(id) {
   const data = await api(`/api/experiments/${id}`);
   const e = data.experiment;
   const chart = metricChart(`/api/experiments/${id}/curves`, data.metric_names, e.metric ? `validation\u0000${e.metric}` : null);
-  app.replaceChildren(
+  show(
     h("h1", {}, `Experiment ${e.id}: `, e.name),
     h("div", { class: "cards" }, card("State", state(e.state)), card("Progress", `${Math.round(e.progress * 100)}%`),
       card("Searcher", e.searcher), card("Best " + (e.metric || "metric"), e.best_metric === null ? "-" : DS.fmt(e.best_metric)),
@@ -186,7 +191,7 @@ async function trialPage(id) {
   const data = await api(`/api/trials/${id}`);
   const t = data.trial;
   const chart = metricChart(`/api/trials/${id}/curves`, data.metric_names, null);
-  app.replaceChildren(
+  show(
     h("h1", {}, `Trial ${t.id} `, h("span", { class: "muted" }, "of experiment "), h("a", { href: `#/experiments/${data.experiment.id}` }, `${data.experiment.id} (${data.experiment.name})`)),
     h("div", { class: "cards" }, card("State", state(t.state)), card("Batches", String(t.batches)),
       card("Searcher metric", t.searcher_metric === null ? "-" : DS.fmt(t.searcher_metric)), card("Restarts", String(t.restarts)),
@@ -208,7 +213,7 @@ async function trialPage(id) {
 
 async function queuePage() {
   const rows = await api("/api/queue");
-  app.replaceChildren(h("h1", {}, "Job queue"),
+  show(h("h1", {}, "Job queue"),
     rows.length === 0 ? h("p", { class: "muted" }, "The queue is empty.") :
       table("queue", ["#", "ID", "Type", "Job name", "#Priority", "Submitted", "Slots", "State", "User", "Pool", "Pending reason"],
         rows.map((r) => [String(r["#"]), r.id, r.type, r.name, r.priority === null ? "" : String(r.priority), r.submitted,
@@ -217,7 +222,7 @@ async function queuePage() {
 
 async function poolsPage() {
   const rows = await api("/api/pools");
-  app.replaceChildren(h("h1", {}, "Resource pools"),
+  show(h("h1", {}, "Resource pools"),
     table("pools", ["Pool", "Partition", "Slot type", "#Nodes", "Slots (used/total)", "State", "Default", "Description"],
       rows.map((r) => [r.name, r.partition, r.slot_type, String(r.nodes), `${r.slots_used}/${r.slots_total}`, r.state,
         r.default ? "yes" : "", r.description])));
@@ -238,7 +243,7 @@ async function route() {
     else if (path === "/pools") { page = "pools"; await poolsPage(); }
     else await experimentsPage();
   } catch (err) {
-    app.replaceChildren(h("p", { class: "error", id: "error" }, String(err.message || err)));
+    show(h("p", { class: "error", id: "error" }, String(err.message || err)));
   }
   document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === page));
   // Set once the page's data (and its first chart) is in: what the browser tests wait for.

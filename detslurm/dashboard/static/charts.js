@@ -116,6 +116,11 @@ DS.parallelCoords = function (canvas, axes, opts) {
     if (a.values.every((v) => typeof v === "number" || v === null)) {
       const nums = a.values.filter((v) => typeof v === "number");
       const [lo, hi] = extent([nums]);
+      // A hyperparameter drawn log-uniformly (a learning rate) spreads out on a log axis.
+      if (lo > 0 && hi / lo > 100) {
+        const l0 = Math.log(lo), l1 = Math.log(hi);
+        return { num: true, lo, hi, f: (v) => (typeof v === "number" && v > 0 ? (Math.log(v) - l0) / (l1 - l0) : null) };
+      }
       return { num: true, lo, hi, f: (v) => (typeof v === "number" ? (hi > lo ? (v - lo) / (hi - lo) : 0.5) : null) };
     }
     const cats = [...new Set(a.values.map(String))].sort();
