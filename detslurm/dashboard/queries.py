@@ -175,7 +175,9 @@ def trial_rows(s: Session, exp_id: int, scope: Scope) -> list[TrialRow]:
 
 def _brackets(exp: Experiment) -> list[dict[str, Any]]:
     state = exp.searcher_state or {}
-    brackets = state.get("brackets") if isinstance(state, dict) else None
+    # SearchMethod.state_dict(): the method's own state (ASHA's brackets) sits under "method".
+    method = state.get("method") if isinstance(state, dict) else None
+    brackets = method.get("brackets") if isinstance(method, dict) else None
     return [b for b in brackets if isinstance(b, dict)] if isinstance(brackets, list) else []
 
 

@@ -221,7 +221,11 @@ def _trial(d: Dashboard, trial_id: int) -> Response:
         t = views.get_trial(s, trial_id, d.scope)
         body = {
             "trial": views.trial_dict(s, t),
-            "experiment": {"id": t.experiment_id, "name": t.experiment.name},
+            "experiment": {
+                "id": t.experiment_id,
+                "name": t.experiment.name,
+                "metric": (t.experiment.config.get("searcher") or {}).get("metric"),
+            },
             "runs": [views.run_dict(r) for r in views.runs(s, trial_id)],
             "checkpoints": queries.checkpoints(s, trial_id, d.scope),
             "metric_names": queries.metric_names(s, t.experiment_id, trial_id),

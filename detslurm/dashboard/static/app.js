@@ -148,7 +148,7 @@ async function experimentPage(id) {
     h("h1", {}, `Experiment ${e.id}: `, e.name),
     h("div", { class: "cards" }, card("State", state(e.state)), card("Progress", `${Math.round(e.progress * 100)}%`),
       card("Searcher", e.searcher), card("Best " + (e.metric || "metric"), e.best_metric === null ? "-" : DS.fmt(e.best_metric)),
-      card("Trials", String(data.trials.length)), card("Owner", e.owner), card("Pool", e.resource_pool)),
+      card("Trials", String(data.trials.length)), card("Owner", e.owner), card("Pool", e.resource_pool || "default")),
     actionButtons(e), data.error ? h("p", { class: "error" }, data.error) : null,
     h("h2", {}, "Metrics"), chart.panel,
     rungTable(data.rungs),
@@ -190,7 +190,8 @@ function logPanel(id) {
 async function trialPage(id) {
   const data = await api(`/api/trials/${id}`);
   const t = data.trial;
-  const chart = metricChart(`/api/trials/${id}/curves`, data.metric_names, null);
+  const m = data.experiment.metric;
+  const chart = metricChart(`/api/trials/${id}/curves`, data.metric_names, m ? `validation\u0000${m}` : null);
   show(
     h("h1", {}, `Trial ${t.id} `, h("span", { class: "muted" }, "of experiment "), h("a", { href: `#/experiments/${data.experiment.id}` }, `${data.experiment.id} (${data.experiment.name})`)),
     h("div", { class: "cards" }, card("State", state(t.state)), card("Batches", String(t.batches)),
