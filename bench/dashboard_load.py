@@ -181,9 +181,8 @@ def main() -> None:
             "goal_s": 2.0,
         },
     )
-    print(
-        f"experiment page, {args.trials} trials / {args.trials * args.points} points: {ours:.2f} s (goal < 2 s); reading the rows whole: {theirs:.2f} s"
-    )
+    size = f"{args.trials} trials / {args.trials * args.points} points"
+    print(f"experiment page, {size}: {ours:.2f} s (goal < 2 s); reading the rows whole: {theirs:.2f} s")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ dashboard's browser tests. Screenshots of each page go to ``artifacts/dashboard/
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ DRIVER = shutil.which("chromedriver")
 
 def require_browser() -> None:
     if not (CHROMIUM and DRIVER):
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the dashboard's browser tests: scripts/bootstrap installs chromium")
         pytest.skip("needs Debian's chromium and chromium-driver (scripts/bootstrap installs them)")
     pytest.importorskip("selenium")
 
@@ -31,7 +34,13 @@ def chromium(width: int = 1400, height: int = 1000) -> Iterator[Any]:
     require_browser()
     opts = webdriver.ChromeOptions()
     opts.binary_location = str(CHROMIUM)
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--window-size={width},{height}"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+    ):
         opts.add_argument(arg)
     # The explicit driver path keeps Selenium Manager from trying to download one (CI is offline).
     driver = webdriver.Chrome(service=Service(str(DRIVER)), options=opts)

@@ -22,7 +22,7 @@ from detslurm.store import Experiment, Store, open_store
 from detslurm.store.models import ExperimentState, Metric
 
 sys.path.insert(0, str(ROOT / "bench"))
-from dashboard_load import build_store, open_page  # noqa: E402
+from dashboard_load import build_store, open_page
 
 
 def get(base: str, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, Any]:
@@ -138,9 +138,14 @@ def test_actions_need_the_flag_a_post_and_the_token_header(small: tuple[Store, i
         token = cookie.split("=", 1)[1]
         assert get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie}, "POST")[0] == 403  # no header
         assert get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie}, "GET")[0] == 405
-        code, body = get(base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST")
+        code, body = get(
+            base, f"/api/experiments/{exp_id}/pause", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST"
+        )
         assert (code, body) == (200, {"ok": True, "action": "pause"})
-        assert get(base, f"/api/experiments/{exp_id}/delete", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST")[0] == 404
+        assert (
+            get(base, f"/api/experiments/{exp_id}/delete", {"Cookie": cookie, "X-Detslurm-Token": token}, "POST")[0]
+            == 404
+        )
     assert done == [("pause", exp_id)]
 
 

@@ -17,7 +17,7 @@ from detslurm.dashboard.testing import running_dashboard
 from detslurm.store import Experiment, Trial
 
 sys.path.insert(0, str(ROOT / "bench"))
-from dashboard_load import build_store  # noqa: E402
+from dashboard_load import build_store
 
 JOBS = [
     {
@@ -92,7 +92,7 @@ def test_pages_show_what_the_store_holds(tmp_path: Path) -> None:
         assert options == ["batches", "epochs", "time"]
 
         open_page(driver, f"{base}/#/trials/{trial_ids[0]}", f"/trials/{trial_ids[0]}")
-        assert dict(zip(column(driver, "hparams-table", 0), column(driver, "hparams-table", 1))) == {
+        assert dict(zip(column(driver, "hparams-table", 0), column(driver, "hparams-table", 1), strict=True)) == {
             k: str(v) for k, v in hp.items()
         }
         assert driver.find_element("css selector", "canvas#curves").get_attribute("data-series") == "1"

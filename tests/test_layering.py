@@ -34,6 +34,8 @@ LOGIN = (
     "detslurm.settings",
     "detslurm.searcher",
     "detslurm.expconf",
+    "detslurm.dashboard",
+    "detslurm.tbevents",
 )
 
 

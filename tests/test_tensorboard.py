@@ -130,7 +130,9 @@ def test_trial_metrics_reach_tensorboard(det: Any) -> None:
         tags = _wait_for_runs(line.split()[1])
         # --logdir_spec names each trial's run (TensorBoard adds the relative dir, ".").
         assert list(tags) == ["exp1_trial1/."]
-        assert {"loss", "validation_loss"} <= set(tags["exp1_trial1/."]) and "val_validation_loss" not in tags["exp1_trial1/."]
+        assert {"loss", "validation_loss"} <= set(tags["exp1_trial1/."]) and "val_validation_loss" not in tags[
+            "exp1_trial1/."
+        ]
     finally:
         proc.terminate()
         proc.wait(30)

@@ -334,7 +334,7 @@ def _epochs_per_batch(exp: Experiment) -> float | None:
     # The stored hyperparameter may be a constant ({"type": "const", "val": 32}) or a plain number.
     if isinstance(gbs, dict):
         gbs = gbs.get("val")
-    if _numeric(rpe) and _numeric(gbs) and rpe > 0:
+    if isinstance(rpe, (int, float)) and isinstance(gbs, (int, float)) and _numeric(rpe) and _numeric(gbs) and rpe > 0:
         return float(gbs) / float(rpe)
     return None
 

@@ -219,20 +219,21 @@ def _trial_curves(d: Dashboard, request: Request) -> Response:
 def _trial(d: Dashboard, trial_id: int) -> Response:
     with d.store.read() as s:
         t = views.get_trial(s, trial_id, d.scope)
-        body = {
+        runs = [views.run_dict(r) for r in views.runs(s, trial_id)]
+        body: dict[str, Any] = {
             "trial": views.trial_dict(s, t),
             "experiment": {
                 "id": t.experiment_id,
                 "name": t.experiment.name,
                 "metric": (t.experiment.config.get("searcher") or {}).get("metric"),
             },
-            "runs": [views.run_dict(r) for r in views.runs(s, trial_id)],
+            "runs": runs,
             "checkpoints": queries.checkpoints(s, trial_id, d.scope),
             "metric_names": queries.metric_names(s, t.experiment_id, trial_id),
         }
     # Pending reasons come from the queue, not the store: only a job still in Slurm has one.
-    queued = _queued(d) if any(r["job_id"] and r["state"] in ("QUEUED", "RUNNING") for r in body["runs"]) else {}
-    for r in body["runs"]:
+    queued = _queued(d) if any(r["job_id"] and r["state"] in ("QUEUED", "RUNNING") for r in runs) else {}
+    for r in runs:
         j = queued.get(r["job_id"] or "")
         r["slurm_state"] = j["state"] if j else None
         r["pending_reason"] = j["reason"] if j else None
