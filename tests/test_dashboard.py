@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import ROOT
 
-from detslurm.dashboard import downsample, logs, serve
+from detslurm.dashboard import downsample, logs, queries, serve
 from detslurm.dashboard.server import Sources
 from detslurm.dashboard.testing import running_dashboard
 from detslurm.identity import os_user
@@ -107,6 +107,28 @@ def test_pages_agree_with_the_store(small: tuple[Store, int]) -> None:
         assert trial["trial"]["id"] == tid and trial["experiment"]["id"] == exp_id
         _, tc = get(base, f"/api/trials/{tid}/curves?group=training&metric=loss", h)
         assert [s["trial_id"] for s in tc["series"]] == [tid] and tc["series"][0]["raw_points"] == 20
+
+
+def test_batches_leave_out_what_a_restart_redid(small: tuple[Store, int]) -> None:
+    """The trial table's batches are views.batches' (what `det t describe` shows), also for a
+    trial whose rows past its resume checkpoint were archived by a restart."""
+    from sqlalchemy import update
+
+    from detslurm import views
+    from detslurm.identity import Scope
+
+    store, exp_id = small
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        t1, t2 = exp.trials[0], exp.trials[1]
+        t1.run_count = t2.run_count = 2
+        s.execute(update(Metric).where(Metric.trial_id == t1.id, Metric.steps_completed > 100).values(archived=True))
+        s.execute(update(Metric).where(Metric.trial_id == t2.id).values(archived=True))
+    with store.read() as s:
+        rows = queries.trial_rows(s, exp_id, Scope.mine())
+        assert {r.id: r.batches for r in rows} == {r.id: views.batches(s, r.id) for r in rows}
+    assert {r.id: r.batches for r in rows}[t1.id] == 100 and {r.id: r.batches for r in rows}[t2.id] == 0
 
 
 def test_another_users_experiment_is_not_found(tmp_path: Path) -> None:

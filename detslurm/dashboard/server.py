@@ -189,14 +189,15 @@ def _experiment(d: Dashboard, exp_id: int) -> Response:
     with d.store.read() as s:
         exp = views.get_experiment(s, exp_id, d.scope)
         summary = next((e for e in queries.experiments(s, d.scope) if e.id == exp_id), None)
+        trials = queries.trial_rows(s, exp_id, d.scope)
         body = {
             "experiment": asdict(summary) if summary else views.experiment_dict(exp),
             "description": exp.description,
             "error": exp.error_message,
-            "trials": [asdict(t) for t in queries.trial_rows(s, exp_id, d.scope)],
+            "trials": [asdict(t) for t in trials],
             "rungs": [asdict(r) for r in queries.rungs(s, exp_id, d.scope)],
             "metric_names": queries.metric_names(s, exp_id),
-            "hparam_names": sorted({k for t in exp.trials for k in t.hparams}),
+            "hparam_names": sorted({k for t in trials for k in t.hparams}),
             "actions": d.sources.act is not None,
         }
     return json_response(body)
