@@ -287,6 +287,29 @@ def curves(s: Session, exp_id: int, scope: Scope, group: str, metric: str, trial
     if not n_trials:
         return out
     out.bucket_batches = width = bucket_width(int(max_step or 0), points_per_series(int(n_trials)))
+    # The browser draws min/max bands only for a few curves; for many, they are not even computed.
+    bands = n_trials <= 20
+    starts = {
+        i: _utc(t).timestamp() for i, t in s.execute(select(Trial.id, Trial.start_time).where(Trial.id.in_(trials)))
+    }
+    by_trial: dict[int, Series] = {}
+    for tid, step, t, v, n, *lo_hi in s.execute(_bucket_query(dialect, rows, value, width, bands)):
+        ser = by_trial.get(tid)
+        if ser is None:
+            ser = by_trial[tid] = Series(tid, [], [], [], [], [], raw_points=0)
+        ser.batches.append(float(step))
+        ser.seconds.append(max(0.0, float(t) - starts[tid]) if t is not None else 0.0)
+        ser.value.append(float(v))
+        if bands:
+            ser.vmin.append(float(lo_hi[0]))
+            ser.vmax.append(float(lo_hi[1]))
+        ser.raw_points += int(n)
+    out.series = list(by_trial.values())
+    return out
+
+
+def _bucket_query(dialect: str, rows: ColumnElement[bool], value: ColumnElement[Any], width: int, bands: bool) -> Any:
+    """(trial, mean step, last time, mean value, count[, min, max]) per trial and bucket."""
     # Each row's JSON is parsed once, in a materialized CTE; the aggregates read its column (inlined,
     # the value expression would be parsed again for every aggregate: 3x slower on a million rows).
     x = (
@@ -296,39 +319,16 @@ def curves(s: Session, exp_id: int, scope: Scope, group: str, metric: str, trial
         .prefix_with("MATERIALIZED")
     )
     bucket = (x.c.steps_completed // width).label("b")
-    q = (
-        select(
-            x.c.trial_id,
-            func.avg(x.c.steps_completed),
-            _epoch_seconds(dialect, func.max(x.c.report_time)),
-            func.avg(x.c.v),
-            func.min(x.c.v),
-            func.max(x.c.v),
-            func.count(x.c.v),
-        )
-        .where(_is_number(dialect, x.c.v))
-        .group_by(x.c.trial_id, bucket)
-        .order_by(x.c.trial_id, bucket)
-    )
-    starts = {
-        i: _utc(t).timestamp() for i, t in s.execute(select(Trial.id, Trial.start_time).where(Trial.id.in_(trials)))
-    }
-    # The browser draws min/max bands only for a few curves; for many, they are not sent.
-    bands = n_trials <= 20
-    by_trial: dict[int, Series] = {}
-    for tid, step, t, v, lo, hi, n in s.execute(q):
-        ser = by_trial.get(tid)
-        if ser is None:
-            ser = by_trial[tid] = Series(tid, [], [], [], [], [], raw_points=0)
-        ser.batches.append(float(step))
-        ser.seconds.append(max(0.0, float(t) - starts[tid]) if t is not None else 0.0)
-        ser.value.append(float(v))
-        if bands:
-            ser.vmin.append(float(lo))
-            ser.vmax.append(float(hi))
-        ser.raw_points += int(n)
-    out.series = list(by_trial.values())
-    return out
+    cols = [
+        x.c.trial_id,
+        func.avg(x.c.steps_completed),
+        _epoch_seconds(dialect, func.max(x.c.report_time)),
+        func.avg(x.c.v),
+        func.count(x.c.v),
+    ]
+    if bands:
+        cols += [func.min(x.c.v), func.max(x.c.v)]
+    return select(*cols).where(_is_number(dialect, x.c.v)).group_by(x.c.trial_id, bucket).order_by(x.c.trial_id, bucket)
 
 
 def _epochs_per_batch(exp: Experiment) -> float | None:
