@@ -123,7 +123,10 @@ function actionButtons(exp) {
 }
 
 function hparamView(data) {
-  const names = data.hparam_names.filter((n) => data.trials.some((t) => typeof t.hparams[n] !== "object"));
+  const plain = data.hparam_names.filter((n) => data.trials.some((t) => typeof t.hparams[n] !== "object"));
+  // Constants (the same value in every trial) say nothing about the metric: only what varies is drawn.
+  const varying = plain.filter((n) => new Set(data.trials.map((t) => JSON.stringify(t.hparams[n]))).size > 1);
+  const names = varying.length ? varying : plain;
   const e = data.experiment;
   const withMetric = data.trials.filter((t) => t.searcher_metric !== null);
   const axes = names.map((n) => ({ name: n, values: withMetric.map((t) => t.hparams[n]) }));
