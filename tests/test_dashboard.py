@@ -207,3 +207,31 @@ def test_store_without_a_cluster(tmp_path: Path) -> None:
         assert get(base, "/api/queue", {"Cookie": cookie})[1] == []
         code, body = get(base, "/api/experiments/notanumber", {"Cookie": cookie})
         assert code == 400 and "exp_id must be an integer" in body
+
+
+def test_det_dashboard_prints_its_url_once_and_serves_it(det: Any) -> None:
+    code, _, err = det("dashboard", "--host", "0.0.0.0")
+    assert code == 1 and "binds only to 127.0.0.1 or ::1" in err
+    import os
+    import subprocess
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "detslurm.cli.main", "dashboard"],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        assert proc.stdout is not None
+        word, url = proc.stdout.readline().split()
+        assert word == "Open" and url.startswith("http://127.0.0.1:") and "/?token=" in url
+        base, token = url.split("/?token=")
+        assert len(token) >= 40  # secrets.token_urlsafe(32)
+        assert proc.stdout.readline().startswith("(read-only;")
+        assert get(base, "/api/experiments")[0] == 403
+        port = base.rsplit(":", 1)[1]
+        assert get(base, "/api/experiments", {"Cookie": f"detslurm_{port}={token}"}) == (200, [])
+    finally:
+        proc.terminate()
+        proc.wait(30)
