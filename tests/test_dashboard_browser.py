@@ -14,7 +14,7 @@ from conftest import ROOT
 
 from detslurm.dashboard.server import Sources
 from detslurm.dashboard.testing import running_dashboard
-from detslurm.store import Experiment, Trial
+from detslurm.store import Experiment, Trial, TrialRun
 
 sys.path.insert(0, str(ROOT / "bench"))
 from dashboard_load import build_store
@@ -58,6 +58,24 @@ def _browser() -> None:
 
 def test_pages_show_what_the_store_holds(tmp_path: Path) -> None:
     store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 30, 200, tmp_path / "exp")
+    with store.tx() as s:
+        # The first trial's second run waits in Slurm's queue (job 4242 of JOBS): its pending
+        # reason comes from the queue, its job id from the store.
+        first_id = min(t.id for t in s.query(Trial).filter(Trial.experiment_id == exp_id))
+        for run_id, state, job in ((1, "EXITED", "4241"), (2, "QUEUED", "4242")):
+            log = tmp_path / f"run{run_id}.log"
+            log.write_text(f"[rank=0] hello from run {run_id}\n[rank=1] rank one of run {run_id}\n")
+            s.add(
+                TrialRun(
+                    trial_id=first_id,
+                    run_id=run_id,
+                    state=state,
+                    executor="slurm",
+                    job_id=job,
+                    run_dir=str(tmp_path),
+                    log_path=str(log),
+                )
+            )
     with store.read() as s:
         exp = s.get(Experiment, exp_id)
         assert exp is not None
@@ -96,6 +114,14 @@ def test_pages_show_what_the_store_holds(tmp_path: Path) -> None:
             k: str(v) for k, v in hp.items()
         }
         assert driver.find_element("css selector", "canvas#curves").get_attribute("data-series") == "1"
+        assert column(driver, "runs", 2) == ["4241", "4242"] and column(driver, "runs", 4) == ["", "Resources"]
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        log = lambda d: d.find_element("css selector", "pre#log").text  # noqa: E731
+        WebDriverWait(driver, 30).until(lambda d: "rank one of run 2" in log(d))
+        # The rank filter keeps rank 0's lines only (as `det trial logs --rank-id 0`).
+        driver.find_element("css selector", "#rank").send_keys("0\n")
+        WebDriverWait(driver, 30).until(lambda d: "hello from run 2" in log(d) and "rank one" not in log(d))
         shot(driver, "trial")
 
         open_page(driver, f"{base}/#/queue", "/queue")
