@@ -22,7 +22,7 @@ CORE = EXAMPLES / "core_api"
 
 def test_dashboard_shows_a_real_asha_search(det: Any, tmp_path: Path) -> None:
     require_browser()
-    code, out, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=4")
+    code, out, err = det("e", "create", CORE / "adaptive.yaml", CORE, "--config", "searcher.max_trials=6")
     assert code == 0, err
     code, out, err = det("e", "wait", "1")
     assert code == 0 and "COMPLETED" in out, out + err
