@@ -19,7 +19,7 @@ from detslurm import settings, tbevents
 from detslurm.core._events import NullWriter
 from detslurm.core._train import TrainContext
 from detslurm.protocol import ExpPaths, RunPaths
-from detslurm.store import Experiment, Metric, open_store
+from detslurm.store import Experiment, Metric, MetricPoint, open_store
 
 CORE = EXAMPLES / "core_api"
 
@@ -114,6 +114,18 @@ def test_trial_metrics_reach_tensorboard(det: Any) -> None:
                 assert (step, pytest.approx(value, rel=1e-6)) in got[tbevents.tag_for(group, name)]
     assert sum(len(v) for v in got.values()) == sum(
         1 for _, _, m in rows for v in m.values() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    # Ingest also unpacked every numeric value for the dashboard's curves (metric_points).
+    with store.read() as s:
+        points = sorted(
+            (p.group, p.steps_completed, p.name, p.value)
+            for p in s.query(MetricPoint).filter(MetricPoint.trial_id == 1)
+        )
+    assert points == sorted(
+        (g, step, k, float(v))
+        for g, step, m in rows
+        for k, v in m.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
     )
     code, _, err = det("tensorboard", "start", "1", "--host", "0.0.0.0")
     assert code != 0 and "binds only to 127.0.0.1" in err

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
@@ -57,6 +58,7 @@ from detslurm.store.models import (
     IngestOffset,
     LogEntry,
     Metric,
+    MetricPoint,
     Trial,
     TrialRun,
     TrialState,
@@ -64,6 +66,7 @@ from detslurm.store.models import (
 from detslurm.store.sanitize import json_safe
 
 log = logging.getLogger("detslurm.controller")
+POINT_NAME_MAX = 256  # MetricPoint.name's length
 MAX_NOTE = 2000  # characters of one note about trial-written input
 MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
 
@@ -157,18 +160,21 @@ def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
 def _on_metrics(
     session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: Metrics, searcher: SearchMethod
 ) -> list[Action]:
+    metrics = json_safe(ev.metrics)
+    when = _ts(ev.time)
     session.add(
         Metric(
             trial_id=trial.id,
             run_id=run.run_id,
             group=ev.group,
             steps_completed=ev.steps_completed,
-            metrics=json_safe(ev.metrics),
+            metrics=metrics,
             batch_metrics=json_safe(ev.batch_metrics),
-            report_time=_ts(ev.time),
+            report_time=when,
             archived=False,
         )
     )
+    session.add_all(_points(trial.id, ev, metrics, when))
     _tensorboard(exp, trial, ev)
     # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
@@ -186,6 +192,26 @@ def _on_metrics(
     if trial.early_stopped or trial.state.is_terminal:
         return []
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
+
+
+def _points(trial_id: int, ev: Metrics, metrics: Any, when: datetime) -> list[MetricPoint]:
+    """The report's numeric values as rows the dashboard's curves read without parsing JSON."""
+    if not isinstance(metrics, dict):
+        return []
+    return [
+        MetricPoint(
+            trial_id=trial_id,
+            group=ev.group,
+            name=name,
+            steps_completed=ev.steps_completed,
+            report_time=when,
+            value=float(v),
+            archived=False,
+        )
+        for name, v in metrics.items()
+        # json_safe already turned non-finite floats into null; booleans are not values.
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(name) <= POINT_NAME_MAX
+    ]
 
 
 def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
