@@ -235,3 +235,25 @@ def test_det_dashboard_prints_its_url_once_and_serves_it(det: Any) -> None:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.e2e
+def test_curves_of_a_restarted_trial_count_each_step_once(det: Any) -> None:
+    """A trial killed at batch 13 and resumed from its batch-10 checkpoint: its curve has every
+    step once (run 1's steps past the checkpoint are archived in metric_points too)."""
+    from detslurm import settings
+    from detslurm.identity import Scope
+
+    core = ROOT / "examples/core_api"
+    crash = "environment.environment_variables=[EXAMPLE_CRASH_AT_BATCH=13]"
+    code, _, err = det("e", "create", "--local", core / "const.yaml", core, "--config", crash)
+    assert code == 0, err
+    store = open_store(settings.load().db_url)
+    with store.read() as s:
+        (trial,) = s.get(Experiment, 1).trials  # type: ignore[union-attr]
+        assert trial.run_count == 2
+        training = queries.curves(s, 1, Scope.mine(), "training", "loss")
+        stored = s.query(Metric).filter(Metric.trial_id == trial.id, Metric.group == "training").count()
+    (series,) = training.series
+    assert series.raw_points == 40 < stored  # the archived rows are in the store, not in the curve
+    assert series.batches == [float(b) for b in range(1, 41)]
