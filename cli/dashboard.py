@@ -19,6 +19,7 @@ def _sources(app: App, allow_actions: bool) -> Any:
     from detslurm.cli import resource_pool as rp_mod
     from detslurm.dashboard.server import Sources
 
+    # The queue and pools pages show exactly what `det job list` / `det rp list` show.
     def jobs() -> list[dict[str, Any]]:
         return job_mod.queue_rows(app, None)
 

@@ -35,6 +35,8 @@ def trial_dirs(app: App, exp_ids: tuple[int, ...], trial_ids: tuple[int, ...]) -
 
 def logdir_spec(dirs: dict[str, Path]) -> str:
     """TensorBoard's ``--logdir_spec NAME:PATH,...`` (each trial a named run)."""
+    # TensorBoard splits the spec on commas and takes no escape: a comma in a path would name
+    # another run, so it is refused rather than silently shown wrong.
     bad = [str(p) for p in dirs.values() if "," in str(p)]
     if bad:
         raise DetSlurmError(f"TensorBoard cannot take a path with a comma in --logdir_spec: {bad[0]}")
@@ -69,10 +71,12 @@ def start(
     dirs = trial_dirs(app, exp_ids, trial_ids)
     if not dirs:
         raise DetSlurmError("no trials yet: nothing for TensorBoard to show")
+    # TensorBoard cannot report which port it got for --port 0: pick a free one for it.
     port = port or _free_port()
     cmd = [sys.executable, "-m", "tensorboard.main", "--logdir_spec", logdir_spec(dirs), "--host", addr]
     cmd += ["--port", str(port), "--reload_interval", "5"]
     try:
+        # stdin is ours (remote mode watches it); TensorBoard gets none.
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     except OSError as e:
         raise DetSlurmError(f"cannot start TensorBoard: {e}") from None
@@ -80,6 +84,7 @@ def start(
     click.echo(f"{URL_PREFIX}http://{shown}:{port}/")
     click.echo(f"TensorBoard on {len(dirs)} trial(s); Ctrl-C stops it.")
     if exit_on_eof:
+        # Remote mode: the laptop going away closes our stdin; TensorBoard must stop with it.
         exit_on_stdin_eof(proc.terminate)
     try:
         code = proc.wait()

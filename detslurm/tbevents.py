@@ -70,6 +70,7 @@ def _field(number: int, payload: bytes) -> bytes:
 def event(wall_time: float, step: int, scalars: Mapping[str, float] | None = None, version: bool = False) -> bytes:
     """One serialized ``Event``: wall_time (1, double), step (2, int64), file_version (3) or a
     summary (5) of values, each with tag (1) and simple_value (2, float)."""
+    # 0x09: field 1, wire type 1 (64-bit); 0x10: field 2, varint; 0x15 below: field 2, 32-bit.
     out = b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step)
     if version:
         return out + _field(3, _FILE_VERSION)
@@ -107,6 +108,8 @@ def scalars_of(group: str, metrics: Mapping[str, Any]) -> dict[str, float]:
 
 def event_file(directory: Path) -> Path:
     """This writer's event file in ``directory`` (created, with its version record, if none)."""
+    # One file per trial, appended to by every later ingest (a daemon restart included): many
+    # small files would each cost TensorBoard a reader.
     existing = sorted(directory.glob(PREFIX + "*" + SUFFIX)) if directory.is_dir() else []
     if existing:
         return existing[0]

@@ -109,12 +109,15 @@ def experiments(s: Session, scope: Scope) -> list[ExperimentSummary]:
     q = select(e.id, searcher, metric, smaller).where(e.archived.is_(False))
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
+    # Searcher fields straight from the JSON column: loading and validating 10k configs through
+    # pydantic (what stored_config does) would take seconds.
     extra = {i: (n or "", m or "", True if sb is None else bool(sb)) for i, n, m, sb in s.execute(q)}
     t = Trial
     stats_q = select(t.experiment_id, func.min(t.searcher_metric), func.max(t.searcher_metric), func.count())
     stats = {i: (lo, hi, n) for i, lo, hi, n in s.execute(stats_q.group_by(t.experiment_id))}
     out = []
     for r in views.experiment_rows(s, scope):
+        # Best is the searcher's best: the smallest metric unless larger is better.
         name, m, sb = extra.get(r.id, ("", "", True))
         lo, hi, n = stats.get(r.id, (None, None, 0))
         out.append(
@@ -289,6 +292,7 @@ def curves(s: Session, exp_id: int, scope: Scope, group: str, metric: str, trial
             ser.vmin.append(float(lo_hi[0]))
             ser.vmax.append(float(lo_hi[1]))
         ser.raw_points += int(n)
+    # Insertion order is the query's (trial id): the browser's colors follow trial ids.
     out.series = list(by_trial.values())
     return out
 

@@ -38,6 +38,7 @@ def bind(host: str, port: int) -> socket.socket:
     addr = check_host(host)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # A restarted dashboard may take its old --port again at once (TIME_WAIT sockets).
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((addr, port))
@@ -59,6 +60,7 @@ def exit_on_stdin_eof(stop: Callable[[], None]) -> None:
     """Call ``stop`` when stdin reaches EOF (the SSH channel of remote mode closed)."""
 
     def watch() -> None:
+        # Whatever arrives on stdin is ignored; only its end matters.
         try:
             while os.read(sys.stdin.fileno(), 4096):
                 pass

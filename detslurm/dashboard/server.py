@@ -74,6 +74,7 @@ def _plain(obj: Any) -> Any:
 
 
 def json_response(data: Any, status: int = 200) -> Response:
+    # Compact separators: a 1000-trial curve set is ~100k numbers, and every byte is parsed twice.
     if is_dataclass(data) and not isinstance(data, type):
         data = asdict(data)
     elif isinstance(data, list):
@@ -86,12 +87,16 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def _host_ok(request: Request) -> bool:
+    # The browser sends the name it resolved: a hostile page whose name now points at 127.0.0.1
+    # (DNS rebinding) shows up here with its own name, not a loopback one.
     host = request.headers.get("host", "")
     name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
     return name in LOOPBACK
 
 
 def _authorized(d: Dashboard, request: Request) -> bool:
+    # The query form is what the printed URL carries; the cookie is what every later request
+    # (assets, fetches) carries once the first one set it.
     given = request.cookies.get(d.cookie) or request.query_params.get("token") or ""
     # Constant time: the comparison must not tell a guesser how many leading characters were right.
     return hmac.compare_digest(given.encode(), d.token.encode())
@@ -242,6 +247,7 @@ def _trial(d: Dashboard, trial_id: int) -> Response:
 
 
 def _queued(d: Dashboard) -> dict[str, dict[str, Any]]:
+    # One squeue for the page (through the same code as `det job list`), not one per run.
     try:
         return {str(j["id"]): j for j in d.sources.jobs()}
     except DetSlurmError:
@@ -255,6 +261,8 @@ def _logs(d: Dashboard, request: Request) -> Response:
     with d.store.read() as s:
         views.get_trial(s, trial_id, d.scope)
         paths = [r.log_path for r in views.runs(s, trial_id)]
+    # The cursor comes back from the page: a forged one can only make us read this trial's own
+    # log files from another offset (the paths come from the store, never from the request).
     cursor = logs_mod.Cursor.parse(request.query_params.get("cursor", ""))
     chunk = logs_mod.read(paths, cursor, int(rank) if rank.strip() else None)
     return json_response(chunk)

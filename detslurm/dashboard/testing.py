@@ -32,6 +32,7 @@ def running_dashboard(
     server = uvicorn.Server(uvicorn.Config(build_app(d), log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
+    # uvicorn binds nothing itself (the socket is ours); "started" means it serves requests.
     deadline = time.monotonic() + 20
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)

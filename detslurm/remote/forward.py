@@ -56,6 +56,7 @@ def _accept_loop(listener: socket.socket, conn: Any, port: int) -> None:
             click.echo(f"port forward to the login node's {port} failed: {e}", err=True)
             client.close()
             continue
+        # One thread per browser connection: a page opens a handful (assets, fetches, log polls).
         threading.Thread(target=relay, args=(client, remote), daemon=True).start()
 
 
@@ -63,6 +64,7 @@ def _read_url(chan: Any) -> tuple[int, str] | int:
     """Echo the remote output up to the URL line: (remote port, path), or the exit code if the
     command ended first (its error already shown)."""
     buf = b""
+    # Lines before the URL (a banner, a warning, an error) are the user's to see, in order.
     while True:
         if chan.recv_stderr_ready():
             click.echo(chan.recv_stderr(65536), nl=False, err=True)
@@ -96,6 +98,7 @@ def run_forwarded(conn: Any, target: Target, rs: RemoteSettings, args: list[str]
         if isinstance(got, int):
             return got
         port, path = got
+        # Any free laptop port: the login node's port may be taken here, and the URL says which.
         listener = bind("127.0.0.1", 0)
         threading.Thread(target=_accept_loop, args=(listener, conn, port), daemon=True).start()
         click.echo(f"{URL_PREFIX}{url_of(listener, path)}")
