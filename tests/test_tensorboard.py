@@ -76,6 +76,13 @@ def test_core_api_uploads_selected_files_where_det_tensorboard_looks(tmp_path: P
     assert (dst / "r1/events.out.tfevents.1.host").read_bytes() == b"abcdef"
     with pytest.raises(ValueError, match="leaves the trial's dir"):
         train.upload_tensorboard_files(mangler=lambda p, rank: Path("..") / p)
+    # AUTO mode (the chief): files written since the last upload go up when the context closes.
+    auto = TrainContext(NullWriter(), 1, RunPaths(tmp_path / "exp", 4, 1), rank=0, tb_auto=True)
+    auto.final_tensorboard_upload()  # nothing asked for the path yet: nothing to do, no dir made
+    assert not ExpPaths(tmp_path / "exp").trial_tensorboard(4).exists()
+    (auto.get_tensorboard_path() / "events.out.tfevents.2.host").write_bytes(b"xyz")
+    auto.final_tensorboard_upload()
+    assert (ExpPaths(tmp_path / "exp").trial_tensorboard(4) / "events.out.tfevents.2.host").read_bytes() == b"xyz"
     # Off-cluster (no run dir) there is nowhere to upload to: nothing happens, as in Determined.
     TrainContext(NullWriter(), 0).upload_tensorboard_files()
 

@@ -78,6 +78,8 @@ class Context:
 
     def close(self, exc: BaseException | None = None) -> None:
         self.preempt.close()
+        # AUTO mode: what the chief wrote since the last periodic upload (the end of training).
+        self.train.final_tensorboard_upload()
         try:
             # Flushed before the sockets close: the controller reads this file after the process ends,
             # and the last reports (a final checkpoint) must be in it.

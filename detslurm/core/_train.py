@@ -168,6 +168,16 @@ class TrainContext:
                 raise ValueError(f"upload_tensorboard_files: the mangler returned {rel}, which leaves the trial's dir")
             self._copy_new_bytes(src, dst_root / rel)
 
+    def final_tensorboard_upload(self) -> None:
+        """At close, in AUTO mode: upload what the chief wrote since the last upload. A failure is
+        logged, not raised: the trial's own result must not depend on its TensorBoard files."""
+        if not (self._tb_auto and self._tb_used):
+            return
+        try:
+            self.upload_tensorboard_files()
+        except (OSError, ValueError) as e:
+            log.warning("could not upload the TensorBoard files: %s", e)
+
     def _copy_new_bytes(self, src: Path, dst: Path) -> None:
         size = src.stat().st_size
         done = self._tb_copied.get(src, 0)
