@@ -257,3 +257,40 @@ def test_curves_of_a_restarted_trial_count_each_step_once(det: Any) -> None:
     (series,) = training.series
     assert series.raw_points == 40 < stored  # the archived rows are in the store, not in the curve
     assert series.batches == [float(b) for b in range(1, 41)]
+
+
+def test_the_same_pages_from_postgresql(tmp_path: Path) -> None:
+    """The dashboard's SQL has PostgreSQL branches (JSON paths, epoch seconds): the same
+    synthetic experiment gives the same JSON from a real PostgreSQL server as from SQLite."""
+    from pg_harness import PostgresUnavailable, private_postgres
+
+    try:
+        pg = private_postgres()
+        url = pg.__enter__()
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        answers = []
+        for db in (url, f"sqlite:///{tmp_path / 'db.sqlite'}"):
+            store, exp_id = build_store(db, 5, 40, tmp_path / "exp")
+            with running_dashboard(store) as (base, cookie):
+                _, page, curves = open_page(base, cookie, exp_id)
+                _, exps = get(base, "/api/experiments", {"Cookie": cookie})
+            store.dispose()
+            for t in page["trials"]:
+                t.pop("id")
+            for s in curves["series"]:
+                s.pop("trial_id")
+            answers.append((exps[0]["best_metric"], exps[0]["searcher"], page["trials"], page["metric_names"], curves))
+        pg_answer, lite_answer = answers
+        assert pg_answer[:4] == lite_answer[:4]
+        pg_curves, lite_curves = pg_answer[4], lite_answer[4]
+        assert {k: v for k, v in pg_curves.items() if k != "series"} == {
+            k: v for k, v in lite_curves.items() if k != "series"
+        }
+        for a, b in zip(pg_curves["series"], lite_curves["series"], strict=True):
+            for key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-9, abs=2e-3 if key == "seconds" else 0), key
+        assert [s["seconds"][:2] for s in answers[0][4]["series"]][0] == [10.0, 20.0]
+    finally:
+        pg.__exit__(None, None, None)

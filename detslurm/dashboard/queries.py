@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, extract, func, select
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -250,7 +250,7 @@ def _epoch_seconds(dialect: str, t: Any) -> ColumnElement[Any]:
     """A timestamp as Unix seconds, computed in SQL: parsing ~100k datetimes in Python would
     cost more than the whole query."""
     if dialect == "postgresql":
-        return func.extract("epoch", t)
+        return extract("epoch", t)
     # SQLite keeps UTC text; julianday() reads it. 2440587.5 is the Julian day of 1970-01-01.
     return (func.julianday(t) - 2440587.5) * 86400.0
 
@@ -286,7 +286,8 @@ def curves(s: Session, exp_id: int, scope: Scope, group: str, metric: str, trial
         if ser is None:
             ser = by_trial[tid] = Series(tid, [], [], [], [], [], raw_points=0)
         ser.batches.append(float(step))
-        ser.seconds.append(max(0.0, float(t) - starts[tid]) if t is not None else 0.0)
+        # Milliseconds: SQLite's julianday() is a float of days, exact to ~20 microseconds only.
+        ser.seconds.append(round(max(0.0, float(t) - starts[tid]), 3) if t is not None else 0.0)
         ser.value.append(float(v))
         if bands:
             ser.vmin.append(float(lo_hi[0]))
