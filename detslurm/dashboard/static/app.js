@@ -6,6 +6,10 @@
 const CONFIG = JSON.parse(document.getElementById("detslurm-config").textContent);
 const app = document.getElementById("app");
 let timers = [];
+// Bumped on every navigation: an answer that arrives for a page the user has left is dropped
+// (a refresh in flight must not draw over the new page).
+let generation = 0;
+class Stale extends Error {}
 
 function h(tag, attrs, ...children) {
   const el = document.createElement(tag);
@@ -27,11 +31,17 @@ function show(...nodes) {
 }
 
 async function api(path, opts) {
+  const g = generation;
   const resp = await fetch(path, Object.assign({ credentials: "same-origin" }, opts || {}));
   const body = await resp.json().catch(() => ({ error: resp.statusText }));
+  if (g !== generation) throw new Stale("page left");
   if (!resp.ok) throw new Error(body.error || resp.statusText);
   return body;
 }
+
+// Pages of things still running poll for news at this interval (one cheap request each time).
+const REFRESH_MS = 15000;
+const TERMINAL = new Set(["COMPLETED", "CANCELED", "ERROR"]);
 
 const state = (s) => h("span", { class: "state " + s }, s);
 const bar = (p) => h("span", { class: "bar", title: Math.round(p * 100) + "%" }, h("i", { style: `width:${Math.round(p * 100)}%` }));
@@ -162,6 +172,8 @@ async function experimentPage(id) {
         t.searcher_metric === null ? "" : DS.fmt(t.searcher_metric), t.rung === null ? "" : String(t.rung), String(t.restarts),
         Object.entries(t.hparams).map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ")])));
   await chart.load();
+  // A running experiment's curves grow: redraw them (the chosen metric and axis stay).
+  if (!TERMINAL.has(e.state)) timers.push(setInterval(() => chart.load().catch(() => {}), REFRESH_MS));
 }
 
 function logPanel(id) {
@@ -213,6 +225,7 @@ async function trialPage(id) {
         c.validation_metric === null ? "" : DS.fmt(c.validation_metric), time(c.report_time)])) : h("p", { class: "muted" }, "none"),
     h("h2", {}, "Logs"), logPanel(id));
   await chart.load();
+  if (!TERMINAL.has(t.state)) timers.push(setInterval(() => chart.load().catch(() => {}), REFRESH_MS));
 }
 
 async function queuePage() {
@@ -237,16 +250,19 @@ async function poolsPage() {
 async function route() {
   timers.forEach(clearInterval);
   timers = [];
+  generation++;
   const path = location.hash.replace(/^#/, "") || "/";
   let m, page = "experiments";
   document.body.dataset.ready = "";
   try {
     if ((m = path.match(/^\/experiments\/(\d+)$/))) await experimentPage(m[1]);
+    else if (path === "/") { await experimentsPage(); timers.push(setInterval(() => experimentsPage().catch(() => {}), REFRESH_MS)); }
     else if ((m = path.match(/^\/trials\/(\d+)$/))) { page = ""; await trialPage(m[1]); }
-    else if (path === "/queue") { page = "queue"; await queuePage(); }
+    else if (path === "/queue") { page = "queue"; await queuePage(); timers.push(setInterval(() => queuePage().catch(() => {}), REFRESH_MS)); }
     else if (path === "/pools") { page = "pools"; await poolsPage(); }
     else await experimentsPage();
   } catch (err) {
+    if (err instanceof Stale) return; // the user went on to another page meanwhile
     show(h("p", { class: "error", id: "error" }, String(err.message || err)));
   }
   document.querySelectorAll("header nav a").forEach((a) => a.classList.toggle("active", a.dataset.nav === page));
