@@ -128,3 +128,14 @@ def test_forward_only_for_server_commands() -> None:
     assert wants_forward(["dashboard"]) and wants_forward(["tensorboard", "start", "1"])
     assert not wants_forward(["dashboard", "--help"]) and not wants_forward(["e", "list"])
     assert not wants_forward(["tensorboard"])
+
+
+def test_forwards_go_to_the_login_nodes_loopback_only() -> None:
+    from detslurm.remote.connect import Connection
+    from detslurm.remote.target import RemoteError
+
+    # No transport is touched: the destination is refused before any channel is asked for.
+    conn = Connection([], "user@login")
+    for host in ("10.0.0.5", "example.org", "0.0.0.0"):
+        with pytest.raises(RemoteError, match="loopback only"):
+            conn.open_tcp(8080, host)

@@ -17,7 +17,9 @@ import click
 from detslurm.remote.target import RemoteSettings, Target
 
 # What `det dashboard` / `det tensorboard start` print (detslurm.dashboard.serve.URL_PREFIX).
-_URL = re.compile(r"^Open http://(?:127\.0\.0\.1|\[::1\]):(\d+)(/\S*)?\s*$")
+_URL = re.compile(r"^Open http://(127\.0\.0\.1|\[::1\]):(\d+)(/\S*)?\s*$")
+# Where a forwarded connection may go on the login node: its loopback only, never elsewhere.
+LOOPBACK = ("127.0.0.1", "::1")
 
 
 def wants_forward(args: Sequence[str]) -> bool:
@@ -44,14 +46,14 @@ def relay(a: Any, b: Any) -> None:
         b.close()
 
 
-def _accept_loop(listener: socket.socket, conn: Any, port: int) -> None:
+def _accept_loop(listener: socket.socket, conn: Any, host: str, port: int) -> None:
     while True:
         try:
             client, _ = listener.accept()
         except OSError:
             return  # the listener was closed: the command is over
         try:
-            remote = conn.open_tcp(port)
+            remote = conn.open_tcp(port, host)
         except Exception as e:  # a refused channel costs this connection only
             click.echo(f"port forward to the login node's {port} failed: {e}", err=True)
             client.close()
@@ -60,8 +62,8 @@ def _accept_loop(listener: socket.socket, conn: Any, port: int) -> None:
         threading.Thread(target=relay, args=(client, remote), daemon=True).start()
 
 
-def _read_url(chan: Any) -> tuple[int, str] | int:
-    """Echo the remote output up to the URL line: (remote port, path), or the exit code if the
+def _read_url(chan: Any) -> tuple[str, int, str] | int:
+    """Echo the remote output up to the URL line: (remote host, port, path), or the exit code if the
     command ended first (its error already shown)."""
     buf = b""
     # Lines before the URL (a banner, a warning, an error) are the user's to see, in order.
@@ -75,7 +77,7 @@ def _read_url(chan: Any) -> tuple[int, str] | int:
                 line, buf = buf.split(b"\n", 1)
                 m = _URL.match(line.decode(errors="replace"))
                 if m:
-                    return int(m.group(1)), m.group(2) or "/"
+                    return m.group(1).strip("[]"), int(m.group(2)), m.group(3) or "/"
                 click.echo(line.decode(errors="replace"))
             continue
         if chan.exit_status_ready():
@@ -97,10 +99,10 @@ def run_forwarded(conn: Any, target: Target, rs: RemoteSettings, args: list[str]
         got = _read_url(chan)
         if isinstance(got, int):
             return got
-        port, path = got
+        host, port, path = got
         # Any free laptop port: the login node's port may be taken here, and the URL says which.
         listener = bind("127.0.0.1", 0)
-        threading.Thread(target=_accept_loop, args=(listener, conn, port), daemon=True).start()
+        threading.Thread(target=_accept_loop, args=(listener, conn, host, port), daemon=True).start()
         click.echo(f"{URL_PREFIX}{url_of(listener, path)}")
         click.echo(f"(forwarded over SSH to {target.url}, port {port} there)", err=True)
         try:

@@ -43,8 +43,8 @@ class Holder:
             elif req.get("op") == "sftp":
                 self._sftp(client)
             elif req.get("op") == "tcp":
-                self._tcp(client, int(req["port"]))
-        except (EOFError, OSError, ValueError, KeyError):
+                self._tcp(client, int(req["port"]), str(req.get("host", "127.0.0.1")))
+        except (EOFError, OSError, ValueError, KeyError, DetSlurmError):
             pass  # the command went away (Ctrl-C): its channel closes with it
         finally:
             client.close()
@@ -78,11 +78,12 @@ class Holder:
                     break
             send_frame(client, EXIT, struct.pack("!i", chan.recv_exit_status()))
 
-    def _tcp(self, client: socket.socket, port: int) -> None:
+    def _tcp(self, client: socket.socket, port: int, host: str) -> None:
         from detslurm.remote.forward import relay
 
-        # A port forward of `det -m ... dashboard`: bytes both ways, as for SFTP below.
-        relay(client, self.conn.open_tcp(port))
+        # A port forward of `det -m ... dashboard`: bytes both ways, as for SFTP below. The
+        # connection refuses any host but the login node's loopback (RemoteError, caught above).
+        relay(client, self.conn.open_tcp(port, host))
 
     def _sftp(self, client: socket.socket) -> None:
         chan = self.conn.transport.open_session()
