@@ -294,3 +294,15 @@ def test_the_same_pages_from_postgresql(tmp_path: Path) -> None:
         assert [s["seconds"][:2] for s in answers[0][4]["series"]][0] == [10.0, 20.0]
     finally:
         pg.__exit__(None, None, None)
+
+
+def test_assets_ship_in_the_package_and_name_no_other_host() -> None:
+    """Works offline: the page's assets are package files, and none of them loads anything from
+    elsewhere (no CDN, no web fonts)."""
+    import re
+
+    static = ROOT / "detslurm/dashboard/static"
+    assert sorted(p.name for p in static.iterdir()) == ["app.js", "charts.js", "index.html", "style.css"]
+    for p in static.iterdir():
+        assert not re.search(r"https?://|//cdn|@import|url\(", p.read_text()), p.name
+    assert '"detslurm.dashboard" = ["static/*"]' in (ROOT / "pyproject.toml").read_text()

@@ -104,6 +104,9 @@ def test_pages_show_what_the_store_holds(tmp_path: Path) -> None:
         assert hparams.get_attribute("data-lines") == "30" and hparams.get_attribute("data-axes") == "4"
         assert "30 trials, 3000 of 3000 points drawn" in texts(driver, "#curves-info")[0]
         assert texts(driver, "#action-pause") == []  # read-only: no buttons
+        # Offline: everything the page loaded came from the dashboard itself (no CDN, no fonts).
+        loaded = driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert loaded and all(u.startswith(base + "/") for u in loaded), loaded
         shot(driver, "experiment")
         # The x axis can be switched to epochs (records_per_epoch and global_batch_size known).
         options = [o.get_attribute("value") for o in driver.find_elements("css selector", "#x-axis option")]
