@@ -55,6 +55,9 @@ class Sources:
 
 @dataclass
 class Dashboard:
+    """One running dashboard: whose experiments it shows (``scope``), its token, and the cookie
+    name the token travels in after the first visit."""
+
     store: Store
     scope: Scope
     token: str
