@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import os
 import struct
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -107,17 +106,10 @@ def scalars_of(group: str, metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def event_file(directory: Path) -> Path:
-    """This writer's event file in ``directory`` (created, with its version record, if none)."""
-    # One file per trial, appended to by every later ingest (a daemon restart included): many
-    # small files would each cost TensorBoard a reader.
-    existing = sorted(directory.glob(PREFIX + "*" + SUFFIX)) if directory.is_dir() else []
-    if existing:
-        return existing[0]
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"{PREFIX}{int(time.time()):010d}{SUFFIX}"
-    with open(path, "ab") as f:
-        f.write(record(event(time.time(), 0, version=True)))
-    return path
+    """This writer's event file in ``directory``. One fixed name per trial, appended to by every
+    later ingest (a daemon restart included): no directory listing per report, and one reader
+    for TensorBoard instead of one per daemon start."""
+    return directory / f"{PREFIX}0000000000{SUFFIX}"
 
 
 def append(directory: Path, group: str, step: int, wall_time: float, metrics: Mapping[str, Any]) -> int:
@@ -126,10 +118,20 @@ def append(directory: Path, group: str, step: int, wall_time: float, metrics: Ma
     if not scalars:
         return 0
     data = record(event(wall_time, step, scalars))
-    # One write() of the whole record, in append mode: a reader never sees half a record
-    # followed by another writer's bytes.
-    fd = os.open(event_file(directory), os.O_WRONLY | os.O_APPEND)
+    path = event_file(directory)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:
+        # The first report of the trial: its dir is made here (private, as the experiment dir).
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, flags, 0o600)
+    try:
+        if os.fstat(fd).st_size == 0:
+            # A new file starts with the version record TensorBoard expects first.
+            data = record(event(wall_time, 0, version=True)) + data
+        # One write() of whole records, in append mode: a reader never sees half a record
+        # followed by another writer's bytes.
         os.write(fd, data)
     finally:
         os.close(fd)
