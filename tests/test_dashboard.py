@@ -65,6 +65,10 @@ def test_every_request_needs_the_token(small: tuple[Store, int]) -> None:
             assert get(base, path)[0] == 403
             assert get(base, path, {"Cookie": cookie.split("=")[0] + "=wrong"})[0] == 403
             assert get(base, path, {"Cookie": cookie})[0] == 200
+        page = urllib.request.urlopen(urllib.request.Request(base + "/", headers={"Cookie": cookie}), timeout=30)
+        # The page may not be framed (clickjacking of the action buttons) nor run foreign scripts.
+        assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
+        assert page.headers["X-Frame-Options"] == "DENY" and page.headers["Cache-Control"] == "no-store"
         # The printed URL's ?token= becomes a cookie and the token leaves the address bar.
         opener = urllib.request.build_opener(NoRedirect)
         with pytest.raises(urllib.error.HTTPError) as e:

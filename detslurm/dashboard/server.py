@@ -36,6 +36,15 @@ STATIC = Path(__file__).parent / "static"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TOKEN_HEADER = "x-detslurm-token"
 ACTIONS = ("pause", "activate", "kill")
+# Defense in depth around the page: scripts only from the dashboard itself (text from trials is
+# never HTML, and even so nothing injected could run), and no framing by another page (an
+# invisible frame over the action buttons could be clicked by a user who never meant to).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
 
 
 def new_token() -> str:
@@ -183,7 +192,8 @@ def _index_handler(d: Dashboard) -> Callable[[Request], Awaitable[Response]]:
         # The page's scripts send the token in a header for POSTs (actions): put it in the page,
         # which only a holder of the token can load.
         meta = json.dumps({"token": d.token, "actions": d.sources.act is not None})
-        return HTMLResponse(html.replace("__DETSLURM_CONFIG__", meta.replace("<", "\\u003c")))
+        page = html.replace("__DETSLURM_CONFIG__", meta.replace("<", "\\u003c"))
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     return index
 
