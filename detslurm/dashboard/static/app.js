@@ -76,7 +76,7 @@ async function experimentsPage() {
           h("a", { href: `#/experiments/${e.id}` }, String(e.id)), h("a", { href: `#/experiments/${e.id}` }, e.name),
           state(e.state), h("span", {}, bar(e.progress), " ", Math.round(e.progress * 100) + "%"),
           e.best_metric === null ? "" : `${e.metric} ${DS.fmt(e.best_metric)}`, e.searcher, String(e.trials),
-          e.owner, e.resource_pool, time(e.start_time),
+          e.owner, e.resource_pool || "default", time(e.start_time),
         ])));
 }
 
