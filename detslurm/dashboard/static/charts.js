@@ -129,12 +129,17 @@ DS.parallelCoords = function (canvas, axes, opts) {
   const AX = (i) => pad.l + (axes.length > 1 ? (i / (axes.length - 1)) * W : W / 2);
   const metric = scales[scales.length - 1];
   let drawn = 0;
-  for (let j = 0; j < n; j++) {
+  // Color follows the metric (flipped when larger is better); the best lines are drawn last, on
+  // top, and many lines are fainter so that where they bunch still shows.
+  const goodness = (j) => {
     const m = metric ? metric.f(axes[axes.length - 1].values[j]) : null;
-    if (m === null) continue;
-    // Good runs bright: color follows the metric (flipped when larger is better).
-    const good = opts.smallerIsBetter ? 1 - m : m;
-    ctx.strokeStyle = `hsla(${Math.round(good * 220)}, 70%, 45%, 0.55)`;
+    return m === null ? null : opts.smallerIsBetter ? 1 - m : m;
+  };
+  const order = [...Array(n).keys()].filter((j) => goodness(j) !== null).sort((a, b) => goodness(a) - goodness(b));
+  const alpha = order.length > 200 ? 0.18 : 0.55;
+  for (const j of order) {
+    const good = goodness(j);
+    ctx.strokeStyle = `hsla(${Math.round(good * 220)}, 70%, 45%, ${alpha})`;
     ctx.beginPath();
     axes.forEach((a, i) => {
       const p = scales[i].f(a.values[j]);
