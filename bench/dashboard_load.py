@@ -155,17 +155,19 @@ def main() -> None:
 
     from detslurm.dashboard.testing import running_dashboard
 
-    # A private store: the benchmark never touches the user's own.
-    tmp = Path(tempfile.mkdtemp(prefix="bench-dashboard-"))
-    t = time.perf_counter()
-    store, exp_id = build_store(f"sqlite:///{tmp / 'db.sqlite'}", args.trials, args.points, tmp / "exp")
-    built = time.perf_counter() - t
-    with running_dashboard(store) as (base, cookie):
-        # Warm-up: imports and SQLite's page cache (the store a daemon writes to stays cached).
-        open_page(base, cookie, exp_id)
-        times = [open_page(base, cookie, exp_id)[0] for _ in range(3)]
-        cpu = min(cpu_of_page(base, cookie, exp_id) for _ in range(3))
-    baseline = [whole_rows(store, exp_id) for _ in range(3)]
+    # A private store (about 330 MB at full size), removed at the end.
+    with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        t = time.perf_counter()
+        store, exp_id = build_store(f"sqlite:///{tmp / 'db.sqlite'}", args.trials, args.points, tmp / "exp")
+        built = time.perf_counter() - t
+        with running_dashboard(store) as (base, cookie):
+            # Warm-up: imports and SQLite's page cache (the store a daemon writes to stays cached).
+            open_page(base, cookie, exp_id)
+            times = [open_page(base, cookie, exp_id)[0] for _ in range(3)]
+            cpu = min(cpu_of_page(base, cookie, exp_id) for _ in range(3))
+        baseline = [whole_rows(store, exp_id) for _ in range(3)]
+        store.dispose()
     ours, theirs = min(times), min(baseline)
     save(
         "dashboard_load",
