@@ -78,12 +78,8 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
     return rows
 
 
-@job.command("list")
-@click.option("-p", "--resource-pool", default=None, help="Only this pool's jobs.")
-@click.option("--json", "as_json", is_flag=True)
-@pass_app
-def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
-    """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
+def queue_rows(app: App, resource_pool: str | None) -> list[dict[str, Any]]:
+    """The queue as `det job list --json` prints it (also the dashboard's job queue)."""
     client = app.client
     # All users: a job's place in the queue depends on everyone's jobs, not only ours.
     jobs = [j for j in client.squeue(all_users=True) if not j.state.is_terminal]
@@ -91,7 +87,16 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
         # An unknown pool name is an error from the site config, not an empty list.
         partition = app.site().pool(resource_pool)[1].partition
         jobs = [j for j in jobs if j.partition == partition]
-    rows = _rows(app, jobs)
+    return _rows(app, jobs)
+
+
+@job.command("list")
+@click.option("-p", "--resource-pool", default=None, help="Only this pool's jobs.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
+    """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
+    rows = queue_rows(app, resource_pool)
     if as_json:
         dump_json(rows)
         return

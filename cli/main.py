@@ -27,6 +27,12 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "checkpoint": ("checkpoint", "checkpoint", "List, describe and download checkpoints."),
     "daemon": ("daemon", "daemon", "Start, stop and inspect the detslurm daemon (one per user)."),
     "job": ("job", "job", "The job queue: list it, reprioritize, reorder, hold, move between pools."),
+    "dashboard": (
+        "dashboard",
+        "dashboard",
+        "Serve the web dashboard on localhost; prints its URL (with its access token) once.",
+    ),
+    "tensorboard": ("tensorboard", "tensorboard", "Run TensorBoard on trials' metrics (localhost)."),
     "resource-pool": (
         "resource_pool",
         "resource_pool",

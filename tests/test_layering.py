@@ -35,6 +35,8 @@ LOGIN = (
     "detslurm.searcher",
     "detslurm.expconf",
     "detslurm.doctor",
+    "detslurm.dashboard",
+    "detslurm.tbevents",
 )
 
 

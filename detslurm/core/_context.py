@@ -78,6 +78,8 @@ class Context:
 
     def close(self, exc: BaseException | None = None) -> None:
         self.preempt.close()
+        # AUTO mode: what the chief wrote since the last periodic upload (the end of training).
+        self.train.final_tensorboard_upload()
         try:
             # Flushed before the sockets close: the controller reads this file after the process ends,
             # and the last reports (a final checkpoint) must be in it.
@@ -204,6 +206,8 @@ def init(
         info=info,
         searcher=searcher,
         preempt=preempt,
-        train=TrainContext(writer, info.trial._trial_run_id, paths),
+        train=TrainContext(
+            writer, info.trial._trial_run_id, paths, rank=dist.rank, tb_auto=tensorboard_mode == TensorboardMode.AUTO
+        ),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )

@@ -77,6 +77,11 @@ class ExpPaths:
     def trial_dir(self, trial_id: int) -> Path:
         return self.root / "trials" / str(trial_id)
 
+    def trial_tensorboard(self, trial_id: int) -> Path:
+        """The trial's TensorBoard dir: the controller's metric event files and whatever the
+        trial uploads (``upload_tensorboard_files``); `det tensorboard start` reads it."""
+        return self.trial_dir(trial_id) / "tensorboard"
+
     def ops_file(self, trial_id: int) -> Path:
         return self.trial_dir(trial_id) / SEARCHER_OPS
 
