@@ -64,6 +64,17 @@ def test_resource_pools(det: Any) -> None:
     assert "| 0/4" in lines["gpu"] and "gpu" in lines["gpu"] and "| 0/8" in lines["high"]
 
 
+def test_partitions_and_site_timing_probed() -> None:
+    """The probes the refusals and the preemption budget use, against the live controller."""
+    from detslurm.slurm.client import client_from_env
+
+    client = client_from_env()
+    parts = {p.name: p for p in client.partitions()}
+    assert parts["cpu"].default and parts["cpu"].total_nodes == 2 and parts["high"].priority_tier == 10
+    caps = client.capabilities()
+    assert caps.kill_wait_s == 5 and caps.preempt_mode == "REQUEUE" and caps.preemption
+
+
 def test_dry_run_and_bad_input_submit_nothing(det: Any, tmp_path: Path) -> None:
     before = squeue_ids()
     code, out, _ = det("e", "create", "--dry-run", CORE / "adaptive.yaml", CORE)

@@ -17,6 +17,7 @@ from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
+from detslurm.slurm.partitions import PartitionInfo, parse_partitions
 from detslurm.util import env_number
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -151,6 +152,10 @@ class SlurmClient:
 
     def nodes(self) -> list[parse.NodeInfo]:
         return parse.parse_sinfo_json(self._run(["sinfo", "--json"]).stdout)
+
+    def partitions(self) -> list[PartitionInfo]:
+        """Every partition's limits (one RPC), for refusing what can never run."""
+        return parse_partitions(self._run(["scontrol", "show", "partition", "-o"]).stdout)
 
     def capabilities(self) -> Capabilities:
         if self._caps is None:

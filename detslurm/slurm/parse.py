@@ -185,6 +185,9 @@ def parse_key_values(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Capabilities:
+    """What ``scontrol show config`` says about the site, probed once per client. Everything
+    here is read from the controller's own answer, never guessed from the version string."""
+
     version: str
     accounting: bool
     enable_user_top: bool
@@ -192,6 +195,14 @@ class Capabilities:
     max_array_size: int
     cluster_name: str
     slurm_user: str = "root"
+    # Seconds between the SIGTERM of a job's end (time limit, preemption, scancel) and SIGKILL:
+    # the whole window a trial has to finish its checkpoint when no GraceTime applies.
+    kill_wait_s: int = 30
+    preempt_mode: str = "OFF"
+    max_job_count: int = 10000
+    message_timeout_s: int = 10
+    # Slurm 23.02+ can rate-limit each user's RPCs (SlurmctldParameters=rl_enable).
+    rate_limited: bool = False
 
 
 def parse_config(text: str) -> Capabilities:
@@ -206,6 +217,11 @@ def parse_config(text: str) -> Capabilities:
         max_array_size=_int(kv.get("MaxArraySize", "1001"), 1001),
         cluster_name=kv.get("ClusterName", ""),
         slurm_user=kv.get("SlurmUser", "root").split("(")[0],
+        kill_wait_s=_int(kv.get("KillWait", "30").split()[0], 30),
+        preempt_mode=kv.get("PreemptMode", "OFF"),
+        max_job_count=_int(kv.get("MaxJobCount", "10000"), 10000),
+        message_timeout_s=_int(kv.get("MessageTimeout", "10").split()[0], 10),
+        rate_limited="rl_enable" in kv.get("SlurmctldParameters", "").split(","),
     )
 
 
