@@ -124,12 +124,13 @@ chroot_main() {
     up | env | status | ctld-stop | ctld-start)
       chroot_build
       chroot_mount
-      if [ "$cmd" = up ] && [ "${TEST_CLUSTER_DBD:-0}" = 1 ]; then
+      if [ "$cmd" = up ] && [ "${TEST_CLUSTER_DBD:-0}" = 1 ] && [ -z "${TEST_CLUSTER_DB_PORT:-}" ]; then
         # Trixie's slurmdbd 24.11.5 dies against trixie's MariaDB 11.8 at its first query
         # ("_check_mysql_concat_is_sane: null result", client error 5027); against the host's
         # MariaDB 10.11 it works. The database is only a TCP service to slurmdbd, so the host
-        # runs it (same network, same state dir) and the chroot's `up` finds it running.
+        # runs it (same network; its pid file in the state dir, so `down` stops it).
         TEST_CLUSTER_SLURM='' bash "$HERE/test-cluster" db-up "$S"
+        export TEST_CLUSTER_DB_PORT=$((${TEST_CLUSTER_PORT:-16817} + 10))
       fi
       chroot_run bash "$HERE/test-cluster" "$cmd" "$S"
       ;;
@@ -139,6 +140,8 @@ chroot_main() {
         chroot_run bash "$HERE/test-cluster" "$cmd" "$S"
       fi
       chroot_unmount_if_idle
+      awk -v r="$ROOTFS/" 'index($2, r) == 1 {n++} END {exit n > 0}' /proc/self/mounts \
+        || echo "test-cluster: processes still run in $ROOTFS; its mounts stay until the last cluster is down" >&2
       ;;
     exec)
       # exec STATE_DIR [--] CMD...: a command with this cluster's Slurm clients (SLURM_CONF set).
@@ -147,7 +150,7 @@ chroot_main() {
       [ $# -gt 0 ] || { echo "usage: $0 exec STATE_DIR [--] CMD..." >&2; return 2; }
       chroot_build
       chroot_mount
-      SLURM_CONF=$S/etc/slurm.conf chroot_run "$@"
+      if [ -f "$S/etc/slurm.conf" ]; then SLURM_CONF=$S/etc/slurm.conf chroot_run "$@"; else chroot_run "$@"; fi
       ;;
     unmount) chroot_unmount_if_idle ;;
     *) echo "usage: $0 up|down|purge|env|status|exec|unmount|ctld-stop|ctld-start STATE_DIR" >&2; return 2 ;;
