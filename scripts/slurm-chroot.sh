@@ -93,7 +93,8 @@ chroot_mount() {
 # Run a command inside the chroot, in the current directory, with a clean environment: only the
 # settings meant for tests pass (the host's PATH, venv or pip settings would point at host files).
 chroot_run() {
-  local -a keep=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8)
+  local -a keep=(HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8
+    TEST_CLUSTER_IN_CHROOT=1)
   [ -f "$ROOTFS/etc/ssl/certs/host-ca-certificates.crt" ] && keep+=(PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt)
   local v
   for v in $(compgen -e); do
