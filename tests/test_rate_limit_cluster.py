@@ -6,6 +6,7 @@ runner. Skipped on 22.05, which has no rate limiting."""
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import subprocess
 import threading
@@ -54,8 +55,12 @@ def rl_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def as_user(
     argv: Sequence[str], *, input: Optional[str] = None, timeout: float, env: Optional[Mapping[str, str]] = None
 ) -> Result:
-    """The real command, run as the unprivileged user (whom slurmctld does rate-limit)."""
-    return subprocess_runner(["runuser", "-u", USER, "--", *argv], input=input, timeout=timeout, env=env)
+    """The real command, run as the unprivileged user (whom slurmctld does rate-limit). setpriv
+    execs the command in place (runuser would fork it), so a timeout kills the command itself, as
+    it does without the wrapper: a starved squeue left behind would keep draining the bucket."""
+    pw = pwd.getpwnam(USER)
+    wrap = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups", "--"]
+    return subprocess_runner([*wrap, *argv], input=input, timeout=timeout, env=env)
 
 
 def limited_count(state: Path) -> int:
