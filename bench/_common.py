@@ -16,7 +16,10 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DET = str(ROOT / ".venv/bin/det")
+# The `det` of the venv running the benchmark: the checkout's .venv, or the venv of the Slurm
+# 24.11 chroot (scripts/test-slurm24), where the checkout's .venv cannot run.
+_VENV_DET = Path(sys.executable).parent / "det"
+DET = str(_VENV_DET if _VENV_DET.exists() else ROOT / ".venv/bin/det")
 sys.path.insert(0, str(ROOT))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = sys.executable
+DET = str(Path(PY).parent / "det") if (Path(PY).parent / "det").exists() else str(ROOT / ".venv/bin/det")
 
 
 def wait_file(path: Path, timeout: float = 180) -> float:
@@ -66,7 +67,7 @@ def det_once(work: Path, env: dict[str, str]) -> float:
     exps = Path(env["DETSLURM_EXPERIMENTS_DIR"])
     before = set(exps.glob("exp-*")) if exps.exists() else set()
     subprocess.run(
-        [str(ROOT / ".venv/bin/det"), "e", "create", str(ctx / "c.yaml"), str(ctx)],
+        [DET, "e", "create", str(ctx / "c.yaml"), str(ctx)],
         env=env,
         check=True,
         capture_output=True,
@@ -100,7 +101,7 @@ def main() -> int:
             raw.append(raw_once(work))
             det.append(det_once(work, env))
     finally:
-        subprocess.run([str(ROOT / ".venv/bin/det"), "daemon", "stop"], env=env, capture_output=True)
+        subprocess.run([DET, "daemon", "stop"], env=env, capture_output=True)
     result = {
         "benchmark": "launch_overhead",
         "unit": "s",

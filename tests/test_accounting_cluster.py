@@ -1,6 +1,8 @@
 """Security review M6 on a real cluster with accounting (MariaDB + slurmdbd): an array task
 that has left squeue gets its real end (completed, failed, canceled, preempted) from sacct,
-looked up by its ARRAY_TASK id, instead of "lost"; a failing sacct costs only that detail."""
+looked up by its ARRAY_TASK id, instead of "lost"; a failing sacct costs only that detail.
+Time limit, preemption, node failure and cancel are told apart through one batched sacct once
+the jobs left the queue, and through squeue alone as a site without accounting sees them."""
 
 from __future__ import annotations
 
@@ -78,9 +80,45 @@ def sbatch(*args: str) -> str:
     return res.stdout.strip().split(";")[0]
 
 
+class NoAccounting:
+    """The real commands, but slurmctld's config says there is no accounting storage: the
+    executor then sees what a site without slurmdbd sees (and must never ask sacct)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(
+        self,
+        argv: Sequence[str],
+        *,
+        input: Optional[str] = None,
+        timeout: float,
+        env: Optional[Mapping[str, str]] = None,
+    ) -> Result:
+        self.calls.append(argv[0])
+        res = subprocess_runner(argv, input=input, timeout=timeout, env=env)
+        if list(argv[:3]) == ["scontrol", "show", "config"]:
+            return Result(
+                res.returncode, res.stdout.replace("accounting_storage/slurmdbd", "accounting_storage/none"), ""
+            )
+        return res
+
+
+def wait_running(jobs: list[str], timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while True:
+        out = subprocess.run(
+            ["squeue", "-h", "-t", "R", "-j", ",".join(jobs), "-o", "%i"], capture_output=True, text=True
+        )
+        if len(out.stdout.split()) == len(jobs):
+            return
+        assert time.time() < deadline, f"not all of {jobs} ran: {out.stdout}"
+        time.sleep(0.2)
+
+
 def wait_accounted(jobs: list[str], timeout: float = 45) -> None:
     """Until slurmdbd has every job's final state (slurmctld sends them asynchronously)."""
-    terminal = ("COMPLETED", "FAILED", "CANCELLED", "PREEMPTED")
+    terminal = ("COMPLETED", "FAILED", "CANCELLED", "PREEMPTED", "TIMEOUT", "NODE_FAIL")
     deadline = time.time() + timeout
     while time.time() < deadline:
         out = subprocess.run(
@@ -144,3 +182,42 @@ def test_failing_sacct_costs_only_the_detail(dbd_env: Path, tmp_path: Path, fail
     got = SlurmExecutor(SlurmClient(runner), SiteConfig()).poll({job: tmp_path})  # never raises
     assert got[job] == JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
     assert "sacct" in runner.calls
+
+
+def test_time_limit_preemption_node_failure_and_cancel_told_apart(dbd_env: Path, tmp_path: Path) -> None:
+    """Four jobs end four ways on the real cluster. While squeue still shows them (MinJobAge)
+    the executor tells them apart without accounting; once they have left the queue, one sacct
+    call for all four does. The time limit takes a minute or so: Slurm checks limits every 30 s."""
+    common = ["--no-requeue", "--wrap=sleep 600"]
+    timeout = sbatch("--partition=cpu", "--nodelist=c1", "--time=1", *common)
+    preempted = sbatch("--partition=gpu", "--nodelist=g1", "--cpus-per-task=2", *common)
+    node_fail = sbatch("--partition=cpu", "--nodelist=c2", *common)
+    canceled = sbatch("--partition=gpu", "--nodelist=g2", *common)
+    jobs = [timeout, preempted, node_fail, canceled]
+    wait_running(jobs)
+    try:
+        sbatch("--partition=high", "--nodelist=g1", "--cpus-per-task=2", "--wrap=sleep 1")
+        subprocess.run(["scontrol", "update", "NodeName=c2", "State=DOWN", "Reason=detslurm-test"], check=True)
+        subprocess.run(["scancel", canceled], check=True)
+        wait_accounted(jobs, timeout=150)
+    finally:
+        # ReturnToService=2 may already have brought c2 back; then RESUME is refused, harmlessly.
+        subprocess.run(["scontrol", "update", "NodeName=c2", "State=RESUME"], capture_output=True)
+    expect = {
+        timeout: ExitCause.TIME_LIMIT,
+        preempted: ExitCause.PREEMPTED,
+        node_fail: ExitCause.NODE_FAILURE,
+        canceled: ExitCause.CANCELED_BY_USER,
+    }
+    dirs = {j: tmp_path / j for j in jobs}  # no exit.json: only Slurm knows how they ended
+    for d in dirs.values():
+        d.mkdir()
+    without = NoAccounting()
+    seen = SlurmExecutor(SlurmClient(without), SiteConfig()).poll(dirs)
+    assert {j: s.cause for j, s in seen.items()} == expect
+    assert "sacct" not in without.calls
+    forgot = QueueForgot()
+    accounted = SlurmExecutor(SlurmClient(forgot), SiteConfig()).poll(dirs)
+    assert {j: s.cause for j, s in accounted.items()} == expect
+    assert all(s.state is JobState.EXITED for s in accounted.values())
+    assert forgot.calls.count("sacct") == 1  # one call for all four, never one per job

@@ -1,4 +1,6 @@
-"""Parsers on output captured from the project's real Slurm 22.05 test cluster."""
+"""Parsers on output captured from the project's real Slurm test clusters: 22.05 (Debian 12) and
+24.11 (Debian 13, TEST_CLUSTER_SLURM=24.11). tests/data/capture-slurm-outputs made both sets
+from the same scenario, so one test checks both versions."""
 
 from __future__ import annotations
 
@@ -22,11 +24,21 @@ from detslurm.slurm.parse import (
 from detslurm.slurm.states import SLURM_STATES, SlurmState, state_from_slurm
 
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
+VERSIONS = ("22.05", "24.11")
 
 
-def test_squeue_captured() -> None:
-    jobs = {j.job_id: j for j in parse_squeue((DATA / "squeue.txt").read_text())}
-    assert set(jobs) == {"7", "8_0", "8_1", "8_2", "8_3", "5", "6", "9"}
+def data(version: str) -> Path:
+    return Path(__file__).parent / "data" / f"slurm-{version}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_squeue_captured(version: str) -> None:
+    jobs = {j.job_id: j for j in parse_squeue((data(version) / "squeue.txt").read_text())}
+    # 24.11's capture also lists the scenario's finished jobs 1-4 (kept for MinJobAge).
+    finished = {"1", "2", "3", "4"} & set(jobs)
+    assert set(jobs) - finished == {"7", "8_0", "8_1", "8_2", "8_3", "5", "6", "9"}
+    if finished:
+        assert jobs["1"].state is SlurmState.FAILED and jobs["3"].state is SlurmState.CANCELLED
     trial = jobs["5"]
     assert trial.state is SlurmState.RUNNING and trial.nodelist == "c[1-2]" and trial.num_nodes == 2
     assert trial.name == "det-e1-t2-r1" and parse_comment(trial.comment) == (1, 2, 1)
@@ -42,26 +54,39 @@ def test_squeue_bad_line() -> None:
         parse_squeue("garbage line")
 
 
-def test_sinfo_captured() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sinfo_captured(version: str) -> None:
+    DATA = data(version)
     parts = parse_sinfo((DATA / "sinfo.txt").read_text())
     assert {p.partition for p in parts} == {"cpu", "gpu", "high"}
     gpu = next(p for p in parts if p.partition == "gpu")
     assert gpu.gpus_per_node == 2 and gpu.cpus_total == 4 and not gpu.default
     assert any(p.default for p in parts if p.partition == "cpu")
-    nodes = parse_sinfo_json((DATA / "sinfo.json").read_text())
+    # Node records: 22.05's sinfo --json; from 23.02 on, scontrol show nodes --json.
+    node_json = DATA / ("sinfo.json" if version == "22.05" else "show-nodes.json")
+    nodes = parse_sinfo_json(node_json.read_text())
     assert [n.name for n in nodes] == ["c1", "c2", "g1", "g2"]
     assert nodes[2].gpus == 2 and nodes[2].partitions == ("gpu", "high") and nodes[0].gpus == 0
+    assert nodes[3].state == "idle" and nodes[3].cpus == 2
 
 
-def test_config_capabilities() -> None:
-    caps = parse_config((DATA / "show-config.txt").read_text())
-    assert caps.version == "22.05.8" and caps.enable_user_top and caps.preemption
-    assert not caps.accounting and caps.max_array_size == 1001 and caps.cluster_name == "detslurm"
+@pytest.mark.parametrize(
+    ("version", "release", "accounting"), [("22.05", "22.05.8", False), ("24.11", "24.11.5", True)]
+)
+def test_config_capabilities(version: str, release: str, accounting: bool) -> None:
+    caps = parse_config((data(version) / "show-config.txt").read_text())
+    assert caps.version == release and caps.enable_user_top and caps.preemption
+    assert caps.accounting is accounting and caps.max_array_size == 1001 and caps.cluster_name == "detslurm"
+    # Fields that moved or changed between the versions still read the same.
+    assert caps.kill_wait_s == 5 and caps.message_timeout_s == 10 and caps.preempt_mode == "REQUEUE"
+    assert not caps.rate_limited and caps.slurm_user == "root"
     with pytest.raises(SlurmParseError):
         parse_config("nothing here")
 
 
-def test_show_job_and_sbatch() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_show_job_and_sbatch(version: str) -> None:
+    DATA = data(version)
     kv = parse_key_values((DATA / "show-job-running.txt").read_text())
     assert kv["JobState"] == "RUNNING" and kv["Partition"] in ("cpu", "gpu", "high")
     assert parse_sbatch((DATA / "sbatch-parsable.txt").read_text()).isdigit()
@@ -135,10 +160,11 @@ def test_client_timeouts_and_errors() -> None:
     assert client.calls == 2
 
 
-def test_sacct_captured() -> None:
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sacct_captured(version: str) -> None:
     from detslurm.slurm.parse import parse_sacct
 
-    jobs = parse_sacct((DATA / "sacct-parsable.txt").read_text())
+    jobs = parse_sacct((data(version) / "sacct-parsable.txt").read_text())
     assert jobs["1"].state is SlurmState.FAILED and jobs["1"].exit_code == 3
     assert jobs["3"].state is SlurmState.CANCELLED and jobs["2"].exit_code == 0 and jobs["2"].signal is None
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -30,7 +31,16 @@ _UNREACHABLE = (
     "Connection refused",
     "Zero Bytes were transmitted or received",
     "Slurm backup controller in standby mode",
+    # Per-user RPC rate limiting (23.02+, SlurmctldParameters=rl_enable) that outlasted our
+    # retries: slurmctld is answering, just not to us yet; the next tick tries again.
+    "Rate limit exceeded",
 )
+
+# What slurmctld's rate limiter makes a client print (SLURMCTLD_COMMUNICATIONS_BACKOFF is
+# "Rate limit exceeded, please retry momentarily"; its give-up form ends "retry later"). The
+# 23.02+ commands themselves sleep a second and resend while slurmctld says "back off", so
+# usually we only see a slower command; the text appears where a client gives up.
+_RATE_LIMITED = "Rate limit exceeded"
 
 
 class SlurmCommandError(DetSlurmError):
@@ -44,6 +54,11 @@ class SlurmCommandError(DetSlurmError):
     def unreachable(self) -> bool:
         """slurmctld did not answer (down, restarting, overloaded): try again later."""
         return self.returncode == 124 or any(m in self.stderr for m in _UNREACHABLE)
+
+    @property
+    def rate_limited(self) -> bool:
+        """slurmctld refused the RPC before doing anything (rate limiting): safe to resend."""
+        return _RATE_LIMITED in self.stderr
 
     @property
     def reply_lost(self) -> bool:
@@ -93,7 +108,13 @@ def subprocess_runner(
 
 class SlurmClient:
     def __init__(
-        self, runner: Runner = subprocess_runner, timeout_s: float = DEFAULT_TIMEOUT_S, user: Optional[str] = None
+        self,
+        runner: Runner = subprocess_runner,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        user: Optional[str] = None,
+        *,
+        retry_budget_s: Optional[float] = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._run_cmd = runner
         self.timeout_s = timeout_s
@@ -101,6 +122,12 @@ class SlurmClient:
         self.user = user or os_user()
         self._caps: Optional[Capabilities] = None
         self.calls = 0  # commands issued by this client (benchmarks count controller load)
+        # How long one call may spend waiting out rate limiting (sleeps between resends); past
+        # it the error is raised, and callers treat it like an unreachable slurmctld.
+        self.retry_budget_s = timeout_s if retry_budget_s is None else retry_budget_s
+        self._sleep = sleep  # a seam: tests count the back-off instead of waiting it out
+        self.rate_limited_calls = 0  # resends caused by rate limiting (benchmarks, doctor)
+        self._nodes_argv: Optional[list[str]] = None
 
     def _run(
         self,
@@ -109,8 +136,20 @@ class SlurmClient:
         check: bool = True,
         env: Optional[Mapping[str, str]] = None,
     ) -> Result:
-        self.calls += 1
-        res = self._run_cmd(argv, input=input, timeout=self.timeout_s, env=env)
+        """Run one command; a rate-limited one is resent after 1, 2, 4 ... s within the budget."""
+        waited, delay = 0.0, 1.0
+        while True:
+            self.calls += 1
+            res = self._run_cmd(argv, input=input, timeout=self.timeout_s, env=env)
+            if res.returncode == 0 or _RATE_LIMITED not in (res.stderr or res.stdout):
+                break
+            if waited + delay > self.retry_budget_s:
+                break
+            # slurmctld rejected the RPC before acting on it, so even sbatch is safe to resend.
+            self.rate_limited_calls += 1
+            self._sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 8.0)
         if check and res.returncode != 0:
             raise SlurmCommandError(argv, res.returncode, res.stderr or res.stdout)
         return res
@@ -165,7 +204,15 @@ class SlurmClient:
         return parse.parse_sinfo(self._run(["sinfo", "-h", "-o", parse.SINFO_FORMAT]).stdout)
 
     def nodes(self) -> list[parse.NodeInfo]:
-        return parse.parse_sinfo_json(self._run(["sinfo", "--json"]).stdout)
+        """Every node's partitions, state, CPUs and GPUs in use. The first call probes which
+        command lists nodes one by one on this Slurm (see parse.json_lists_nodes)."""
+        if self._nodes_argv is None:
+            out = self._run(["sinfo", "--json"]).stdout
+            if parse.json_lists_nodes(out):
+                self._nodes_argv = ["sinfo", "--json"]
+                return parse.parse_sinfo_json(out)
+            self._nodes_argv = ["scontrol", "show", "nodes", "--json"]
+        return parse.parse_sinfo_json(self._run(self._nodes_argv).stdout)
 
     def partitions(self) -> list[PartitionInfo]:
         """Every partition's limits (one RPC), for refusing what can never run."""

@@ -389,23 +389,49 @@ def _gres_count(text: str) -> int:
     return total
 
 
+def json_lists_nodes(text: str) -> bool:
+    """Whether ``sinfo --json`` answered with one record per node (22.05: ``{"nodes": [...]}``).
+
+    From 23.02 on (the data_parser plugins) it answers ``{"sinfo": [...]}`` instead: groups of
+    nodes that share a partition and a state, with CPU and GPU counts summed over the group, so
+    per-node use must come from ``scontrol show nodes --json``. The answer itself says which
+    shape it is: this probe never looks at a version number."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("nodes"), list)
+
+
+def _node_state(n: dict[str, object]) -> str:
+    """22.05 prints ``"state": "idle"`` plus ``state_flags``; 23.02+ a list (``["IDLE", "DRAIN"]``).
+    Both become sinfo's own spelling, ``idle+drain``."""
+    state = n.get("state", "unknown")
+    words = [state] if isinstance(state, str) else list(state) if isinstance(state, list) else ["unknown"]
+    flags = n.get("state_flags")
+    words += list(flags) if isinstance(flags, list) else []
+    return "+".join(str(w).lower() for w in words)
+
+
 def parse_sinfo_json(text: str) -> list[NodeInfo]:
-    """``sinfo --json`` (one call gives every node's partitions, CPUs and GPUs in use)."""
+    """Node records of ``sinfo --json`` (22.05) or ``scontrol show nodes --json`` (23.02+,
+    the same fields): every node's partitions, state, CPUs and GPUs in use."""
     import json
 
     try:
         data = json.loads(text)
         nodes = data["nodes"]
     except (ValueError, KeyError, TypeError) as e:
-        raise SlurmParseError("sinfo --json", text) from e
+        raise SlurmParseError("node list (--json)", text) from e
     out = []
     for n in nodes:
-        state = n.get("state", "unknown")
         out.append(
             NodeInfo(
                 name=str(n["name"]),
                 partitions=tuple(n.get("partitions") or ()),
-                state=state if isinstance(state, str) else ",".join(state),
+                state=_node_state(n),
                 cpus=int(n.get("cpus", 0)),
                 alloc_cpus=int(n.get("alloc_cpus", 0)),
                 gpus=_gres_count(str(n.get("gres", ""))),
