@@ -13,13 +13,20 @@ from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import click
 
-from detslurm import views
 from detslurm.cli.app import App
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.log_filter import LEVELS, LogFilter, parse_time
+
+# Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
+# ORM, the controller or pydantic when their fast path needs none of them.
+if TYPE_CHECKING:
+    from detslurm import views
+else:
+    views = lazy_module("detslurm.views")
 
 CHUNK = 1 << 20  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes of one line kept; the rest is dropped and counted

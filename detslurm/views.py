@@ -9,7 +9,6 @@ has checked it. Call them inside ``Store.read()``: nothing here writes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import func, select
@@ -29,6 +28,10 @@ from detslurm.store.models import (
     Trial,
     TrialRun,
 )
+
+# `det e list`'s row and filters live with the fast read path (store.quick), which needs no ORM.
+from detslurm.store.quick import ExperimentRow as ExperimentRow
+from detslurm.store.quick import experiment_filter_rows as experiment_filter_rows
 
 if TYPE_CHECKING:
     from detslurm.slurm.parse import QueuedJob
@@ -227,21 +230,6 @@ def notes(s: Session, trial_id: int) -> list[LogEntry]:
     return list(s.scalars(select(LogEntry).where(LogEntry.trial_id == trial_id).order_by(LogEntry.id)))
 
 
-class ExperimentRow(NamedTuple):
-    """The columns of `det e list`."""
-
-    id: int
-    owner: str
-    name: str
-    parent_id: int | None
-    state: str
-    progress: float
-    start_time: datetime | None
-    end_time: datetime | None
-    resource_pool: str
-    archived: bool
-
-
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
     """Only the listed columns: whole rows (configs, searcher states) of thousands of
     experiments would take seconds to load."""
@@ -383,13 +371,3 @@ def ranked_checkpoints(
     scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
     best = [c for _, c in scored]
     return best if n is None else best[:n]
-
-
-def experiment_filter_rows(
-    rows: Sequence[ExperimentRow], *, states: Sequence[str] = (), name: str | None = None
-) -> list[ExperimentRow]:
-    """`det e list` filters: any of ``states``, and a name containing ``name`` (case-insensitive)."""
-    wanted = {st.upper() for st in states}
-    return [
-        r for r in rows if (not wanted or str(r.state) in wanted) and (name is None or name.lower() in r.name.lower())
-    ]

@@ -122,6 +122,8 @@ class RunState(_ValueEnum):
 
 class Experiment(Base):
     __tablename__ = "experiments"
+    # Every read command asks whether the caller has unfinished experiments (views.has_unfinished).
+    __table_args__ = (Index("ix_experiments_owner_executor_state", "owner", "executor", "state"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(512))
     owner: Mapped[str] = mapped_column(String(128))
