@@ -222,6 +222,31 @@ def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]
     return list(s.scalars(q.order_by(Metric.steps_completed, Metric.id)))
 
 
+def metric_curve(s: Session, trial_id: int, group: str, name: str, max_points: int) -> list[tuple[int, float]]:
+    """One metric's curve of a trial, (steps_completed, value) by step, downsampled to at most
+    about ``max_points`` points (every k-th report, and always the last): the dashboard's
+    query. Only the kept rows' JSON leaves the database, so a trial with a million reports
+    answers as fast as one with a thousand (the index on trial, group and step does the rest).
+    Reports without a numeric value under ``name`` are skipped (a trial's JSON is untrusted)."""
+    m = Metric
+    live = (m.trial_id == trial_id, m.group == group, m.archived.is_(False))
+    total = int(s.scalar(select(func.count()).select_from(m).where(*live)) or 0)
+    if total == 0 or max_points <= 0:
+        return []
+    stride = -(-total // max_points)  # ceil: at most max_points kept, plus the last
+    numbered = (
+        select(m.id, func.row_number().over(order_by=(m.steps_completed, m.id)).label("n")).where(*live).subquery()
+    )
+    keep = select(numbered.c.id).where(((numbered.c.n - 1) % stride == 0) | (numbered.c.n == total))
+    rows = s.execute(select(m.steps_completed, m.metrics).where(m.id.in_(keep)).order_by(m.steps_completed, m.id))
+    curve = []
+    for steps, metrics in rows:
+        value = metrics.get(name) if isinstance(metrics, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            curve.append((int(steps), float(value)))
+    return curve
+
+
 def runs(s: Session, trial_id: int) -> list[TrialRun]:
     return list(s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id).order_by(TrialRun.run_id)))
 
