@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from detslurm.controller.bulk_metrics import PendingMetrics
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
 from detslurm.protocol import (
@@ -167,6 +169,12 @@ def _on_metrics(
             archived=False,
         )
     )
+    return _searcher_sees(exp, trial, ev, searcher)
+
+
+def _searcher_sees(exp: Experiment, trial: Trial, ev: Metrics, searcher: SearchMethod) -> list[Action]:
+    """What a metrics report means beyond its row: the trial's best searcher metric, and the
+    searcher's reaction to a validation (its actions, not applied yet)."""
     # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
         return []
@@ -265,13 +273,12 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
         # Bad lines are collected and noted once per file and pass: a trial writing millions of
         # them adds one note per tick, not millions of rows.
         bad: list[str] = []
+
+        at = _Ingest(session, exp, trial, run, searcher, off, PendingMetrics(trial.id, run.run_id), _refusals(bad))
         for line in batch.lines:
-            problem = line.problem or _decode_and_apply(session, exp, trial, run, line, searcher, off)
-            if problem is None:
-                count += 1
-            else:
-                bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
+            count += at.line(line)
             off.offset = line.end
+        count -= at.pending.flush(session, at.refused)
         # Past skipped blank lines (and the rest of a too-long line) as well.
         off.offset = batch.offset
         if bad:
@@ -281,20 +288,105 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
     return count
 
 
-def _decode_and_apply(
+# Events whose whole effect is an attribute of the trial or run: nothing the store could refuse,
+# so they need no SAVEPOINT of their own (and do not interrupt a bulk of metric rows).
+_ATTRIBUTE_EVENTS = (Progress, Status, PreemptAck)
+
+
+@dataclass
+class _Ingest:
+    """One event file's pass: applies its lines in order, metric rows in bulk (bulk_metrics.py)
+    and every other event in its own SAVEPOINT, as before."""
+
+    session: Session
+    exp: Experiment
+    trial: Trial
+    run: TrialRun
+    searcher: SearchMethod
+    off: IngestOffset
+    pending: PendingMetrics
+    refused: Callable[[Line, str], None]
+
+    def line(self, line: Line) -> int:
+        """Apply one line; how many events were applied (minus metric rows found refused)."""
+        ev = _decoded(line)
+        if isinstance(ev, str):
+            self.refused(line, ev)
+            return 0
+        if isinstance(ev, Metrics):
+            self.pending.add(line, ev, _ts(ev.time))
+            problem = self._searcher_step(line, ev) if ev.group == "validation" else None
+        elif isinstance(ev, _ATTRIBUTE_EVENTS):
+            apply_event(self.session, self.exp, self.trial, self.run, ev, self.searcher)
+            return 1
+        else:
+            # Rows first: ids keep the trial's order, and the event may read them.
+            bad = self.pending.flush(self.session, self.refused)
+            problem = _apply_one(self.session, self.exp, self.trial, self.run, line, ev, self.searcher, self.off)
+            if problem is None:
+                return 1 - bad
+            self.refused(line, problem)
+            return -bad
+        if problem is not None:
+            self.refused(line, problem)
+            return 0
+        return 1
+
+    def _searcher_step(self, line: Line, ev: Metrics) -> str | None:
+        """A validation's searcher side: the searcher sees it, and its actions (rare: ASHA's
+        decisions) are applied in a SAVEPOINT after the queued rows. None when done."""
+        try:
+            actions = _searcher_sees(self.exp, self.trial, ev, self.searcher)
+            if not actions:
+                return None
+            self.pending.flush(self.session, self.refused)
+            with self.session.begin_nested():
+                apply_actions(self.session, self.exp, self.searcher, actions)
+        except SearcherError:
+            # The experiment errors on this event: its own row is dropped (as its SAVEPOINT
+            # was rolled back before), the rows before it are kept, and it is never fed again.
+            self.pending.rows = [r for r in self.pending.rows if r[0] is not line]
+            self.pending.flush(self.session, self.refused)
+            self.off.offset = line.end
+            raise
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception as e:
+            log.warning("trial %s: could not apply a metrics event", self.trial.id, exc_info=True)
+            return f"could not apply metrics: {type(e).__name__}: {str(e)[:200]}"
+        return None
+
+
+def _refusals(bad: list[str]) -> Callable[[Line, str], None]:
+    """A callback that describes a refused line into ``bad`` (one quarantine note per file)."""
+
+    def refused(line: Line, problem: str) -> None:
+        bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
+
+    return refused
+
+
+def _decoded(line: Line) -> Event | str:
+    """The line's event, or why it cannot be used (the reader's or the decoder's reason)."""
+    if line.problem is not None:
+        return line.problem
+    try:
+        return decode(line.data)
+    except BadEvent as e:
+        return e.reason
+
+
+def _apply_one(
     session: Session,
     exp: Experiment,
     trial: Trial,
     run: TrialRun,
     line: Line,
+    ev: Event,
     searcher: SearchMethod,
     off: IngestOffset,
 ) -> str | None:
-    """Apply one line in its own SAVEPOINT; None when applied, else why it was not."""
-    try:
-        ev = decode(line.data)
-    except BadEvent as e:
-        return e.reason
+    """Apply one decoded event in its own SAVEPOINT; None when applied, else why it was not."""
     try:
         # The searcher object itself is not rolled back with the savepoint; only the searcher's
         # own bugs can fail after it changed, and they then cost this one event's decision.
