@@ -334,24 +334,30 @@ class _Ingest:
 
     def _searcher_step(self, line: Line, ev: Metrics) -> str | None:
         """A validation's searcher side: the searcher sees it, and its actions (rare: ASHA's
-        decisions) are applied in a SAVEPOINT after the queued rows. None when done."""
+        decisions) are applied with the report's row in a SAVEPOINT after the rows before it.
+        A failure costs only this event, as its own SAVEPOINT did before: its row is dropped
+        and the trial's best metric restored. None when done."""
+        best = self.trial.searcher_metric
         try:
             actions = _searcher_sees(self.exp, self.trial, ev, self.searcher)
-            if not actions:
-                return None
-            self.pending.flush(self.session, self.refused)
-            with self.session.begin_nested():
-                apply_actions(self.session, self.exp, self.searcher, actions)
+            if actions:
+                mine = self.pending.drop(line)
+                self.pending.flush(self.session, self.refused)
+                with self.session.begin_nested():
+                    self.pending.insert(self.session, mine)
+                    apply_actions(self.session, self.exp, self.searcher, actions)
         except SearcherError:
-            # The experiment errors on this event: its own row is dropped (as its SAVEPOINT
-            # was rolled back before), the rows before it are kept, and it is never fed again.
-            self.pending.rows = [r for r in self.pending.rows if r[0] is not line]
+            # The experiment errors on this event: the rows before it are kept, and it is never
+            # fed again.
+            self.pending.drop(line)
             self.pending.flush(self.session, self.refused)
             self.off.offset = line.end
             raise
         except (OperationalError, InterfaceError):
             raise
         except Exception as e:
+            self.pending.drop(line)
+            self.trial.searcher_metric = best
             log.warning("trial %s: could not apply a metrics event", self.trial.id, exc_info=True)
             return f"could not apply metrics: {type(e).__name__}: {str(e)[:200]}"
         return None

@@ -53,6 +53,18 @@ class PendingMetrics:
             )
         )
 
+    def drop(self, line: Line) -> list[dict[str, Any]]:
+        """Take ``line``'s queued row out (it is written, or not, with its event's other effects)."""
+        mine = [r for ln, r in self.rows if ln is line]
+        self.rows = [(ln, r) for ln, r in self.rows if ln is not line]
+        return mine
+
+    @staticmethod
+    def insert(session: Session, rows: list[dict[str, Any]]) -> None:
+        """Insert ``rows`` now (Core executemany: no ORM objects, no per-row flush)."""
+        if rows:
+            session.execute(insert(Metric.__table__), rows)
+
     def flush(self, session: Session, refused: Callable[[Line, str], None]) -> int:
         """Insert the queued rows; returns how many were refused (each reported to ``refused``
         with its line and why). A failing store (OperationalError, InterfaceError) raises: the
@@ -62,7 +74,7 @@ class PendingMetrics:
             return 0
         try:
             with session.begin_nested():
-                session.execute(insert(Metric.__table__), [r for _, r in rows])
+                self.insert(session, [r for _, r in rows])
             return 0
         except (OperationalError, InterfaceError):
             raise
@@ -72,7 +84,7 @@ class PendingMetrics:
         for line, row in rows:
             try:
                 with session.begin_nested():
-                    session.execute(insert(Metric.__table__), [row])
+                    self.insert(session, [row])
             except (OperationalError, InterfaceError):
                 raise
             except Exception as e:
