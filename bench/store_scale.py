@@ -68,7 +68,13 @@ def make_experiment(ws: Workspace, trials: int) -> tuple[str, int, list[int]]:
             s.flush()
             paths = ExpPaths(Path(exp.exp_dir)).run(t.id, 1)
             s.add(
-                TrialRun(trial_id=t.id, run_id=1, executor="local", run_dir=str(paths.dir), log_path=str(paths.dir / "output.log"))
+                TrialRun(
+                    trial_id=t.id,
+                    run_id=1,
+                    executor="local",
+                    run_dir=str(paths.dir),
+                    log_path=str(paths.dir / "output.log"),
+                )
             )
             ids.append(t.id)
     store.dispose()

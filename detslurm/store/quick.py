@@ -92,6 +92,17 @@ class QuickStore:
         ).fetchone()
         return row is not None
 
+    def trial_logs(self, trial_id: int, owner: str | None) -> tuple[list[TrialRunLog], list[TrialNote]] | None:
+        """``trial_id``'s runs and notes, by run and by note id; None when there is no such
+        trial of ``owner`` (any owner's for None), so that the caller reports it "not found"
+        exactly as the ORM path does. Read in one transaction: a consistent view."""
+        with self._con:  # BEGIN ... COMMIT around the three SELECTs
+            self._con.execute("BEGIN")
+            found, runs, notes = _trial_queries(self._con, trial_id)
+        if found is None or (owner is not None and found != owner):
+            return None
+        return runs, notes
+
     def experiment_rows(self, owner: str | None, include_archived: bool = False) -> list[ExperimentRow]:
         """``views.experiment_rows``: the listed columns of ``owner``'s experiments (every
         owner's for None, root's --all-users), by id."""
@@ -109,6 +120,44 @@ class QuickStore:
             ExperimentRow(i, o, n, p, st, float(pr), _when(t0), _when(t1), pool, bool(arch))
             for i, o, n, p, st, pr, t0, t1, pool, arch in self._con.execute(sql, args)
         ]
+
+
+class TrialRunLog(NamedTuple):
+    """Where one run of a trial wrote its output, and when it ran (`det t logs`)."""
+
+    run_id: int
+    log_path: str
+    start: datetime | None  # its start, or its submission while it never started
+    end: datetime | None
+
+
+class TrialNote(NamedTuple):
+    """A controller note on a trial (a trial_log_entries row)."""
+
+    time: datetime
+    level: str
+    message: str
+
+
+def _trial_queries(con: sqlite3.Connection, trial_id: int) -> tuple[str | None, list[TrialRunLog], list[TrialNote]]:
+    row = con.execute(
+        "SELECT e.owner FROM trials t JOIN experiments e ON e.id = t.experiment_id WHERE t.id = ?", (trial_id,)
+    ).fetchone()
+    runs = [
+        TrialRunLog(r, p, _when(t0 or t1), _when(t2))
+        for r, p, t0, t1, t2 in con.execute(
+            "SELECT run_id, log_path, start_time, submit_time, end_time FROM trial_runs WHERE trial_id = ? "
+            "ORDER BY run_id",
+            (trial_id,),
+        )
+    ]
+    notes = [
+        TrialNote(_when(t) or datetime.min, level, msg)
+        for t, level, msg in con.execute(
+            "SELECT time, level, message FROM trial_log_entries WHERE trial_id = ? ORDER BY id", (trial_id,)
+        )
+    ]
+    return (None if row is None else str(row[0])), runs, notes
 
 
 def _when(value: str | None) -> datetime | None:
