@@ -102,12 +102,18 @@ def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float,
             group = "validation" if i % 10 == 9 else "training"
             f.write(encode(Metrics(group=group, steps_completed=i + 1, metrics={"loss": 1.0 / (i + 1), "acc": 0.5})))
     t0 = time.perf_counter()
-    with store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        trial = s.get(Trial, trial_id)
-        run = s.get(TrialRun, run.id)
-        assert exp is not None and trial is not None and run is not None
-        applied = ingest_run(s, exp, trial, run, load_searcher(exp))
+    applied, run_pk = 0, run.id
+    # One transaction per pass, as the daemon's ticks: a pass reads a bounded chunk of the file.
+    while applied < n:
+        with store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            trial = s.get(Trial, trial_id)
+            run = s.get(TrialRun, run_pk)
+            assert exp is not None and trial is not None and run is not None
+            got = ingest_run(s, exp, trial, run, load_searcher(exp))
+        if got == 0:
+            break
+        applied += got
     seconds = time.perf_counter() - t0
     with store.read() as s:
         rows = int(s.scalar(select(func.count()).select_from(Metric).where(Metric.trial_id == trial_id)) or 0)

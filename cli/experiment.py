@@ -277,12 +277,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         trials = [views.trial_dict(s, t) for t in exp.trials]
         metric = _typed(exp.config).searcher.metric
         # Read everything inside the session: rows are not loaded lazily once it closes, and
-        # the tables below are printed after it.
-        work = [
-            (t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
-            for t in trials
-            for m in views.metrics(s, int(t["id"]))
-        ]
+        # the tables below are printed after it. --json shows no workloads: none are loaded.
+        work, hidden = ([], []) if as_json else _workloads(s, [int(t["id"]) for t in trials])
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
@@ -310,6 +306,29 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         ["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
         [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work],
     )
+    for tid, n in hidden:
+        click.echo(
+            f"Trial {tid}: its {n} earlier workloads are not shown (the last {WORKLOADS_SHOWN} are); "
+            f"det trial describe {tid} --metrics lists them all."
+        )
+
+
+# Workloads `det e describe` shows per trial: a trial reporting every few batches for days has
+# millions, and a table of them all would take minutes to print and be read by nobody.
+WORKLOADS_SHOWN = 1000
+
+
+def _workloads(s: Any, trial_ids: list[int]) -> tuple[list[tuple[Any, ...]], list[tuple[int, int]]]:
+    """Each trial's last WORKLOADS_SHOWN metric rows as table cells, and (trial, rows not shown)
+    for the trials that have more."""
+    work: list[tuple[Any, ...]] = []
+    hidden: list[tuple[int, int]] = []
+    for tid in trial_ids:
+        shown, total = views.recent_metrics(s, tid, WORKLOADS_SHOWN)
+        work += [(tid, m.steps_completed, m.group, m.report_time, m.metrics) for m in shown]
+        if total > len(shown):
+            hidden.append((tid, total - len(shown)))
+    return work, hidden
 
 
 def _print_experiment(e: dict[str, Any]) -> None:

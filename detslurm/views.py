@@ -222,6 +222,16 @@ def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]
     return list(s.scalars(q.order_by(Metric.steps_completed, Metric.id)))
 
 
+def recent_metrics(s: Session, trial_id: int, limit: int) -> tuple[list[Metric], int]:
+    """The trial's last ``limit`` metric reports in :func:`metrics` order, and how many it has:
+    `det e describe` shows a bounded table whatever the trial reported (the index on trial and
+    step reads them from the end)."""
+    live = (Metric.trial_id == trial_id, Metric.archived.is_(False))
+    total = int(s.scalar(select(func.count()).select_from(Metric).where(*live)) or 0)
+    q = select(Metric).where(*live).order_by(Metric.steps_completed.desc(), Metric.id.desc()).limit(max(limit, 0))
+    return list(reversed(s.scalars(q).all())), total
+
+
 def metric_curve(s: Session, trial_id: int, group: str, name: str, max_points: int) -> list[tuple[int, float]]:
     """One metric's curve of a trial, (steps_completed, value) by step, downsampled to at most
     about ``max_points`` points (every k-th report, and always the last): the dashboard's
