@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
-from detslurm.slurm.parse import comment_tag, experiment_tag
 from detslurm.slurm.reasons import describe_reason
 from detslurm.store.models import (
     Checkpoint,
@@ -370,29 +369,23 @@ def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
 def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
     """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
     in ``scope`` (another user's experiment names are not shown)."""
-    ids = {j.job_id: j.identity for j in jobs}
-    # identity is (experiment, trial, run) parsed from the job comment; foreign jobs have None.
-    wanted = {i[0] for i in ids.values() if i}
+    from detslurm import queue
+
+    wanted = {j.identity[0] for j in jobs if j.identity}
     if not wanted:
         return {}
     # One query for every job in the queue, not one per job: `det job list` may show thousands.
     q = select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted))
     if scope.owner is not None:
         q = q.where(Experiment.owner == scope.owner)
-    rows = s.execute(q)
-    names = {i: (name, experiment_tag(d)) for i, name, d in rows}
-    out: dict[str, str] = {}
-    for j in jobs:
-        i = ids[j.job_id]
-        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
-        if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
-            out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
-    return out
+    return queue.trial_job_names(jobs, {i: (name, d) for i, name, d in s.execute(q)})
 
 
 def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
     """Job id -> "<experiment name> (<id>) trial <t> (detached)" for the queue's jobs that run
     the scope's detached experiments (the user's own sbatch scripts using core_v2)."""
+    from detslurm import queue
+
     ids = [j.job_id for j in jobs]
     if not ids:
         return {}
@@ -407,8 +400,7 @@ def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> d
     )
     if scope.owner is not None:
         q = q.where(Experiment.owner == scope.owner)
-    rows = s.execute(q)
-    return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}
+    return queue.detached_job_names([tuple(r) for r in s.execute(q)])  # type: ignore[misc]
 
 
 def ranked_checkpoints(

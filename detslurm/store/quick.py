@@ -103,6 +103,39 @@ class QuickStore:
             return None
         return runs, notes
 
+    def experiment_names(self, ids: set[int], owner: str | None) -> dict[int, tuple[str, str]]:
+        """id -> (name, experiment dir) of ``owner``'s experiments among ``ids`` (`det job list`)."""
+        out: dict[int, tuple[str, str]] = {}
+        wanted = sorted(ids)
+        # In slices: SQLite allows a bounded number of parameters in one statement.
+        for k in range(0, len(wanted), 500):
+            part = wanted[k : k + 500]
+            sql = f"SELECT id, name, exp_dir FROM experiments WHERE id IN ({','.join('?' * len(part))})"
+            args: list[object] = list(part)
+            if owner is not None:
+                sql += " AND owner = ?"
+                args.append(owner)
+            out.update({i: (n, d) for i, n, d in self._con.execute(sql, args)})
+        return out
+
+    def detached_runs(self, job_ids: list[str], owner: str | None) -> list[tuple[str | None, int, int, str]]:
+        """(job id, trial id, experiment id, experiment name) of ``owner``'s detached runs with
+        one of ``job_ids``, oldest run first (``views.detached_job_names``' query)."""
+        rows: list[tuple[int, str | None, int, int, str]] = []
+        for k in range(0, len(job_ids), 500):
+            part = job_ids[k : k + 500]
+            sql = (
+                "SELECT r.id, r.job_id, t.id, e.id, e.name FROM trial_runs r JOIN trials t ON r.trial_id = t.id "
+                "JOIN experiments e ON t.experiment_id = e.id WHERE r.executor = 'detached' "
+                f"AND r.job_id IN ({','.join('?' * len(part))})"
+            )
+            args: list[object] = list(part)
+            if owner is not None:
+                sql += " AND e.owner = ?"
+                args.append(owner)
+            rows += self._con.execute(sql, args).fetchall()
+        return [(job, t, e, name) for _, job, t, e, name in sorted(rows)]
+
     def experiment_rows(self, owner: str | None, include_archived: bool = False) -> list[ExperimentRow]:
         """``views.experiment_rows``: the listed columns of ``owner``'s experiments (every
         owner's for None, root's --all-users), by id."""
