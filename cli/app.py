@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
+    from detslurm.store.quick import QuickStore
 
 T = TypeVar("T")
 
@@ -38,6 +39,8 @@ class App:
         self._store: Store | None = None
         self._client: SlurmClient | None = None
         self._site: SiteConfig | None = None
+        self._quick: QuickStore | None = None
+        self._quick_tried = False
 
     @property
     def settings(self) -> Settings:
@@ -57,6 +60,18 @@ class App:
             # reconnecting (SQLite file or PostgreSQL, by the settings' db_url).
             self._store = open_store(self.settings.db_url)
         return self._store
+
+    def quick(self) -> QuickStore | None:
+        """The store for the read commands' fast path (stdlib sqlite3, no ORM), or None when it
+        cannot serve: not SQLite, no store yet, or a schema that needs migrating (the ORM path
+        via :attr:`store` migrates). Asked once per process."""
+        if not self._quick_tried:
+            self._quick_tried = True
+            if self._store is None:  # a process that opened the ORM store keeps using it
+                from detslurm.store.quick import QuickStore
+
+                self._quick = QuickStore.open(self.settings.db_url)
+        return self._quick
 
     @property
     def scope(self) -> Scope:

@@ -10,16 +10,29 @@ from typing import TYPE_CHECKING, Any
 import click
 import yaml
 
-from detslurm import views
-from detslurm.cli import backend as backend_mod
 from detslurm.cli import experiment_verbs
-from detslurm.cli import logs as logs_mod
-from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
-from detslurm.controller import ops
 from detslurm.errors import DetSlurmError
-from detslurm.store.models import ExperimentState
+from detslurm.store.quick import ExperimentRow, experiment_filter_rows
+
+# Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
+# ORM, the controller or pydantic when their fast path needs none of them.
+if TYPE_CHECKING:
+    from detslurm import views
+    from detslurm.cli import backend as backend_mod
+    from detslurm.cli import logs as logs_mod
+    from detslurm.cli import slurm as slurm_mod
+    from detslurm.controller import ops
+    from detslurm.store import models
+else:
+    views = lazy_module("detslurm.views")
+    backend_mod = lazy_module("detslurm.cli.backend")
+    logs_mod = lazy_module("detslurm.cli.logs")
+    slurm_mod = lazy_module("detslurm.cli.slurm")
+    ops = lazy_module("detslurm.controller.ops")
+    models = lazy_module("detslurm.store.models")
 
 if TYPE_CHECKING:
     from detslurm.expconf import ExperimentConfig
@@ -162,6 +175,25 @@ def _create(
         raise click.exceptions.Exit(code)
 
 
+def _orm_rows(
+    app: App, show_all: bool, states: tuple[str, ...], name: str | None, *, need_dicts: bool
+) -> tuple[list[ExperimentRow], list[dict[str, Any]]]:
+    """`det e list`'s rows through the ORM (and, for labels or --json, every shown experiment's
+    dict, configs included)."""
+    with app.store.read() as s:
+        rows = experiment_filter_rows(
+            views.experiment_rows(s, app.scope, include_archived=show_all), states=states, name=name
+        )
+        # Labels live in the configs: loaded only when a label filter or the JSON output needs them.
+        ids = {r.id for r in rows}
+        dicts = (
+            [d for d in views.experiment_dicts(s, app.scope, include_archived=show_all) if d["id"] in ids]
+            if need_dicts
+            else []
+        )
+    return rows, dicts
+
+
 @experiment.command("list")
 @click.option(
     "-a",
@@ -189,17 +221,16 @@ def list_(
     if as_json and as_csv:
         raise click.UsageError("use at most one of --json and --csv")
     slurm_mod.reconcile(app)
-    with app.store.read() as s:
-        rows = views.experiment_filter_rows(
-            views.experiment_rows(s, app.scope, include_archived=show_all), states=states, name=name
+    # The table alone comes from the fast path where it can serve (no ORM: 10k rows in well under
+    # a second); labels and --json need whole configs, which the ORM path loads.
+    quick = None if labels or as_json else app.quick()
+    if quick is not None:
+        rows = experiment_filter_rows(
+            quick.experiment_rows(app.scope.owner, include_archived=show_all), states=states, name=name
         )
-        # Labels live in the configs: loaded only when a label filter or the JSON output needs them.
-        ids = {r.id for r in rows}
-        dicts = (
-            [d for d in views.experiment_dicts(s, app.scope, include_archived=show_all) if d["id"] in ids]
-            if labels or as_json
-            else []
-        )
+        dicts: list[dict[str, Any]] = []
+    else:
+        rows, dicts = _orm_rows(app, show_all, states, name, need_dicts=bool(labels or as_json))
     if labels:
         keep = {d["id"] for d in dicts if set(labels) <= set(d["labels"])}
         rows, dicts = [r for r in rows if r.id in keep], [d for d in dicts if d["id"] in keep]
@@ -244,14 +275,12 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         exp = views.get_experiment(s, exp_id, app.scope)
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
-        metric = _typed(exp.config).searcher.metric
+        # Only the header names it: read from the stored config (validated when it was stored)
+        # rather than through pydantic, which costs more than the rest of the command's imports.
+        metric = (exp.config.get("searcher") or {}).get("metric")
         # Read everything inside the session: rows are not loaded lazily once it closes, and
-        # the tables below are printed after it.
-        work = [
-            (t["id"], m.steps_completed, m.group, m.report_time, m.metrics)
-            for t in trials
-            for m in views.metrics(s, int(t["id"]))
-        ]
+        # the tables below are printed after it. --json shows no workloads: none are loaded.
+        work, hidden = ([], []) if as_json else _workloads(s, [int(t["id"]) for t in trials])
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
@@ -279,6 +308,28 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         ["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
         [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work],
     )
+    for tid in hidden:
+        click.echo(
+            f"Trial {tid}: only its last {WORKLOADS_SHOWN} workloads are shown; "
+            f"det trial describe {tid} --metrics lists them all."
+        )
+
+
+# Workloads `det e describe` shows per trial: a trial reporting every few batches for days has
+# millions, and a table of them all would take minutes to print and be read by nobody.
+WORKLOADS_SHOWN = 1000
+
+
+def _workloads(s: Any, trial_ids: list[int]) -> tuple[list[tuple[Any, ...]], list[int]]:
+    """Each trial's last WORKLOADS_SHOWN metric rows as table cells, and the trials that have more."""
+    work: list[tuple[Any, ...]] = []
+    hidden: list[int] = []
+    for tid in trial_ids:
+        shown, more = views.recent_metrics(s, tid, WORKLOADS_SHOWN)
+        work += [(tid, m.steps_completed, m.group, m.report_time, m.metrics) for m in shown]
+        if more:
+            hidden.append(tid)
+    return work, hidden
 
 
 def _print_experiment(e: dict[str, Any]) -> None:
@@ -405,11 +456,14 @@ def logs(app: App, /, exp_id: int, **opts: Any) -> None:
 # pause, cancel and kill record the wish in the store; the daemon (or the `det` that drives a
 # local experiment) carries it out at its next tick. kill and pause also reach Slurm at once
 # for jobs that need no checkpoint: every job on kill, the ones still queued on pause.
-def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None], now: bool = False) -> click.Command:
+def _state_change(verb: str, past: str, now: bool = False) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
     @pass_app
     def cmd(app: App, exp_id: int) -> None:
+        # controller.ops has pause, cancel and kill under the verbs' names; looked up when the
+        # command runs, so that defining the commands does not load the controller.
+        fn: Callable[[Any, int, Any], None] = getattr(ops, verb)
         fn(app.store, exp_id, app.scope)
         click.echo(f"{past} experiment {exp_id}")
         if now:
@@ -418,9 +472,9 @@ def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None], now
     return cmd
 
 
-experiment.add_command(_state_change("pause", "Paused", ops.pause, now=True))
-experiment.add_command(_state_change("cancel", "Canceled", ops.cancel))
-experiment.add_command(_state_change("kill", "Killed", ops.kill, now=True))
+experiment.add_command(_state_change("pause", "Paused", now=True))
+experiment.add_command(_state_change("cancel", "Canceled"))
+experiment.add_command(_state_change("kill", "Killed", now=True))
 
 
 @experiment.command("activate")
@@ -446,7 +500,7 @@ def wait(app: App, exp_id: int) -> None:
     """Wait for an experiment to end; exit 1 unless it COMPLETED."""
     state = backend_mod.of_experiment(app, exp_id).wait(exp_id)
     click.echo(f"Experiment {exp_id} {state.value}")
-    if state != ExperimentState.COMPLETED:
+    if state != models.ExperimentState.COMPLETED:
         # A nonzero exit for CANCELED, ERROR and the rest lets scripts chain on `det e wait`.
         raise click.exceptions.Exit(1)
 

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from detslurm import client, views
-from detslurm.cli import backend as backend_mod
 from detslurm.cli.app import App, pass_app
-from detslurm.controller import edit
+from detslurm.cli.lazy import lazy_module
+
+# Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
+# ORM, the controller or pydantic when their fast path needs none of them.
+if TYPE_CHECKING:
+    from detslurm import client, views
+    from detslurm.cli import backend as backend_mod
+    from detslurm.controller import edit
+else:
+    client = lazy_module("detslurm.client")
+    views = lazy_module("detslurm.views")
+    backend_mod = lazy_module("detslurm.cli.backend")
+    edit = lazy_module("detslurm.controller.edit")
 
 COMMANDS: list[click.Command] = []
 

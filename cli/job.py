@@ -8,13 +8,22 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from detslurm import queue as q
-from detslurm import views
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, table
-from detslurm.controller import edit
-from detslurm.controller import ops as ops_mod
 from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
+
+# Loaded on first use (cli/lazy.py): `det job list` answers from store.quick and must not pay
+# for the ORM or the controller.
+if TYPE_CHECKING:
+    from detslurm import views
+    from detslurm.controller import edit
+    from detslurm.controller import ops as ops_mod
+else:
+    views = lazy_module("detslurm.views")
+    edit = lazy_module("detslurm.controller.edit")
+    ops_mod = lazy_module("detslurm.controller.ops")
 
 if TYPE_CHECKING:
     from detslurm.slurm.client import SlurmClient
@@ -33,10 +42,22 @@ def _caller(client: SlurmClient) -> q.Caller:
     return q.Caller(user=client.user, admin=os.geteuid() == 0 or client.user == caps.slurm_user)
 
 
+def _names(app: App, jobs: list[QueuedJob]) -> tuple[dict[str, str], dict[str, str]]:
+    """Our trials' names for their jobs, and those of detached runs (store.quick where it can
+    answer: `det job list` then loads no ORM)."""
+    quick = app.quick()
+    if quick is None:
+        with app.store.read() as s:
+            return views.trial_job_names(s, jobs, app.scope), views.detached_job_names(s, jobs, app.scope)
+    owner = app.scope.owner
+    wanted = {j.identity[0] for j in jobs if j.identity}
+    names = q.trial_job_names(jobs, quick.experiment_names(wanted, owner)) if wanted else {}
+    detached = q.detached_job_names(quick.detached_runs([j.job_id for j in jobs], owner))
+    return names, detached
+
+
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
-    with app.store.read() as s:
-        names = views.trial_job_names(s, jobs, app.scope)
-        detached = views.detached_job_names(s, jobs, app.scope)
+    names, detached = _names(app, jobs)
     names.update(detached)
     # Determined lists a pool's queue running jobs first, then pending ones in scheduling
     # order; Slurm's order is priority, then submit time for ties.

@@ -13,13 +13,21 @@ from dataclasses import dataclass
 from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import click
 
-from detslurm import views
 from detslurm.cli.app import App
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.log_filter import LEVELS, LogFilter, parse_time
+from detslurm.errors import NotFoundError
+
+# Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
+# ORM, the controller or pydantic when their fast path needs none of them.
+if TYPE_CHECKING:
+    from detslurm import views
+else:
+    views = lazy_module("detslurm.views")
 
 CHUNK = 1 << 20  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes of one line kept; the rest is dropped and counted
@@ -141,17 +149,25 @@ class _Note:
     level: str
 
 
+def _note(time: datetime, level: str, message: str) -> _Note:
+    # Controller notes (requeues, exit reasons) are store rows, not file lines; they are shown
+    # after the output in Determined's "[time] source || level: message" log format.
+    return _Note(f"[{time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {level}: {message}", time, level)
+
+
 def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[_Note]]:
+    quick = app.quick()
+    if quick is not None:
+        # The fast path (store.quick, no ORM): `det t logs --tail` costs what it shows.
+        found = quick.trial_logs(trial_id, app.scope.owner)
+        if found is None:
+            raise NotFoundError("trial", trial_id)
+        return [_Run(*r) for r in found[0]], [_note(*n) for n in found[1]]
     with app.store.read() as s:
         # Called for its check: another user's trial raises "not found" before any path is read.
         views.get_trial(s, trial_id, app.scope)
         runs = [_Run(r.run_id, r.log_path, r.start_time or r.submit_time, r.end_time) for r in views.runs(s, trial_id)]
-        # Controller notes (requeues, exit reasons) are store rows, not file lines; they are shown
-        # after the output in Determined's "[time] source || level: message" log format.
-        notes = [
-            _Note(f"[{n.time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {n.level}: {n.message}", n.time, n.level)
-            for n in views.notes(s, trial_id)
-        ]
+        notes = [_note(n.time, n.level, n.message) for n in views.notes(s, trial_id)]
     return runs, notes
 
 

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from detslurm import daemon as daemon_mod
-from detslurm import views
-from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
+from detslurm.cli.lazy import lazy_module
 from detslurm.identity import os_user
 from detslurm.protocol.detached import detached_root
-from detslurm.store.models import ExperimentState
+
+# Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
+# ORM, the controller or pydantic when their fast path needs none of them.
+if TYPE_CHECKING:
+    from detslurm import views
+    from detslurm.cli import logs as logs_mod
+    from detslurm.store.models import ExperimentState
+else:
+    views = lazy_module("detslurm.views")
+    logs_mod = lazy_module("detslurm.cli.logs")
 
 # The executor name `det e create` stores for Slurm experiments.
 EXECUTOR = "slurm"
@@ -23,10 +33,14 @@ def reconcile(app: App) -> None:
     # the controller lock and add Slurm calls.
     if daemon_mod.running_pid(app.settings) is not None:
         return
-    with app.store.read() as s:
-        # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
-        # makes no Slurm call at all (and works while slurmctld is down).
-        unfinished = views.has_unfinished(s, EXECUTOR, os_user())
+    # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
+    # makes no Slurm call at all (and works while slurmctld is down).
+    quick = app.quick()
+    if quick is not None:
+        unfinished = quick.has_unfinished(EXECUTOR, os_user())
+    else:
+        with app.store.read() as s:
+            unfinished = views.has_unfinished(s, EXECUTOR, os_user())
     # Detached runs (the user's own sbatch scripts) register on the shared filesystem at any
     # time: once the dir exists, a read looks there too (one directory scan).
     if not (unfinished or detached_root(app.settings.experiments_dir).is_dir()):

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from detslurm import client, views
-from detslurm.cli import backend as backend_mod
 from detslurm.cli import logs as logs_mod
-from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
-from detslurm.controller import ops
+
+# Loaded on first use (cli/lazy.py): `det t logs` must not pay for the ORM, the controller or
+# pydantic when the fast path (store.quick) answers it.
+if TYPE_CHECKING:
+    from detslurm import client, views
+    from detslurm.cli import backend as backend_mod
+    from detslurm.cli import slurm as slurm_mod
+    from detslurm.controller import ops
+else:
+    client = lazy_module("detslurm.client")
+    views = lazy_module("detslurm.views")
+    backend_mod = lazy_module("detslurm.cli.backend")
+    slurm_mod = lazy_module("detslurm.cli.slurm")
+    ops = lazy_module("detslurm.controller.ops")
 
 
 @click.group(name="trial")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.client import SlurmClient
-from detslurm.slurm.parse import Capabilities, QueuedJob, comment_tag
+from detslurm.slurm.parse import Capabilities, QueuedJob, comment_tag, experiment_tag
 from detslurm.slurm.states import SlurmState
 
 if TYPE_CHECKING:  # pydantic is not needed to list the queue
@@ -240,3 +240,22 @@ def parse_batch(items: Sequence[str]) -> list[tuple[str, str, str]]:
             )
         out.append((job, op, value))
     return out
+
+
+def trial_job_names(jobs: Sequence[QueuedJob], experiments: dict[int, tuple[str, str]]) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are trials of
+    ``experiments`` (id -> (name, experiment dir), the store's rows the caller may see)."""
+    names = {i: (name, experiment_tag(d)) for i, (name, d) in experiments.items()}
+    out: dict[str, str] = {}
+    for j in jobs:
+        i = j.identity  # (experiment, trial, run) from the job comment; foreign jobs have None
+        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
+        if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
+            out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
+    return out
+
+
+def detached_job_names(rows: Sequence[tuple[str | None, int, int, str]]) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t> (detached)" from (job id, trial id,
+    experiment id, experiment name) rows, oldest run first (a requeued job's latest run names it)."""
+    return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}

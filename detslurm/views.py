@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
-from detslurm.slurm.parse import comment_tag, experiment_tag
 from detslurm.slurm.reasons import describe_reason
 from detslurm.store.models import (
     Checkpoint,
@@ -29,6 +28,10 @@ from detslurm.store.models import (
     Trial,
     TrialRun,
 )
+
+# `det e list`'s row and filters live with the fast read path (store.quick), which needs no ORM.
+from detslurm.store.quick import ExperimentRow as ExperimentRow
+from detslurm.store.quick import experiment_filter_rows as experiment_filter_rows
 
 if TYPE_CHECKING:
     from detslurm.slurm.parse import QueuedJob
@@ -219,27 +222,62 @@ def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]
     return list(s.scalars(q.order_by(Metric.steps_completed, Metric.id)))
 
 
+class Workload(NamedTuple):
+    """One metric report as `det e describe` shows it."""
+
+    steps_completed: int
+    group: str
+    report_time: datetime
+    metrics: dict[str, Any]
+
+
+def recent_metrics(s: Session, trial_id: int, limit: int) -> tuple[list[Workload], bool]:
+    """The trial's last ``limit`` metric reports in :func:`metrics` order, and whether it has
+    earlier ones: `det e describe` shows a bounded table whatever the trial reported (the index
+    on trial and step reads them from the end; counting them all would visit every row).
+    Columns, not ORM objects: a third of the time for 10k rows."""
+    m = Metric
+    q = (
+        select(m.steps_completed, m.group, m.report_time, m.metrics)
+        .where(m.trial_id == trial_id, m.archived.is_(False))
+        .order_by(m.steps_completed.desc(), m.id.desc())
+        .limit(max(limit, 0) + 1)
+    )
+    rows = [Workload._make(row) for row in s.execute(q)]
+    return rows[:limit][::-1], len(rows) > limit
+
+
+def metric_curve(s: Session, trial_id: int, group: str, name: str, max_points: int) -> list[tuple[int, float]]:
+    """One metric's curve of a trial, (steps_completed, value) by step, downsampled to at most
+    about ``max_points`` points (every k-th report, and always the last): the dashboard's
+    query. Only the kept rows' JSON leaves the database, so a trial with a million reports
+    answers as fast as one with a thousand (the index on trial, group and step does the rest).
+    Reports without a numeric value under ``name`` are skipped (a trial's JSON is untrusted)."""
+    m = Metric
+    live = (m.trial_id == trial_id, m.group == group, m.archived.is_(False))
+    total = int(s.scalar(select(func.count()).select_from(m).where(*live)) or 0)
+    if total == 0 or max_points <= 0:
+        return []
+    stride = -(-total // max_points)  # ceil: at most max_points kept, plus the last
+    numbered = (
+        select(m.id, func.row_number().over(order_by=(m.steps_completed, m.id)).label("n")).where(*live).subquery()
+    )
+    keep = select(numbered.c.id).where(((numbered.c.n - 1) % stride == 0) | (numbered.c.n == total))
+    rows = s.execute(select(m.steps_completed, m.metrics).where(m.id.in_(keep)).order_by(m.steps_completed, m.id))
+    curve = []
+    for steps, metrics in rows:
+        value = metrics.get(name) if isinstance(metrics, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            curve.append((int(steps), float(value)))
+    return curve
+
+
 def runs(s: Session, trial_id: int) -> list[TrialRun]:
     return list(s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id).order_by(TrialRun.run_id)))
 
 
 def notes(s: Session, trial_id: int) -> list[LogEntry]:
     return list(s.scalars(select(LogEntry).where(LogEntry.trial_id == trial_id).order_by(LogEntry.id)))
-
-
-class ExperimentRow(NamedTuple):
-    """The columns of `det e list`."""
-
-    id: int
-    owner: str
-    name: str
-    parent_id: int | None
-    state: str
-    progress: float
-    start_time: datetime | None
-    end_time: datetime | None
-    resource_pool: str
-    archived: bool
 
 
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
@@ -331,29 +369,23 @@ def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
 def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
     """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
     in ``scope`` (another user's experiment names are not shown)."""
-    ids = {j.job_id: j.identity for j in jobs}
-    # identity is (experiment, trial, run) parsed from the job comment; foreign jobs have None.
-    wanted = {i[0] for i in ids.values() if i}
+    from detslurm import queue
+
+    wanted = {j.identity[0] for j in jobs if j.identity}
     if not wanted:
         return {}
     # One query for every job in the queue, not one per job: `det job list` may show thousands.
     q = select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted))
     if scope.owner is not None:
         q = q.where(Experiment.owner == scope.owner)
-    rows = s.execute(q)
-    names = {i: (name, experiment_tag(d)) for i, name, d in rows}
-    out: dict[str, str] = {}
-    for j in jobs:
-        i = ids[j.job_id]
-        # The tag tells our experiment 1 from another store's (or another user's) experiment 1.
-        if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
-            out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
-    return out
+    return queue.trial_job_names(jobs, {i: (name, d) for i, name, d in s.execute(q)})
 
 
 def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
     """Job id -> "<experiment name> (<id>) trial <t> (detached)" for the queue's jobs that run
     the scope's detached experiments (the user's own sbatch scripts using core_v2)."""
+    from detslurm import queue
+
     ids = [j.job_id for j in jobs]
     if not ids:
         return {}
@@ -368,8 +400,7 @@ def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> d
     )
     if scope.owner is not None:
         q = q.where(Experiment.owner == scope.owner)
-    rows = s.execute(q)
-    return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}
+    return queue.detached_job_names([tuple(r) for r in s.execute(q)])  # type: ignore[misc]
 
 
 def ranked_checkpoints(
@@ -383,13 +414,3 @@ def ranked_checkpoints(
     scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
     best = [c for _, c in scored]
     return best if n is None else best[:n]
-
-
-def experiment_filter_rows(
-    rows: Sequence[ExperimentRow], *, states: Sequence[str] = (), name: str | None = None
-) -> list[ExperimentRow]:
-    """`det e list` filters: any of ``states``, and a name containing ``name`` (case-insensitive)."""
-    wanted = {st.upper() for st in states}
-    return [
-        r for r in rows if (not wanted or str(r.state) in wanted) and (name is None or name.lower() in r.name.lower())
-    ]

@@ -63,10 +63,19 @@ def test_launch_and_trainer_and_checkpoint_benchmarks(tmp_path: Path) -> None:
 def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
     d = run(tmp_path, "search_efficiency.py", "--seeds", "3", "--random-trials", "16", "--max-time", "16")
     assert finite(d["asha_ratio_median"], d["optuna_sha_ratio_median"])
-    d = run(tmp_path, "cli_latency.py", "--experiments", "300", "--jobs", "50", "--repeats", "1")
-    assert d["jobs"] == 50 and finite(
-        d["help_ratio_vs_import_click"], d["e_list_ratio_vs_raw_sqlite"], d["job_list_ratio_vs_squeue"]
+    d = run(tmp_path, "cli_latency.py", "--experiments", "300", "--jobs", "50", "--log-mib", "4", "--repeats", "1")
+    assert d["jobs"] == 50 and d["log_mib"] == 4
+    assert finite(
+        d["help_ratio_vs_import_click"],
+        d["e_list_ratio_vs_raw_sqlite"],
+        d["job_list_ratio_vs_squeue"],
+        d["t_logs_tail_ratio_vs_tail"],
     )
+    d = run(tmp_path, "store_scale.py", "--ingest", "500", "--rows", "3000", "--trials", "3", "--points", "50")
+    # Every event ingested once, the store holds the rows asked for, the curve is downsampled.
+    assert d["ingested_rows"] == 500 and d["metric_rows"] == 3000
+    assert 0 < d["curve_points"] <= 51 and d["curve_trial_validation_rows"] > 50
+    assert finite(d["ingest_rows_per_s"], d["ingest_ratio_vs_raw"], d["store_mb_per_million_rows"])
     summary = subprocess.run(
         [sys.executable, str(BENCH / "summary.py")],
         capture_output=True,
@@ -75,6 +84,7 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
         env=dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results")),
     ).stdout
     assert "| search: adaptive_asha |" in summary and "| det e list, 300 experiments |" in summary
+    assert "| metrics ingest into SQLite |" in summary and "| det t logs --tail 100, 4 MiB log |" in summary
 
 
 def test_dashboard_benchmark(tmp_path: Path) -> None:

@@ -205,3 +205,35 @@ def test_controller_refuses_to_drive_another_users_experiment(store: Store, tmp_
     assert theirs not in ctl.active_experiment_ids()  # never ticked
     with pytest.raises(StateError, match="belongs to someone-else"):
         ctl.tick_experiment(theirs)  # nor driven when asked by id
+
+
+def test_quick_job_names_are_the_orm_ones(store: Store, tmp_path: Path) -> None:
+    from detslurm.store.quick import QuickStore
+
+    exp = add_experiment(store, tmp_path / "a", owner="alice")
+    detached = add_experiment(store, tmp_path / "d", owner="alice", executor="detached")
+    with store.tx() as s:
+        t = Trial(experiment_id=detached, request_id="d", hparams={}, seed=1)
+        s.add(t)
+        s.flush()
+        for run_id in (1, 2):  # a requeued job: its latest run names it
+            s.add(TrialRun(trial_id=t.id, run_id=run_id, executor="detached", run_dir="-", log_path="-", job_id="9"))
+    jobs = [
+        queued("1", trial_comment(exp, 3, 1, tag=experiment_tag(str(tmp_path / "a")))),
+        queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere"))),
+        queued("4", ""),
+        queued("9", ""),
+    ]
+    quick = QuickStore.open(store.url)
+    assert quick is not None
+    for owner in ("alice", "bob", None):
+        with store.read() as s:
+            orm = views.trial_job_names(s, jobs, Scope(owner)), views.detached_job_names(s, jobs, Scope(owner))
+        wanted = {j.identity[0] for j in jobs if j.identity}
+        fast = (
+            q.trial_job_names(jobs, quick.experiment_names(wanted, owner)),
+            q.detached_job_names(quick.detached_runs([j.job_id for j in jobs], owner)),
+        )
+        assert fast == orm
+        assert bool(orm[0]) == (owner != "bob") and bool(orm[1]) == (owner != "bob")
+    quick.close()

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from detslurm import tbevents
+from detslurm.controller.bulk_metrics import PendingMetrics, point_rows
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
 from detslurm.protocol import (
@@ -66,7 +67,6 @@ from detslurm.store.models import (
 from detslurm.store.sanitize import json_safe
 
 log = logging.getLogger("detslurm.controller")
-POINT_NAME_MAX = 256  # MetricPoint.name's length
 MAX_NOTE = 2000  # characters of one note about trial-written input
 MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
 
@@ -174,8 +174,14 @@ def _on_metrics(
             archived=False,
         )
     )
-    session.add_all(_points(trial.id, ev, metrics, when))
+    session.add_all(MetricPoint(**row) for row in point_rows(trial.id, ev, metrics, when))
     _tensorboard(exp, trial, ev)
+    return _searcher_sees(exp, trial, ev, searcher)
+
+
+def _searcher_sees(exp: Experiment, trial: Trial, ev: Metrics, searcher: SearchMethod) -> list[Action]:
+    """What a metrics report means beyond its row: the trial's best searcher metric, and the
+    searcher's reaction to a validation (its actions, not applied yet)."""
     # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
         return []
@@ -192,26 +198,6 @@ def _on_metrics(
     if trial.early_stopped or trial.state.is_terminal:
         return []
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
-
-
-def _points(trial_id: int, ev: Metrics, metrics: Any, when: datetime) -> list[MetricPoint]:
-    """The report's numeric values as rows the dashboard's curves read without parsing JSON."""
-    if not isinstance(metrics, dict):
-        return []
-    return [
-        MetricPoint(
-            trial_id=trial_id,
-            group=ev.group,
-            name=name,
-            steps_completed=ev.steps_completed,
-            report_time=when,
-            value=float(v),
-            archived=False,
-        )
-        for name, v in metrics.items()
-        # json_safe already turned non-finite floats into null; booleans are not values.
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(name) <= POINT_NAME_MAX
-    ]
 
 
 def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
@@ -309,13 +295,12 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
         # Bad lines are collected and noted once per file and pass: a trial writing millions of
         # them adds one note per tick, not millions of rows.
         bad: list[str] = []
+
+        at = _Ingest(session, exp, trial, run, searcher, off, PendingMetrics(trial.id, run.run_id), _refusals(bad))
         for line in batch.lines:
-            problem = line.problem or _decode_and_apply(session, exp, trial, run, line, searcher, off)
-            if problem is None:
-                count += 1
-            else:
-                bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
+            count += at.line(line)
             off.offset = line.end
+        count -= at.pending.flush(session, at.refused)
         # Past skipped blank lines (and the rest of a too-long line) as well.
         off.offset = batch.offset
         if bad:
@@ -325,20 +310,112 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
     return count
 
 
-def _decode_and_apply(
+# Events whose whole effect is an attribute of the trial or run: nothing the store could refuse,
+# so they need no SAVEPOINT of their own (and do not interrupt a bulk of metric rows).
+_ATTRIBUTE_EVENTS = (Progress, Status, PreemptAck)
+
+
+@dataclass
+class _Ingest:
+    """One event file's pass: applies its lines in order, metric rows in bulk (bulk_metrics.py)
+    and every other event in its own SAVEPOINT, as before."""
+
+    session: Session
+    exp: Experiment
+    trial: Trial
+    run: TrialRun
+    searcher: SearchMethod
+    off: IngestOffset
+    pending: PendingMetrics
+    refused: Callable[[Line, str], None]
+
+    def line(self, line: Line) -> int:
+        """Apply one line; how many events were applied (minus metric rows found refused)."""
+        ev = _decoded(line)
+        if isinstance(ev, str):
+            self.refused(line, ev)
+            return 0
+        if isinstance(ev, Metrics):
+            self.pending.add(line, ev, _ts(ev.time))
+            _tensorboard(self.exp, self.trial, ev)
+            problem = self._searcher_step(line, ev) if ev.group == "validation" else None
+        elif isinstance(ev, _ATTRIBUTE_EVENTS):
+            apply_event(self.session, self.exp, self.trial, self.run, ev, self.searcher)
+            return 1
+        else:
+            # Rows first: ids keep the trial's order, and the event may read them.
+            bad = self.pending.flush(self.session, self.refused)
+            problem = _apply_one(self.session, self.exp, self.trial, self.run, line, ev, self.searcher, self.off)
+            if problem is None:
+                return 1 - bad
+            self.refused(line, problem)
+            return -bad
+        if problem is not None:
+            self.refused(line, problem)
+            return 0
+        return 1
+
+    def _searcher_step(self, line: Line, ev: Metrics) -> str | None:
+        """A validation's searcher side: the searcher sees it, and its actions (rare: ASHA's
+        decisions) are applied with the report's row in a SAVEPOINT after the rows before it.
+        A failure costs only this event, as its own SAVEPOINT did before: its row is dropped
+        and the trial's best metric restored. None when done."""
+        best = self.trial.searcher_metric
+        try:
+            actions = _searcher_sees(self.exp, self.trial, ev, self.searcher)
+            if actions:
+                mine = self.pending.drop(line)
+                self.pending.flush(self.session, self.refused)
+                with self.session.begin_nested():
+                    self.pending.insert(self.session, mine)
+                    apply_actions(self.session, self.exp, self.searcher, actions)
+        except SearcherError:
+            # The experiment errors on this event: the rows before it are kept, and it is never
+            # fed again.
+            self.pending.drop(line)
+            self.pending.flush(self.session, self.refused)
+            self.off.offset = line.end
+            raise
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception as e:
+            self.pending.drop(line)
+            self.trial.searcher_metric = best
+            log.warning("trial %s: could not apply a metrics event", self.trial.id, exc_info=True)
+            return f"could not apply metrics: {type(e).__name__}: {str(e)[:200]}"
+        return None
+
+
+def _refusals(bad: list[str]) -> Callable[[Line, str], None]:
+    """A callback that describes a refused line into ``bad`` (one quarantine note per file)."""
+
+    def refused(line: Line, problem: str) -> None:
+        bad.append(f"byte {line.start}: {problem}: {preview(line.data)}")
+
+    return refused
+
+
+def _decoded(line: Line) -> Event | str:
+    """The line's event, or why it cannot be used (the reader's or the decoder's reason)."""
+    if line.problem is not None:
+        return line.problem
+    try:
+        return decode(line.data)
+    except BadEvent as e:
+        return e.reason
+
+
+def _apply_one(
     session: Session,
     exp: Experiment,
     trial: Trial,
     run: TrialRun,
     line: Line,
+    ev: Event,
     searcher: SearchMethod,
     off: IngestOffset,
 ) -> str | None:
-    """Apply one line in its own SAVEPOINT; None when applied, else why it was not."""
-    try:
-        ev = decode(line.data)
-    except BadEvent as e:
-        return e.reason
+    """Apply one decoded event in its own SAVEPOINT; None when applied, else why it was not."""
     try:
         # The searcher object itself is not rolled back with the savepoint; only the searcher's
         # own bugs can fail after it changed, and they then cost this one event's decision.

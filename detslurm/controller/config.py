@@ -7,13 +7,21 @@ a row edited by hand (or by another user of a shared database) cannot reach a sc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from detslurm.errors import ConfigError
-from detslurm.expconf import ExperimentConfig, from_stored
-from detslurm.store.models import Experiment
+
+# pydantic (behind expconf) costs about 0.1 s to import; read commands import this module
+# through controller.ops but never validate a config, so it is loaded on first use.
+if TYPE_CHECKING:
+    from detslurm.expconf import ExperimentConfig
+    from detslurm.store.models import Experiment
 
 
 def stored_config(exp: Experiment) -> ExperimentConfig:
     """The experiment's config, validated again from its stored JSON (cached by content)."""
+    from detslurm.expconf import from_stored
+
     try:
         # The experiment id goes into the error paths: the daemon handles many experiments per tick,
         # and the message must say which row is broken.

@@ -16,7 +16,6 @@ from typing import Any
 
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import ConfigError, StateError
-from detslurm.expconf import apply_overrides, from_stored, merge_config
 from detslurm.identity import Scope, os_user
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
@@ -29,6 +28,10 @@ CONTINUABLE = ("single", "random", "grid")
 
 def _edit_config(exp: Experiment, change: Callable[[dict[str, Any]], None]) -> None:
     """Apply ``change`` to a copy of the stored config, validate it, and store it."""
+    # expconf (pydantic) is imported where a config is validated, not at module import: `det e
+    # list` and the other read commands import this module but never edit a config.
+    from detslurm.expconf import from_stored
+
     # A fresh dict: the JSON column only notices a reassignment, not an in-place edit.
     cfg: dict[str, Any] = json.loads(json.dumps(exp.config))
     change(cfg)
@@ -135,6 +138,8 @@ def continue_experiment(
         if (overrides or patch) and name != "single":
             raise StateError("config overrides are only allowed for single-searcher experiments")
         if overrides or patch:
+            from detslurm.expconf import apply_overrides, from_stored, merge_config
+
             raw = apply_overrides(merge_config(exp.config, patch or {}), overrides)
             exp.config = from_stored(raw, "--config").as_dict()
         multi = len(exp.trials) > 1

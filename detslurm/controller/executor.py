@@ -10,9 +10,10 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from detslurm.expconf import ExperimentConfig
+if TYPE_CHECKING:
+    from detslurm.expconf import ExperimentConfig
 
 
 class JobState(enum.Enum):

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from detslurm.errors import StoreError
 from detslurm.store.fs import warn_if_network_db
 from detslurm.store.locks import hold_lock
+from detslurm.store.quick import HEAD_REVISION as HEAD_REVISION
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 # PostgreSQL advisory locks. Schema migrations take one lock for the whole database (bigint
@@ -33,9 +34,7 @@ _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_LOCK_KEY = 0x64657473  # "dets"
 _PG_LOCK_CLASS = 0x64657473
 _PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of a lock_timeout
-# The newest migration's revision. A test checks it against alembic's scripts; knowing it here
-# lets every CLI call open an up-to-date store without importing alembic (about 0.2 s).
-HEAD_REVISION = "0003_dashboard"
+# The newest migration's revision (kept in store.quick, which must not import SQLAlchemy).
 _TX_OPTION = "detslurm_tx"
 
 

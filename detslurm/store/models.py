@@ -122,6 +122,8 @@ class RunState(_ValueEnum):
 
 class Experiment(Base):
     __tablename__ = "experiments"
+    # Every read command asks whether the caller has unfinished experiments (views.has_unfinished).
+    __table_args__ = (Index("ix_experiments_owner_executor_state", "owner", "executor", "state"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(512))
     owner: Mapped[str] = mapped_column(String(128))
@@ -216,7 +218,12 @@ class TrialRun(Base):
 
 class Metric(Base):
     __tablename__ = "metrics"
-    __table_args__ = (Index("ix_metrics_trial_group_steps", "trial_id", "group", "steps_completed"),)
+    __table_args__ = (
+        Index("ix_metrics_trial_group_steps", "trial_id", "group", "steps_completed"),
+        # A trial's reports by step whatever their group (`det e describe`'s latest workloads,
+        # the trial's batches): read from the index's end instead of sorting all of them.
+        Index("ix_metrics_trial_steps", "trial_id", "steps_completed"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     trial_id: Mapped[int] = mapped_column(ForeignKey("trials.id", ondelete="CASCADE"))
     run_id: Mapped[int] = mapped_column(Integer)

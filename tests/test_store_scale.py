@@ -1,0 +1,142 @@
+"""Ingest and reads at scale (issue 15, goal 4): metric rows go in bulk yet a refused row still
+costs only itself; the curve query downsamples; `det e describe` shows a bounded table."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from conftest import write
+from sqlalchemy import select
+
+from detslurm import settings, views
+from detslurm.controller.apply import ingest_run
+from detslurm.controller.controller import load_searcher
+from detslurm.controller.create import execute_create, plan_create
+from detslurm.protocol import ExpPaths, Metrics, Progress, encode
+from detslurm.store import Experiment, LogEntry, Metric, Trial, TrialRun, open_store
+
+CONFIG = "name: s\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\n"
+
+
+def _experiment(tmp_path: Path) -> tuple[str, int, int]:
+    """(store url, experiment id, trial id) of a one-trial experiment with one run."""
+    st = settings.load()
+    store = open_store(st.db_url)
+    write(tmp_path / "ctx" / "train.py", "pass\n")
+    exp_id = execute_create(store, st, plan_create(st, write(tmp_path / "c.yaml", CONFIG), tmp_path / "ctx"), "local")
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        trial = Trial(experiment_id=exp_id, request_id="bulk", hparams={}, seed=1)
+        s.add(trial)
+        s.flush()
+        run_dir = ExpPaths(Path(exp.exp_dir)).run(trial.id, 1).dir
+        s.add(TrialRun(trial_id=trial.id, run_id=1, executor="local", run_dir=str(run_dir), log_path="-"))
+        tid = trial.id
+    store.dispose()
+    return st.db_url, exp_id, tid
+
+
+def _ingest(url: str, exp_id: int, tid: int, events: list[Any]) -> int:
+    store = open_store(url)
+    with store.read() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        write(ExpPaths(Path(exp.exp_dir)).run(tid, 1).event_file(0), "".join(encode(e) for e in events))
+    with store.tx() as s:
+        exp, trial = s.get(Experiment, exp_id), s.get(Trial, tid)
+        assert exp is not None and trial is not None
+        run = s.scalars(select(TrialRun).where(TrialRun.trial_id == tid)).one()
+        n = ingest_run(s, exp, trial, run, load_searcher(exp))
+    store.dispose()
+    return n
+
+
+def test_bulk_ingest_keeps_order_and_quarantines_a_refused_row_alone(det_env: Path, tmp_path: Path) -> None:
+    url, exp_id, tid = _experiment(tmp_path)
+    # SQLite takes any value, so a trigger stands in for a database refusing one row (as
+    # PostgreSQL refuses an over-long group).
+    con = sqlite3.connect(url.split("///", 1)[-1])
+    con.execute(
+        "CREATE TRIGGER refuse_13 BEFORE INSERT ON metrics WHEN NEW.steps_completed = 13 "
+        "BEGIN SELECT RAISE(ABORT, 'refused by the store'); END"
+    )
+    con.commit()
+    con.close()
+    events: list[Any] = []
+    for step in range(1, 31):
+        events.append(Metrics(group="training", steps_completed=step, metrics={"loss": 1.0 / step}))
+        if step % 10 == 0:
+            events.append(Metrics(group="validation", steps_completed=step, metrics={"loss": 2.0 / step}))
+            events.append(Progress(progress=step / 30))
+    applied = _ingest(url, exp_id, tid, events)
+    assert applied == len(events) - 1  # every event but the refused row
+    store = open_store(url)
+    with store.read() as s:
+        rows = [(g, n) for g, n in s.execute(select(Metric.group, Metric.steps_completed).order_by(Metric.id))]
+        trial = s.get(Trial, tid)
+        notes = list(s.scalars(select(LogEntry.message).where(LogEntry.level == "WARNING")))
+    expected = []
+    for step in range(1, 31):
+        if step != 13:
+            expected.append(("training", step))
+        if step % 10 == 0:
+            expected.append(("validation", step))
+    assert rows == expected  # in the order reported, ids included
+    assert trial is not None and trial.progress == 1.0 and trial.searcher_metric == 2.0 / 30
+    assert len(notes) == 1 and "quarantined 1 bad event line" in notes[0] and "refused by the store" in notes[0]
+    assert _ingest(url, exp_id, tid, events) == 0  # offsets committed with the rows: nothing twice
+
+
+def test_metric_curve_downsamples_and_keeps_the_last_point(det_env: Path, tmp_path: Path) -> None:
+    url, _exp_id, tid = _experiment(tmp_path)
+    store = open_store(url)
+    now = datetime.now(timezone.utc)
+    with store.tx() as s:
+        for step in range(1, 1002):
+            value: Any = "NaN" if step == 500 else float(step)
+            s.add(
+                Metric(
+                    trial_id=tid,
+                    run_id=1,
+                    group="validation",
+                    steps_completed=step,
+                    metrics={"loss": value},
+                    report_time=now,
+                )
+            )
+        s.add(
+            Metric(trial_id=tid, run_id=1, group="training", steps_completed=7, metrics={"loss": 0.0}, report_time=now)
+        )
+    with store.read() as s:
+        curve = views.metric_curve(s, tid, "validation", "loss", 100)
+        full = views.metric_curve(s, tid, "validation", "loss", 5000)
+        assert views.metric_curve(s, tid, "validation", "loss", 0) == []
+        assert views.metric_curve(s, tid, "nothing", "loss", 10) == []
+    # 1001 reports, every 11th kept (ceil(1001 / 100)), plus the last one.
+    assert [p[0] for p in curve] == [*range(1, 1002, 11), 1001]
+    assert all(v == float(st) for st, v in curve)
+    assert len(full) == 1000 and 500 not in [p[0] for p in full]  # the string value is skipped
+
+
+def test_describe_shows_each_trials_last_workloads(det: Any, tmp_path: Path) -> None:
+    from detslurm.cli import experiment
+
+    url, exp_id, tid = _experiment(tmp_path)
+    store = open_store(url)
+    now = datetime.now(timezone.utc)
+    n = experiment.WORKLOADS_SHOWN + 5
+    with store.tx() as s:
+        s.add_all(
+            Metric(trial_id=tid, run_id=1, group="training", steps_completed=i, metrics={"loss": i}, report_time=now)
+            for i in range(1, n + 1)
+        )
+    code, out, _ = det("e", "describe", str(exp_id))
+    assert code == 0 and "Workloads:" in out
+    shown = [ln for ln in out.splitlines() if ln.strip().startswith(f"{tid} |") and "| training |" in ln]
+    assert len(shown) == experiment.WORKLOADS_SHOWN
+    assert shown[0].split("|")[1].strip() == "6" and shown[-1].split("|")[1].strip() == str(n)
+    assert f"Trial {tid}: only its last {experiment.WORKLOADS_SHOWN} workloads are shown" in out
