@@ -19,7 +19,7 @@ import jinja2
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import BATCH_EXIT_PRINTF, NODE_TMPDIR_ENV
-from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
+from detslurm.protocol.paths import EXIT_RECORD, SIGNALS, STEP_PID, STEP_RC
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
@@ -187,6 +187,8 @@ def _script(
         exit_record=EXIT_RECORD,
         exit_printf=BATCH_EXIT_PRINTF,
         signals=SIGNALS,
+        step_pid=STEP_PID,
+        step_rc=STEP_RC,
     )
 
 
