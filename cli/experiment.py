@@ -14,6 +14,7 @@ from detslurm import views
 from detslurm.cli import backend as backend_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
+from detslurm.cli import stop_time
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
 from detslurm.controller import ops
@@ -209,6 +210,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
             for t in trials
             for m in views.metrics(s, int(t["id"]))
         ]
+        stops = [(t.id, r.run_id, r.preempt_stop_s) for t in exp.trials for r in t.runs]
+        pool = _typed(exp.config).resources.resource_pool
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
@@ -235,6 +238,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         ["Trial ID", "# of Batches", "Group", "Report Time", f"Metrics ({metric} is the searcher metric)"],
         [[tid, steps, group, fmt_time(rt), json.dumps(m, sort_keys=True)] for tid, steps, group, rt, m in work],
     )
+    for line in stop_time.warnings(app, pool, stops):
+        click.echo(line, err=True)
 
 
 def _print_experiment(e: dict[str, Any]) -> None:

@@ -62,10 +62,8 @@ def _forward_to_workers(agent: subprocess.Popen[Any]) -> Iterator[None]:
     old: dict[signal.Signals, Any] = {}
 
     def handler(signum: int, _frame: Optional[FrameType]) -> None:
-        if signum in TO_WORKERS:
-            targets = children_of(agent.pid)
-        else:
-            targets = [-agent.pid]  # the agent's process group: it handles these itself
+        # Stop signals to the workers; the rest to the agent's process group (it handles those).
+        targets = children_of(agent.pid) if signum in TO_WORKERS else [-agent.pid]
         for target in targets:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(target, signum)
@@ -93,8 +91,6 @@ def agent_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def run_agent(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     """Run the agent in its own session; stop signals go to its workers. Its exit code."""
-    proc = subprocess.Popen(
-        list(cmd), env=agent_env(env), start_new_session=True, preexec_fn=_ignore_worker_signals
-    )
+    proc = subprocess.Popen(list(cmd), env=agent_env(env), start_new_session=True, preexec_fn=_ignore_worker_signals)
     with _forward_to_workers(proc):
         return proc.wait()

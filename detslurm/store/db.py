@@ -35,7 +35,7 @@ _PG_LOCK_CLASS = 0x64657473
 _PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of a lock_timeout
 # The newest migration's revision. A test checks it against alembic's scripts; knowing it here
 # lets every CLI call open an up-to-date store without importing alembic (about 0.2 s).
-HEAD_REVISION = "0002"
+HEAD_REVISION = "0003_preempt2"
 _TX_OPTION = "detslurm_tx"
 
 
