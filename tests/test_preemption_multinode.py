@@ -28,13 +28,14 @@ TOTAL_STEPS = 60
 FIXTURE = {"ddp": "ddp_preempt.py", "core": "core_dist_preempt.py"}
 
 
-def start_two_by_two(det: Any, ctx: Path, kind: str) -> None:
-    """A trial of 4 slots: two nodes (c1, c2) with two ranks each."""
+def start_two_by_two(det: Any, ctx: Path, kind: str, total: int = TOTAL_STEPS) -> None:
+    """A trial of 4 slots: two nodes (c1, c2) with two ranks each, ``total`` steps long."""
     write(ctx / FIXTURE[kind], (FIXTURES / FIXTURE[kind]).read_text())
     cfg = write(
         ctx.parent / f"{kind}.yaml",
         f"entrypoint: python3 -m determined.launch.torch_distributed python3 {FIXTURE[kind]}\n"
-        "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n",
+        "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n"
+        f"environment: {{environment_variables: [FIXTURE_TOTAL_STEPS={total}]}}\n",
     )
     code, out, err = det("e", "create", cfg, ctx)
     assert code == 0, out + err
@@ -99,13 +100,13 @@ def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> None:
     assert run.preempt_acked, (how, run.exit_reason)
 
 
-def finish_and_check(det: Any, exp: int) -> None:
+def finish_and_check(det: Any, exp: int, total: int = TOTAL_STEPS) -> None:
     code, out, err = det("e", "wait", str(exp))
     assert code == 0, out + err
     (t,) = trials(exp)
     # Stopped by Slurm is not the trial's failure: no restart charged (max_restarts is 0).
     assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
-    assert [s for s, _ in steps(t.id)] == list(range(1, TOTAL_STEPS + 1))
+    assert [s for s, _ in steps(t.id)] == list(range(1, total + 1))
     assert all(r.preempt_acked for r in runs(t.id)[:-1])
     code, out, _ = det("t", "logs", str(t.id))
     saw = {line.split("]")[0] for line in out.splitlines() if "saw the preemption" in line}
