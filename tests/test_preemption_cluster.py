@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import write
 from sqlalchemy import select
 from test_preemption_multinode import STOPS, finish_and_check, start_two_by_two, stop_and_check
-from test_slurm_cluster import CORE, squeue_ids, steps, store, trials, wait_for
+from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
 
 from detslurm.store import TrialRun
 
@@ -169,3 +170,27 @@ def test_scontrol_requeue_is_refused_and_the_trial_goes_on(det: Any) -> None:
     assert code == 0, out + err
     (t,) = trials(1)
     assert t.run_count == 1 and t.restarts == 0 and [s for s, _ in steps(t.id)] == list(range(1, 41))
+
+
+def test_slow_stop_is_measured_and_describe_warns(det: Any, tmp_path: Path) -> None:
+    """Item 3 of issue 16: the trial's time from the signal to its checkpoint is measured, and
+    `det e describe` / `det t describe` warn when it is over the site's budget (here KillWait 5 s,
+    no GraceTime). The warning signal is used because Slurm itself then kills nothing."""
+    write(tmp_path / "ctx/slow_stop.py", (FIXTURES / "slow_stop.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 slow_stop.py\nsearcher: {name: single, metric: loss}\n")
+    assert det("e", "create", cfg, tmp_path / "ctx", "--config", "slurm.sbatch_args=[--nodelist=c1]")[0] == 0
+    job = _running_job(trials(1)[0].id)
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, capture_output=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    first = _runs(t.id)[0]
+    assert first.preempt_acked and first.preempt_stop_s is not None and 7 <= first.preempt_stop_s < 30
+    assert [s for s, _ in steps(t.id)] == list(range(1, 31)) and t.restarts == 0
+    for cmd in (("e", "describe", "1"), ("t", "describe", str(t.id))):
+        code, out, err = det(*cmd)
+        assert code == 0
+        assert f"warning: trial {t.id} run 1 took {first.preempt_stop_s:.1f} s" in err, err
+        assert "more than the 5 s the site allows" in err and "KillWait 5" in err
+    # A run that stopped within the budget, or was not stopped by a signal, gets no line.
+    assert f"run {_runs(t.id)[-1].run_id} took" not in err
