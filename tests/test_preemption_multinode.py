@@ -119,3 +119,26 @@ def test_two_by_two_stops_checkpoint_and_resume(det: Any, tmp_path: Path, kind: 
     start_two_by_two(det, tmp_path / "ctx", kind)
     stop_and_check(det, 1, how)
     finish_and_check(det, 1)
+
+
+def test_preemption_with_grace_time_signals_the_ranks_only(det: Any, tmp_path: Path) -> None:
+    """With a partition GraceTime, Slurm signals the job's steps at the start of the grace time
+    (not the batch shell, nor srun): the ranks stop within it, and the measured stop time fits
+    the budget the partition's GraceTime + KillWait gives, so describe warns about nothing."""
+    subprocess.run(["scontrol", "update", "PartitionName=cpu", "GraceTime=10"], check=True, capture_output=True)
+    try:
+        start_two_by_two(det, tmp_path / "ctx", "core")
+        stop_and_check(det, 1, "high-partition")
+        finish_and_check(det, 1)
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=cpu", "GraceTime=0"], check=True, capture_output=True)
+    (t,) = trials(1)
+    first = runs(t.id)[0]
+    assert first.preempt_stop_s is not None and first.preempt_stop_s < 15
+    assert (
+        "TERM" not in (Path(first.run_dir) / "signals").read_text(errors="replace")
+        if (Path(first.run_dir) / "signals").exists()
+        else True
+    )
+    code, _, err = det("e", "describe", "1")
+    assert code == 0 and "warning:" not in err
