@@ -135,10 +135,8 @@ def test_preemption_with_grace_time_signals_the_ranks_only(det: Any, tmp_path: P
     (t,) = trials(1)
     first = runs(t.id)[0]
     assert first.preempt_stop_s is not None and first.preempt_stop_s < 15
-    assert (
-        "TERM" not in (Path(first.run_dir) / "signals").read_text(errors="replace")
-        if (Path(first.run_dir) / "signals").exists()
-        else True
-    )
+    signals = Path(first.run_dir) / "signals"
+    # The batch shell, and so srun, got no SIGTERM at all: only the ranks' own steps did.
+    assert not signals.exists() or "TERM" not in signals.read_text()
     code, _, err = det("e", "describe", "1")
     assert code == 0 and "warning:" not in err
