@@ -56,7 +56,9 @@ slurm: {{sbatch_args: [--hold]}}
     wait_queued("det-e", n)
     elapsed = time.perf_counter() - t0
     ws.det("daemon", "stop", check=False)  # the jobs stay held; the next repeat starts clean
-    return elapsed, len(calls.read_text().splitlines())
+    # Submissions only: the create's one `sbatch --test-only` (admission check, queues nothing,
+    # one per job shape whatever N is) is not a submission.
+    return elapsed, len([c for c in calls.read_text().splitlines() if not c.startswith("--test-only")])
 
 
 def loop_once(ws: Workspace, n: int) -> float:

@@ -135,6 +135,18 @@ def rows() -> list[tuple[str, str, str, bool]]:
             )
         ),
     )
+    add(
+        "dashboard_load",
+        lambda d: [
+            (
+                f"dashboard experiment page, {d['trials']} trials / {d['points'] // 1000}k points",
+                f"{d['page_s']:.2f} s, {d.get('page_cpu_s', float('nan')):.2f} s CPU "
+                f"(reading the rows whole: {d['whole_rows_s']:.2f} s, {d['ratio']:.2f}x)",
+                "< 2 s",
+                d["page_s"] < d["goal_s"],
+            )
+        ],
+    )
     return out
 
 

@@ -8,6 +8,7 @@ place that maps the name stored with an experiment to its backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -46,6 +47,10 @@ class Backend(Protocol):
         """Fail before creating anything when the scheduler cannot be reached."""
         ...
 
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        """Raise RequestRefused, before anything exists, when the first jobs could never run."""
+        ...
+
     def dry_run(self, plan: CreatePlan) -> str:
         """What the first submission would run, built by the code that submits."""
         ...
@@ -62,6 +67,20 @@ class Backend(Protocol):
         """Block until the experiment ends; its final state."""
         ...
 
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        """After `det e kill` (every live job), `det t kill` (the trial's) or `det e pause` (jobs
+        not started yet): reach the scheduler at once instead of at the next tick; the job ids
+        acted on."""
+        ...
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        """Give the experiment's live jobs a new priority now (`det e set priority`)."""
+        ...
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        """Apply a new max_slots to the experiment's live job arrays now; the arrays changed."""
+        ...
+
 
 class SlurmBackend:
     """Trials are Slurm jobs; the per-user daemon submits and watches them."""
@@ -72,11 +91,34 @@ class SlurmBackend:
         self.app = app
 
     def site_for_create(self, plan: CreatePlan) -> SiteConfig:
-        from detslurm.slurm.render import resource_plan
+        from detslurm.slurm.containers import Gpu, Runtime
+        from detslurm.slurm.render import image_for, resource_plan
 
         site = self.app.site()
-        resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+        res = resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
+        if site.container_runtime != Runtime.NONE:
+            # An image map without this pool's device kind fails here too, not in the daemon.
+            image_for(
+                plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
+            )
         return site
+
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        from detslurm.controller.create import dry_run as plan_first_runs
+        from detslurm.controller.slurm_executor import SlurmExecutor
+        from detslurm.slurm.refusals import RequestRefused
+
+        # The jobs the create would submit, planned by the code that submits them; for a paused
+        # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
+        # Slurm in reach it checks nothing rather than fail.
+        executor = SlurmExecutor(self.app.client, self.app.site(), offline=dry_run)
+        active = dataclasses.replace(plan, paused=False)
+        specs = plan_first_runs(self.app.store, self.app.settings, active, executor)
+        refusals = executor.refusals(executor.plan_many(specs))
+        if refusals:
+            raise RequestRefused(refusals)
+        if executor.unchecked:
+            click.echo(f"Warning: not checked against the cluster's limits ({executor.unchecked})", err=True)
 
     def require_reachable(self) -> None:
         # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the
@@ -116,6 +158,42 @@ class SlurmBackend:
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
 
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        from detslurm.controller import ops
+        from detslurm.controller.slurm_executor import SlurmExecutor
+
+        executor = SlurmExecutor(self.app.client, self.app.site())
+        # One scancel for all of them (batched by the executor), before this command returns.
+        if kill:
+            return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope, trial_id)
+        return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        from detslurm.queue import nice_for
+
+        nice = nice_for(priority)
+        client = self.app.client
+        if nice < 0 and not client.may_raise_priority():
+            # Slurm lets ordinary users only lower their jobs' priority (a positive nice).
+            click.echo(
+                f"Warning: priority {priority} is above the default (42); Slurm lets only operators raise a job's "
+                "priority, so its jobs stay at the default",
+                err=True,
+            )
+            nice = 0
+        client.update(job_ids, Nice=str(nice))  # one scontrol call for all of them
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        from detslurm.slurm.render import array_throttle
+
+        # Array tasks are "ARRAY_TASK"; the throttle belongs to the array, so one update per array
+        # (0 lifts the limit, as an array submitted without max_slots has none).
+        arrays = sorted({j.split("_", 1)[0] for j in job_ids if "_" in j}, key=int)
+        if arrays:
+            n = array_throttle(max_slots, slots_per_trial)
+            self.app.client.update(arrays, ArrayTaskThrottle=str(n))
+        return arrays
+
 
 class LocalBackend:
     """Trials are processes of this machine, driven by the `det` process that runs them."""
@@ -127,6 +205,9 @@ class LocalBackend:
 
     def site_for_create(self, plan: CreatePlan) -> None:
         return None  # no pools, no partitions
+
+    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
+        pass  # local processes: max_local_trials queues them, nothing is ever impossible
 
     def require_reachable(self) -> None:
         pass
@@ -158,6 +239,15 @@ class LocalBackend:
             state = local_mod.drive(self.app, exp_id)
             click.echo(f"Experiment {exp_id} {state.value}")
 
+    def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
+        return []  # local trials are children of the `det` driving them; its next round stops them
+
+    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        pass  # no scheduler queue: local trials start as soon as there is room
+
+    def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        return []  # max_local_trials, not max_slots, bounds local trials
+
     def wait(self, exp_id: int) -> ExperimentState:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""
 
@@ -178,9 +268,14 @@ class LocalBackend:
         return self.app.poll_until(step)
 
 
+# Experiments of the user's own scripts (detslurm/controller/detached.py): recorded, never driven.
+# Only `det e wait` reaches their backend (ops refuse pause/activate/cancel/kill): the Slurm
+# backend's wait does the read's reconcile step, which ingests detached runs too.
+DETACHED = "detached"
 _BACKENDS: dict[str, Callable[[App], Backend]] = {
     SlurmBackend.executor: SlurmBackend,
     LocalBackend.executor: LocalBackend,
+    DETACHED: SlurmBackend,
 }
 
 
@@ -199,6 +294,19 @@ def of_experiment(app: App, exp_id: int) -> Backend:
         # instead of guessing a backend.
         raise DetSlurmError(f"experiment {exp_id} has executor {name!r}, which this detslurm cannot run")
     return cls(app)
+
+
+def stop_now(app: App, exp_id: int, *, kill: bool, trial_id: int | None = None) -> None:
+    """Reach the scheduler at once after a kill or pause, and say which jobs it canceled; a
+    failure only warns (the state change is recorded, and the daemon's next tick carries it out)."""
+    try:
+        jobs = of_experiment(app, exp_id).stop_now(exp_id, kill=kill, trial_id=trial_id)
+    except DetSlurmError as e:
+        click.echo(f"Warning: Slurm could not be told at once ({e}); the daemon will do it at its next tick", err=True)
+        return
+    if jobs:
+        what = "job" if len(jobs) == 1 else "jobs"
+        click.echo(f"Canceled Slurm {what} {', '.join(jobs)}" + ("" if kill else " (queued, not started yet)"))
 
 
 def is_mine(app: App, exp_id: int) -> bool:

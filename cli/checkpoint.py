@@ -11,6 +11,7 @@ import click
 from detslurm import client, views
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_time, table
+from detslurm.controller import ckpt_ops
 
 
 @click.group(name="checkpoint")
@@ -91,3 +92,41 @@ def download(app: App, uuid: str, output_dir: Path | None, quiet: bool) -> None:
     click.echo("Local checkpoint path:")
     click.echo(str(path))
     table(_HEADERS, [_row(ck.info)])
+
+
+def _uuids(text: str) -> list[str]:
+    # Determined takes a comma-separated list of UUIDs in one argument.
+    out = [u.strip() for u in text.split(",") if u.strip()]
+    if not out:
+        raise click.BadParameter("give one or more checkpoint UUIDs, separated by commas", param_hint="UUIDS")
+    return out
+
+
+@checkpoint.command("delete")
+@click.argument("uuids")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_app
+def delete(app: App, uuids: str, yes: bool) -> None:
+    """Delete checkpoints (comma-separated UUIDS): their files go, their rows stay as DELETED."""
+    wanted = _uuids(uuids)
+    if not yes:
+        click.confirm(f"Delete {len(wanted)} checkpoint(s) and their files?", abort=True)
+    for uuid in ckpt_ops.delete_checkpoints(app.store, wanted, app.scope):
+        click.echo(f"Deleted checkpoint {uuid}")
+
+
+@checkpoint.command("rm")
+@click.argument("uuids")
+@click.option("--glob", "globs", multiple=True, required=True, help="Remove the files matching this pattern.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_app
+def rm(app: App, uuids: str, globs: tuple[str, ...], yes: bool) -> None:
+    """Remove files matching --glob from checkpoints (they become PARTIALLY_DELETED)."""
+    wanted = _uuids(uuids)
+    if not yes:
+        click.confirm(f"Remove files matching {', '.join(globs)} from {len(wanted)} checkpoint(s)?", abort=True)
+    done = ckpt_ops.remove_files(app.store, wanted, globs, app.scope)
+    for r in done:
+        click.echo(f"Removed {len(r.files)} file(s) from checkpoint {r.uuid}")
+    if not done:
+        click.echo("No checkpoint file matched")

@@ -12,11 +12,12 @@ import yaml
 
 from detslurm import views
 from detslurm.cli import backend as backend_mod
+from detslurm.cli import experiment_verbs
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli import stop_time
 from detslurm.cli.app import App, pass_app
-from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table
+from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.controller import ops
 from detslurm.errors import DetSlurmError
 from detslurm.store.models import ExperimentState
@@ -131,13 +132,20 @@ def _create(
     backend = backend_mod.for_create(app, local=run_local)
     # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
     # create would fail on, and before any row or directory exists.
-    backend.site_for_create(plan)
-    if plan.config.environment.image:
-        # Containers are not built yet: say so rather than run the trial outside the image silently.
-        click.echo(
-            "Warning: environment.image is not supported by detslurm yet; trials run with the nodes' own Python",
-            err=True,
-        )
+    site = backend.site_for_create(plan)
+    # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
+    # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
+    # would sit PENDING forever with nothing said.
+    backend.refuse_impossible(plan, dry_run=dry_run)
+    if plan.config.environment.image and (site is None or not site.runs_containers):
+        # Say so rather than run the trial outside the image silently.
+        where = "--local runs trials" if site is None else "this site has no container_runtime; trials run"
+        click.echo(f"Warning: environment.image is ignored: {where} with this machine's own Python", err=True)
+    elif site is not None:
+        from detslurm.slurm.render import container_warnings
+
+        for line in container_warnings(plan.config, site):
+            click.echo(f"Warning: {line}", err=True)
     if dry_run:
         click.echo(plan.describe())
         click.echo(backend.dry_run(plan), nl=False)
@@ -156,36 +164,71 @@ def _create(
 
 
 @experiment.command("list")
-@click.option("-a", "--all", "show_all", is_flag=True, help="Include archived experiments.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "-a",
+    "--all",
+    "show_all",
+    is_flag=True,
+    help="Include archived experiments (and an Archived column); other users' only with root's det --all-users.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
+@click.option("--state", "states", multiple=True, metavar="STATE", help="Only experiments in STATE (repeatable).")
+@click.option("--label", "labels", multiple=True, metavar="LABEL", help="Only experiments with LABEL (repeatable).")
+@click.option("--name", default=None, metavar="TEXT", help="Only experiments whose name contains TEXT.")
 @pass_app
-def list_(app: App, show_all: bool, as_json: bool) -> None:
-    """List experiments."""
+def list_(
+    app: App,
+    show_all: bool,
+    as_json: bool,
+    as_csv: bool,
+    states: tuple[str, ...],
+    labels: tuple[str, ...],
+    name: str | None,
+) -> None:
+    """List experiments (your own, archived ones only with --all)."""
+    if as_json and as_csv:
+        raise click.UsageError("use at most one of --json and --csv")
     slurm_mod.reconcile(app)
+    with app.store.read() as s:
+        rows = views.experiment_filter_rows(
+            views.experiment_rows(s, app.scope, include_archived=show_all), states=states, name=name
+        )
+        # Labels live in the configs: loaded only when a label filter or the JSON output needs them.
+        ids = {r.id for r in rows}
+        dicts = (
+            [d for d in views.experiment_dicts(s, app.scope, include_archived=show_all) if d["id"] in ids]
+            if labels or as_json
+            else []
+        )
+    if labels:
+        keep = {d["id"] for d in dicts if set(labels) <= set(d["labels"])}
+        rows, dicts = [r for r in rows if r.id in keep], [d for d in dicts if d["id"] in keep]
     if as_json:
-        with app.store.read() as s:
-            dicts = views.experiment_dicts(s, app.scope, include_archived=show_all)
         dump_json(dicts)
         return
-    with app.store.read() as s:
-        rows = views.experiment_rows(s, app.scope, include_archived=show_all)
-    table(
-        ["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"],
+    headers = ["ID", "Owner", "Name", "Parent ID", "State", "Progress", "Started", "Ended", "Resource Pool"]
+    values = [
         [
-            [
-                r.id,
-                r.owner,
-                r.name,
-                r.parent_id or "",
-                r.state,
-                fmt_pct(float(r.progress)),
-                fmt_time(r.start_time),
-                fmt_time(r.end_time),
-                r.resource_pool,
-            ]
-            for r in rows
-        ],
-    )
+            r.id,
+            r.owner,
+            r.name,
+            r.parent_id or "",
+            r.state,
+            fmt_pct(float(r.progress)),
+            fmt_time(r.start_time),
+            fmt_time(r.end_time),
+            r.resource_pool,
+            *([r.archived] if show_all else []),
+        ]
+        for r in rows
+    ]
+    # As Determined: the Archived column appears with -a, when archived ones can be listed.
+    headers += ["Archived"] if show_all else []
+    if as_csv:
+        write_csv(headers, values)
+    else:
+        table(headers, values)
 
 
 experiment.add_command(list_, "ls")
@@ -220,12 +263,13 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
     _print_experiment(e)
     click.echo("\nTrials:")
     table(
-        ["Trial ID", "Experiment ID", "State", "Started", "Ended", "H-Params"],
+        ["Trial ID", "Experiment ID", "State", "Reason", "Started", "Ended", "H-Params"],
         [
             [
                 t["id"],
                 t["experiment_id"],
                 t["state"],
+                views.trial_reason(t),
                 fmt_time(t["start_time"]),
                 fmt_time(t["end_time"]),
                 json.dumps(t["hparams"], indent=2),
@@ -303,8 +347,9 @@ experiment.add_command(list_trials, "lt")
 @click.argument("exp_id", type=int)
 @click.option("--best", type=int, default=None, help="Only the N best by the searcher metric.")
 @click.option("--json", "as_json", is_flag=True)
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV instead of a table.")
 @pass_app
-def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> None:
+def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool, as_csv: bool) -> None:
     """List an experiment's checkpoints."""
     slurm_mod.reconcile(app)
     with app.store.read() as s:
@@ -321,22 +366,22 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool) -> 
     if as_json:
         dump_json(cks)
         return
-    table(
-        ["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"],
+    headers = ["Trial ID", "# of Batches", "State", "Validation Metric", "UUID", "Resources", "Size"]
+    values = [
         [
-            [
-                c["trial_id"],
-                c["steps_completed"],
-                c["state"],
-                _blank_none(c["validation_metric"]),
-                c["uuid"],
-                # The number of files in the checkpoint, as Determined's Resources column counts them.
-                len(c["resources"]),
-                f"{int(c['size']) / 1024:.1f} KiB",
-            ]
-            for c in cks
-        ],
-    )
+            c["trial_id"],
+            c["steps_completed"],
+            c["state"],
+            _blank_none(c["validation_metric"]),
+            c["uuid"],
+            # The number of files in the checkpoint, as Determined's Resources column counts them.
+            len(c["resources"]),
+            f"{int(c['size']) / 1024:.1f} KiB",
+        ]
+        for c in cks
+    ]
+    # Determined's `lc --csv`: the same columns, for scripts.
+    (write_csv if as_csv else table)(headers, values)
 
 
 def _blank_none(v: object) -> object:
@@ -348,9 +393,10 @@ experiment.add_command(list_checkpoints, "lc")
 
 @experiment.command("logs")
 @click.argument("exp_id", type=int)
+@logs_mod.log_options
 @pass_app
-def logs(app: App, exp_id: int) -> None:
-    """Show the first trial's logs."""
+def logs(app: App, /, exp_id: int, **opts: Any) -> None:
+    """Show the first trial's logs (with the filters of `det trial logs`)."""
     slurm_mod.reconcile(app)
     with app.store.read() as s:
         exp = views.get_experiment(s, exp_id, app.scope)
@@ -358,26 +404,28 @@ def logs(app: App, exp_id: int) -> None:
             raise DetSlurmError(f"experiment {exp_id} has no trials yet")
         # The first trial, as in Determined: an experiment's logs are its first trial's logs.
         tid = exp.trials[0].id
-    for line in logs_mod.lines(app, tid):
-        click.echo(line)
+    logs_mod.show(app, tid, **opts)
 
 
-# pause, cancel and kill only record the wish in the store; the daemon (or the `det` that
-# drives a local experiment) acts on it at its next tick, so these return at once.
-def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None]) -> click.Command:
+# pause, cancel and kill record the wish in the store; the daemon (or the `det` that drives a
+# local experiment) carries it out at its next tick. kill and pause also reach Slurm at once
+# for jobs that need no checkpoint: every job on kill, the ones still queued on pause.
+def _state_change(verb: str, past: str, fn: Callable[[Any, int, Any], None], now: bool = False) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
     @pass_app
     def cmd(app: App, exp_id: int) -> None:
         fn(app.store, exp_id, app.scope)
         click.echo(f"{past} experiment {exp_id}")
+        if now:
+            backend_mod.stop_now(app, exp_id, kill=verb == "kill")
 
     return cmd
 
 
-experiment.add_command(_state_change("pause", "Paused", ops.pause))
+experiment.add_command(_state_change("pause", "Paused", ops.pause, now=True))
 experiment.add_command(_state_change("cancel", "Canceled", ops.cancel))
-experiment.add_command(_state_change("kill", "Killed", ops.kill))
+experiment.add_command(_state_change("kill", "Killed", ops.kill, now=True))
 
 
 @experiment.command("activate")
@@ -419,3 +467,8 @@ def delete(app: App, exp_id: int, yes: bool) -> None:
         click.confirm(f"Delete experiment {exp_id}, its files and all its checkpoints?", abort=True)
     ops.delete(app.store, exp_id, app.scope)
     click.echo(f"Deleted experiment {exp_id}")
+
+
+# fork, continue, archive, label, set, download: cli/experiment_verbs.py.
+for _cmd in experiment_verbs.COMMANDS:
+    experiment.add_command(_cmd)

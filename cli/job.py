@@ -11,7 +11,9 @@ from detslurm import queue as q
 from detslurm import views
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
+from detslurm.controller import edit
 from detslurm.controller import ops as ops_mod
+from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
 
 if TYPE_CHECKING:
@@ -34,6 +36,8 @@ def _caller(client: SlurmClient) -> q.Caller:
 def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
     with app.store.read() as s:
         names = views.trial_job_names(s, jobs, app.scope)
+        detached = views.detached_job_names(s, jobs, app.scope)
+    names.update(detached)
     # Determined lists a pool's queue running jobs first, then pending ones in scheduling
     # order; Slurm's order is priority, then submit time for ties.
     order = sorted(jobs, key=lambda j: (j.partition, j.state != SlurmState.RUNNING, -j.priority, j.submit_time))
@@ -45,13 +49,16 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
         # A job's slots are its GPUs when it asks for any, else its CPUs (as a pool's slot type).
         needed = j.gpus or j.num_cpus
         ours = j.identity is not None
+        # squeue prints the literal "None" for a job that is not waiting on anything.
+        reason = "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason
         rows.append(
             {
                 "#": n,
                 "id": j.job_id,
                 # Jobs without a detslurm identity tag in their comment are other users' or other tools':
                 # shown as Determined shows jobs its master does not manage.
-                "type": "TYPE_EXPERIMENT" if ours else "TYPE_EXTERNAL",
+                # Detached jobs are the user's own sbatch scripts that detslurm records (core_v2).
+                "type": "TYPE_EXPERIMENT" if ours or j.job_id in detached else "TYPE_EXTERNAL",
                 "name": names.get(j.job_id, j.name),
                 # Only our jobs' nice values were set on Determined's 1..99 scale; mapping a foreign nice
                 # would show a priority nobody chose.
@@ -63,11 +70,24 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
                 "state": "STATE_SCHEDULED" if j.state == SlurmState.RUNNING else "STATE_QUEUED",
                 "user": j.user,
                 "partition": j.partition,
-                # squeue prints the literal "None" for a job that is not waiting on anything.
-                "reason": "" if j.state == SlurmState.RUNNING or j.reason == "None" else j.reason,
+                "reason": reason,
+                # The same code in words, with the code beside them ("waiting for free nodes (Resources)").
+                "reason_text": describe_reason(reason) if reason else "",
             }
         )
     return rows
+
+
+def queue_rows(app: App, resource_pool: str | None) -> list[dict[str, Any]]:
+    """The queue as `det job list --json` prints it (also the dashboard's job queue)."""
+    client = app.client
+    # All users: a job's place in the queue depends on everyone's jobs, not only ours.
+    jobs = [j for j in client.squeue(all_users=True) if not j.state.is_terminal]
+    if resource_pool is not None:
+        # An unknown pool name is an error from the site config, not an empty list.
+        partition = app.site().pool(resource_pool)[1].partition
+        jobs = [j for j in jobs if j.partition == partition]
+    return _rows(app, jobs)
 
 
 @job.command("list")
@@ -76,14 +96,7 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
 @pass_app
 def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
     """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
-    client = app.client
-    # All users: a job's place in the queue depends on everyone's jobs, not only ours.
-    jobs = [j for j in client.squeue(all_users=True) if not j.state.is_terminal]
-    if resource_pool is not None:
-        # An unknown pool name is an error from the site config, not an empty list.
-        partition = app.site().pool(resource_pool)[1].partition
-        jobs = [j for j in jobs if j.partition == partition]
-    rows = _rows(app, jobs)
+    rows = queue_rows(app, resource_pool)
     if as_json:
         dump_json(rows)
         return
@@ -115,7 +128,7 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
                 r["state"],
                 r["user"],
                 r["partition"],
-                r["reason"],
+                r["reason_text"],
             ]
             for r in rows
         ],
@@ -125,7 +138,7 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
 job.add_command(list_, "ls")
 
 
-def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run: bool) -> None:
+def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove | q.SavePriority], dry_run: bool) -> None:
     for op in ops:
         click.echo(("would run: " if dry_run else "") + op.describe())
     if dry_run:
@@ -135,6 +148,9 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove], dry_run:
     q.execute(client, [o for o in ops if isinstance(o, q.Op)])
     for move in (o for o in ops if isinstance(o, q.PoolMove)):
         ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag, scope=app.scope)
+    for save in (o for o in ops if isinstance(o, q.SavePriority)):
+        # Another store's trial (tag mismatch) keeps only the scontrol change above.
+        edit.save_priority(app.store, save.experiment_id, save.priority, tag=save.tag, scope=app.scope)
 
 
 @job.command("update")

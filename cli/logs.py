@@ -8,21 +8,19 @@ saying how much was dropped), and ``--tail`` reads backwards from the end of the
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from itertools import islice
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, TypeVar, cast
 
 import click
 
 from detslurm import views
 from detslurm.cli.app import App
+from detslurm.cli.log_filter import LEVELS, LogFilter, parse_time
 
-# The prefix launchers/wrap_rank.py puts on every line of a rank's output, as Determined's
-# wrap_rank does; --rank-id filters on it.
-RANK = re.compile(r"\[rank=(\d+)\]")
 CHUNK = 1 << 20  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes of one line kept; the rest is dropped and counted
 
@@ -132,67 +130,80 @@ def _read_line(f: BinaryIO, start: int, end: int) -> Iterator[str]:
 class _Run:
     run_id: int
     path: str
+    start: datetime | None
+    end: datetime | None
 
 
-def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[str]]:
+@dataclass(frozen=True)
+class _Note:
+    text: str
+    time: datetime
+    level: str
+
+
+def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[_Note]]:
     with app.store.read() as s:
         # Called for its check: another user's trial raises "not found" before any path is read.
         views.get_trial(s, trial_id, app.scope)
-        runs = [_Run(r.run_id, r.log_path) for r in views.runs(s, trial_id)]
+        runs = [_Run(r.run_id, r.log_path, r.start_time or r.submit_time, r.end_time) for r in views.runs(s, trial_id)]
         # Controller notes (requeues, exit reasons) are store rows, not file lines; they are shown
         # after the output in Determined's "[time] source || level: message" log format.
-        notes = [f"[{n.time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {n.level}: {n.message}" for n in views.notes(s, trial_id)]
+        notes = [
+            _Note(f"[{n.time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {n.level}: {n.message}", n.time, n.level)
+            for n in views.notes(s, trial_id)
+        ]
     return runs, notes
 
 
-def _rank_filter(ranks: Sequence[int]) -> Callable[[str], bool]:
-    wanted = set(ranks)
-
-    def keep(line: str) -> bool:
-        if not wanted:
-            return True
-        m = RANK.search(line)
-        return m is not None and int(m.group(1)) in wanted
-
-    return keep
+def _filter(flt: LogFilter | Sequence[int]) -> LogFilter:
+    # Older callers pass only ranks.
+    return flt if isinstance(flt, LogFilter) else LogFilter(ranks=tuple(flt))
 
 
-def lines(app: App, trial_id: int, ranks: Sequence[int] = ()) -> Iterator[str]:
-    """Every run's output (each after a header line), then the controller's notes; with
-    ``ranks``, only those ranks' output lines."""
+def _header(trial_id: int, run: _Run) -> str:
+    return f"=== trial {trial_id} run {run.run_id} ({run.path})"
+
+
+def lines(app: App, trial_id: int, ranks: LogFilter | Sequence[int] = ()) -> Iterator[str]:
+    """Every run's output (each after a header line), then the controller's notes; with a
+    filter, only the lines it keeps (and no headers)."""
+    flt = _filter(ranks)
     runs, notes = _trial_sources(app, trial_id)
-    keep = _rank_filter(ranks)
     for run in runs:
-        if not ranks:
-            yield f"=== trial {trial_id} run {run.run_id} ({run.path})"
+        if not flt.keeps_run(run.start, run.end):
+            continue
+        if flt.empty:
+            yield _header(trial_id, run)
         p = Path(run.path)
-        if p.exists():
-            yield from (line for line in file_lines(p) if keep(line))
-    if not ranks:
-        yield from notes
+        # is_file: a run may have no output file (a detached run outside Slurm records none).
+        if run.path and p.is_file():
+            yield from (line for line in file_lines(p) if flt.keeps_line(line))
+    yield from (n.text for n in notes if flt.keeps_note(n.time, n.level))
 
 
-def tail(app: App, trial_id: int, n: int, ranks: Sequence[int] = ()) -> list[str]:
+def tail(app: App, trial_id: int, n: int, ranks: LogFilter | Sequence[int] = ()) -> list[str]:
     """The last ``n`` of :func:`lines`, read from the ends of the files backwards."""
     if n <= 0:
         return []
+    flt = _filter(ranks)
     runs, notes = _trial_sources(app, trial_id)
-    keep = _rank_filter(ranks)
     # Built last line first: notes come after all runs, then each run's file from its end,
     # then its header; the list is reversed once at the end.
-    out: list[str] = [] if ranks else notes[::-1][:n]
+    out: list[str] = [x.text for x in notes if flt.keeps_note(x.time, x.level)][::-1][:n]
     for run in reversed(runs):
+        if not flt.keeps_run(run.start, run.end):
+            continue
         p = Path(run.path)
-        if len(out) < n and p.exists():
-            out += islice((line for line in file_lines_reversed(p) if keep(line)), n - len(out))
-        if len(out) < n and not ranks:
-            out.append(f"=== trial {trial_id} run {run.run_id} ({run.path})")
+        if len(out) < n and run.path and p.is_file():
+            out += islice((line for line in file_lines_reversed(p) if flt.keeps_line(line)), n - len(out))
+        if len(out) < n and flt.empty:
+            out.append(_header(trial_id, run))
         if len(out) >= n:
             break
     return out[::-1]
 
 
-def head(app: App, trial_id: int, n: int, ranks: Sequence[int] = ()) -> list[str]:
+def head(app: App, trial_id: int, n: int, ranks: LogFilter | Sequence[int] = ()) -> list[str]:
     """The first ``n`` of :func:`lines` (only as much of the files as they need is read)."""
     return list(islice(lines(app, trial_id, ranks), max(n, 0)))
 
@@ -201,10 +212,12 @@ class Follower:
     """Prints new output of a trial's runs as they grow (used by -f), one chunk at a time; an
     unfinished last line waits (at most MAX_LINE bytes of it) for its newline."""
 
-    def __init__(self, app: App, trial_id: int, ranks: Sequence[int] = ()) -> None:
+    def __init__(self, app: App, trial_id: int, ranks: LogFilter | Sequence[int] = ()) -> None:
         self.app = app
         self.trial_id = trial_id
-        self.keep = _rank_filter(ranks)
+        # Only rank and level apply while following: every line printed is new, so the time
+        # window has nothing to choose.
+        self.keep = _filter(ranks).keeps_line
         # Bytes already printed per log file: each pump reads only what was appended since.
         self.offsets: dict[str, int] = {}
         self.cutters: dict[str, LineCutter] = {}
@@ -216,7 +229,7 @@ class Follower:
             paths = [r.log_path for r in views.runs(s, self.trial_id)]
         for path in paths:
             p = Path(path)
-            if not p.exists():
+            if not path or not p.is_file():
                 continue
             # One cutter per file, kept across pumps, so a line split over two pumps is printed whole.
             cutter = self.cutters.setdefault(path, LineCutter())
@@ -227,3 +240,106 @@ class Follower:
                     for line in cutter.feed(chunk):
                         if self.keep(line):
                             click.echo(line)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# show() takes options named head and tail, which hide the functions of those names.
+_first, _last = head, tail
+
+
+def log_options(fn: F) -> F:
+    """The options of `det trial logs` (and `det e logs`), in Determined's spelling."""
+    opts = [
+        click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the trial ends."),
+        click.option("--head", type=int, default=None, help="Only the first N lines."),
+        click.option("--tail", type=int, default=None, help="Only the last N lines."),
+        click.option("--rank-id", "ranks", type=int, multiple=True, help="Only lines of these ranks ([rank=N])."),
+        click.option(
+            "--level",
+            type=click.Choice(["UNSPECIFIED", *LEVELS], case_sensitive=False),
+            default=None,
+            help="Only lines at this level or higher (a line naming no level is INFO).",
+        ),
+        click.option(
+            "--since",
+            "--timestamp-after",
+            "since",
+            default=None,
+            metavar="TIME",
+            help="Only what was logged after TIME (ISO 8601, UTC unless it says otherwise).",
+        ),
+        click.option(
+            "--until",
+            "--timestamp-before",
+            "until",
+            default=None,
+            metavar="TIME",
+            help="Only what was logged before TIME.",
+        ),
+    ]
+    out: Any = fn
+    for opt in reversed(opts):
+        out = opt(out)
+    return cast(F, out)
+
+
+def show(
+    app: App,
+    trial_id: int,
+    *,
+    follow: bool,
+    head: int | None,
+    tail: int | None,
+    ranks: tuple[int, ...],
+    level: str | None,
+    since: str | None,
+    until: str | None,
+) -> None:
+    """Print a trial's logs as the options ask (one reconcile first, so they are current)."""
+    from detslurm.cli import slurm as slurm_mod
+
+    # Refused rather than combined: Determined's CLI allows one of them, and silently
+    # preferring either would show lines the user did not ask for.
+    if head is not None and tail is not None:
+        raise click.UsageError("use at most one of --head and --tail")
+    try:
+        flt = LogFilter(
+            ranks=ranks,
+            min_level=None if level is None or level.upper() == "UNSPECIFIED" else level.upper(),
+            since=parse_time(since, "--since") if since else None,
+            until=parse_time(until, "--until") if until else None,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    slurm_mod.reconcile(app)
+    if follow:
+        _follow(app, trial_id, flt)
+        return
+    if head is not None:
+        shown: Iterable[str] = _first(app, trial_id, head, flt)
+    elif tail is not None:
+        shown = _last(app, trial_id, tail, flt)
+    else:
+        shown = lines(app, trial_id, flt)
+    for line in shown:
+        click.echo(line)
+
+
+def _follow(app: App, trial_id: int, flt: LogFilter) -> None:
+    from detslurm.cli import slurm as slurm_mod
+    from detslurm.store.models import TrialState
+
+    follower = Follower(app, trial_id, flt)
+
+    def step() -> bool | None:
+        follower.pump()
+        slurm_mod.reconcile(app)
+        with app.store.read() as s:
+            done = TrialState(views.get_trial(s, trial_id, app.scope).state).is_terminal
+        if done:
+            follower.pump()  # what it wrote before it ended
+        # None keeps poll_until going; a final pump above catches output written just before the end.
+        return True if done else None
+
+    app.poll_until(step)

@@ -27,11 +27,18 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "checkpoint": ("checkpoint", "checkpoint", "List, describe and download checkpoints."),
     "daemon": ("daemon", "daemon", "Start, stop and inspect the detslurm daemon (one per user)."),
     "job": ("job", "job", "The job queue: list it, reprioritize, reorder, hold, move between pools."),
+    "dashboard": (
+        "dashboard",
+        "dashboard",
+        "Serve the web dashboard on localhost; prints its URL (with its access token) once.",
+    ),
+    "tensorboard": ("tensorboard", "tensorboard", "Run TensorBoard on trials' metrics (localhost)."),
     "resource-pool": (
         "resource_pool",
         "resource_pool",
         "Resource pools (Slurm partitions, described in the site config).",
     ),
+    "site": ("site", "site", "Site doctor and starter site config: what this Slurm offers detslurm."),
 }
 _ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
 
@@ -47,6 +54,9 @@ class LazyGroup(click.Group):
         module = importlib.import_module(f"detslurm.cli.{entry[0]}")
         cmd = getattr(module, entry[1])
         assert isinstance(cmd, click.Command)
+        from detslurm.cli.examples import add_examples
+
+        add_examples(cmd, _ALIASES.get(cmd_name, cmd_name))
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

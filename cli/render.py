@@ -91,3 +91,15 @@ def _intlike(v: Any) -> bool:
 def dump_json(obj: Any) -> None:
     # default=str: datetimes and enums print as text instead of failing the whole --json output.
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def write_csv(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """``--csv``: the table's headers and cells as CSV (Determined's CLI uses the same columns)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(headers)
+    w.writerows([["" if v is None else v for v in r] for r in rows])
+    click.echo(buf.getvalue(), nl=False)

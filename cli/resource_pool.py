@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import click
 
@@ -15,18 +16,15 @@ def resource_pool() -> None:
     """Resource pools (Slurm partitions, described in the site config)."""
 
 
-@resource_pool.command("list")
-@click.option("--json", "as_json", is_flag=True)
-@pass_app
-def list_(app: App, as_json: bool) -> None:
-    """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
+def pool_rows(app: App) -> list[dict[str, Any]]:
+    """Every pool as `det rp list --json` prints it (also the dashboard's pools page)."""
     site = app.site()
     # One sinfo for all pools: per-pool calls would multiply the load on slurmctld.
     nodes = app.client.nodes()
     # Without pools in the site config every partition sinfo reports is a pool of its own,
     # so the command is still useful on a site nobody has described.
     names = sorted(site.pools) or sorted({p for n in nodes for p in n.partitions})
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in names:
         pool = site.pools.get(name)
         partition = pool.partition if pool else name
@@ -51,6 +49,15 @@ def list_(app: App, as_json: bool) -> None:
                 "description": pool.description if pool else "",
             }
         )
+    return rows
+
+
+@resource_pool.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_app
+def list_(app: App, as_json: bool) -> None:
+    """List pools with their nodes, slots (used/total) and node states, from one sinfo call."""
+    rows = pool_rows(app)
     if as_json:
         dump_json(rows)
         return

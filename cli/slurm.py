@@ -9,6 +9,7 @@ from detslurm import views
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App
 from detslurm.identity import os_user
+from detslurm.protocol.detached import detached_root
 from detslurm.store.models import ExperimentState
 
 # The executor name `det e create` stores for Slurm experiments.
@@ -26,8 +27,16 @@ def reconcile(app: App) -> None:
         # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
         # makes no Slurm call at all (and works while slurmctld is down).
         unfinished = views.has_unfinished(s, EXECUTOR, os_user())
-    if unfinished:
-        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
+    # Detached runs (the user's own sbatch scripts) register on the shared filesystem at any
+    # time: once the dir exists, a read looks there too (one directory scan).
+    if not (unfinished or detached_root(app.settings.experiments_dir).is_dir()):
+        return
+    site = app.site()
+    # The same floor as the daemon's: many users' read commands in a loop (`watch det e list`)
+    # must not poll slurmctld faster than the site allows; a read within it shows the last poll.
+    floor = max(site.poll_interval_s, app.settings.poll_interval_s)
+    if daemon_mod.claim_poll(app.store, os_user(), floor):
+        daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=site)
 
 
 def submit_now(app: App) -> None:
@@ -50,7 +59,7 @@ def follow_first_trial(app: App, exp_id: int) -> None:
             click.echo(f"Following first trial with ID {tid}")
         # Say why the job waits (Slurm's pending reason) only when it changes, not every poll.
         if runner and runner.startswith("queued") and runner != shown_reason:
-            click.echo(f"HPC job waiting to be scheduled: {runner.removeprefix('queued: ')}")
+            click.echo(f"HPC job waiting to be scheduled: {views.pending_words(runner)}")
             shown_reason = runner
         if follower is not None:
             follower.pump()

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import click
 
-from detslurm import views
+from detslurm import client, views
+from detslurm.cli import backend as backend_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli import stop_time
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_time, table
 from detslurm.controller import ops
-from detslurm.store.models import TrialState
 
 
 @click.group(name="trial")
@@ -66,7 +66,7 @@ def _print_trial(d: dict[str, Any]) -> None:
     headers = ["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric"]
     metric = "" if d["searcher_metric"] is None else d["searcher_metric"]
     row = [d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "", metric]
-    table([*headers, "H-Params"], [[*row, json.dumps(d["hparams"], sort_keys=True)]])
+    table([*headers, "Reason", "H-Params"], [[*row, views.trial_reason(d), json.dumps(d["hparams"], sort_keys=True)]])
 
 
 def _print_runs(runs: list[dict[str, Any]]) -> None:
@@ -91,41 +91,11 @@ def _print_runs(runs: list[dict[str, Any]]) -> None:
 
 @trial.command("logs")
 @click.argument("trial_id", type=int)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing new output until the trial ends.")
-@click.option("--head", type=int, default=None, help="Only the first N lines.")
-@click.option("--tail", type=int, default=None, help="Only the last N lines.")
-@click.option("--rank-id", "ranks", type=int, multiple=True, help="Only lines of these ranks ([rank=N] prefix).")
+@logs_mod.log_options
 @pass_app
-def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | None, ranks: tuple[int, ...]) -> None:
+def logs(app: App, /, trial_id: int, **opts: Any) -> None:
     """Show a trial's logs (all of its runs)."""
-    slurm_mod.reconcile(app)
-    # Refused rather than combined: Determined's CLI allows one of them, and silently
-    # preferring either would show lines the user did not ask for.
-    if head is not None and tail is not None:
-        raise click.UsageError("use at most one of --head and --tail")
-    if follow:
-        follower = logs_mod.Follower(app, trial_id, ranks)
-
-        def step() -> bool | None:
-            follower.pump()
-            slurm_mod.reconcile(app)
-            with app.store.read() as s:
-                done = TrialState(views.get_trial(s, trial_id, app.scope).state).is_terminal
-            if done:
-                follower.pump()  # what it wrote before it ended
-            # None keeps poll_until going; a final pump above catches output written just before the end.
-            return True if done else None
-
-        app.poll_until(step)
-        return
-    if head is not None:
-        shown: Iterable[str] = logs_mod.head(app, trial_id, head, ranks)
-    elif tail is not None:
-        shown = logs_mod.tail(app, trial_id, tail, ranks)
-    else:
-        shown = logs_mod.lines(app, trial_id, ranks)
-    for line in shown:
-        click.echo(line)
+    logs_mod.show(app, trial_id, **opts)
 
 
 @trial.command("kill")
@@ -133,7 +103,69 @@ def logs(app: App, trial_id: int, follow: bool, head: int | None, tail: int | No
 @pass_app
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
-    # Recorded in the store like the experiment commands; the daemon cancels the job at its
-    # next tick, and the searcher sees the trial as ended early.
+    # Recorded in the store like the experiment commands, and the trial's live job is canceled
+    # at once (the daemon would at its next tick); the searcher sees the trial as ended early.
     ops.kill_trial(app.store, trial_id, app.scope)
     click.echo(f"Killed trial {trial_id}")
+    with app.store.read() as s:
+        exp_id = views.get_trial(s, trial_id, app.scope).experiment_id
+    backend_mod.stop_now(app, exp_id, kill=True, trial_id=trial_id)
+
+
+@trial.command("download")
+@click.argument("trial_id", type=int)
+@click.option("--best", is_flag=True, help="The best checkpoint by validation metric.")
+@click.option("--latest", is_flag=True, help="The latest checkpoint.")
+@click.option("--uuid", "uuid", default=None, help="This checkpoint of the trial.")
+@click.option("-o", "--output-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--sort-by", default=None, metavar="METRIC", help="With --best: rank by this metric.")
+@click.option("--smaller-is-better", type=bool, default=None, help="With --sort-by: the metric's direction.")
+@click.option("-q", "--quiet", is_flag=True, help="Only print the path.")
+@pass_app
+def download(
+    app: App,
+    trial_id: int,
+    best: bool,
+    latest: bool,
+    uuid: str | None,
+    output_dir: Path | None,
+    sort_by: str | None,
+    smaller_is_better: bool | None,
+    quiet: bool,
+) -> None:
+    """Download one of a trial's checkpoints (--best, --latest or --uuid) to checkpoints/<uuid>."""
+    if best + latest + (uuid is not None) != 1:
+        raise click.UsageError("give exactly one of --best, --latest and --uuid")
+    chosen = _choose_checkpoint(app, trial_id, "latest" if latest else "best", uuid, sort_by, smaller_is_better)
+    ck = client.Client(app.store, app.scope).get_checkpoint(chosen)
+    path = ck.download(output_dir)
+    if quiet:
+        click.echo(str(path))
+        return
+    click.echo("Local checkpoint path:")
+    click.echo(str(path))
+
+
+def _choose_checkpoint(
+    app: App, trial_id: int, which: str, uuid: str | None, sort_by: str | None, sib: bool | None
+) -> str:
+    from detslurm.expconf import from_stored
+
+    with app.store.read() as s:
+        t = views.get_trial(s, trial_id, app.scope)
+        cks = views.trial_checkpoints(s, trial_id, app.scope)
+        if uuid is not None:
+            if uuid not in {c.uuid for c in cks}:
+                raise click.ClickException(f"trial {trial_id} has no checkpoint {uuid}")
+            return uuid
+        if which == "latest":
+            done = [c.uuid for c in cks if c.state == "COMPLETED"]
+            if not done:
+                raise click.ClickException(f"trial {trial_id} has no completed checkpoint")
+            return done[-1]  # ordered by steps completed
+        searcher = from_stored(t.experiment.config).searcher
+        metric = sort_by or searcher.metric or ""
+        best = views.ranked_checkpoints(s, cks, metric, searcher.smaller_is_better if sib is None else sib, 1)
+        if not best:
+            raise click.ClickException(f"trial {trial_id} has no completed checkpoint with a validation {metric!r}")
+        return best[0].uuid

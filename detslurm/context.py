@@ -202,3 +202,16 @@ def extract(tarball: Path, dest: Path) -> None:
         for d in dirnames:
             if not os.path.islink(os.path.join(dirpath, d)):
                 os.chmod(os.path.join(dirpath, d), 0o700)
+
+
+def extract_as_packaged(tarball: Path, dest: Path) -> None:
+    """Extract a context into a private ``dest`` and give its entries back the modes they were
+    packaged with, so packaging ``dest`` again hashes the same (`det e fork` reuses a context).
+    Only for a directory the caller alone can reach: :func:`extract` makes files owner-only
+    for a reason on shared nodes."""
+    extract(tarball, dest)
+    with tarfile.open(tarball, "r:*") as tar:
+        # Deepest first: a directory's own mode must not stop us from reaching its entries.
+        for m in sorted(tar.getmembers(), key=lambda m: m.name.count("/"), reverse=True):
+            if m.isfile() or m.isdir():  # names already checked by extract()
+                os.chmod(dest / m.name, (m.mode & 0o777) | 0o700 * m.isdir())

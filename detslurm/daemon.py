@@ -31,6 +31,7 @@ from detslurm.util import atomic_write_text, env_number
 
 if TYPE_CHECKING:
     from detslurm.controller.controller import Controller
+    from detslurm.controller.detached import DetachedIngest
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
@@ -166,6 +167,24 @@ def make_controller(
     )
 
 
+def detached_ingest(s: Settings, ctl: Controller, client: Optional[SlurmClient] = None) -> DetachedIngest:
+    """Ingest of this user's detached runs (their own sbatch scripts using core_v2), polling
+    through the controller's executor: the same one squeue per step as the tick."""
+    from detslurm.controller.detached import DetachedIngest
+    from detslurm.protocol.detached import detached_root
+
+    def job_log(job_id: str) -> Optional[str]:
+        # Once per run, on first sight: where Slurm writes the job's output (det trial logs).
+        if client is None:
+            return None
+        try:
+            return client.show_job(job_id).get("StdOut") or None
+        except Exception:  # a missing log path must never keep a run from being recorded
+            return None
+
+    return DetachedIngest(ctl.store, detached_root(s.experiments_dir), ctl.owner, ctl.executor.poll, job_log)
+
+
 def reconcile_once(
     s: Settings,
     *,
@@ -178,10 +197,47 @@ def reconcile_once(
     with controller_lock(s) as got:
         if not got:
             return False
+        from detslurm.slurm.client import client_from_env
+
+        client = client or client_from_env()
         ctl = make_controller(s, site, store=store, client=client)
         if ctl.active_experiment_ids():
             ctl.tick()
+        _detached_step(detached_ingest(s, ctl, client))
         return True
+
+
+def _detached_step(ingest: DetachedIngest) -> bool:
+    """One detached step; whether detached runs keep the daemon busy. A failure is logged and
+    never stops the managed experiments' tick."""
+    try:
+        result = ingest.step()
+    except Exception:
+        log.exception("detached runs: step failed")
+        return False
+    return result.active or result.recorded > 0
+
+
+def claim_poll(store: Store, owner: str, floor_s: float) -> bool:
+    """Whether a read command may poll Slurm now: no read polled for ``owner`` in the last
+    ``floor_s`` seconds (the site's polling floor). Claimed in a write transaction, so two
+    reads started together poll once, and the claim is the new stamp."""
+    from datetime import datetime, timedelta, timezone
+
+    from detslurm.store.models import PollStamp
+
+    now = datetime.now(timezone.utc)
+    with store.tx() as tx:
+        stamp = tx.get(PollStamp, owner)
+        if stamp is not None:
+            last = stamp.last_poll if stamp.last_poll.tzinfo else stamp.last_poll.replace(tzinfo=timezone.utc)
+            # A stamp in the future (the clock went back) does not hold reads off for that long.
+            if timedelta(0) <= now - last < timedelta(seconds=floor_s):
+                return False
+            stamp.last_poll = now
+        else:
+            tx.add(PollStamp(owner=owner, last_poll=now))
+    return True
 
 
 def start(s: Settings, wait_s: float = 10.0) -> int:
@@ -279,7 +335,11 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         from detslurm.slurm.site import load_site_config
 
         site = load_site_config()
-        ctl = make_controller(s, site)
+        from detslurm.slurm.client import client_from_env
+
+        client = client_from_env()
+        ctl = make_controller(s, site, client=client)
+        detached = detached_ingest(s, ctl, client)
         # The site's floor wins over a user's faster setting: many daemons polling squeue quickly
         # would load slurmctld for everyone.
         interval = max(site.poll_interval_s, s.poll_interval_s)
@@ -290,6 +350,8 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
                 ids = ctl.active_experiment_ids()
                 if ids:
                     ctl.tick(ids)
+                # Detached runs keep the daemon from idling out while they run.
+                if _detached_step(detached) or ids:
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > idle_exit_s:
                     log.info("nothing to do for %.0f s: exiting", idle_exit_s)

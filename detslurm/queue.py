@@ -83,6 +83,19 @@ class PoolMove:
         return f"move experiment {self.experiment_id} to pool {self.pool} (running trials checkpoint and resubmit)"
 
 
+@dataclass(frozen=True)
+class SavePriority:
+    """A detslurm trial's new priority is also kept in its experiment's config, so the trial's
+    next Slurm job (a restart, a resume) is submitted with the same nice."""
+
+    experiment_id: int
+    priority: int
+    tag: str = ""  # the job comment's experiment-dir tag, checked as for PoolMove
+
+    def describe(self) -> str:
+        return f"keep priority {self.priority} for experiment {self.experiment_id}'s later submissions"
+
+
 def _find(queue: Sequence[QueuedJob], job_id: str) -> QueuedJob:
     # Accept both forms users see: ``123_4`` (squeue's array task) and the raw job id.
     for j in queue:
@@ -98,7 +111,7 @@ def _own(job: QueuedJob, caller: Caller) -> None:
         raise QueueError(f"job {job.job_id} belongs to {job.user}; you can only change your own jobs")
 
 
-def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op]:
+def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op | SavePriority]:
     nice = nice_for(priority)
     # Check before calling scontrol: Slurm's own refusal ("Access/permission denied") would not say
     # that only the direction is the problem.
@@ -108,7 +121,10 @@ def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op]:
             f"priority of their own jobs (Determined's scale: a larger number is lower; this job is at "
             f"{priority_for(job.nice)}). Ask a Slurm operator or admin to raise it."
         )
-    return [Op("update", job.job_id, (("Nice", str(nice)),))]
+    ops: list[Op | SavePriority] = [Op("update", job.job_id, (("Nice", str(nice)),))]
+    if job.identity is not None:
+        ops.append(SavePriority(job.identity[0], priority, comment_tag(job.comment)))
+    return ops
 
 
 def plan_ahead_of(job: QueuedJob, other: QueuedJob, caller: Caller, caps: Capabilities) -> list[Op]:
@@ -176,7 +192,7 @@ def plan_update(
     resource_pool: Optional[str] = None,
     hold: bool = False,
     release: bool = False,
-) -> list[Op | PoolMove]:
+) -> list[Op | PoolMove | SavePriority]:
     job = _find(queue, job_id)
     _own(job, caller)
     # One change per call, as Determined's ``det job update`` takes one of its options.
@@ -190,7 +206,7 @@ def plan_update(
     if behind_of is not None:
         return list(plan_behind_of(job, _find(queue, behind_of), caller))
     if resource_pool is not None:
-        return plan_pool(job, resource_pool, site)
+        return list(plan_pool(job, resource_pool, site))
     if job.state != SlurmState.PENDING:
         raise QueueError(f"job {job.job_id} is {job.state.value.lower()}: only pending jobs can be held or released")
     return [Op("hold" if hold else "release", job.job_id)]

@@ -18,12 +18,14 @@ from sqlalchemy.orm import Session
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
 from detslurm.slurm.parse import comment_tag, experiment_tag
+from detslurm.slurm.reasons import describe_reason
 from detslurm.store.models import (
     Checkpoint,
     Experiment,
     ExperimentState,
     LogEntry,
     Metric,
+    RunState,
     Trial,
     TrialRun,
 )
@@ -115,7 +117,32 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
         "batches": batches(s, t.id),
         "early_stopped": t.early_stopped,
         "exit_reason": t.exit_reason,
+        # Why its job waits, in words with Slurm's code ("waiting for free nodes (Resources)").
+        # Only while a run is queued: the note outlives the wait (a paused trial keeps it).
+        "pending_reason": pending_words(t.runner_state) if _queued(t) else None,
     }
+
+
+def _queued(t: Trial) -> bool:
+    return not t.state.is_terminal and any(r.state == RunState.QUEUED for r in t.runs)
+
+
+# The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).
+_QUEUED = "queued: "
+
+
+def pending_words(runner_state: str | None) -> str | None:
+    """A queued trial's pending reason in words, or None when it is not waiting in a queue."""
+    if not runner_state or not runner_state.startswith(_QUEUED):
+        return None
+    code = runner_state.removeprefix(_QUEUED)
+    # "waiting" is what the controller notes when Slurm gave no reason at all.
+    return describe_reason(None if code == "waiting" else code)
+
+
+def trial_reason(d: dict[str, Any]) -> str:
+    """What a table shows beside a trial: why it waits, else why it ended (or nothing)."""
+    return str(d.get("pending_reason") or d.get("exit_reason") or "")
 
 
 def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
@@ -214,6 +241,7 @@ class ExperimentRow(NamedTuple):
     start_time: datetime | None
     end_time: datetime | None
     resource_pool: str
+    archived: bool
 
 
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
@@ -222,12 +250,14 @@ def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) ->
     e = Experiment
     # scope.owner None is root's --all-users; otherwise the filter is in SQL, not applied after
     # loading, so other users' rows never leave the database.
-    q = select(e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool)
+    q = select(
+        e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool, e.archived
+    )
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
     if not include_archived:
         q = q.where(e.archived.is_(False))
-    return [ExperimentRow(*row) for row in s.execute(q.order_by(e.id))]
+    return [ExperimentRow._make(row) for row in s.execute(q.order_by(e.id))]
 
 
 def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -> list[dict[str, Any]]:
@@ -321,3 +351,47 @@ def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict
         if i and i[0] in names and comment_tag(j.comment) == names[i[0]][1]:
             out[j.job_id] = f"{names[i[0]][0]} ({i[0]}) trial {i[1]}"
     return out
+
+
+def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
+    """Job id -> "<experiment name> (<id>) trial <t> (detached)" for the queue's jobs that run
+    the scope's detached experiments (the user's own sbatch scripts using core_v2)."""
+    ids = [j.job_id for j in jobs]
+    if not ids:
+        return {}
+    # Newest run last: a requeued job keeps its id, and its latest run names it.
+    q = (
+        select(TrialRun.job_id, Trial.id, Experiment.id, Experiment.name)
+        .join(Trial, TrialRun.trial_id == Trial.id)
+        .join(Experiment, Trial.experiment_id == Experiment.id)
+        .where(TrialRun.executor == "detached")
+        .where(TrialRun.job_id.in_(ids))
+        .order_by(TrialRun.id)
+    )
+    if scope.owner is not None:
+        q = q.where(Experiment.owner == scope.owner)
+    rows = s.execute(q)
+    return {job: f"{name} ({exp_id}) trial {trial_id} (detached)" for job, trial_id, exp_id, name in rows if job}
+
+
+def ranked_checkpoints(
+    s: Session, cks: Sequence[Checkpoint], metric: str, smaller_is_better: bool, n: int | None = None
+) -> list[Checkpoint]:
+    """The COMPLETED checkpoints with a validation ``metric``, best first (at most ``n``): what
+    `det e download --top-n` and `det t download --best` choose from. Deleted or partial ones
+    cannot be restored, and one without a validation has nothing to rank it by."""
+    scored = [(v, c) for c in cks if c.state == "COMPLETED" and (v := validation_metric(s, c, metric)) is not None]
+    # Negating makes one ascending sort serve both directions; steps break ties (newer first).
+    scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
+    best = [c for _, c in scored]
+    return best if n is None else best[:n]
+
+
+def experiment_filter_rows(
+    rows: Sequence[ExperimentRow], *, states: Sequence[str] = (), name: str | None = None
+) -> list[ExperimentRow]:
+    """`det e list` filters: any of ``states``, and a name containing ``name`` (case-insensitive)."""
+    wanted = {st.upper() for st in states}
+    return [
+        r for r in rows if (not wanted or str(r.state) in wanted) and (name is None or name.lower() in r.name.lower())
+    ]

@@ -75,3 +75,8 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
         env=dict(os.environ, BENCH_RESULTS_DIR=str(tmp_path / "results")),
     ).stdout
     assert "| search: adaptive_asha |" in summary and "| det e list, 300 experiments |" in summary
+
+
+def test_dashboard_benchmark(tmp_path: Path) -> None:
+    d = run(tmp_path, "dashboard_load.py", "--trials", "20", "--points", "100")
+    assert (d["trials"], d["points"]) == (20, 2000) and finite(d["page_s"], d["whole_rows_s"], d["ratio"])

@@ -342,4 +342,4 @@ def test_container_image_is_not_silently_ignored(det: Any, tmp_path: Path) -> No
         "environment: {image: 'pytorch/pytorch:latest'}\n",
     )
     code, _, err = det("e", "create", "--dry-run", "--local", cfg, EXAMPLES / "core_api")
-    assert code == 0 and "environment.image is not supported by detslurm yet" in err
+    assert code == 0 and "environment.image is ignored: --local runs trials with this machine's own Python" in err

@@ -34,6 +34,9 @@ LOGIN = (
     "detslurm.settings",
     "detslurm.searcher",
     "detslurm.expconf",
+    "detslurm.doctor",
+    "detslurm.dashboard",
+    "detslurm.tbevents",
 )
 
 

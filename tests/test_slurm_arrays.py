@@ -43,12 +43,12 @@ searcher: {{name: grid, metric: validation_loss, max_length: {{batches: 3}}, max
 
 
 def sbatch_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An sbatch on PATH that logs each call (its argv) and runs the real one."""
+    """An sbatch on PATH that logs each submission (its argv) and runs the real one. The
+    create's one ``sbatch --test-only`` (it queues nothing) is not logged."""
     real = subprocess.run(["which", "sbatch"], capture_output=True, text=True, check=True).stdout.strip()
     bindir, log = tmp_path / "shim", tmp_path / "sbatch-calls.log"
-    write(
-        bindir / "sbatch", f'#!/bin/bash\necho "$*" >> {shlex.quote(str(log))}\nexec {shlex.quote(real)} "$@"\n'
-    ).chmod(0o755)
+    logged = f'[ "$1" = --test-only ] || echo "$*" >> {shlex.quote(str(log))}'
+    write(bindir / "sbatch", f'#!/bin/bash\n{logged}\nexec {shlex.quote(real)} "$@"\n').chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
     return log
 

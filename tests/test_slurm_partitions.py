@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from detslurm.slurm.parse import SlurmParseError, parse_config
-from detslurm.slurm.partitions import parse_duration_s, parse_partitions
+from detslurm.slurm.partitions import AssocLimit, parse_assoc_limits, parse_duration_s, parse_partitions
 
 DATA = Path(__file__).parent / "data"
 
@@ -66,3 +66,33 @@ def test_site_timing_from_show_config() -> None:
     assert caps.max_job_count == 10000 and caps.message_timeout_s == 10 and not caps.rate_limited
     limited = parse_config("SLURM_VERSION = 24.11.5\nSlurmctldParameters = enable_configless,rl_enable\n")
     assert limited.rate_limited and limited.kill_wait_s == 30
+
+
+def test_plugins_and_min_job_age_from_show_config() -> None:
+    caps = parse_config((DATA / "slurm-22.05" / "show-config.txt").read_text())
+    p = caps.plugins
+    assert (p.select, p.select_params, p.proctrack, p.task) == (
+        "select/cons_tres",
+        "CR_CORE",
+        "proctrack/linuxproc",
+        "task/none",
+    )
+    assert (p.switch, p.mpi_default, p.job_acct_gather, p.job_container) == (
+        "switch/none",
+        "none",
+        "jobacct_gather/none",
+        "job_container/none",
+    )
+    assert p.gres_types == "gpu" and p.preempt_type == "preempt/partition_prio" and caps.min_job_age_s == 300
+    # "(null)" means the plugin is not set at all.
+    bare = parse_config("SLURM_VERSION = 24.11.5\nJobContainerType = (null)\n")
+    assert bare.plugins.job_container == "" and bare.plugins.select == ""
+
+
+def test_assoc_limits() -> None:
+    limits = parse_assoc_limits("ml||500|100\nml|gpu|50|\n\n")
+    assert limits == [AssocLimit("ml", "", 500, 100), AssocLimit("ml", "gpu", 50, None)]
+    with pytest.raises(SlurmParseError):
+        parse_assoc_limits("ml|x|lots|1\n")
+    with pytest.raises(SlurmParseError):
+        parse_assoc_limits("just one field\n")

@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from detslurm.store import Experiment, IngestOffset, LogEntry, Metric, Trial, TrialRun, open_store
+from detslurm.store import Experiment, IngestOffset, LogEntry, Metric, MetricPoint, Trial, TrialRun, open_store
 from detslurm.store.models import Base
 
 
@@ -315,7 +315,7 @@ def _upgrade_keeps_rows(url: str) -> None:
         conn.execute(
             text(
                 'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, report_time, archived)'
-                " VALUES (1, 1, 'training', 5, '{\"loss\": 1}', CURRENT_TIMESTAMP, false)"
+                ' VALUES (1, 1, \'training\', 5, \'{"loss": 1.5, "note": "x", "ok": true}\', CURRENT_TIMESTAMP, false)'
             )
         )
         exp_id = 1
@@ -326,6 +326,11 @@ def _upgrade_keeps_rows(url: str) -> None:
         assert s.scalars(select(TrialRun.job_id)).one() == "j1"
         assert s.scalars(select(Metric.group)).one() == "training"
         assert s.get(Experiment, exp_id) is not None
+        # 0003 unpacked the old report's numbers (only them) into the dashboard's points.
+        p = MetricPoint
+        assert s.execute(select(p.trial_id, p.group, p.name, p.steps_completed, p.value)).all() == [
+            (1, "training", "loss", 5, 1.5)
+        ]
     with store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     with store.tx() as s:  # foreign keys are enforced again after the migration

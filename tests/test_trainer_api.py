@@ -343,3 +343,36 @@ def test_compat_import_path_has_the_new_names() -> None:
         text=True,
     )
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_batch_metrics_become_numbers_once_per_window(det_env: Path) -> None:
+    """train_batch's tensors are converted at each report, all at once (no host sync per batch),
+    to the numbers .item() would give: ints stay ints, bools bools, a vector its mean."""
+    windows: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+
+    class Spy(pytorch.PyTorchCallback):
+        def on_training_workload_end(self, avg: dict[str, Any], batch_metrics: list[dict[str, Any]]) -> None:
+            windows.append((avg, batch_metrics))
+
+    class Typed(Linear):
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            out = super().train_batch(batch, epoch_idx, batch_idx)
+            x, _ = batch
+            return {
+                **out,
+                "n": torch.tensor(len(x)),
+                "big": torch.tensor(batch_idx >= 2),
+                "vec": torch.tensor([1.0, 3.0 + batch_idx]),
+                "label": "plain",
+            }
+
+        def build_callbacks(self) -> dict[str, pytorch.PyTorchCallback]:
+            return {"spy": Spy()}
+
+    fit(Typed, 4, reporting_period=pytorch.Batch(2))
+    rows = [row for _, batch in windows for row in batch]
+    assert len(rows) == 4
+    assert all(type(r["loss"]) is float and type(r["n"]) is int and r["n"] == 8 for r in rows)
+    assert [r["big"] for r in rows] == [False, False, True, True] and all(type(r["big"]) is bool for r in rows)
+    assert [r["vec"] for r in rows] == [2.0, 2.5, 3.0, 3.5] and rows[0]["label"] == "plain"
+    assert windows[0][0]["n"] == 8.0 and windows[1][0]["vec"] == 3.25

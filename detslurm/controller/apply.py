@@ -12,10 +12,12 @@ import logging
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from detslurm import tbevents
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
 from detslurm.protocol import (
@@ -25,6 +27,7 @@ from detslurm.protocol import (
     CheckpointSaved,
     EarlyExit,
     Event,
+    ExpPaths,
     Line,
     Metrics,
     OpCompleted,
@@ -55,6 +58,7 @@ from detslurm.store.models import (
     IngestOffset,
     LogEntry,
     Metric,
+    MetricPoint,
     Trial,
     TrialRun,
     TrialState,
@@ -62,6 +66,7 @@ from detslurm.store.models import (
 from detslurm.store.sanitize import json_safe
 
 log = logging.getLogger("detslurm.controller")
+POINT_NAME_MAX = 256  # MetricPoint.name's length
 MAX_NOTE = 2000  # characters of one note about trial-written input
 MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
 
@@ -155,18 +160,22 @@ def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
 def _on_metrics(
     session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: Metrics, searcher: SearchMethod
 ) -> list[Action]:
+    metrics = json_safe(ev.metrics)
+    when = _ts(ev.time)
     session.add(
         Metric(
             trial_id=trial.id,
             run_id=run.run_id,
             group=ev.group,
             steps_completed=ev.steps_completed,
-            metrics=json_safe(ev.metrics),
+            metrics=metrics,
             batch_metrics=json_safe(ev.batch_metrics),
-            report_time=_ts(ev.time),
+            report_time=when,
             archived=False,
         )
     )
+    session.add_all(_points(trial.id, ev, metrics, when))
+    _tensorboard(exp, trial, ev)
     # Every group is stored, but only validation metrics feed the searcher, as in Determined.
     if ev.group != "validation":
         return []
@@ -191,6 +200,41 @@ def _stopped_at(run: TrialRun, signalled: float, when: float) -> None:
     # Both times are the compute node's clock; a negative difference is a clock step, not speed.
     took = max(0.0, when - signalled)
     run.preempt_stop_s = max(run.preempt_stop_s or 0.0, took)
+
+
+def _points(trial_id: int, ev: Metrics, metrics: Any, when: datetime) -> list[MetricPoint]:
+    """The report's numeric values as rows the dashboard's curves read without parsing JSON."""
+    if not isinstance(metrics, dict):
+        return []
+    return [
+        MetricPoint(
+            trial_id=trial_id,
+            group=ev.group,
+            name=name,
+            steps_completed=ev.steps_completed,
+            report_time=when,
+            value=float(v),
+            archived=False,
+        )
+        for name, v in metrics.items()
+        # json_safe already turned non-finite floats into null; booleans are not values.
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(name) <= POINT_NAME_MAX
+    ]
+
+
+def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
+    """The report also goes to the trial's TensorBoard event file. Written here, on the login
+    side, rather than in the job: the trial then needs no TensorBoard install and writes nothing
+    more, and every way of reporting (Core API, Trainer, legacy harness) gets the same files."""
+    # Written before the tick's commit: a tick that rolls back re-ingests the event and the
+    # point is written twice, which TensorBoard shows as one point (same step, same value).
+    try:
+        tbevents.append(
+            ExpPaths(Path(exp.exp_dir)).trial_tensorboard(trial.id), ev.group, ev.steps_completed, ev.time, ev.metrics
+        )
+    except OSError as e:
+        # A full or read-only disk must not stop ingest: the metrics are in the store.
+        log.warning("trial %s: could not write its TensorBoard events: %s", trial.id, e)
 
 
 def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:

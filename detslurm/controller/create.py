@@ -11,7 +11,7 @@ import json
 import random
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from detslurm import context as ctxmod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
-from detslurm.expconf import ExperimentConfig, apply_overrides, parse_yaml, validate
+from detslurm.expconf import ExperimentConfig, apply_overrides, merge_config, parse_yaml, validate
+from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
 from detslurm.searcher.hparams import sample
@@ -41,6 +42,8 @@ class CreatePlan:
     bundle: ctxmod.ContextBundle
     test_mode: bool
     paused: bool
+    # Set by `det e fork`: the experiment this one was made from (Determined's parent id).
+    parent_id: int | None = None
 
     def describe(self) -> str:
         """The plan in words, as shell comments (the dry run's output stays a runnable script)."""
@@ -127,6 +130,7 @@ def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str
         state=(ExperimentState.PAUSED if plan.paused else ExperimentState.ACTIVE).value,
         progress=0.0,
         archived=False,
+        parent_id=plan.parent_id,
     )
     s.add(exp)
     # Flush for the id: the experiment dir is named after it.
@@ -162,6 +166,35 @@ def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
         raise
+
+
+def plan_fork(
+    settings: Settings,
+    store: Store,
+    exp_id: int,
+    scope: Scope,
+    overrides: Sequence[str],
+    staging: Path,
+    patch: Mapping[str, Any] | None = None,
+) -> CreatePlan:
+    """`det e fork`: a new experiment from an existing one's config (with ``overrides``) and the
+    very context it ran with, unpacked into ``staging`` (a temporary dir the caller removes)."""
+    from detslurm.views import get_experiment
+
+    with store.read() as s:
+        parent = get_experiment(s, exp_id, scope)
+        config, original = parent.config, parent.original_config
+        tarball = ExpPaths(Path(parent.exp_dir)).context
+    # The stored config already has the parent's --config overrides and defaults in it; the fork's
+    # own overrides go on top and the result is validated like any new config.
+    cfg = validate(apply_overrides(merge_config(config, patch or {}), overrides), default_storage(settings))
+    # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
+    # context has the parent's sha256, and the parent's dir is never shared with the child.
+    ctxmod.extract_as_packaged(tarball, staging)
+    bundle = ctxmod.package(staging)
+    return CreatePlan(
+        config=cfg, original_yaml=original, bundle=bundle, test_mode=False, paused=False, parent_id=exp_id
+    )
 
 
 class _DryRun(Exception):

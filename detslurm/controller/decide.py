@@ -100,6 +100,10 @@ def _record_exit(trial: Trial, run: TrialRun, status: JobStatus) -> ExitCause:
     run.exit_code = status.exit_code
     run.end_time = _now()
     cause = ExitCause.parse(run.exit_reason)
+    if cause == ExitCause.CANCELED_BY_DETSLURM and status.cause != ExitCause.CANCELED_BY_USER:
+        # `det e pause` marked this queued run before its `scancel --state=PENDING`, but the job had
+        # started by then (Slurm left it alone): it ended some other way, which is what counts.
+        cause = None
     if cause is None:
         cause = status.cause or (ExitCause.COMPLETED if status.exit_code == 0 else ExitCause.FAILED)
         if cause == ExitCause.CANCELED_BY_USER and trial.state == TrialState.STOPPING_KILLED:
@@ -137,10 +141,26 @@ def decide_exit(
     ok = status.exit_code == 0
     if trial.state in _STOPPING:
         _after_stop_request(session, exp, trial, ok, status.exit_code, searcher)
+    elif cause == ExitCause.CANCELED_BY_DETSLURM and status.cause == ExitCause.CANCELED_BY_USER:
+        # Our own scancel of a job still waiting in the queue (`det e pause`): nothing ran, so
+        # nothing is lost and no restart is spent; the trial resumes on `det e activate`.
+        note(session, trial.id, "queued job canceled at once: the experiment was paused before it started")
+        if exp.state == ExperimentState.PAUSED:
+            trial.state = TrialState.PAUSED
     elif status.cause == ExitCause.CANCELED_BY_USER:
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
         why = ExitCause.CANCELED_BY_USER.text
         finish_trial(session, exp, trial, TrialState.CANCELED, searcher, EXIT_USER_CANCELED, why)
+    elif cause == ExitCause.UNSCHEDULABLE:
+        # Never restarted: the same request would pend for the same reason forever.
+        # The executor's detail says why in words, with the scheduler's own code.
+        why = f"the job can never start: {status.detail or 'the scheduler refuses it'}; it was canceled"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
+    elif cause == ExitCause.IMAGE_UNAVAILABLE:
+        # Not retried: every restart would pull the same missing image (the runtime's own
+        # message is in the trial's logs, written by the batch shell).
+        why = f"{cause.text} (environment.image); not retried: the runtime's message is in the trial's logs"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
     elif cause == ExitCause.INVALID_HP:
         why = "trial reported invalid hyperparameters"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, EXIT_INVALID_HP, why)

@@ -45,6 +45,13 @@ class ExitCause(enum.Enum):
     SUBMIT_UNKNOWN = "submit unknown"
     # The trial itself reported invalid hyperparameters (Core API InvalidHP) before exiting.
     INVALID_HP = "invalid hyperparameters"
+    # The scheduler will never start the job as submitted (Slurm pends it for a reason that never
+    # clears: PartitionNodeLimit, InvalidAccount, ...). Ends the trial; a restart would only
+    # queue the same impossible job again.
+    UNSCHEDULABLE = "unschedulable"
+    # The container runtime could not provide the image (missing, unpullable, no python3): no
+    # trial code ran, and a new run would fail the same way, so the trial ends without retries.
+    IMAGE_UNAVAILABLE = "image unavailable"
 
     @property
     def text(self) -> str:
@@ -73,6 +80,8 @@ _TEXT = {
     ExitCause.LOST: "left the queue without an exit record",
     ExitCause.SUBMIT_UNKNOWN: "submission not confirmed by the scheduler",
     ExitCause.INVALID_HP: "reported invalid hyperparameters",
+    ExitCause.UNSCHEDULABLE: "can never start on this cluster (canceled)",
+    ExitCause.IMAGE_UNAVAILABLE: "the container runtime could not provide the image",
 }
 # Display strings stored by versions before the enum (TrialRun.exit_reason).
 _LEGACY = {

@@ -13,18 +13,22 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from detslurm.controller.executor import ExitCause
 from detslurm.controller.gc import checkpoint_dir
+from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
 from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
-from detslurm.store.models import Checkpoint, Experiment, ExperimentState, RunState, Trial, TrialState
+from detslurm.store.models import Checkpoint, Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 from detslurm.views import get_experiment, get_trial
 
 log = logging.getLogger("detslurm.ops")
@@ -34,10 +38,22 @@ def _get(s: Session, exp_id: int, scope: Scope | None) -> Experiment:
     return get_experiment(s, exp_id, scope or Scope.mine())
 
 
+def _driven(s: Session, exp_id: int, scope: Scope | None) -> Experiment:
+    """An experiment detslurm runs. A detached one (the user's own script, recorded through
+    core_v2) has no controller to carry out a state change: refused, saying what works."""
+    exp = _get(s, exp_id, scope)
+    if exp.executor == "detached":
+        raise StateError(
+            f"experiment {exp_id} is detached (your own script using core_v2): detslurm records it but does "
+            "not run it; stop its job with scancel, and requeue or rerun the script to continue it"
+        )
+    return exp
+
+
 def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Pause an active experiment (``scope`` None: the caller's own experiments)."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # Idempotent, as Determined's pause: a second `det e pause` (or a retry) is not an error.
         if st == ExperimentState.PAUSED:
@@ -52,7 +68,7 @@ def pause(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Resume a paused experiment; its owner's daemon (or local driver) submits its trials."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         if st == ExperimentState.ACTIVE:
             return
@@ -64,7 +80,7 @@ def activate(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Stop an experiment, letting its trials checkpoint first (Determined's cancel)."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # A cancel never downgrades a kill already in progress (a stopping state stays as it is).
         if st.is_terminal or st.is_stopping:
@@ -75,19 +91,86 @@ def cancel(store: Store, exp_id: int, scope: Scope | None = None) -> None:
 def kill(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Stop an experiment now: its jobs are cancelled without waiting for checkpoints."""
     with store.tx() as s:
-        exp = _get(s, exp_id, scope)
+        exp = _driven(s, exp_id, scope)
         st = exp.state
         # A kill does override a cancel in progress: the user wants it gone now, without waiting
         # for the checkpoints a cancel lets the trials write.
         if st.is_terminal or st == ExperimentState.STOPPING_KILLED:
             return
         exp.state = ExperimentState.STOPPING_KILLED
+        # The trials too, in this transaction (the next tick would do it): a job that `det e kill`
+        # cancels at once must read as our kill when the controller sees it end, not as an scancel
+        # from outside detslurm.
+        for t in exp.trials:
+            if not t.state.is_terminal:
+                t.state = TrialState.STOPPING_KILLED
+
+
+class Canceller(Protocol):
+    """What `det e kill/pause` needs from the executor to reach queued jobs at once."""
+
+    def kill_many(self, job_ids: Sequence[str]) -> None: ...
+
+    def cancel_pending(self, job_ids: Sequence[str]) -> None: ...
+
+
+def kill_jobs_now(
+    store: Store, exp_id: int, canceller: Canceller, scope: Scope | None = None, trial_id: int | None = None
+) -> list[str]:
+    """After :func:`kill` (or :func:`kill_trial`, given ``trial_id``): cancel the live jobs of
+    the killed trials now, in one call, instead of waiting for the next tick. Only the owner's
+    process touches the jobs (root's --all-users changes rows; the owner's daemon cancels)."""
+    with store.read() as s:
+        exp = _get(s, exp_id, scope)
+        if exp.owner != os_user():
+            return []
+        # Only trials marked killed: a kill that found the trial already ended leaves nothing to do.
+        killed = [t for t in exp.trials if t.state == TrialState.STOPPING_KILLED and trial_id in (None, t.id)]
+        jobs = [r.job_id for t in killed for r in t.runs if r.state in ACTIVE_RUN and r.job_id]
+    if jobs:
+        canceller.kill_many(jobs)
+    return jobs
+
+
+def cancel_queued_now(store: Store, exp_id: int, canceller: Canceller, scope: Scope | None = None) -> list[str]:
+    """After :func:`pause`: jobs still waiting in the queue are canceled at once (Determined
+    kills an allocation that has not started yet); running ones get the control file at the next
+    tick and checkpoint. The runs are marked first, so the controller reads their end as this
+    pause (no restart spent) and not as someone's scancel."""
+    with store.tx() as s:
+        exp = _get(s, exp_id, scope)
+        if exp.owner != os_user() or exp.state != ExperimentState.PAUSED:
+            return []
+        runs = [r for t in exp.trials for r in t.runs if r.state == RunState.QUEUED and r.job_id]
+        for r in runs:
+            r.exit_reason = ExitCause.CANCELED_BY_DETSLURM.value
+        jobs = [str(r.job_id) for r in runs]
+    if not jobs:
+        return []
+    try:
+        # --state=PENDING on Slurm's side: a job that started since the last poll is left alone,
+        # and it sees the pause in its control file instead.
+        canceller.cancel_pending(jobs)
+    except Exception:
+        _unmark(store, jobs)
+        raise
+    return jobs
+
+
+def _unmark(store: Store, jobs: list[str]) -> None:
+    """The cancel did not reach Slurm: the runs are ordinary queued runs again."""
+    with store.tx() as s:
+        q = select(TrialRun).where(TrialRun.job_id.in_(jobs)).where(TrialRun.state == RunState.QUEUED)
+        for r in s.scalars(q):
+            if r.exit_reason == ExitCause.CANCELED_BY_DETSLURM.value:
+                r.exit_reason = None
 
 
 def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
     """Stop one trial now; the searcher sees it as ended early."""
     with store.tx() as s:
         t: Trial = get_trial(s, trial_id, scope or Scope.mine())
+        _driven(s, t.experiment_id, scope)
         if t.state.is_terminal:
             return
         t.state = TrialState.STOPPING_KILLED
@@ -117,10 +200,10 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
     for path in [*doomed, exp_dir]:
-        _remove_own_dir(path)
+        remove_own_dir(path)
 
 
-def _remove_own_dir(path: Path) -> None:
+def remove_own_dir(path: Path) -> None:
     """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
     which other users of a shared database can write (review C3): a symlink, or a directory
     someone else owns, is left alone."""

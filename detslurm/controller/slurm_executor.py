@@ -23,10 +23,16 @@ from detslurm.controller.executor import (
     SchedulerUnavailable,
     SubmitUnknown,
 )
-from detslurm.protocol import ExpPaths, exit_outcome, exit_record_of
+from detslurm.expconf import ExperimentConfig
+from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
+from detslurm.queue import DEFAULT_PRIORITY
+from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
-from detslurm.slurm.parse import AccountedJob, QueuedJob, experiment_tag
-from detslurm.slurm.render import ArrayTask, Identity, SbatchRequest, plan_array, plan_trial_run
+from detslurm.slurm.containers import Runtime
+from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
+from detslurm.slurm.reasons import pending_reason
+from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
+from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 
@@ -101,6 +107,8 @@ class SlurmExecutor:
         # default limits stand in for the site's.
         self.offline = offline
         self.last_queue: dict[str, QueuedJob] = {}
+        # Why refusals() checked nothing (offline, Slurm out of reach), for the dry run to say.
+        self.unchecked: Optional[str] = None
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
 
     def capacity(self) -> Optional[int]:
@@ -134,6 +142,8 @@ class SlurmExecutor:
             run_dir=str(spec.run_dir),
             log_path=str(spec.log_path),
             python=self.site.python or sys.executable,
+            container=self._container_paths(spec),
+            may_raise_priority=self._may_raise_priority(spec.config),
         )
         return Submission(req, (spec,))
 
@@ -150,8 +160,27 @@ class SlurmExecutor:
             links_dir=str(links),
             log_name=first.log_path.name,
             python=self.site.python or sys.executable,
+            container=self._container_paths(first),
+            may_raise_priority=self._may_raise_priority(first.config),
         )
         return Submission(req, tuple(specs), links)
+
+    def _container_paths(self, spec: RunSpec) -> Optional[ContainerPaths]:
+        """Host paths a container trial needs (None when it runs no container). The in-job
+        library's path is content-addressed: computing it only stats files; execute() makes it."""
+        if not spec.config.environment.image or self.site.container_runtime == Runtime.NONE:
+            return None
+        lib = container_lib.lib_dir(ExpPaths(spec.exp_dir).container_lib)
+        return ContainerPaths(exp_dir=str(spec.exp_dir), lib_dir=str(lib))
+
+    def _may_raise_priority(self, config: ExperimentConfig) -> bool:
+        # Asked only for a priority above the default (a negative nice), so an ordinary config
+        # costs no Slurm call; offline (a dry run) there is no Slurm to ask, and the plan shows
+        # what an ordinary user gets.
+        priority = config.resources.priority
+        if priority is None or priority >= DEFAULT_PRIORITY or self.offline:
+            return False
+        return self.client.may_raise_priority()
 
     def _chunks(self, order: list[RunSpec]) -> list[list[RunSpec]]:
         """Split specs (sorted by trial) so that task ids stay below MaxArraySize and scripts
@@ -177,6 +206,59 @@ class SlurmExecutor:
                 raise
             return SLURM_DEFAULT_MAX_ARRAY_SIZE
 
+    # -- refuse what can never run ----------------------------------------------------------
+    def refusals(self, subs: Sequence[Submission]) -> list[Refusal]:
+        """Why the planned jobs could never run here ([] when they may): the shape checked
+        against the partitions and nodes (two queries), then ``sbatch --test-only`` once per
+        distinct job shape. A 256-trial grid is one shape: the trials differ only in identity,
+        paths and environment, none of which slurmctld's admission depends on, so one test
+        answers for all of them. Offline (a dry run with no Slurm in reach) nothing is checked."""
+        try:
+            partitions, nodes = self.client.partitions(), self._nodes()
+        except (SlurmCommandError, SlurmUnavailable) as e:
+            if not self.offline:
+                raise
+            self.unchecked = str(e)
+            return []
+        out: list[Refusal] = []
+        tested: set[tuple[str, ...]] = set()
+        for sub in subs:
+            key = _shape_key(sub.request.args)
+            if key in tested:
+                continue
+            tested.add(key)
+            found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
+            out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
+        return out
+
+    def _nodes(self) -> list[NodeInfo]:
+        """The nodes for the size checks, or none where ``sinfo --json`` is missing (a Slurm
+        built without its JSON plugins): sbatch --test-only then judges the size alone."""
+        try:
+            return self.client.nodes()
+        except SlurmParseError:
+            return []
+        except SlurmCommandError as e:
+            if e.unreachable:
+                raise
+            return []
+
+    def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
+        """sbatch's verdict where our own check found nothing (its message for a request that
+        is too big, "Requested node configuration is not available", says less than ours), or
+        only a partition we could not see: scontrol hides Hidden partitions, which sbatch
+        still takes, so our "no such partition" stands only if sbatch refuses too."""
+        if any(r.kind is not RefusalKind.NO_PARTITION for r in found):
+            return found
+        message = self.client.sbatch_test_only(sub.request.args, sub.request.script)
+        if message is None:
+            return []
+        if found:
+            return found  # our message names the site config's pool; sbatch's would not
+        config = sub.specs[0].config
+        where = f"{CONFIG}.slurm.sbatch_args" if config.slurm.sbatch_args else f"{CONFIG}.resources"
+        return [Refusal(RefusalKind.SBATCH, where, f"sbatch --test-only refused the job: {message}")]
+
     # -- execute ----------------------------------------------------------------------------
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
         """Execute the plan. Returns each spec's job id (``ARRAY_TASK`` for array tasks), or
@@ -198,6 +280,12 @@ class SlurmExecutor:
         """Make the dirs the job writes to, then one sbatch; returns Slurm's job id."""
         for spec in sub.specs:
             spec.run_dir.mkdir(parents=True, exist_ok=True)
+        paths = self._container_paths(sub.specs[0])
+        if paths is not None:
+            container_lib.ensure_lib(Path(paths.lib_dir))
+            # A runtime refuses to bind a host path that does not exist yet; a base detslurm
+            # creates is private, as the Core API would have made it.
+            Path(sub.specs[0].config.storage_base).mkdir(mode=0o700, parents=True, exist_ok=True)
         if sub.links_dir is not None:
             if sub.links_dir.exists():  # left by a controller that died before this submission
                 shutil.rmtree(sub.links_dir)
@@ -240,7 +328,23 @@ class SlurmExecutor:
         self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
         gone = [j for j in jobs if j not in self.last_queue]
         accounted = self._sacct(gone)
-        return {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        out = {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
+        return self._cancel_unschedulable(out)
+
+    def _cancel_unschedulable(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
+        """Jobs that wait for a reason that never clears are cancelled, and only then reported
+        ended: a trial ended while its job stayed queued could start later, unwatched. If the
+        scancel fails they stay QUEUED (with their reason) and the next tick tries again."""
+        doomed = [j for j, st in statuses.items() if st.cause == ExitCause.UNSCHEDULABLE]
+        if not doomed:
+            return statuses
+        try:
+            self.kill_many(doomed)
+        except (SlurmCommandError, SlurmUnavailable):
+            # Queued as before, with Slurm's code as the detail (the queue's own record of it).
+            waiting = {j: JobStatus(JobState.QUEUED, detail=self.last_queue[j].reason) for j in doomed}
+            return {**statuses, **waiting}
+        return statuses
 
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
         """Final states of jobs that left the queue, where slurmdbd keeps them. A failing sacct
@@ -256,19 +360,29 @@ class SlurmExecutor:
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
-        code = _exit_code(run_dir)
+        record = exit_outcome(exit_record_of(run_dir))
+        # The code the batch shell recorded, or None (no record, or one we cannot read: what a
+        # trial leaves in its run dir is never trusted to parse).
+        code = record.code
+        image = code is not None and record.source == IMAGE_SOURCE
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
-            return _ended(acct.state, code if code is not None else acct.exit_code)
+            return _ended(acct.state, code if code is not None else acct.exit_code, image)
         if q is None:
             if code is not None:
-                return _ended(None, code)
+                return _ended(None, code, image)
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
         state = JOB_STATE[q.state]
         if state == JobState.EXITED:
-            return _ended(q.state, code)
+            return _ended(q.state, code, image)
         if state == JobState.QUEUED:
-            return JobStatus(JobState.QUEUED, detail=None if q.reason in _NO_REASON else q.reason)
+            reason = None if q.reason in _NO_REASON else q.reason
+            why = pending_reason(reason)
+            if reason is not None and why.permanent:
+                # Waiting cannot help (PartitionNodeLimit, InvalidAccount, ...): the run ends now,
+                # with Slurm's reason in words as its detail, and poll() cancels the job.
+                return JobStatus(JobState.EXITED, None, ExitCause.UNSCHEDULABLE, f"{why.words} ({why.code})")
+            return JobStatus(JobState.QUEUED, detail=reason)
         return JobStatus(JobState.RUNNING)
 
     # -- control ----------------------------------------------------------------------------
@@ -278,15 +392,28 @@ class SlurmExecutor:
         name = sigmod.Signals(signum).name.removeprefix("SIG")
         self.client.scancel(job_id, signal=name, batch_too=True)
 
-    def kill_many(self, job_ids: Sequence[str]) -> None:
+    def cancel_pending(self, job_ids: Sequence[str]) -> None:
+        """Cancel those of these jobs that are still waiting in the queue (`det e pause`)."""
+        self.kill_many(job_ids, pending_only=True)
+
+    def kill_many(self, job_ids: Sequence[str], pending_only: bool = False) -> None:
         for i in range(0, len(job_ids), 500):  # bounded command lines
             try:
-                self.client.scancel(job_ids[i : i + 500])
+                self.client.scancel(job_ids[i : i + 500], pending_only=pending_only)
             except SlurmCommandError as e:
                 # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
                 ended = ("Invalid job id", "already completing or completed")
                 if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
                     raise
+
+
+# Options that name one job (identity, logs, dirs, array indices), not what it asks of the cluster.
+_PER_JOB = ("--job-name=", "--comment=", "--output=", "--chdir=", "--array=")
+
+
+def _shape_key(args: Sequence[str]) -> tuple[str, ...]:
+    """What slurmctld's admission of a job depends on: its options minus the per-job ones."""
+    return tuple(a for a in args if not a.startswith(_PER_JOB))
 
 
 def _classify(e: Exception) -> Exception:
@@ -297,16 +424,14 @@ def _classify(e: Exception) -> Exception:
     return e
 
 
-def _exit_code(run_dir: Path) -> Optional[int]:
-    """The code the batch shell recorded, or None (no record, or one we cannot read: what a
-    trial leaves in its run dir is never trusted to parse)."""
-    return exit_outcome(exit_record_of(run_dir)).code
-
-
-def _ended(state: Optional[SlurmState], code: Optional[int]) -> JobStatus:
+def _ended(state: Optional[SlurmState], code: Optional[int], image_failed: bool = False) -> JobStatus:
     """A finished job: Slurm's final state says why, the run's own record gives the code."""
     cause = EXIT_CAUSE.get(state) if state is not None else None
     if cause is None or cause == ExitCause.COMPLETED:
         cause = ExitCause.COMPLETED if code == 0 else ExitCause.FAILED
+    if image_failed and code != 0 and cause == ExitCause.FAILED:
+        # Not the trial's failure (no trial code ran), and one the next run would repeat; a
+        # preemption or node failure meanwhile keeps its own cause and is retried as usual.
+        cause = ExitCause.IMAGE_UNAVAILABLE
     detail = state.value if state is not None and state != SlurmState.COMPLETED else None
     return JobStatus(JobState.EXITED, code, cause, detail)

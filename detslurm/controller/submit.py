@@ -16,7 +16,7 @@ from detslurm.controller.config import stored_config
 from detslurm.controller.executor import RunSpec
 from detslurm.protocol import ExpPaths, trial_env
 from detslurm.protocol.secret import SECRET_FILE_ENV, SECRET_FILE_NAME
-from detslurm.store.models import Experiment, Metric, RunState, Trial, TrialRun, TrialState
+from detslurm.store.models import Experiment, Metric, MetricPoint, RunState, Trial, TrialRun, TrialState
 
 # PENDING counts as active: a run whose submission reply was lost may exist in Slurm already,
 # and a second run beside it would train the trial twice; the controller first looks for the
@@ -53,12 +53,13 @@ def new_run(s: Session, exp: Experiment, t: Trial, executor_kind: str) -> TrialR
         # Rows past the checkpoint we resume from would be reported again: archive them so
         # no step is counted twice.
         resume_at = t.steps_completed if t.latest_checkpoint else 0
-        s.execute(
-            update(Metric)
-            .where(Metric.trial_id == t.id)
-            .where(Metric.steps_completed > resume_at)
-            .values(archived=True)
-        )
+        for table in (Metric, MetricPoint):
+            s.execute(
+                update(table)
+                .where(table.trial_id == t.id)
+                .where(table.steps_completed > resume_at)
+                .values(archived=True)
+            )
     return run
 
 

@@ -78,6 +78,8 @@ class Context:
 
     def close(self, exc: BaseException | None = None) -> None:
         self.preempt.close()
+        # AUTO mode: what the chief wrote since the last periodic upload (the end of training).
+        self.train.final_tensorboard_upload()
         try:
             # Flushed before the sockets close: the controller reads this file after the process ends,
             # and the last reports (a final checkpoint) must be in it.
@@ -188,7 +190,7 @@ def init(
         writer.emit(PreemptAck(signal_time=preempt.signal_time))
         writer.flush()
 
-    preempt = PreemptContext(dist, paths.control, ack, preempt_mode)
+    preempt = PreemptContext(dist, paths.control, ack, preempt_mode, signals_path=paths.signals)
     config = info.trial._config
     base = _storage_base(checkpoint_storage, info.checkpoint_base)
     units = _units(config)
@@ -205,6 +207,8 @@ def init(
         info=info,
         searcher=searcher,
         preempt=preempt,
-        train=TrainContext(writer, info.trial._trial_run_id, paths),
+        train=TrainContext(
+            writer, info.trial._trial_run_id, paths, rank=dist.rank, tb_auto=tensorboard_mode == TensorboardMode.AUTO
+        ),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
     )

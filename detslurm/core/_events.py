@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,12 +47,17 @@ class EventWriter:
             raise RuntimeError(f"writing trial events to {self.path} failed: {err}") from err
         self._q.put((event, None))
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until everything queued so far is on disk; ``timeout_s`` bounds the wait (a hung
+        filesystem must not hang a script that is exiting) and raises RuntimeError past it."""
         done = threading.Event()
         self._q.put((None, done))
-        while not done.wait(1.0):
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done.wait(1.0 if timeout_s is None else min(1.0, timeout_s)):
             if not self._thread.is_alive():
                 raise RuntimeError("the trial event writer thread died")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"writing trial events to {self.path} did not finish in {timeout_s:.0f} s")
         if self._error is not None:
             raise RuntimeError(f"writing trial events to {self.path} failed: {self._error}")
 
@@ -102,12 +108,14 @@ class EventWriter:
             for w in waiters:
                 w.set()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Write what is queued and stop the thread, waiting at most ``timeout_s`` (the thread
+        is a daemon: one stuck on a hung filesystem never keeps the process alive)."""
         if self._closed:
             return
         self._closed = True
         self._q.put(None)
-        self._thread.join(timeout=60)
+        self._thread.join(timeout=timeout_s)
 
 
 class NullWriter:
@@ -119,8 +127,8 @@ class NullWriter:
     def emit(self, event: Event) -> None:
         self.events.append(event)
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: float | None = None) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 0.0) -> None:
         pass

@@ -72,9 +72,19 @@ class PreemptContext:
         control_path: Path | None,
         ack: Callable[[], None],
         mode: PreemptMode = PreemptMode.WorkersAskChief,
+        signals_path: Path | None = None,
+        lazy_signals: bool = False,
     ) -> None:
         self._dist = dist
+        # Detached scripts (core_v2 in the user's own job): signal handlers only once the script
+        # asks should_preempt(). One that never asks cannot act on the flag, and swallowing
+        # SIGTERM would only keep it alive until Slurm's SIGKILL (KillWait) instead of ending now.
+        self._lazy_signals = lazy_signals
         self._control = control_path
+        # The batch shell appends every signal it gets (TERM, the warning signal) to this file.
+        # Read as a preemption too: in a container the signal itself may never arrive (Slurm's
+        # SIGTERM also kills the helper `podman run` starts to pass it on), the shared run dir does.
+        self._signals = signals_path
         self._ack = ack
         self.mode = mode
         self._flag = threading.Event()
@@ -99,9 +109,15 @@ class PreemptContext:
         if watch:
             self._thread = threading.Thread(target=self._watch, name="detslurm-preempt", daemon=True)
             self._thread.start()
-        if threading.current_thread() is threading.main_thread():
-            for sig in preempt_signals():
-                self._old[sig] = signal.signal(sig, self._on_signal)
+        if not self._lazy_signals:
+            self._install_handlers()
+
+    def _install_handlers(self) -> None:
+        # Never after close() (it restored the old handlers), never twice, only where Python allows.
+        if self._old or self._stop.is_set() or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in preempt_signals():
+            self._old[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs between two bytecodes of the main thread: no locks, no I/O (module docstring).
@@ -121,6 +137,10 @@ class PreemptContext:
     def _watch(self) -> None:
         assert self._control is not None
         while not self._stop.wait(POLL_S):
+            if self._signals is not None and _has_content(self._signals):
+                self.reason = "preempt"
+                self._flag.set()
+                return
             try:
                 record = ControlRecord.read(self._control)
             except BadRecord:
@@ -146,6 +166,8 @@ class PreemptContext:
             raise RuntimeError("should_preempt() must be called inside `with core.init() as ctx:`")
         if self.mode == PreemptMode.ChiefOnly and self._dist.rank != 0:
             raise RuntimeError("should_preempt() in ChiefOnly mode may only be called by the chief")
+        if self._lazy_signals and self._control is not None:
+            self._install_handlers()
         if self.mode == PreemptMode.WorkersAskChief:
             answer = bool(self._dist.broadcast(self._local_answer()))
         else:
@@ -158,6 +180,13 @@ class PreemptContext:
         if not self._acked:
             self._acked = True
             self._ack()
+
+
+def _has_content(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 class DummyPreemptContext(PreemptContext):

@@ -6,7 +6,10 @@ import enum
 import json
 import logging
 import math
+import shutil
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +19,9 @@ from detslurm.protocol.records import read_record
 from detslurm.util import atomic_write_json
 
 log = logging.getLogger("detslurm.core")
+# AUTO mode uploads the chief's TensorBoard files after a report at most this often: a scan of
+# the dir per report would cost more than the report itself on a shared filesystem.
+TB_AUTO_INTERVAL_S = 10.0
 
 
 # The event sink: the rank's event file on a cluster, a null writer off it. A Protocol so
@@ -32,10 +38,21 @@ class EarlyExitReason(enum.Enum):
 
 
 class TrainContext:
-    def __init__(self, writer: Writer, run_id: int, paths: RunPaths | None = None) -> None:
+    def __init__(
+        self, writer: Writer, run_id: int, paths: RunPaths | None = None, *, rank: int = 0, tb_auto: bool = False
+    ) -> None:
         self._w = writer
         self._run_id = run_id
         self._paths = paths  # None off-cluster
+        self._rank = rank
+        # TensorboardMode.AUTO: the chief uploads its TensorBoard files after every report, as
+        # Determined does; MANUAL leaves it to upload_tensorboard_files().
+        self._tb_auto = tb_auto and rank == 0
+        self._tb_copied: dict[Path, int] = {}
+        # Set once user code asked for its TensorBoard path: until then there is nothing to upload,
+        # and a report costs no filesystem call (report_training_metrics is on the hot path).
+        self._tb_used = False
+        self._tb_last = 0.0
 
     def _metrics(
         self,
@@ -56,6 +73,8 @@ class TrainContext:
                 batch_metrics=None if batch_metrics is None else list(batch_metrics),
             )
         )
+        if self._tb_auto and self._tb_used and time.monotonic() - self._tb_last >= TB_AUTO_INTERVAL_S:
+            self.upload_tensorboard_files()
 
     def report_training_metrics(
         self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
@@ -117,9 +136,59 @@ class TrainContext:
         return md if isinstance(md, dict) else None
 
     def get_tensorboard_path(self) -> Path:
-        return self._paths.tensorboard if self._paths is not None else Path("tensorboard")
+        """Where this rank may write TensorBoard files (its own dir in the run dir; Determined's
+        is a local path per rank). Metrics reported through this API need not be written there:
+        the controller writes them to the trial's event file itself."""
+        if self._paths is None:
+            return Path("tensorboard")
+        path = self._paths.tensorboard / f"rank-{self._rank}"
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._tb_used = True
+        return path
 
-    def upload_tensorboard_files(self, *args: Any, **kwargs: Any) -> None:
-        # No upload: the files are already on the shared filesystem, where Determined's upload
-        # would have put them.
-        log.debug("tensorboard files stay in %s", self.get_tensorboard_path())
+    def upload_tensorboard_files(
+        self,
+        selector: Callable[[Path], bool] = lambda _: True,
+        mangler: Callable[[Path, int], Path] = lambda p, __: p,
+    ) -> None:
+        """Copy the files under :meth:`get_tensorboard_path` that ``selector`` accepts into the
+        trial's TensorBoard dir (where `det tensorboard` looks), each at ``mangler(relative path,
+        rank)``, as Determined uploads them to checkpoint storage. Only what grew since the last
+        call is copied (event files are append-only)."""
+        if self._paths is None:
+            return  # off-cluster, as Determined's dummy context: nothing to upload to
+        self._tb_last = time.monotonic()
+        src_root = self.get_tensorboard_path()
+        dst_root = self._paths.exp.trial_tensorboard(self._paths.trial_id)
+        for src in sorted(p for p in src_root.rglob("*") if p.is_file()):
+            if not selector(src):
+                continue
+            rel = Path(mangler(src.relative_to(src_root), self._rank))
+            if rel.is_absolute() or ".." in rel.parts:
+                raise ValueError(f"upload_tensorboard_files: the mangler returned {rel}, which leaves the trial's dir")
+            self._copy_new_bytes(src, dst_root / rel)
+
+    def final_tensorboard_upload(self) -> None:
+        """At close, in AUTO mode: upload what the chief wrote since the last upload. A failure is
+        logged, not raised: the trial's own result must not depend on its TensorBoard files."""
+        if not (self._tb_auto and self._tb_used):
+            return
+        try:
+            self.upload_tensorboard_files()
+        except (OSError, ValueError) as e:
+            log.warning("could not upload the TensorBoard files: %s", e)
+
+    def _copy_new_bytes(self, src: Path, dst: Path) -> None:
+        size = src.stat().st_size
+        done = self._tb_copied.get(src, 0)
+        if size == done:
+            return
+        if size < done:  # the file was rewritten, not appended to: copy it whole
+            done = 0
+        dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(src, "rb") as fin, open(dst, "r+b" if done and dst.exists() else "wb") as fout:
+            fin.seek(done)
+            fout.seek(done)
+            shutil.copyfileobj(fin, fout)
+            fout.truncate()
+        self._tb_copied[src] = size

@@ -31,6 +31,7 @@ from detslurm.exec.workdir import Workdir, WorkdirError
 from detslurm.protocol import (
     BadRecord,
     ControlRecord,
+    IN_CONTAINER_ENV,
     ExitRecord,
     NotARunDir,
     RunPaths,
@@ -83,7 +84,9 @@ def child_env(env: dict[str, str], workdir: Path) -> dict[str, str]:
     # `python3` in an entrypoint must be this interpreter (the one that has detslurm).
     out["PATH"] = bindir + os.pathsep + out.get("PATH", os.defpath)
     paths = [str(workdir)]
-    if not _has_real_determined():
+    # In a container detslurm comes from the host (slurm/containers.py): an image's own
+    # `determined` would look for a master that does not exist, so the shim goes first there.
+    if env.get(IN_CONTAINER_ENV) or not _has_real_determined():
         paths.append(str(COMPAT_DIR))
     if out.get("PYTHONPATH"):
         paths.append(out["PYTHONPATH"])

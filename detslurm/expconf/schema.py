@@ -181,8 +181,9 @@ StorageConfig = Union[SharedFSStorage, DirectoryStorage]
 STORAGES: dict[str, type[Strict]] = {"shared_fs": SharedFSStorage, "directory": DirectoryStorage}
 
 
-# Only environment_variables is applied (exported in the sbatch script); image, registry_auth,
-# ports, capabilities and pod_spec are container settings kept so Determined configs validate.
+# environment_variables are exported in the sbatch script; image, force_pull_image and
+# registry_auth are applied by the site's container runtime (slurm/containers.py); ports,
+# capabilities and pod_spec are kept so Determined configs validate (warned about at create).
 class Environment(Strict):
     image: str | dict[str, str] | None = None
     environment_variables: list[str] | dict[str, list[str]] = Field(default_factory=list)
@@ -202,8 +203,8 @@ class Environment(Strict):
         return dict(item.partition("=")[::2] for item in items)
 
 
-# Not applied (no container runtime is wired into the script, so nothing is mounted), but checked
-# with Determined's messages so a config that works there is not silently different here.
+# Mounted into the trial's container (slurm/containers.py); without one there is nothing to mount.
+# Checked with Determined's messages so a config that works there is not silently different here.
 class BindMount(Strict):
     host_path: str
     container_path: str

@@ -46,7 +46,7 @@ from detslurm.protocol.events import (
 
 # Both sides compute every path from here: a file named differently on one side would leave the
 # controller waiting for something the trial wrote elsewhere.
-from detslurm.protocol.paths import NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
+from detslurm.protocol.paths import IN_CONTAINER_ENV, NODE_TMPDIR_ENV, ExpPaths, NotARunDir, RunPaths, exit_record_of
 
 # Bounded, exactly-once reading of event files from a byte offset the store commits with the rows.
 from detslurm.protocol.reader import Batch, Line, read_lines
@@ -55,6 +55,8 @@ from detslurm.protocol.reader import Batch, Line, read_lines
 # exit records the other, each read with a size bound.
 from detslurm.protocol.records import (
     BATCH_EXIT_PRINTF,
+    IMAGE_EXIT_PRINTF,
+    IMAGE_SOURCE,
     BestValidation,
     ControlRecord,
     ExitOutcome,
@@ -67,7 +69,10 @@ from detslurm.protocol.records import (
 # side and the in-job side from importing each other around it.
 __all__ = [
     "BATCH_EXIT_PRINTF",
+    "IMAGE_EXIT_PRINTF",
+    "IMAGE_SOURCE",
     "NODE_TMPDIR_ENV",
+    "IN_CONTAINER_ENV",
     "Alert",
     "BadEvent",
     "BadRecord",

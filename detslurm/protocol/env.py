@@ -80,6 +80,24 @@ class ClusterInfo:
         return RunPaths(self.exp_dir, self.trial.trial_id, self.trial._trial_run_id)
 
 
+# registry_auth fields a trial may see: who, and where. The rest (password, auth, identitytoken,
+# registrytoken) is for the container runtime's pull only.
+_AUTH_PUBLIC = frozenset({"username", "serveraddress", "email"})
+REDACTED = "********"
+
+
+def redact_config(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` as a trial sees it: registry credentials masked. The trial never needs them, and
+    its environment reaches places the password must not (the image's code, ``env`` dumps in
+    logs, Slurm's stored job environment where a site keeps it for sacct)."""
+    env = config.get("environment")
+    auth = env.get("registry_auth") if isinstance(env, dict) else None
+    if not isinstance(env, dict) or not isinstance(auth, dict):
+        return config
+    masked = {k: (v if k in _AUTH_PUBLIC else REDACTED) for k, v in auth.items()}
+    return {**config, "environment": {**env, "registry_auth": masked}}
+
+
 def trial_env(
     *,
     experiment_id: int,
@@ -114,7 +132,7 @@ def trial_env(
         "DET_TRIAL_RUN_ID": str(run_id),
         "DET_TRIAL_SEED": str(seed),
         "DET_HPARAMS": json.dumps(hparams),
-        "DET_EXPERIMENT_CONFIG": json.dumps(config),
+        "DET_EXPERIMENT_CONFIG": json.dumps(redact_config(config)),
         "DET_LATEST_CHECKPOINT": latest_checkpoint or "",
         "DET_STEPS_COMPLETED": str(steps_completed),
         "DET_RESOURCES_TYPE": resources_type,

@@ -68,6 +68,11 @@ class ExpPaths:
     def arrays(self) -> Path:
         return self.root / "arrays"
 
+    @property
+    # The in-job library container trials import detslurm from (slurm/container_lib.py).
+    def container_lib(self) -> Path:
+        return self.root / "container-lib"
+
     def array_links(self, trial_id: int, run_id: int) -> Path:
         """The dir of symlinks (task index -> run dir) that one job array runs in."""
         return self.arrays / f"t{trial_id}-r{run_id}"
@@ -75,6 +80,11 @@ class ExpPaths:
     # Named by store ids only, never by user strings: nothing a user writes can shape a path.
     def trial_dir(self, trial_id: int) -> Path:
         return self.root / "trials" / str(trial_id)
+
+    def trial_tensorboard(self, trial_id: int) -> Path:
+        """The trial's TensorBoard dir: the controller's metric event files and whatever the
+        trial uploads (``upload_tensorboard_files``); `det tensorboard start` reads it."""
+        return self.trial_dir(trial_id) / "tensorboard"
 
     def ops_file(self, trial_id: int) -> Path:
         return self.trial_dir(trial_id) / SEARCHER_OPS
@@ -210,3 +220,6 @@ def exit_record_of(run_dir: Path) -> Path:
 # The site config's node_tmpdir, expanded by the batch shell, reaches each node's launcher in
 # this variable; the launcher makes its private working dir below it (detslurm/exec/workdir.py).
 NODE_TMPDIR_ENV = "DETSLURM_NODE_TMPDIR"
+# Set by the container command line (slurm/containers.py) to the runtime's name: the launcher
+# runs inside an image, with detslurm bind-mounted from the host.
+IN_CONTAINER_ENV = "DETSLURM_IN_CONTAINER"

@@ -9,6 +9,8 @@ most ``MAX_RECORD_BYTES`` and turn anything malformed into :class:`BadRecord`.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,23 @@ MAX_RECORD_BYTES = 64 * 1024
 # The batch shell's printf format for the exit record (code, then job id). It is rendered into
 # the sbatch script by render.py, so ExitRecord.decode and the shell cannot disagree.
 BATCH_EXIT_PRINTF = '{"v": 1, "code": %d, "source": "batch", "job": "%s"}\\n'
+# The same, written when the container runtime could not provide the run's image (fetch or start
+# failed before any trial code ran): the controller ends the trial without retrying it, since
+# the next run would fail the same way.
+IMAGE_SOURCE = "image"
+IMAGE_EXIT_PRINTF = '{"v": 1, "code": %d, "source": "image", "job": "%s"}\\n'
 
 
 def read_record(path: Path) -> Any:
     """The JSON value in ``path``; None when the file does not exist. Bounded: a file larger
     than MAX_RECORD_BYTES, non-UTF-8 bytes or bad JSON raise BadRecord."""
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO put where a record belongs (by a trial, or a link to one) must not
+        # block the reader, which is the daemon serving every experiment; only files are read.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise BadRecord(f"{path.name} is not a regular file")
             # One byte over the limit is enough to know the file is too large, without reading it.
             data = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
@@ -103,6 +115,7 @@ class ExitOutcome:
     present: bool
     code: int | None = None
     problem: str | None = None
+    source: str | None = None
 
 
 def exit_outcome(path: Path) -> ExitOutcome:
@@ -112,7 +125,7 @@ def exit_outcome(path: Path) -> ExitOutcome:
         record = ExitRecord.read(path)
     except BadRecord as e:
         return ExitOutcome(True, None, e.reason)
-    return ExitOutcome(False) if record is None else ExitOutcome(True, record.code)
+    return ExitOutcome(False) if record is None else ExitOutcome(True, record.code, source=record.source)
 
 
 @dataclass(frozen=True)

@@ -350,7 +350,12 @@ class PyTorchTrialContext:
         )
 
     def get_tensorboard_path(self) -> Any:
-        raise NotImplementedError("context.get_tensorboard_path() is not supported by detslurm")
+        """Where this rank may write its own TensorBoard files (the Core API's path); the chief's
+        are uploaded into the trial's TensorBoard dir, where `det tensorboard` shows them. The
+        Trainer's reported metrics need nothing here: the controller writes them itself."""
+        if self._core is None:
+            raise NotImplementedError("context.get_tensorboard_path() needs a trial context (det.pytorch.init())")
+        return self._core.train.get_tensorboard_path()
 
 
 class CheckpointLoadContext(PyTorchTrialContext):

@@ -252,7 +252,7 @@ class Trainer:
             self._step_schedulers(LRScheduler.StepMode.STEP_EVERY_BATCH)
         if not isinstance(metrics, dict):
             raise TypeError(f"train_batch() must return a dict of metrics, not {type(metrics).__name__}")
-        return {k: scalar(v) for k, v in metrics.items()}
+        return {k: _detached(v) for k, v in metrics.items()}
 
     def _step_schedulers(self, mode: LRScheduler.StepMode) -> None:
         for s in self.context.lr_schedulers:
@@ -312,6 +312,7 @@ class Trainer:
     def _report_training(self, pending: list[dict[str, Any]]) -> None:
         if not pending:
             return
+        _to_numbers(pending)
         keys = set().union(*(m.keys() for m in pending))
         mine = {k: reduce_values([m[k] for m in pending if k in m], Reducer.AVG) for k in keys}
         dist = self.context.distributed
@@ -501,3 +502,27 @@ class Trainer:
         self._best = trial_state.get("best")
         self._last_ckpt_at = self.batches_trained
         log.info("resumed from checkpoint %s at batch %d", storage_id, self.batches_trained)
+
+
+def _detached(v: Any) -> Any:
+    """A batch's metric kept where it is (a tensor stays on its device, detached from the graph).
+
+    Converting each batch's loss to a Python number would cost a device sync per batch (on a
+    GPU the host waits for the step to finish); :func:`_to_numbers` converts a whole reporting
+    window at once instead, as a careful hand-written loop does."""
+    if isinstance(v, torch.Tensor):
+        return v.detach() if v.numel() == 1 else v.detach().float().mean()
+    return scalar(v)
+
+
+def _to_numbers(pending: list[dict[str, Any]]) -> None:
+    """Every tensor metric of the window made a plain number, in one transfer per device and
+    dtype (an integer count stays an int, as ``.item()`` would give it)."""
+    where = [(row, k) for row in pending for k, v in row.items() if isinstance(v, torch.Tensor)]
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str]]] = {}
+    for row, k in where:
+        groups.setdefault((row[k].device, row[k].dtype), []).append((row, k))
+    for places in groups.values():
+        values = torch.stack([row[k].reshape(()) for row, k in places]).tolist()
+        for (row, k), value in zip(places, values, strict=True):
+            row[k] = value

@@ -165,6 +165,15 @@ class Connection:
         chan.exec_command(command)
         return chan
 
+    def open_tcp(self, port: int, host: str = "127.0.0.1") -> paramiko.Channel:
+        """A connection to the login node's loopback ``host``:``port`` (what `ssh -L` opens)."""
+        if host not in ("127.0.0.1", "::1"):
+            raise RemoteError(f"port forwards go to the login node's loopback only, not {host}")
+        try:
+            return self.transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0))
+        except (paramiko.SSHException, OSError) as e:
+            raise RemoteError(f"{self.login}: cannot open a connection to its port {port}: {e}") from None
+
     def sftp(self) -> paramiko.SFTPClient:
         client = paramiko.SFTPClient.from_transport(self.transport)
         if client is None:

@@ -106,12 +106,14 @@ def _clear_errors(target: Target) -> Iterator[None]:
 
 
 def _dispatch(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
-    from detslurm.remote import transfer
+    from detslurm.remote import forward, transfer
 
     if len(args) >= 2 and args[0] in _EXPERIMENT and args[1] == "create" and not _wants_help(args):
         return transfer.create(conn, target, rs, args)
     if len(args) >= 2 and args[0] in _CHECKPOINT and args[1] == "download" and not _wants_help(args):
         return transfer.download_checkpoint(conn, target, rs, args)
+    if forward.wants_forward(args):
+        return forward.run_forwarded(conn, target, rs, args)
     return run_argv(conn, target, rs, args)
 
 

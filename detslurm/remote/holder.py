@@ -152,6 +152,10 @@ class HeldConnection:
     def open_exec(self, command: str) -> RelayChannel:
         return RelayChannel(self._open({"op": "exec", "command": command}))
 
+    def open_tcp(self, port: int, host: str = "127.0.0.1") -> socket.socket:
+        """A connection to the login node's loopback ``host``:``port``, relayed by the holder."""
+        return self._open({"op": "tcp", "port": str(int(port)), "host": host})
+
     def sftp(self) -> Any:
         import paramiko
 

@@ -42,7 +42,9 @@ class Holder:
                 self._exec(client, str(req["command"]))
             elif req.get("op") == "sftp":
                 self._sftp(client)
-        except (EOFError, OSError, ValueError, KeyError):
+            elif req.get("op") == "tcp":
+                self._tcp(client, int(req["port"]), str(req.get("host", "127.0.0.1")))
+        except (EOFError, OSError, ValueError, KeyError, DetSlurmError):
             pass  # the command went away (Ctrl-C): its channel closes with it
         finally:
             client.close()
@@ -75,6 +77,13 @@ class Holder:
                 if chan.exit_status_ready() and not got and not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
             send_frame(client, EXIT, struct.pack("!i", chan.recv_exit_status()))
+
+    def _tcp(self, client: socket.socket, port: int, host: str) -> None:
+        from detslurm.remote.forward import relay
+
+        # A port forward of `det -m ... dashboard`: bytes both ways, as for SFTP below. The
+        # connection refuses any host but the login node's loopback (RemoteError, caught above).
+        relay(client, self.conn.open_tcp(port, host))
 
     def _sftp(self, client: socket.socket) -> None:
         chan = self.conn.transport.open_session()

@@ -17,7 +17,7 @@ from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
-from detslurm.slurm.partitions import PartitionInfo, parse_partitions
+from detslurm.slurm.partitions import ASSOC_FIELDS, AssocLimit, PartitionInfo, parse_assoc_limits, parse_partitions
 from detslurm.util import env_number
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -123,6 +123,20 @@ class SlurmClient:
         res = self._run(["sbatch", "--parsable", *args], input=script, env=daemon_env(os.environ).env)
         return parse.parse_sbatch(res.stdout)
 
+    def sbatch_test_only(self, args: Sequence[str], script: str) -> Optional[str]:
+        """Ask slurmctld whether it would take this job, without queueing it (``sbatch
+        --test-only``): None if it would, else sbatch's own message. Raises SlurmCommandError
+        when slurmctld does not answer (that says nothing about the job)."""
+        res = self._run(["sbatch", "--test-only", *args], input=script, check=False, env=daemon_env(os.environ).env)
+        if res.returncode == 0:
+            return None
+        message = "\n".join(line for line in (res.stderr + res.stdout).splitlines() if line.strip())
+        err = SlurmCommandError(["sbatch", "--test-only"], res.returncode, message)
+        if err.unreachable:
+            raise err
+        # sbatch prints its usage text after an option error: its first lines are the message.
+        return "; ".join(message.splitlines()[:3]) or f"sbatch --test-only failed (exit {res.returncode})"
+
     # -- queries ---------------------------------------------------------------------------
     def squeue(self, all_users: bool = False) -> list[QueuedJob]:
         """One call for every job of this user (or all users): the only per-tick query."""
@@ -157,24 +171,50 @@ class SlurmClient:
         """Every partition's limits (one RPC), for refusing what can never run."""
         return parse_partitions(self._run(["scontrol", "show", "partition", "-o"]).stdout)
 
+    def assoc_limits(self) -> list[AssocLimit]:
+        """This user's associations and their job limits (MaxSubmitJobs, MaxJobs). Only where
+        accounting exists (slurmdbd); callers check capabilities().accounting."""
+        argv = ["sacctmgr", "-n", "-P", "show", "assoc", f"user={self.user}", f"format={ASSOC_FIELDS}"]
+        return parse_assoc_limits(self._run(argv).stdout)
+
     def capabilities(self) -> Capabilities:
         if self._caps is None:
             self._caps = parse.parse_config(self._run(["scontrol", "show", "config"]).stdout)
         return self._caps
 
+    def may_raise_priority(self) -> bool:
+        """Whether Slurm takes a negative nice (a raised priority) from us: root, or the
+        SlurmUser slurmctld runs as. Operators and admins listed in slurm.conf may too, but a
+        user cannot see that list; they get nice 0, the best any user may ask for."""
+        if os.geteuid() == 0:
+            return True
+        try:
+            return self.user == self.capabilities().slurm_user
+        except (SlurmCommandError, SlurmUnavailable):
+            return False
+
     # -- control ---------------------------------------------------------------------------
-    def scancel(self, job_id: str | Sequence[str], signal: Optional[str] = None, batch_too: bool = False) -> None:
+    def scancel(
+        self,
+        job_id: str | Sequence[str],
+        signal: Optional[str] = None,
+        batch_too: bool = False,
+        pending_only: bool = False,
+    ) -> None:
         """One call for one job or many (scancel takes a list: an experiment's 256 array tasks
-        are one RPC round, not 256)."""
-        argv = ["scancel"]
+        are one RPC round, not 256). ``pending_only``: slurmctld skips jobs that have started,
+        so a job that began since our last look is never killed by mistake."""
+        argv = ["scancel", *(["--state=PENDING"] if pending_only else [])]
         if signal:
             argv += [f"--signal={signal}"]
             if batch_too:
                 argv += ["--full"]
         self._run([*argv, *([job_id] if isinstance(job_id, str) else job_id)])
 
-    def update(self, job_id: str, **fields: str) -> None:
-        self._run(["scontrol", "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())])
+    def update(self, job_id: str | Sequence[str], **fields: str) -> None:
+        """scontrol update of one job, or of many in one call (JobId takes a comma list)."""
+        ids = job_id if isinstance(job_id, str) else ",".join(job_id)
+        self._run(["scontrol", "update", f"JobId={ids}", *(f"{k}={v}" for k, v in fields.items())])
 
     def hold(self, job_id: str) -> None:
         self._run(["scontrol", "hold", job_id])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import hostlist
@@ -203,6 +203,51 @@ class Capabilities:
     message_timeout_s: int = 10
     # Slurm 23.02+ can rate-limit each user's RPCs (SlurmctldParameters=rl_enable).
     rate_limited: bool = False
+    # Seconds a finished job stays visible in squeue: without accounting, the only window in
+    # which detslurm can read how a run ended.
+    min_job_age_s: int = 300
+    # The plugins that decide how jobs are placed, tracked and confined (`det site doctor` shows
+    # them; "" where the config does not name one).
+    plugins: Plugins = field(default_factory=lambda: Plugins())
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """The site's plugin choices, as ``scontrol show config`` names them."""
+
+    select: str = ""  # select/cons_tres places GPUs per job; select/linear gives whole nodes
+    select_params: str = ""
+    proctrack: str = ""  # proctrack/cgroup: Slurm cleans up every process of a job
+    task: str = ""  # task/cgroup,task/affinity: confinement to the allocated CPUs/GPUs
+    switch: str = ""
+    mpi_default: str = ""
+    job_acct_gather: str = ""
+    job_container: str = ""  # job_container/tmpfs: a private /tmp per job
+    gres_types: str = ""
+    preempt_type: str = ""
+    scheduler: str = ""
+
+
+def _plugin(kv: dict[str, str], key: str) -> str:
+    value = kv.get(key, "")
+    # Slurm prints "(null)" or "(null type)" for an unset plugin.
+    return "" if value.startswith("(null") else value
+
+
+def _plugins(kv: dict[str, str]) -> Plugins:
+    return Plugins(
+        select=_plugin(kv, "SelectType"),
+        select_params=_plugin(kv, "SelectTypeParameters"),
+        proctrack=_plugin(kv, "ProctrackType"),
+        task=_plugin(kv, "TaskPlugin"),
+        switch=_plugin(kv, "SwitchType"),
+        mpi_default=_plugin(kv, "MpiDefault"),
+        job_acct_gather=_plugin(kv, "JobAcctGatherType"),
+        job_container=_plugin(kv, "JobContainerType"),
+        gres_types=_plugin(kv, "GresTypes"),
+        preempt_type=_plugin(kv, "PreemptType"),
+        scheduler=_plugin(kv, "SchedulerType"),
+    )
 
 
 def parse_config(text: str) -> Capabilities:
@@ -222,6 +267,8 @@ def parse_config(text: str) -> Capabilities:
         max_job_count=_int(kv.get("MaxJobCount", "10000"), 10000),
         message_timeout_s=_int(kv.get("MessageTimeout", "10").split()[0], 10),
         rate_limited="rl_enable" in kv.get("SlurmctldParameters", "").split(","),
+        min_job_age_s=_int(kv.get("MinJobAge", "300").split()[0], 300),
+        plugins=_plugins(kv),
     )
 
 

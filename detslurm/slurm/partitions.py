@@ -120,3 +120,33 @@ def parse_partitions(text: str) -> list[PartitionInfo]:
         kv = parse_key_values(re.sub(r"\s+", " ", line.strip()))
         out.append(_partition(kv, line))
     return out
+
+
+@dataclass(frozen=True)
+class AssocLimit:
+    """One association of the user (``sacctmgr show assoc``): the per-user job limits a site
+    sets in its accounting database. ``None`` means no limit at this level."""
+
+    account: str
+    partition: str  # "" for an association that covers every partition
+    max_submit_jobs: Optional[int]
+    max_jobs: Optional[int]
+
+
+ASSOC_FIELDS = "Account,Partition,MaxSubmitJobs,MaxJobs"
+
+
+def parse_assoc_limits(text: str) -> list[AssocLimit]:
+    """``sacctmgr -n -P show assoc user=U format=ASSOC_FIELDS``: ``|``-separated lines."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        f = line.split("|")
+        if len(f) < 4:
+            raise SlurmParseError("sacctmgr show assoc", line)
+        try:
+            out.append(AssocLimit(f[0], f[1], _limit(f[2]), _limit(f[3])))
+        except ValueError as e:
+            raise SlurmParseError("sacctmgr show assoc", line) from e
+    return out

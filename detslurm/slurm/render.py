@@ -18,8 +18,17 @@ import jinja2
 
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
-from detslurm.protocol import BATCH_EXIT_PRINTF, NODE_TMPDIR_ENV
+from detslurm.protocol import BATCH_EXIT_PRINTF, IMAGE_EXIT_PRINTF, IN_CONTAINER_ENV, NODE_TMPDIR_ENV
 from detslurm.protocol.paths import EXIT_RECORD, SIGNALS, STEP_PID, STEP_RC
+from detslurm.slurm.containers import (
+    LIB_IN_CONTAINER,
+    Bind,
+    ContainerCommand,
+    ContainerSpec,
+    Gpu,
+    Runtime,
+    container_command,
+)
 from detslurm.slurm.parse import trial_comment
 from detslurm.slurm.site import SiteConfig
 
@@ -93,6 +102,104 @@ class ResourcePlan:
     args: tuple[str, ...]
     nodes: int
     slots: int
+    per_node: int = 1  # slots each node gets (the refusal check compares it with the nodes)
+    gpu: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerPaths:
+    """Host paths a container trial needs: its experiment dir (run dirs, events, the context)
+    and the in-job library (slurm/container_lib.py) made under it."""
+
+    exp_dir: str
+    lib_dir: str
+
+
+def image_for(config: ExperimentConfig, gpu: Gpu) -> str | None:
+    """``environment.image``: a string, or Determined's map by device kind (cpu/cuda/rocm)."""
+    image = config.environment.image
+    if image is None or isinstance(image, str):
+        return image or None
+    kind = {Gpu.NONE: "cpu", Gpu.NVIDIA: "cuda", Gpu.AMD: "rocm"}[gpu]
+    if kind not in image:
+        raise ConfigError([f"<config>.environment.image: no {kind!r} image for this {kind} resource pool"])
+    return image[kind]
+
+
+def registry_env(config: ExperimentConfig, site: SiteConfig) -> dict[str, str]:
+    """``environment.registry_auth`` as the variables Apptainer/Singularity read when pulling
+    from a Docker registry (exported in the script like environment_variables, never put on a
+    command line other users could read in ``ps``). Other runtimes: {} (see container_warnings)."""
+    auth = config.environment.registry_auth or {}
+    prefix = {Runtime.APPTAINER: "APPTAINER", Runtime.SINGULARITY: "SINGULARITY"}.get(site.container_runtime)
+    if not config.environment.image or prefix is None or not auth.get("username"):
+        return {}
+    return {
+        f"{prefix}_DOCKER_USERNAME": str(auth["username"]),
+        f"{prefix}_DOCKER_PASSWORD": str(auth.get("password", "")),
+    }
+
+
+def container_warnings(config: ExperimentConfig, site: SiteConfig) -> list[str]:
+    """Container settings of the config this site's runtime does not apply, one line each."""
+    env, runtime = config.environment, site.container_runtime
+    if not env.image or runtime == Runtime.NONE:
+        return []
+    out: list[str] = []
+    if env.registry_auth and runtime not in (Runtime.APPTAINER, Runtime.SINGULARITY):
+        login = "podman login on the nodes" if runtime == Runtime.PODMAN else "enroot's credentials file"
+        out.append(f"environment.registry_auth is not used with {runtime.value}: use {login}")
+    ignored = [
+        name
+        for name, value in (
+            ("environment.add_capabilities", env.add_capabilities),
+            ("environment.drop_capabilities", env.drop_capabilities),
+            ("environment.ports", env.ports),
+            ("environment.proxy_ports", env.proxy_ports),
+            ("environment.pod_spec", env.pod_spec),
+            ("resources.shm_size", config.resources.shm_size),
+            ("resources.devices", config.resources.devices),
+        )
+        if value
+    ]
+    if ignored:
+        out.append(f"{', '.join(ignored)}: not applied to {runtime.value} containers")
+    return out
+
+
+def container_spec(
+    config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, env_names: list[str], paths: ContainerPaths
+) -> ContainerSpec | None:
+    """The container a trial runs in, or None (no image, or the site runs none)."""
+    runtime = site.container_runtime
+    opts = site.container
+    gpu = (Gpu.AMD if opts.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
+    image = image_for(config, gpu)
+    if image is None or runtime == Runtime.NONE:
+        return None
+    binds = [Bind(b.host_path, b.container_path, b.read_only) for b in config.top.bind_mounts]
+    covered = [b.container.rstrip("/") + "/" for b in binds]
+    # Same paths inside as outside: every DET_* path the trial gets stays valid. The experiment
+    # dir is always ours (mounted after the user's, so it wins); for the checkpoint storage a
+    # user's bind mount that provides its path (as directory storage's container_path needs) wins.
+    binds.append(Bind(paths.exp_dir, paths.exp_dir))
+    storage = config.storage_base
+    if not any((storage.rstrip("/") + "/").startswith(c) for c in covered):
+        binds.append(Bind(storage, storage))
+    binds.append(Bind(paths.lib_dir, LIB_IN_CONTAINER, read_only=True))
+    return ContainerSpec(
+        runtime=runtime,
+        image=image,
+        binds=tuple(binds),
+        env_names=tuple(sorted(env_names)),
+        env_set=(("PYTHONPATH", LIB_IN_CONTAINER), (IN_CONTAINER_ENV, runtime.value)),
+        gpu=gpu,
+        force_pull=config.environment.force_pull_image,
+        executable=opts.executable or "",
+        global_options=tuple(opts.global_options),
+        run_options=tuple(opts.run_options),
+        python=opts.python,
+    )
 
 
 def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
@@ -109,7 +216,8 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
     # One task per node: our launcher starts the per-GPU worker ranks itself, as Determined's
     # launchers do inside one container per node.
     args += [f"--nodes={nodes}", "--ntasks-per-node=1"]
-    if pool.slot_type == "gpu" and slots > 0:
+    gpu = pool.slot_type == "gpu" and slots > 0
+    if gpu:
         gres = f"{pool.gres_name}:{slurm.gpu_type}:{per_node}" if slurm.gpu_type else f"{pool.gres_name}:{per_node}"
         args.append(f"--gres={gres}")
     elif slots > 0:
@@ -122,11 +230,30 @@ def resource_plan(config: ExperimentConfig, site: SiteConfig) -> ResourcePlan:
         args.append(f"--time={pool.time_limit_min}")
     # Site arguments come after ours so a site can override them (sbatch keeps the last value).
     args += pool.extra_sbatch_args
-    return ResourcePlan(tuple(args), nodes, slots)
+    return ResourcePlan(tuple(args), nodes, slots, per_node, gpu)
+
+
+def priority_args(config: ExperimentConfig, may_raise: bool) -> list[str]:
+    """``--nice`` for ``resources.priority`` (Determined's 1..99, smaller is higher; 42 is the
+    default and nice 0). sbatch lets every user give a positive nice (a lower priority) but only
+    operators and admins a negative one, so an ordinary user's priority above the default is
+    submitted at nice 0 (the best they may have) rather than refused by sbatch."""
+    from detslurm.queue import nice_for  # the one mapping, shared with `det job update`
+
+    if config.resources.priority is None:
+        return []
+    nice = nice_for(config.resources.priority)
+    return [f"--nice={nice if may_raise else max(0, nice)}"]
 
 
 def _job_args(
-    config: ExperimentConfig, site: SiteConfig, res: ResourcePlan, ident: Identity, output: str, chdir: str
+    config: ExperimentConfig,
+    site: SiteConfig,
+    res: ResourcePlan,
+    ident: Identity,
+    output: str,
+    chdir: str,
+    may_raise: bool = False,
 ) -> list[str]:
     sig = site.signal.upper().removeprefix("SIG")
     args = [
@@ -142,6 +269,9 @@ def _job_args(
         # B: sends the warning only to the batch shell, which forwards it to the step (see the
         # template), signal_lead_s seconds before the time limit so the trial can checkpoint.
         f"--signal=B:{sig}@{site.signal_lead_s}",
+        # Set at every submission, so a priority given with `det job update` (saved in the config)
+        # or in the config itself holds for restarts and resumes too.
+        *priority_args(config, may_raise),
         # User arguments last; expconf/sbatch_args.py has already refused every option detslurm
         # sets or computes, so they cannot override the identity, logs or signal above.
         *config.slurm.sbatch_args,
@@ -160,6 +290,23 @@ def _check_env(env: dict[str, str]) -> None:
         raise ConfigError([f"environment variable name {k!r} is not a valid shell variable name" for k in bad])
 
 
+def _step_lines(res: ResourcePlan, python: str, container: ContainerCommand | None) -> tuple[str, str]:
+    """(the prepare line or "", the line that starts one launcher per node)."""
+    srun = ["srun", f"--nodes={res.nodes}", "--ntasks-per-node=1"]
+    if container is None:
+        argv = [python, "-m", "detslurm.exec.launch"]
+        return "", shlex.join(argv if res.nodes == 1 else [*srun, "--kill-on-bad-exit=1", *argv])
+    argv = [*container.prefix, container.python, "-m", "detslurm.exec.launch"]
+    on_step = res.nodes > 1 or container.always_srun
+    prepare = ""
+    if container.prepare:
+        # Every node needs the image (its own image store, or its own SIF cache): prepare on all.
+        prepare = shlex.join([*srun, *container.prepare] if on_step else list(container.prepare))
+    if on_step:
+        return prepare, shlex.join([*srun, "--kill-on-bad-exit=1", *container.srun_options, *argv])
+    return prepare, shlex.join(argv)
+
+
 def _script(
     site: SiteConfig,
     res: ResourcePlan,
@@ -168,17 +315,21 @@ def _script(
     run_dir: str,
     python: str,
     tasks: list[tuple[int, list[tuple[str, str]]]] | None = None,
+    container: ContainerCommand | None = None,
 ) -> str:
     _check_env(env)
     for _, task_env in tasks or []:
         _check_env(dict(task_env))
+    prepare, launch = _step_lines(res, python, container)
     return _template("trial.sbatch.j2").render(
         ident=ident,
         env=sorted(env.items()),
         setup=site.setup,
         run_dir=run_dir,
-        python=python,
         nodes=res.nodes,
+        prepare=prepare,
+        launch=launch,
+        runtime=site.container_runtime.value if container else "",
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir or "",
         node_tmpdir_env=NODE_TMPDIR_ENV,
@@ -186,10 +337,22 @@ def _script(
         # The run-dir files the batch shell writes: named and formatted by the protocol module.
         exit_record=EXIT_RECORD,
         exit_printf=BATCH_EXIT_PRINTF,
+        image_exit_printf=IMAGE_EXIT_PRINTF,
         signals=SIGNALS,
         step_pid=STEP_PID,
         step_rc=STEP_RC,
     )
+
+
+def _container(
+    config: ExperimentConfig,
+    site: SiteConfig,
+    res: ResourcePlan,
+    env_names: list[str],
+    paths: ContainerPaths | None,
+) -> ContainerCommand | None:
+    spec = container_spec(config, site, res, env_names, paths) if paths is not None else None
+    return container_command(spec) if spec is not None else None
 
 
 def plan_trial_run(
@@ -201,10 +364,17 @@ def plan_trial_run(
     run_dir: str,
     log_path: str,
     python: str,
+    container: ContainerPaths | None = None,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
+    """One sbatch for one trial run. ``container`` names the host paths a container trial
+    needs; without it (or without environment.image) the trial runs with ``python``."""
     res = resource_plan(config, site)
-    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir)
-    script = _script(site, res, ident, env, run_dir, python)
+    args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir, may_raise_priority)
+    cmd = _container(config, site, res, list(env), container)
+    if cmd is not None:
+        env = {**env, **registry_env(config, site)}
+    script = _script(site, res, ident, env, run_dir, python, container=cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
 
 
@@ -217,6 +387,8 @@ def plan_array(
     links_dir: str,
     log_name: str,
     python: str,
+    container: ContainerPaths | None = None,
+    may_raise_priority: bool = False,
 ) -> SbatchRequest:
     """One sbatch for many trial runs that share resources (a job array).
 
@@ -227,10 +399,7 @@ def plan_array(
     """
     base = ident.trial_id
     res = resource_plan(config, site)
-    max_slots = config.resources.max_slots
-    # max_slots caps the slots the whole experiment holds; each task takes res.slots, so this many
-    # tasks may run at once (at least one, or the array would never start).
-    throttle = max(1, max_slots // max(1, res.slots)) if max_slots else 0
+    throttle = array_throttle(config.resources.max_slots, res.slots)
     # Exported once for all tasks; only what differs goes into the script's per-task case arms,
     # which keeps a many-trial script small.
     common = dict(set.intersection(*(set(t.env.items()) for t in tasks)))
@@ -239,9 +408,20 @@ def plan_array(
     # %a is the array task id: Slurm opens each task's log through links_dir/<task>, a symlink to that
     # trial's run dir, since one --output pattern cannot name the run dirs themselves.
     output = f"{links_dir.replace('%', '%%')}/%a/{log_name.replace('%', '%%')}"
-    args = [*_job_args(config, site, res, ident, output, links_dir), f"--array={spec}"]
-    script = _script(site, res, ident, common, "", python, per_task)
+    args = [*_job_args(config, site, res, ident, output, links_dir, may_raise_priority), f"--array={spec}"]
+    names = sorted({k for t in tasks for k in t.env})
+    cmd = _container(config, site, res, names, container)
+    if cmd is not None:
+        common = {**common, **registry_env(config, site)}
+    script = _script(site, res, ident, common, "", python, per_task, cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=common)
+
+
+def array_throttle(max_slots: int | None, slots_per_task: int) -> int:
+    """How many tasks of an array may run at once under ``resources.max_slots`` (0: no limit).
+    max_slots caps the slots the whole experiment holds and each task takes slots_per_task, so
+    this many tasks fit (at least one, or the array would never start)."""
+    return max(1, max_slots // max(1, slots_per_task)) if max_slots else 0
 
 
 def index_ranges(indices: list[int]) -> str:

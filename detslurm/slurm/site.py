@@ -18,6 +18,7 @@ from detslurm.errors import ConfigError
 from detslurm.expconf.load import _pydantic_errors, parse_yaml
 from detslurm.expconf.sbatch_args import check_sbatch_args
 from detslurm.expconf.schema import Strict
+from detslurm.slurm.containers import Runtime
 
 ROOT = "<site-config>"
 
@@ -45,6 +46,37 @@ class Pool(Strict):
     description: str = ""
 
 
+class ContainerOptions(Strict):
+    """How the site's container runtime is called (``container:`` in the site config)."""
+
+    # The runtime's binary (an absolute path, or a name found on the nodes' PATH).
+    executable: Optional[str] = None
+    # Between the binary and its subcommand, e.g. podman's ["--runtime", "runc", "--cgroup-manager=cgroupfs"].
+    global_options: list[str] = Field(default_factory=list)
+    # After run/exec (podman: ["--ulimit", "nofile=1024:1024"]; pyxis: srun options).
+    run_options: list[str] = Field(default_factory=list)
+    # The interpreter inside images (they must have Python >= 3.10 for detslurm's launcher).
+    python: str = "python3"
+    # Which GPUs a GPU pool's containers get: NVIDIA (--nv, CDI) or AMD (--rocm, /dev/kfd).
+    gpu_vendor: Literal["nvidia", "amd"] = "nvidia"
+
+    @field_validator("global_options", "run_options")
+    @classmethod
+    def _one_word_each(cls, words: list[str]) -> list[str]:
+        # Each is one argv word (quoted into the script); a newline would still break a log line.
+        for i, word in enumerate(words):
+            if any(ch in word for ch in "\0\r\n"):
+                raise ValueError(f"item {i}: NUL, carriage return and newline are not allowed")
+        return words
+
+    @field_validator("executable", "python")
+    @classmethod
+    def _program(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9_./+@%,=-]+", value):
+            raise ValueError(f"{value!r} must be a program name or path made of letters, digits and _ . / + @ % , = -")
+        return value
+
+
 class SiteConfig(Strict):
     default_pool: str = ""
     pools: dict[str, Pool] = Field(default_factory=dict)
@@ -52,7 +84,10 @@ class SiteConfig(Strict):
     poll_interval_s: float = Field(default=10.0, ge=0.5)
     signal: str = "USR2"  # one of SIGNALS (not USR1: NCCL installs its own USR1 handler)
     signal_lead_s: int = Field(default=300, ge=0)
-    container_runtime: Literal["none", "apptainer", "singularity", "pyxis"] = "none"
+    # How trials with environment.image run: slurm/containers.py (none = the nodes' own Python).
+    # Strict models take no enum from YAML text: the value is checked against the enum's values.
+    container_runtime: Runtime = Field(default=Runtime.NONE, strict=False)
+    container: ContainerOptions = Field(default_factory=ContainerOptions)
     # Shell lines run (verbatim: written by the site's admins) before every trial, e.g. module load.
     setup: list[str] = Field(default_factory=list)
     python: Optional[str] = None  # the interpreter on compute nodes (default: the CLI's own)
@@ -106,6 +141,11 @@ class SiteConfig(Strict):
             valid = ", ".join(sorted(self.pools))
             raise ValueError(f"default_pool {self.default_pool!r} is not one of the pools: {valid}")
         return self
+
+    @property
+    def runs_containers(self) -> bool:
+        """environment.image is honoured (a runtime is configured)."""
+        return self.container_runtime != Runtime.NONE
 
     def sbatch_arg_errors(self) -> list[str]:
         """Problems with the pools' extra_sbatch_args, validated like a user's sbatch_args."""

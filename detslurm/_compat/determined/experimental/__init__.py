@@ -9,4 +9,4 @@ def __getattr__(name: str) -> _Any:
     return getattr(experimental, name)
 
 
-__all__ = ["client"]
+__all__ = ["client", "core_v2"]

@@ -4,7 +4,7 @@ Issue 16: the time from the signal to the acknowledged checkpoint is compared wi
 budget (GraceTime, KillWait, the warning signal's lead).
 
 Revision ID: 0003_preempt2
-Revises: 0002
+Revises: 0003_dashboard
 Create Date: 2026-11-23 12:50:00
 """
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0003_preempt2"
-down_revision = "0002"
+down_revision = "0003_dashboard"
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,100 @@
+"""`det site`: the site doctor and a starter site config, for HPC admins and users.
+
+Thin: the doctor lives in detslurm/doctor; errors reach the one boundary in cli/main.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import click
+from tabulate import tabulate
+
+from detslurm.cli.app import App, pass_app
+from detslurm.cli.render import dump_json
+
+# Wrapped widths of the detail and action columns: the table stays readable in 160 columns.
+_DETAIL_WIDTH = 70
+_ACTION_WIDTH = 50
+
+
+@click.group(name="site")
+def site() -> None:
+    """Site doctor and starter site config: what this Slurm offers detslurm."""
+
+
+@site.command("doctor")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document (stable schema) instead of the table.")
+@click.option("--no-probe", is_flag=True, help="Only what the login node can tell: submit no probe jobs.")
+@click.option("-p", "--pool", "pools", multiple=True, help="Probe only this pool (repeatable).")
+@click.option("--image", default="", help="A container image to test-run on each pool's nodes.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for probes.",
+)
+@pass_app
+def doctor(app: App, as_json: bool, no_probe: bool, pools: tuple[str, ...], image: str, timeout_s: float) -> None:
+    """Check Slurm, the site config and every pool's nodes; exit 1 when there is a problem."""
+    from detslurm.doctor.findings import Status, report_json, worst
+    from detslurm.doctor.run import ProbeOptions, diagnose
+    from detslurm.slurm.site import site_config_path
+
+    # site_config_path names $DETSLURM_SITE_CONFIG even when missing (loading it then fails
+    # clearly); "found" here means a file was actually read.
+    site_path = site_config_path()
+    options = ProbeOptions(enabled=not no_probe, pools=pools, image=image, timeout_s=timeout_s)
+    result = diagnose(
+        app.client, app.site(), site_path if site_path and site_path.is_file() else None, app.settings, options
+    )
+    caps = result.facts.caps
+    if as_json:
+        dump_json(report_json(result.findings, caps.cluster_name, caps.version))
+    else:
+        rows = [[f.status.value, f.subject, f.detail, f.action] for f in result.findings]
+        click.echo(
+            tabulate(
+                rows,
+                headers=["Status", "Subject", "Found", "detslurm will / you should"],
+                tablefmt="presto",
+                maxcolwidths=[None, None, _DETAIL_WIDTH, _ACTION_WIDTH],
+            )
+        )
+    # Warnings keep exit code 0, so CI and cron jobs fail only on what breaks trials.
+    if worst(result.findings) is Status.PROBLEM:
+        raise click.exceptions.Exit(1)
+
+
+@site.command("init")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Where to write it (default: ~/.config/detslurm/site.yaml).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+@click.option("--print", "to_stdout", is_flag=True, help="Print the config instead of writing it.")
+@pass_app
+def init(app: App, output: Optional[Path], force: bool, to_stdout: bool) -> None:
+    """Write a starter site config from what Slurm reports (partitions become pools)."""
+    import platformdirs
+
+    from detslurm.doctor import starter
+    from detslurm.doctor.facts import gather
+    from detslurm.slurm.site import SiteConfig
+
+    # Described from Slurm alone: an existing site config must not shape its own replacement.
+    f = gather(app.client, SiteConfig(), None, app.settings)
+    text = starter.starter_yaml(f)
+    if to_stdout:
+        click.echo(text, nl=False)
+        return
+    path = output or Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"
+    starter.write_starter(text, path, force)
+    click.echo(f"Wrote {path}")
+    click.echo("detslurm reads it from there (or from $DETSLURM_SITE_CONFIG); check it with `det site doctor`.")

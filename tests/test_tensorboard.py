@@ -1,0 +1,157 @@
+"""TensorBoard: the event files the controller writes, read back with TensorBoard's own reader;
+the Core API's get_tensorboard_path()/upload_tensorboard_files(); `det tensorboard start`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import EXAMPLES, ROOT
+
+from detslurm import settings, tbevents
+from detslurm.core._events import NullWriter
+from detslurm.core._train import TrainContext
+from detslurm.protocol import ExpPaths, RunPaths
+from detslurm.store import Experiment, Metric, MetricPoint, open_store
+
+CORE = EXAMPLES / "core_api"
+
+
+def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in ``directory``'s event files, as TensorBoard itself reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_crc32c_is_castagnoli() -> None:
+    # The standard check value of CRC-32C (iSCSI), which TFRecord framing uses.
+    assert tbevents.crc32c(b"123456789") == 0xE3069283
+
+
+def test_event_files_read_back_with_tensorboard(tmp_path: Path) -> None:
+    d = tmp_path / "tb"
+    assert tbevents.append(d, "training", 10, 1000.0, {"loss": 0.5, "lr": 1e-3, "name": "x", "flag": True}) == 2
+    tbevents.append(d, "training", 20, 1001.0, {"loss": 0.25})
+    tbevents.append(d, "validation", 20, 1002.0, {"loss": 0.3, "val_acc": 0.9, "bad": float("inf")})
+    tbevents.append(d, "inference", 20, 1003.0, {"latency": 7})
+    assert len(list(d.glob("events.out.tfevents.*"))) == 1  # appended to one file
+    got = scalars(d)
+    assert got["loss"] == [(10, 0.5), (20, 0.25)]
+    assert got["lr"] == [(10, pytest.approx(1e-3))]
+    # Determined's names: validation metrics get a val_ prefix unless they have one.
+    assert got["val_loss"] == [(20, pytest.approx(0.3))] and got["val_acc"] == [(20, pytest.approx(0.9))]
+    assert got["inference/latency"] == [(20, 7.0)]
+    assert set(got) == {"loss", "lr", "val_loss", "val_acc", "inference/latency"}
+
+
+def test_core_api_uploads_selected_files_where_det_tensorboard_looks(tmp_path: Path) -> None:
+    paths = RunPaths(tmp_path / "exp", 3, 1)
+    train = TrainContext(NullWriter(), 1, paths, rank=1)
+    src = train.get_tensorboard_path()
+    assert src == paths.tensorboard / "rank-1" and src.is_dir()
+    (src / "sub").mkdir()
+    (src / "events.out.tfevents.1.host").write_bytes(b"abc")
+    (src / "sub" / "keep.pb").write_bytes(b"x")
+    (src / "skip.tmp").write_bytes(b"y")
+    train.upload_tensorboard_files(selector=lambda p: p.suffix != ".tmp", mangler=lambda p, rank: Path(f"r{rank}") / p)
+    dst = ExpPaths(tmp_path / "exp").trial_tensorboard(3)
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()) == [
+        "r1/events.out.tfevents.1.host",
+        "r1/sub/keep.pb",
+    ]
+    # Event files grow: only the new bytes are copied, and the copy matches.
+    with (src / "events.out.tfevents.1.host").open("ab") as f:
+        f.write(b"def")
+    train.upload_tensorboard_files(mangler=lambda p, rank: Path(f"r{rank}") / p)
+    assert (dst / "r1/events.out.tfevents.1.host").read_bytes() == b"abcdef"
+    with pytest.raises(ValueError, match="leaves the trial's dir"):
+        train.upload_tensorboard_files(mangler=lambda p, rank: Path("..") / p)
+    # AUTO mode (the chief): files written since the last upload go up when the context closes.
+    auto = TrainContext(NullWriter(), 1, RunPaths(tmp_path / "exp", 4, 1), rank=0, tb_auto=True)
+    auto.final_tensorboard_upload()  # nothing asked for the path yet: nothing to do, no dir made
+    assert not ExpPaths(tmp_path / "exp").trial_tensorboard(4).exists()
+    (auto.get_tensorboard_path() / "events.out.tfevents.2.host").write_bytes(b"xyz")
+    auto.final_tensorboard_upload()
+    assert (ExpPaths(tmp_path / "exp").trial_tensorboard(4) / "events.out.tfevents.2.host").read_bytes() == b"xyz"
+    # Off-cluster (no run dir) there is nowhere to upload to: nothing happens, as in Determined.
+    TrainContext(NullWriter(), 0).upload_tensorboard_files()
+
+
+def _wait_for_runs(url: str, deadline_s: float = 90.0) -> dict[str, Any]:
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "data/plugin/scalars/tags", timeout=10) as r:
+                tags: dict[str, Any] = json.loads(r.read())
+                if tags:
+                    return tags
+        except OSError:
+            pass
+        if time.monotonic() > end:
+            raise AssertionError(f"TensorBoard at {url} showed no runs in {deadline_s} s")
+        time.sleep(1)
+
+
+@pytest.mark.e2e
+def test_trial_metrics_reach_tensorboard(det: Any) -> None:
+    """A local experiment's reported metrics are in its trial's event file (step for step, as
+    in the store), and `det tensorboard start` serves them on 127.0.0.1."""
+    code, out, err = det("e", "create", "--local", CORE / "const.yaml", CORE)
+    assert code == 0, err
+    store = open_store(settings.load().db_url)
+    with store.read() as s:
+        rows = [(m.group, m.steps_completed, m.metrics) for m in s.query(Metric).filter(Metric.trial_id == 1)]
+        exp = s.get(Experiment, 1)
+        assert exp is not None
+        exp_dir = Path(exp.exp_dir)
+    got = scalars(ExpPaths(exp_dir).trial_tensorboard(1))
+    for group, step, metrics in rows:
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                assert (step, pytest.approx(value, rel=1e-6)) in got[tbevents.tag_for(group, name)]
+    assert sum(len(v) for v in got.values()) == sum(
+        1 for _, _, m in rows for v in m.values() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    # Ingest also unpacked every numeric value for the dashboard's curves (metric_points).
+    with store.read() as s:
+        points = sorted(
+            (p.group, p.steps_completed, p.name, p.value)
+            for p in s.query(MetricPoint).filter(MetricPoint.trial_id == 1)
+        )
+    assert points == sorted(
+        (g, step, k, float(v))
+        for g, step, m in rows
+        for k, v in m.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    code, _, err = det("tensorboard", "start", "1", "--host", "0.0.0.0")
+    assert code != 0 and "binds only to 127.0.0.1" in err
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "detslurm.cli.main", "tensorboard", "start", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("Open http://127.0.0.1:"), line
+        tags = _wait_for_runs(line.split()[1])
+        # --logdir_spec names each trial's run (TensorBoard adds the relative dir, ".").
+        assert list(tags) == ["exp1_trial1/."]
+        assert {"loss", "validation_loss"} <= set(tags["exp1_trial1/."]) and "val_validation_loss" not in tags[
+            "exp1_trial1/."
+        ]
+    finally:
+        proc.terminate()
+        proc.wait(30)
