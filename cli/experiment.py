@@ -12,10 +12,9 @@ import yaml
 
 from detslurm import views
 from detslurm.cli import backend as backend_mod
-from detslurm.cli import experiment_verbs
+from detslurm.cli import experiment_verbs, stop_time
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import slurm as slurm_mod
-from detslurm.cli import stop_time
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.controller import ops

@@ -29,9 +29,9 @@ from detslurm.errors import ContextError
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
 from detslurm.protocol import (
+    IN_CONTAINER_ENV,
     BadRecord,
     ControlRecord,
-    IN_CONTAINER_ENV,
     ExitRecord,
     NotARunDir,
     RunPaths,
