@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from detslurm.cli import backend as backend_mod
     from detslurm.cli import logs as logs_mod
     from detslurm.cli import slurm as slurm_mod
+    from detslurm.cli import stop_time
     from detslurm.controller import ops
     from detslurm.store import models
 else:
@@ -31,6 +32,7 @@ else:
     backend_mod = lazy_module("detslurm.cli.backend")
     logs_mod = lazy_module("detslurm.cli.logs")
     slurm_mod = lazy_module("detslurm.cli.slurm")
+    stop_time = lazy_module("detslurm.cli.stop_time")
     ops = lazy_module("detslurm.controller.ops")
     models = lazy_module("detslurm.store.models")
 
@@ -281,6 +283,9 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
         # Read everything inside the session: rows are not loaded lazily once it closes, and
         # the tables below are printed after it. --json shows no workloads: none are loaded.
         work, hidden = ([], []) if as_json else _workloads(s, [int(t["id"]) for t in trials])
+        # Stop times measured after preemptions: compared below with what the site allows.
+        stops = [(t.id, r.run_id, r.preempt_stop_s) for t in exp.trials for r in t.runs]
+        pool = _typed(exp.config).resources.resource_pool
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
@@ -313,6 +318,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
             f"Trial {tid}: only its last {WORKLOADS_SHOWN} workloads are shown; "
             f"det trial describe {tid} --metrics lists them all."
         )
+    for line in stop_time.warnings(app, pool, stops):
+        click.echo(line, err=True)
 
 
 # Workloads `det e describe` shows per trial: a trial reporting every few batches for days has

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from detslurm import client, views
     from detslurm.cli import backend as backend_mod
     from detslurm.cli import slurm as slurm_mod
+    from detslurm.cli import stop_time
     from detslurm.controller import ops
 else:
     client = lazy_module("detslurm.client")
     views = lazy_module("detslurm.views")
     backend_mod = lazy_module("detslurm.cli.backend")
     slurm_mod = lazy_module("detslurm.cli.slurm")
+    stop_time = lazy_module("detslurm.cli.stop_time")
     ops = lazy_module("detslurm.controller.ops")
 
 
@@ -43,7 +45,9 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     slurm_mod.reconcile(app)
     with app.store.read() as s:
         d = views.trial_dict(s, views.get_trial(s, trial_id, app.scope))
+        trial_row = views.get_trial(s, trial_id, app.scope)
         runs = [views.run_dict(r) for r in views.runs(s, trial_id)]
+        pool = trial_row.experiment.config.get("resources", {}).get("resource_pool", "") or ""
         rows: list[dict[str, Any]] = [
             {"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics, "report_time": m.report_time}
             for m in views.metrics(s, trial_id)
@@ -55,6 +59,8 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     _print_trial(d)
     click.echo("\nRuns:")
     _print_runs(runs)
+    for line in stop_time.warnings(app, str(pool), [(trial_id, r["run_id"], r["preempt_stop_s"]) for r in runs]):
+        click.echo(line, err=True)
     if metrics:
         click.echo("\nMetrics:")
         table(

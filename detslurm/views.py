@@ -175,6 +175,8 @@ def run_dict(r: TrialRun) -> dict[str, Any]:
         "exit_code": r.exit_code,
         "exit_reason": r.exit_reason,
         "preempt_acked": r.preempt_acked,
+        # Seconds from Slurm's signal to the acknowledged checkpoint (None: not stopped by a signal).
+        "preempt_stop_s": r.preempt_stop_s,
         "log": r.log_path,
         "start_time": r.start_time,
         "end_time": r.end_time,

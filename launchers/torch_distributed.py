@@ -16,7 +16,8 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run, run_secret_env
+from detslurm.launch._agent import run_agent
+from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
 
 
 def build_torchrun_cmd(
@@ -78,7 +79,8 @@ def main(argv: Sequence[str]) -> int:
     # Two ports: torch's c10d store ("master") and our own JSON collectives ("dist"); sharing one
     # would make the second bind fail.
     cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
-    return run(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret})
+    # run_agent, not run: torchrun must not act on SIGTERM itself (launchers/_agent.py says why).
+    return run_agent(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret})
 
 
 if __name__ == "__main__":

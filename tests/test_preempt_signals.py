@@ -92,3 +92,21 @@ def test_warning_signal_and_duplicates_ack_once(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "answers True True 1" in res.stdout and "restored True" in res.stdout
+
+
+def test_the_first_signal_s_arrival_is_kept_for_the_stop_time(tmp_path: Path) -> None:
+    # Issue 16 item 3: the acknowledgement reports when the first signal arrived (wall clock),
+    # not when the trial got round to looking, and a repeat does not move it.
+    res = _run(
+        tmp_path,
+        """
+        before = time.time()
+        term()
+        first = ctx.signal_time
+        time.sleep(0.3)
+        term()
+        print("kept", before <= first <= time.time() - 0.3, ctx.signal_time == first)
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "kept True True" in res.stdout

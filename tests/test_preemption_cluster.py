@@ -3,14 +3,19 @@ written and acknowledged, the job gone within KillWait, and the next run resumin
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import write
 from sqlalchemy import select
-from test_slurm_cluster import CORE, squeue_ids, steps, store, trials, wait_for
+from test_preemption_multinode import STOPS, finish_and_check, start_two_by_two, stop_and_check
+from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
 
 from detslurm.store import TrialRun
 
@@ -73,19 +78,41 @@ def test_scancel_signal_term_checkpoints_and_resumes(det: Any) -> None:
     _assert_resumed_without_loss(det)
 
 
-def _preempt_until_done(det: Any, exp: int) -> int:
-    """Preempt experiment ``exp``'s one trial by the high partition while it has work left."""
+def _sbatch_high_on_c1(job: str) -> None:
+    subprocess.run(
+        ["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 1"],
+        check=True,
+        capture_output=True,
+    )
+
+
+def _scancel(*args: str) -> Callable[[str], None]:
+    def stop(job: str) -> None:
+        subprocess.run(["scancel", *args, job], check=True, capture_output=True)
+
+    return stop
+
+
+# Every way Slurm stops a one-node trial. (Plain `scancel --signal=TERM` signals only srun steps,
+# and a one-node trial has none: it runs in the batch step, see templates/trial.sbatch.j2.)
+ONE_NODE_STOPS: dict[str, Callable[[str], None]] = {
+    "high-partition": _sbatch_high_on_c1,
+    "warning-signal": _scancel("--signal=USR2", "--batch"),  # what --signal=B:USR2@lead sends
+    "scancel-full-term": _scancel("--full", "--signal=TERM"),
+    "scancel-batch-term": _scancel("--batch", "--signal=TERM"),  # the batch shell relays it
+}
+
+
+def _preempt_until_done(det: Any, exp: int, hows: Iterator[str] | None = None) -> int:
+    """Stop experiment ``exp``'s one trial (each time the next way from ``hows``; by default by
+    the high partition) while it has work left."""
     _start(det)
     trial_id = trials(exp)[0].id
     done = 0
     while trials(exp)[0].steps_completed < 30:  # nearer the end the run may finish first
         job = _running_job(trial_id, done, exp)
         t0 = time.monotonic()
-        subprocess.run(
-            ["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 1"],
-            check=True,
-            capture_output=True,
-        )
+        ONE_NODE_STOPS[next(hows) if hows else "high-partition"](job)
         _gone_within_kill_wait(job, t0)
         done += 1
     _assert_resumed_without_loss(det, exp)
@@ -96,15 +123,74 @@ def _preempt_until_done(det: Any, exp: int) -> int:
     return done
 
 
+MULTI_TOTAL = 90  # steps of each two-node trial in the stress test (0.1 s each)
+
+
+def _two_by_two_until_done(det: Any, exp: int, kind: str, ctx: Path, hows: Iterator[str]) -> int:
+    start_two_by_two(det, ctx, kind, MULTI_TOTAL)
+    done = 0
+    wait_for(lambda: bool(trials(exp)), 60)
+    while trials(exp)[0].steps_completed < MULTI_TOTAL - 25:
+        stop_and_check(det, exp, next(hows), after_run=done)
+        done += 1
+    finish_and_check(det, exp, MULTI_TOTAL)
+    return done
+
+
 @pytest.mark.fault
-def test_repeated_preemption_stress(det: Any) -> None:
-    """DETSLURM_STRESS_PREEMPTIONS (default 30) preemptions by the high partition, over as many
-    one-node trials as it takes: no hang (each job gone within KillWait), no lost or repeated
-    step, no restart charged."""
+@pytest.mark.torch
+def test_repeated_preemption_stress(det: Any, tmp_path: Path) -> None:
+    """DETSLURM_STRESS_PREEMPTIONS (default 30) consecutive stops, every way Slurm stops a trial
+    (high-partition preemption, the time limit's warning signal, scancel --signal=TERM with and
+    without --full/--batch), over two-node x two-rank trials (torch DDP and the Core API) and as
+    many one-node trials as it takes: no hang (each job gone within KillWait), no lost or
+    repeated step, no restart charged."""
     n = int(os.environ.get("DETSLURM_STRESS_PREEMPTIONS", "30"))
     started = time.monotonic()
-    done, exp = 0, 0
+    multi_hows, one_hows = itertools.cycle(sorted(STOPS)), itertools.cycle(sorted(ONE_NODE_STOPS))
+    done, exp, multi = 0, 0, 0
+    for kind in ("ddp", "core"):
+        exp += 1
+        multi += _two_by_two_until_done(det, exp, kind, tmp_path / f"ctx-{kind}", multi_hows)
+    done = multi
     while done < n:
         exp += 1
-        done += _preempt_until_done(det, exp)
-    print(f"{done} preemptions over {exp} trials in {time.monotonic() - started:.0f} s")
+        done += _preempt_until_done(det, exp, one_hows)
+    print(f"{done} stops ({multi} of two-node trials) over {exp} trials in {time.monotonic() - started:.0f} s")
+
+
+def test_scontrol_requeue_is_refused_and_the_trial_goes_on(det: Any) -> None:
+    """detslurm submits with --no-requeue (it resubmits from the checkpoint itself, counting
+    restarts once): an admin's `scontrol requeue` is refused by Slurm and loses nothing."""
+    _start(det)
+    job = _running_job(trials(1)[0].id)
+    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    assert res.returncode != 0 and "disabled" in res.stderr + res.stdout
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.run_count == 1 and t.restarts == 0 and [s for s, _ in steps(t.id)] == list(range(1, 41))
+
+
+def test_slow_stop_is_measured_and_describe_warns(det: Any, tmp_path: Path) -> None:
+    """Item 3 of issue 16: the trial's time from the signal to its checkpoint is measured, and
+    `det e describe` / `det t describe` warn when it is over the site's budget (here KillWait 5 s,
+    no GraceTime). The warning signal is used because Slurm itself then kills nothing."""
+    write(tmp_path / "ctx/slow_stop.py", (FIXTURES / "slow_stop.py").read_text())
+    cfg = write(tmp_path / "c.yaml", "entrypoint: python3 slow_stop.py\nsearcher: {name: single, metric: loss}\n")
+    assert det("e", "create", cfg, tmp_path / "ctx", "--config", "slurm.sbatch_args=[--nodelist=c1]")[0] == 0
+    job = _running_job(trials(1)[0].id)
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, capture_output=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    first = _runs(t.id)[0]
+    assert first.preempt_acked and first.preempt_stop_s is not None and 7 <= first.preempt_stop_s < 30
+    assert [s for s, _ in steps(t.id)] == list(range(1, 31)) and t.restarts == 0
+    for cmd in (("e", "describe", "1"), ("t", "describe", str(t.id))):
+        code, out, err = det(*cmd)
+        assert code == 0
+        assert f"warning: trial {t.id} run 1 took {first.preempt_stop_s:.1f} s" in err, err
+        assert "more than the 5 s the site allows" in err and "KillWait 5" in err
+    # A run that stopped within the budget, or was not stopped by a signal, gets no line.
+    assert f"run {_runs(t.id)[-1].run_id} took" not in err

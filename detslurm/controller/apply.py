@@ -200,6 +200,14 @@ def _searcher_sees(exp: Experiment, trial: Trial, ev: Metrics, searcher: SearchM
     return searcher.validation_completed(trial.request_id, ev.metrics, ev.steps_completed)
 
 
+def _stopped_at(run: TrialRun, signalled: float, when: float) -> None:
+    """The run's stop time so far: signal -> acknowledgement, or -> the checkpoint written after
+    it (Determined's pattern acknowledges first, then checkpoints and exits)."""
+    # Both times are the compute node's clock; a negative difference is a clock step, not speed.
+    took = max(0.0, when - signalled)
+    run.preempt_stop_s = max(run.preempt_stop_s or 0.0, took)
+
+
 def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
     """The report also goes to the trial's TensorBoard event file. Written here, on the login
     side, rather than in the job: the trial then needs no TensorBoard install and writes nothing
@@ -216,6 +224,8 @@ def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
 
 
 def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:
+    if run.preempt_acked and run.preempt_signal_time is not None:
+        _stopped_at(run, run.preempt_signal_time, ev.time)
     # The first report of a uuid wins: a trial cannot re-point a recorded checkpoint at another path
     # or take over one that belongs to another trial.
     if session.get(Checkpoint, ev.uuid) is not None:
@@ -259,6 +269,9 @@ def apply_event(
             trial.runner_state = ev.state[:64]
         case PreemptAck():
             run.preempt_acked = True
+            if ev.signal_time is not None and run.preempt_signal_time is None:
+                run.preempt_signal_time = ev.signal_time
+                _stopped_at(run, ev.signal_time, ev.time)
         case EarlyExit():
             # InvalidHP decides how the run's exit is read (controller/decide.py); a
             # user-requested stop is an ordinary exit.

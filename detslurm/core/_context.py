@@ -186,7 +186,8 @@ def init(
     writer: Writer = EventWriter(paths.event_file(dist.rank))
 
     def ack() -> None:
-        writer.emit(PreemptAck())
+        # `preempt` is bound below, before anything can call ack().
+        writer.emit(PreemptAck(signal_time=preempt.signal_time))
         writer.flush()
 
     preempt = PreemptContext(dist, paths.control, ack, preempt_mode, signals_path=paths.signals)

@@ -94,6 +94,9 @@ class PreemptContext:
         self._first_term: float | None = None
         # Set by the signal handler (plain stores: see the module docstring), read by everyone.
         self._signalled = False
+        # Wall-clock time of the first signal (the compute node's clock, as event times are):
+        # reported with the acknowledgement so the controller can measure the stop time.
+        self.signal_time: float | None = None
         self._acked = False
         self._started = False
         self.reason: str | None = None
@@ -119,6 +122,8 @@ class PreemptContext:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs between two bytecodes of the main thread: no locks, no I/O (module docstring).
         now = time.monotonic()
+        if self.signal_time is None:
+            self.signal_time = time.time()
         first = self._first_term
         if signum == signal.SIGTERM and first is None:
             self._first_term = now

@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Optional
 
 from detslurm.context import extract
@@ -27,6 +30,8 @@ from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
 from detslurm.protocol import (
     IN_CONTAINER_ENV,
+    BadRecord,
+    ControlRecord,
     ExitRecord,
     NotARunDir,
     RunPaths,
@@ -123,18 +128,90 @@ def _run_hook(workdir: Path, env: dict[str, str]) -> int:
     return rc
 
 
-def _run(argv: list[str], workdir: Path, env: dict[str, str]) -> int:
+# The signals that mean "stop and checkpoint" (Slurm's SIGTERM and the warning signals); SIGINT
+# and SIGHUP are forwarded too but start no preemption_timeout clock.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def preemption_timeout_s(env: dict[str, str]) -> Optional[float]:
+    """expconf ``preemption_timeout``: in Determined, how long the master waits for a task told to
+    stop before it kills it. None (unset) means no limit of our own: Slurm's KillWait ends it."""
+    try:
+        value = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}").get("preemption_timeout")
+    except (ValueError, AttributeError):
+        return None
+    # Validated at create time (expconf schema); re-checked because the environment is text.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    return None
+
+
+class _StopClock:
+    """When the first stop request reached this launcher (a signal or the control file)."""
+
+    def __init__(self) -> None:
+        self.at: Optional[float] = None  # time.monotonic(); set by a signal handler (a plain store)
+
+    def start(self) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+
+
+def _run(argv: list[str], workdir: Path, env: dict[str, str], control: Optional[Path] = None) -> int:
     """The entrypoint in its own process group, with our signals forwarded to that group."""
     # In a Slurm job the entrypoint usually gets Slurm's SIGTERM twice: once from slurmstepd,
     # which signals every process of the step whatever its session, and once forwarded from
     # here. Forwarding stays, for runs where only this process is signalled (local runs,
     # `kill` by hand, the batch shell's warning signal); the trial's handler treats repeats
     # as one preemption (detslurm.core._preempt explains why it must).
-    from detslurm.launch._common import forward_signals
+    from detslurm.launch._common import FORWARDED
 
     proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
-    with forward_signals(proc):
-        return proc.wait()
+    clock = _StopClock()
+
+    def forward(signum: int, _frame: Optional[FrameType]) -> None:
+        if signum in _STOP_SIGNALS:
+            clock.start()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        return _wait(proc, clock, preemption_timeout_s(env), control)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _wait(proc: subprocess.Popen[bytes], clock: _StopClock, timeout_s: Optional[float], control: Optional[Path]) -> int:
+    """Wait for the entrypoint; with a preemption_timeout, kill it that long after it was told
+    to stop (a trial that never reaches its checkpoint must not hold the allocation)."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if timeout_s is None:
+            continue
+        if clock.at is None and control is not None and _control_says_stop(control):
+            clock.start()  # pause, kill, early stop from the controller: the same clock
+        if clock.at is not None and time.monotonic() - clock.at > timeout_s:
+            print(
+                f"detslurm: the trial did not stop within preemption_timeout ({timeout_s:.0f} s); killing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+
+def _control_says_stop(control: Path) -> bool:
+    try:
+        record = ControlRecord.read(control)
+    except BadRecord:
+        return False  # mid-replace: read again at the next poll
+    return record is not None and record.preempt
 
 
 def slurm_env(env: dict[str, str]) -> dict[str, str]:
@@ -201,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rc != 0:
             print(f"detslurm: startup-hook.sh failed with exit code {rc}", file=sys.stderr, flush=True)
         else:
-            rc = _run(entrypoint_argv(entrypoint), workdir, cenv)
+            rc = _run(entrypoint_argv(entrypoint), workdir, cenv, run.control)
     except (ContextError, WorkdirError, ValueError) as e:
         print(f"detslurm: {e}", file=sys.stderr, flush=True)
         rc = 1

@@ -98,6 +98,10 @@ class Status(_Event):
 @dataclass(frozen=True, kw_only=True)
 class PreemptAck(_Event):
     TYPE = EventType.PREEMPT_ACK
+    # When Slurm's signal (SIGTERM or the warning signal) reached the trial, on the compute
+    # node's clock like ``time``; None for a stop asked through the control file. The controller
+    # measures the trial's stop time from it (signal -> acknowledged checkpoint, issue 16).
+    signal_time: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +152,9 @@ def to_dict(ev: Event) -> dict[str, Any]:
     # `type` and `v` lead each line, so a human grepping an event file sees them first.
     out: dict[str, Any] = {"type": ev.TYPE.value, "v": VERSION}
     # Optional fields left at None are omitted: lines stay short, and decode() restores None.
-    out.update({k: v for k, v in ev.__dict__.items() if not (k in ("raw", "batch_metrics") and v is None)})
+    out.update(
+        {k: v for k, v in ev.__dict__.items() if not (k in ("raw", "batch_metrics", "signal_time") and v is None)}
+    )
     return out
 
 
@@ -227,7 +233,7 @@ _DECODERS: dict[EventType, Callable[[dict[str, Any]], Event]] = {
     EventType.CHECKPOINT_DELETED: lambda d: CheckpointDeleted(uuid=c.uuid(c.req(d, "uuid")), time=_time_of(d)),
     EventType.PROGRESS: _progress,
     EventType.STATUS: lambda d: Status(state=c.text(c.req(d, "state"), "state"), time=_time_of(d)),
-    EventType.PREEMPT_ACK: lambda d: PreemptAck(time=_time_of(d)),
+    EventType.PREEMPT_ACK: lambda d: PreemptAck(time=_time_of(d), signal_time=_opt_time(d, "signal_time")),
     EventType.EARLY_EXIT: lambda d: EarlyExit(reason=c.text(c.req(d, "reason"), "reason", 64), time=_time_of(d)),
     EventType.OP_COMPLETED: _op_completed,
     EventType.ALERT: _alert,
@@ -240,12 +246,17 @@ _TYPES = {t.value: t for t in EventType}
 
 def _time_of(d: dict[str, Any]) -> float:
     # The trial's clock: within datetime's range, or the report is dated "now" on ingest.
-    t = d.get("time")
+    value = _opt_time(d, "time")
+    return _now() if value is None else value
+
+
+def _opt_time(d: dict[str, Any], key: str) -> float | None:
+    t = d.get(key)
     if t is None:
-        return _now()
-    value = c.number(t, "time")
+        return None
+    value = c.number(t, key)
     if not 0 <= value < 1e11:
-        raise BadEvent(f"'time' {value} is not a timestamp")
+        raise BadEvent(f"'{key}' {value} is not a timestamp")
     return value
 
 

@@ -29,6 +29,10 @@ OUTPUT_LOG = "output.log"
 # The batch shell appends each signal it receives here (see the template): a diagnostic trail
 # of how a run was told to stop; the controller does not read it.
 SIGNALS = "signals"
+# A multi-node run's srun is not a child of the batch shell (the template says why): it reports
+# its pid and, when its step ends, its exit code through these two files in the run dir.
+STEP_PID = "step.pid"
+STEP_RC = "step.rc"
 LOCAL_WORKDIR = "workdir"
 
 # Only files named like this are ingested: a trial dropping other files into events/ (or a

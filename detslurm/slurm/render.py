@@ -19,7 +19,7 @@ import jinja2
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import BATCH_EXIT_PRINTF, IMAGE_EXIT_PRINTF, IN_CONTAINER_ENV, NODE_TMPDIR_ENV
-from detslurm.protocol.paths import EXIT_RECORD, SIGNALS
+from detslurm.protocol.paths import EXIT_RECORD, SIGNALS, STEP_PID, STEP_RC
 from detslurm.slurm.containers import (
     LIB_IN_CONTAINER,
     Bind,
@@ -339,6 +339,8 @@ def _script(
         exit_printf=BATCH_EXIT_PRINTF,
         image_exit_printf=IMAGE_EXIT_PRINTF,
         signals=SIGNALS,
+        step_pid=STEP_PID,
+        step_rc=STEP_RC,
     )
 
 

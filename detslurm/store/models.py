@@ -209,6 +209,10 @@ class TrialRun(Base):
     # The trial acknowledged a stop request (PreemptAck event): its exit is then a clean pause or
     # stop, not a failure (controller/decide.py).
     preempt_acked: Mapped[bool] = mapped_column(Boolean, default=False)
+    # When Slurm's signal reached the trial (its clock) and how long the trial took from there to
+    # its acknowledged checkpoint: compared with the site's budget (detslurm/slurm/budget.py).
+    preempt_signal_time: Mapped[float | None] = mapped_column(Float, nullable=True)
+    preempt_stop_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     restart_count_seen: Mapped[int] = mapped_column(Integer, default=0)
     submit_time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     start_time: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)

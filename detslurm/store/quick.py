@@ -23,7 +23,7 @@ from detslurm.store.fs import warn_if_network_db
 
 # The newest migration's revision. A test checks it against alembic's scripts; knowing it here
 # lets every CLI call see an up-to-date store without importing alembic or SQLAlchemy.
-HEAD_REVISION = "0004_cli15"
+HEAD_REVISION = "0003_preempt2"
 
 # Experiment states that have ended (models.ExperimentState.is_terminal; a test keeps them equal).
 TERMINAL_EXPERIMENT_STATES = ("CANCELED", "COMPLETED", "ERROR")

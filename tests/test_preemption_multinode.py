@@ -1,0 +1,142 @@
+"""Issue 16 on two nodes x two ranks (torch_distributed with DDP, and the Core API under the
+torch_distributed launcher): every way Slurm stops a multi-node trial ends with its checkpoint
+written and acknowledged, the job gone within KillWait, and the next run resuming from it with
+no step lost or repeated.
+
+The hazard these tests guard: srun turns a SIGTERM it receives into SIGKILL for its whole step
+("srun: forcing job termination"); templates/trial.sbatch.j2 keeps srun out of the batch step's
+signals, and these tests fail if a rank is SIGKILLed before it checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import write
+from sqlalchemy import select
+from test_slurm_cluster import FIXTURES, squeue_ids, steps, store, trials, wait_for
+
+from detslurm.store import TrialRun
+
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.usefixtures("slurm_env")]
+KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
+TOTAL_STEPS = 60
+FIXTURE = {"ddp": "ddp_preempt.py", "core": "core_dist_preempt.py"}
+
+
+def start_two_by_two(det: Any, ctx: Path, kind: str, total: int = TOTAL_STEPS) -> None:
+    """A trial of 4 slots: two nodes (c1, c2) with two ranks each, ``total`` steps long."""
+    write(ctx / FIXTURE[kind], (FIXTURES / FIXTURE[kind]).read_text())
+    cfg = write(
+        ctx.parent / f"{kind}.yaml",
+        f"entrypoint: python3 -m determined.launch.torch_distributed python3 {FIXTURE[kind]}\n"
+        "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n"
+        f"environment: {{environment_variables: [FIXTURE_TOTAL_STEPS={total}]}}\n",
+    )
+    code, out, err = det("e", "create", cfg, ctx)
+    assert code == 0, out + err
+
+
+def runs(trial_id: int) -> list[TrialRun]:
+    with store().tx() as s:
+        return list(s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id).order_by(TrialRun.run_id)))
+
+
+def running_job(exp: int, after_run: int = 0) -> str:
+    """The job of the trial's newest run once it runs and has checkpointed past where it began."""
+    wait_for(lambda: bool(trials(exp)), 60)
+    tid = trials(exp)[0].id
+    wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[-1].job_id in squeue_ids(), 120)
+    start = trials(exp)[0].steps_completed
+    wait_for(lambda: trials(exp)[0].latest_checkpoint is not None and trials(exp)[0].steps_completed > start + 5, 120)
+    return str(runs(tid)[-1].job_id)
+
+
+def preempt_by_high(job: str) -> None:
+    subprocess.run(
+        ["sbatch", "-p", "high", "-N2", "-w", "c1,c2", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 1"],
+        check=True,
+        capture_output=True,
+    )
+
+
+def warning_signal(job: str) -> None:
+    # What --signal=B:USR2@lead delivers before the time limit: the batch shell only.
+    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, capture_output=True)
+
+
+def scancel_term(job: str) -> None:
+    subprocess.run(["scancel", "--signal=TERM", job], check=True, capture_output=True)
+
+
+def scancel_full_term(job: str) -> None:
+    # --full also signals the batch step, where srun runs: the case srun used to turn into SIGKILL.
+    subprocess.run(["scancel", "--full", "--signal=TERM", job], check=True, capture_output=True)
+
+
+STOPS: dict[str, Callable[[str], None]] = {
+    "high-partition": preempt_by_high,
+    "warning-signal": warning_signal,
+    "scancel-term": scancel_term,
+    "scancel-full-term": scancel_full_term,
+}
+
+
+def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> None:
+    """Stop the trial's running job ``how``; the job must be gone within KillWait, acknowledged."""
+    job = running_job(exp, after_run)
+    t0 = time.monotonic()
+    STOPS[how](job)
+    wait_for(lambda: job not in squeue_ids(), KILL_WAIT_S + 15)
+    # squeue drops the job after the epilog; the margin covers that, not a SIGKILL.
+    assert time.monotonic() - t0 < KILL_WAIT_S + 15
+    tid = trials(exp)[0].id
+    wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[after_run].end_time is not None, 30)
+    run = runs(tid)[after_run]
+    assert run.preempt_acked, (how, run.exit_reason)
+
+
+def finish_and_check(det: Any, exp: int, total: int = TOTAL_STEPS) -> None:
+    code, out, err = det("e", "wait", str(exp))
+    assert code == 0, out + err
+    (t,) = trials(exp)
+    # Stopped by Slurm is not the trial's failure: no restart charged (max_restarts is 0).
+    assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
+    assert [s for s, _ in steps(t.id)] == list(range(1, total + 1))
+    assert all(r.preempt_acked for r in runs(t.id)[:-1])
+    code, out, _ = det("t", "logs", str(t.id))
+    saw = {line.split("]")[0] for line in out.splitlines() if "saw the preemption" in line}
+    assert {f"[rank={r}" for r in range(4)} <= saw  # every rank of the first run stopped cleanly
+
+
+@pytest.mark.parametrize("kind", ["ddp", "core"])
+@pytest.mark.parametrize("how", sorted(STOPS))
+def test_two_by_two_stops_checkpoint_and_resume(det: Any, tmp_path: Path, kind: str, how: str) -> None:
+    start_two_by_two(det, tmp_path / "ctx", kind)
+    stop_and_check(det, 1, how)
+    finish_and_check(det, 1)
+
+
+def test_preemption_with_grace_time_signals_the_ranks_only(det: Any, tmp_path: Path) -> None:
+    """With a partition GraceTime, Slurm signals the job's steps at the start of the grace time
+    (not the batch shell, nor srun): the ranks stop within it, and the measured stop time fits
+    the budget the partition's GraceTime + KillWait gives, so describe warns about nothing."""
+    subprocess.run(["scontrol", "update", "PartitionName=cpu", "GraceTime=10"], check=True, capture_output=True)
+    try:
+        start_two_by_two(det, tmp_path / "ctx", "core")
+        stop_and_check(det, 1, "high-partition")
+        finish_and_check(det, 1)
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=cpu", "GraceTime=0"], check=True, capture_output=True)
+    (t,) = trials(1)
+    first = runs(t.id)[0]
+    assert first.preempt_stop_s is not None and first.preempt_stop_s < 15
+    signals = Path(first.run_dir) / "signals"
+    # The batch shell, and so srun, got no SIGTERM at all: only the ranks' own steps did.
+    assert not signals.exists() or "TERM" not in signals.read_text()
+    code, _, err = det("e", "describe", "1")
+    assert code == 0 and "warning:" not in err
