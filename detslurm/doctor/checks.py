@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from detslurm.doctor.facts import SiteFacts
 from detslurm.doctor.findings import Finding, Status
+from detslurm.slurm.budget import preemption_budget
 from detslurm.slurm.partitions import PartitionInfo
 from detslurm.slurm.site import Pool
 
@@ -128,8 +129,9 @@ def check_preemption(f: SiteFacts) -> Finding:
             "suspended trials keep their memory and GPUs and resume where they were; "
             "detslurm shows them as suspended and does not resubmit them",
         )
-    # The tightest partition decides: a pool there gets only this much between SIGTERM and SIGKILL.
-    window = caps.kill_wait_s + min(p.grace_time_s for p in exposed)
+    # The tightest partition decides: a pool there gets only this much between SIGTERM and SIGKILL
+    # (the same budget `det e describe` holds measured stop times against).
+    window = min(preemption_budget(caps, p, site).preemption_s for p in exposed)
     status = WARNING if window < MIN_PREEMPT_WINDOW_S else OK
     return Finding(
         "preemption",
