@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from detslurm.protocol import (
     decode,
     read_lines,
 )
-from detslurm.protocol.reader import preview
+from detslurm.protocol.reader import Batch, preview
 from detslurm.searcher import (
     Action,
     Close,
@@ -64,6 +64,8 @@ from detslurm.store.sanitize import json_safe
 log = logging.getLogger("detslurm.controller")
 MAX_NOTE = 2000  # characters of one note about trial-written input
 MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
+# Reads one event file from a byte offset (protocol.read_lines, or a counting fake in tests).
+Reader = Callable[[Path, int], Batch]
 
 
 def note(session: Session, trial_id: int, message: str, level: str = "INFO") -> None:
@@ -249,8 +251,19 @@ def apply_event(
     return []
 
 
-def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, searcher: SearchMethod) -> int:
-    """Consume new events of one run; returns how many were applied.
+def ingest_run(
+    session: Session,
+    exp: Experiment,
+    trial: Trial,
+    run: TrialRun,
+    searcher: SearchMethod,
+    reader: Reader = read_lines,
+    unfinished: set[int] | None = None,
+) -> int:
+    """Consume new events of one run; returns how many were applied. ``reader`` reads one
+    file from an offset (injected to count opens); a run with lines left to read (a chunk
+    bound, NUL bytes waiting) is added to ``unfinished``: its next tick must read again even
+    if its files do not change.
 
     Never raises for anything a trial wrote: a line that does not decode, or whose event the
     store refuses, is quarantined (offset moved past it, one WARNING note per file and pass).
@@ -261,7 +274,9 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
         if off is None:
             off = IngestOffset(trial_run_pk=run.id, file=path.name, offset=0)
             session.add(off)
-        batch = read_lines(path, off.offset)
+        batch = reader(path, off.offset)
+        if (batch.more or batch.waiting) and unfinished is not None:
+            unfinished.add(run.id)
         # Bad lines are collected and noted once per file and pass: a trial writing millions of
         # them adds one note per tick, not millions of rows.
         bad: list[str] = []
