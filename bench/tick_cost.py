@@ -24,10 +24,11 @@ from typing import Any, Optional
 
 from _common import ROOT, save
 
+from detslurm.controller.apply import Reader
 from detslurm.controller.controller import Controller
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.controller.slurm_executor import SlurmExecutor
-from detslurm.protocol import Metrics, RunPaths
+from detslurm.protocol import Metrics, RunPaths, read_lines
 from detslurm.protocol.events import encode
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.parse import SEP, SQUEUE_FIELDS
@@ -81,14 +82,19 @@ class FakeSlurm:
         return SEP.join(f) + "\x1e"
 
 
-def build(dir: Path, trials: int) -> tuple[Controller, FakeSlurm, int]:
-    """A store with one grid experiment of ``trials`` trials, all submitted and held."""
+def private_env(dir: Path) -> None:
+    """Point this process's detslurm at a private store and dirs below ``dir``."""
     os.environ.update(
         DETSLURM_DATA_DIR=str(dir / "data"),
         DETSLURM_EXPERIMENTS_DIR=str(dir / "exps"),
         DETSLURM_CHECKPOINT_DIR=str(dir / "ck"),
         DETSLURM_CONFIG=str(dir / "none.yaml"),
     )
+
+
+def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controller, FakeSlurm, int]:
+    """A store (from the DETSLURM_* environment) with one grid experiment of ``trials``
+    trials, all submitted and held; ``reader`` is the controller's event-file reader."""
     from detslurm import settings
 
     s = settings.load()
@@ -103,7 +109,7 @@ searcher: {{name: grid, metric: loss, max_length: {{batches: 1}}, max_concurrent
     store = open_store(s.db_url)
     exp_id = execute_create(store, s, plan_create(s, ctx / "c.yaml", ctx), "slurm")
     fake = FakeSlurm()
-    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="bench"), SiteConfig()))
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="bench"), SiteConfig()), reader=reader)
     ctl.tick()  # submits every trial (job arrays) and records the job ids
     ctl.tick()  # first sight of the queue
     return ctl, fake, exp_id
@@ -120,8 +126,9 @@ def cpu_per_tick(ctl: Controller, ticks: int) -> float:
     return xs[len(xs) // 2]
 
 
-def append_metrics(ctl: Controller, exp_id: int, rows: int) -> None:
-    """``rows`` training-metric events, spread over the first trials' runs (10 rows a run)."""
+def append_metrics(ctl: Controller, exp_id: int, rows: int) -> int:
+    """``rows`` training-metric events, spread over the first trials' runs (10 rows a run);
+    how many runs got rows."""
     with ctl.store.read() as s:
         dirs = [
             Path(d)
@@ -134,17 +141,21 @@ def append_metrics(ctl: Controller, exp_id: int, rows: int) -> None:
             )
         ]
     per_run = 10
+    touched = set()
     for i in range(0, rows, per_run):
         path = RunPaths.from_run_dir(dirs[(i // per_run) % len(dirs)]).event_file(0)
+        touched.add(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             for k in range(per_run):
                 f.write(encode(Metrics(group="training", steps_completed=i + k, metrics={"loss": 0.5})))
+    return len(touched)
 
 
 def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-tick-") as tmp:
         t0 = time.perf_counter()
+        private_env(Path(tmp))
         ctl, fake, exp_id = build(Path(tmp), trials)
         setup_s = time.perf_counter() - t0
         squeues = fake.calls.get("squeue", 0)
@@ -179,7 +190,8 @@ def main() -> int:
     out = [measure(int(n), args.ticks, rows) for n in args.trials.split(",")]
     for r in out:
         print(r, file=sys.stderr, flush=True)
-    save("tick_cost", {"benchmark": "tick_cost", "ticks": args.ticks, "rows": out, "goal_idle_cpu_s": {"1000": 0.05, "10000": 0.2}})
+    goals = {"1000": 0.05, "10000": 0.2}
+    save("tick_cost", {"benchmark": "tick_cost", "ticks": args.ticks, "rows": out, "goal_idle_cpu_s": goals})
     return 0
 
 

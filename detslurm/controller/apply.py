@@ -83,6 +83,9 @@ def _ts(t: float) -> datetime:
 
 def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, actions: Iterable[Action]) -> None:
     """Record the searcher's actions (new trials, stops, ops, shutdown) in the store."""
+    actions = list(actions)
+    if not actions:
+        return  # most events ask nothing of the searcher: do not load every trial for them
     trials = {t.request_id: t for t in exp.trials}
     for a in actions:
         if isinstance(a, Create):

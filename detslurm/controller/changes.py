@@ -25,11 +25,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import Text, select, type_coerce
+from sqlalchemy import String, Text, select, type_coerce
 from sqlalchemy.orm import Session
 
 from detslurm.controller.executor import JobStatus
 from detslurm.protocol import RunPaths
+from detslurm.protocol.paths import EVENTS_DIR
 from detslurm.store.models import Experiment, Trial, TrialRun
 
 # A full tick at least this often, whatever the stamps say: cheap insurance against a change a
@@ -56,8 +57,9 @@ class RunMark:
 def stamp_events(run_dir: str, last: Stamp = None, clock: Callable[[], float] = time.time) -> Stamp:
     """The events dir's stamp: stats only, nothing is opened. The dir is listed again only
     when it changed since ``last`` (the run's previous stamp) or may still change unseen."""
-    paths = RunPaths.from_run_dir(Path(run_dir))
-    events = paths.events_dir
+    # Plain strings, not pathlib: this runs for every active run on every tick. The name is
+    # protocol's constant, so the two sides still cannot drift.
+    events = os.path.join(run_dir, EVENTS_DIR)
     try:
         st = os.stat(events)
     except (FileNotFoundError, NotADirectoryError):
@@ -67,11 +69,11 @@ def stamp_events(run_dir: str, last: Stamp = None, clock: Callable[[], float] = 
     if last is not None and last[0] == here and not racy:
         names = [f[0] for f in last[1]]
     else:
-        names = [p.name for p in paths.event_files()]
+        names = [p.name for p in RunPaths.from_run_dir(Path(run_dir)).event_files()]
     files: list[tuple[str, int, int]] = []
     for name in names:
         try:
-            f = os.stat(events / name)
+            f = os.stat(os.path.join(events, name))
         except OSError:
             continue  # gone since the listing: the dir's mtime moved too
         files.append((name, f.st_ino, f.st_size))
@@ -82,9 +84,12 @@ def experiment_fingerprint(s: Session, exp_id: int) -> str:
     """A digest of what other writers change in an experiment's rows (compared, never shown).
     JSON columns are read as their stored text: nothing is decoded."""
     h = hashlib.blake2b(digest_size=16)
-    exp = s.execute(
+    # Core rows on the session's connection, enums as their stored text: the ORM's row
+    # processing would cost more than the rest of an idle tick.
+    conn = s.connection()
+    exp = conn.execute(
         select(
-            Experiment.state,
+            type_coerce(Experiment.state, String),
             Experiment.archived,
             Experiment.resource_pool,
             type_coerce(Experiment.config, Text),
@@ -94,7 +99,7 @@ def experiment_fingerprint(s: Session, exp_id: int) -> str:
     h.update(repr(tuple(exp) if exp is not None else None).encode())
     trials = select(
         Trial.id,
-        Trial.state,
+        type_coerce(Trial.state, String),
         Trial.early_stopped,
         Trial.restarts,
         Trial.run_count,
@@ -106,15 +111,16 @@ def experiment_fingerprint(s: Session, exp_id: int) -> str:
         Trial.latest_checkpoint,
         Trial.exit_reason,
     ).where(Trial.experiment_id == exp_id)
-    h.update(repr(s.execute(trials.order_by(Trial.id)).all()).encode())
+    # Rows as plain tuples: a Row's own repr costs ten times more.
+    h.update(repr([tuple(r) for r in conn.execute(trials.order_by(Trial.id))]).encode())
     runs = (
-        select(TrialRun.id, TrialRun.state, TrialRun.job_id, TrialRun.exit_reason)
+        select(TrialRun.id, type_coerce(TrialRun.state, String), TrialRun.job_id, TrialRun.exit_reason)
         .join(Trial)
         .where(Trial.experiment_id == exp_id)
         .where(~TrialRun.state.in_(["EXITED", "LOST"]))
         .order_by(TrialRun.id)
     )
-    h.update(repr(s.execute(runs).all()).encode())
+    h.update(repr([tuple(r) for r in conn.execute(runs)]).encode())
     return h.hexdigest()
 
 

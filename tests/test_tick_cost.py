@@ -1,0 +1,106 @@
+"""A daemon tick costs what changed (issue 15): counts, never times. The controller runs the
+real SlurmClient and SlurmExecutor over bench/tick_cost.py's held-queue fake, with an event
+reader that counts what it opens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+from sqlalchemy import func, select
+
+sys.path.insert(0, str(ROOT / "bench"))
+import tick_cost  # noqa: E402
+
+from detslurm.controller import ops  # noqa: E402
+from detslurm.controller.controller import Controller  # noqa: E402
+from detslurm.controller.slurm_executor import SlurmExecutor  # noqa: E402
+from detslurm.protocol import Batch, RunPaths, read_lines  # noqa: E402
+from detslurm.slurm.client import SlurmClient  # noqa: E402
+from detslurm.slurm.site import SiteConfig  # noqa: E402
+from detslurm.store.models import Metric, Trial, TrialRun  # noqa: E402
+
+TRIALS = 12
+
+
+class CountingReader:
+    """The real reader, counting the event files it opens."""
+
+    def __init__(self) -> None:
+        self.opened: list[Path] = []
+
+    def __call__(self, path: Path, offset: int) -> Batch:
+        self.opened.append(path)
+        return read_lines(path, offset)
+
+
+@pytest.fixture
+def held(det_env: Path) -> tuple[Controller, tick_cost.FakeSlurm, int, CountingReader]:
+    reader = CountingReader()
+    ctl, fake, exp_id = tick_cost.build(det_env, TRIALS, reader)
+    return ctl, fake, exp_id, reader
+
+
+def metric_rows(ctl: Controller) -> int:
+    with ctl.store.read() as s:
+        return int(s.scalar(select(func.count()).select_from(Metric)) or 0)
+
+
+def test_idle_tick_opens_no_event_file_and_asks_slurm_once(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    tick_cost.append_metrics(ctl, exp_id, 20)  # two runs have files now
+    ctl.tick()
+    reader.opened.clear()
+    before = dict(fake.calls)
+    for _ in range(3):
+        ctl.tick()
+    assert reader.opened == []
+    assert fake.calls["squeue"] - before["squeue"] == 3
+    assert fake.calls.get("sbatch") == before.get("sbatch")  # nothing resubmitted
+
+
+def test_new_rows_open_only_the_runs_that_grew(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    ctl.tick()
+    reader.opened.clear()
+    touched = tick_cost.append_metrics(ctl, exp_id, 30)
+    ctl.tick()
+    assert touched == 3 and len(reader.opened) == 3
+    assert metric_rows(ctl) == 30
+
+
+def test_a_restarted_controller_sees_everything_once(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    ctl.tick()
+    tick_cost.append_metrics(ctl, exp_id, 20)
+    # A new daemon on the same store: empty memory, so it reads every run's files once.
+    fresh = CountingReader()
+    again = Controller(ctl.store, SlurmExecutor(SlurmClient(fake, user="bench"), SiteConfig()), reader=fresh)
+    again.tick()
+    assert metric_rows(ctl) == 20
+    ctl.tick()  # the old one's memory is stale, the offsets in the store are not
+    again.tick()
+    assert metric_rows(ctl) == 20
+
+
+def test_a_pause_from_the_cli_reaches_the_trials_of_an_idle_experiment(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    ctl.tick()
+    ctl.tick()
+    ops.pause(ctl.store, exp_id)
+    ctl.tick()
+    with ctl.store.read() as s:
+        dirs = list(s.scalars(select(TrialRun.run_dir).join(Trial).where(Trial.experiment_id == exp_id)))
+    assert len(dirs) == TRIALS
+    assert all(RunPaths.from_run_dir(Path(d)).control.exists() for d in dirs)
+
+
+def test_a_file_growing_again_is_read_again(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    tick_cost.append_metrics(ctl, exp_id, 10)
+    ctl.tick()
+    tick_cost.append_metrics(ctl, exp_id, 10)  # the same run's file grows
+    ctl.tick()
+    assert metric_rows(ctl) == 20
