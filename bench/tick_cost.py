@@ -48,7 +48,12 @@ class FakeSlurm:
         self.calls: dict[str, int] = {}
 
     def __call__(
-        self, argv: Sequence[str], *, input: Optional[str] = None, timeout: float, env: Optional[Mapping[str, str]] = None
+        self,
+        argv: Sequence[str],
+        *,
+        input: Optional[str] = None,
+        timeout: float,
+        env: Optional[Mapping[str, str]] = None,
     ) -> Result:
         cmd = argv[0] if argv[0] != "scontrol" else f"scontrol {argv[1]}"
         self.calls[cmd] = self.calls.get(cmd, 0) + 1

@@ -12,15 +12,15 @@ from conftest import ROOT
 from sqlalchemy import func, select
 
 sys.path.insert(0, str(ROOT / "bench"))
-import tick_cost  # noqa: E402
+import tick_cost
 
-from detslurm.controller import ops  # noqa: E402
-from detslurm.controller.controller import Controller  # noqa: E402
-from detslurm.controller.slurm_executor import SlurmExecutor  # noqa: E402
-from detslurm.protocol import Batch, RunPaths, read_lines  # noqa: E402
-from detslurm.slurm.client import SlurmClient  # noqa: E402
-from detslurm.slurm.site import SiteConfig  # noqa: E402
-from detslurm.store.models import Metric, Trial, TrialRun  # noqa: E402
+from detslurm.controller import ops
+from detslurm.controller.controller import Controller
+from detslurm.controller.slurm_executor import SlurmExecutor
+from detslurm.protocol import Batch, RunPaths, read_lines
+from detslurm.slurm.client import SlurmClient
+from detslurm.slurm.site import SiteConfig
+from detslurm.store.models import Metric, Trial, TrialRun
 
 TRIALS = 12
 

@@ -9,7 +9,6 @@ reason that no amount of waiting fixes (squeue(1) "JOB REASON CODES", Slurm 22.0
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 
