@@ -46,6 +46,7 @@ class FakeSlurm:
         self.next_id = 100
         self.tasks: list[tuple[str, str]] = []  # (job id, comment)
         self.calls: dict[str, int] = {}
+        self._answer: Optional[str] = None
 
     def __call__(
         self,
@@ -60,12 +61,16 @@ class FakeSlurm:
         if cmd == "sbatch":
             return self._sbatch(argv)
         if cmd == "squeue":
-            return Result(0, "".join(self._record(j, c) for j, c in self.tasks), "")
+            # Rendered once per change of the queue: the fake's own work must not count as the tick's.
+            if self._answer is None:
+                self._answer = "".join(self._record(j, c) for j, c in self.tasks)
+            return Result(0, self._answer, "")
         if cmd == "scontrol show":
             return Result(0, SHOW_CONFIG, "")
         return Result(0, "", "")
 
     def _sbatch(self, argv: Sequence[str]) -> Result:
+        self._answer = None
         job = self.next_id
         self.next_id += 1
         comment = next(a.split("=", 1)[1] for a in argv if a.startswith("--comment="))
