@@ -25,10 +25,11 @@ from typing import Any, Optional
 from _common import ROOT, save
 
 from detslurm.controller.apply import Reader
+from detslurm.controller.changes import TickMemory
 from detslurm.controller.controller import Controller
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.controller.slurm_executor import SlurmExecutor
-from detslurm.protocol import Metrics, RunPaths, read_lines
+from detslurm.protocol import Batch, Metrics, RunPaths, read_lines
 from detslurm.protocol.events import encode
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.parse import SEP, SQUEUE_FIELDS
@@ -125,10 +126,24 @@ searcher: {{name: grid, metric: loss, max_length: {{batches: 1}}, max_concurrent
     return ctl, fake, exp_id
 
 
-def cpu_per_tick(ctl: Controller, ticks: int) -> float:
-    """Median process CPU seconds of one tick."""
+class CountingReader:
+    """The controller's event reader, counting the files it opens."""
+
+    def __init__(self) -> None:
+        self.opens = 0
+
+    def __call__(self, path: Path, offset: int) -> Batch:
+        self.opens += 1
+        return read_lines(path, offset)
+
+
+def cpu_per_tick(ctl: Controller, ticks: int, forget: bool = False) -> float:
+    """Median process CPU seconds of one tick; ``forget``: with the controller's memory
+    emptied first, as a restarted daemon's (or the periodic full) tick."""
     xs = []
     for _ in range(ticks):
+        if forget:
+            ctl.memory = TickMemory()
         t0 = time.process_time()
         ctl.tick()
         xs.append(time.process_time() - t0)
@@ -166,17 +181,26 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-tick-") as tmp:
         t0 = time.perf_counter()
         private_env(Path(tmp))
-        ctl, fake, exp_id = build(Path(tmp), trials)
+        reader = CountingReader()
+        ctl, fake, exp_id = build(Path(tmp), trials, reader)
         setup_s = time.perf_counter() - t0
-        squeues = fake.calls.get("squeue", 0)
+        append_metrics(ctl, exp_id, 10)  # one run has an event file: idle ticks must not open it
+        ctl.tick()
+        squeues, opens = fake.calls.get("squeue", 0), reader.opens
         idle = cpu_per_tick(ctl, ticks)
         per_tick_squeue = (fake.calls.get("squeue", 0) - squeues) / ticks
-        ingest = {}
+        idle_opens = reader.opens - opens
+        full = cpu_per_tick(ctl, max(1, ticks // 2), forget=True)
+        ctl.tick()
+        ingest: dict[str, float] = {}
+        ingest_opens: dict[str, list[int]] = {}
         for n in rows:
-            append_metrics(ctl, exp_id, n)
+            touched = append_metrics(ctl, exp_id, n)
+            opens = reader.opens
             t1 = time.process_time()
             ctl.tick()
             ingest[str(n)] = time.process_time() - t1
+            ingest_opens[str(n)] = [reader.opens - opens, touched]
         with ctl.store.read() as s:
             assert s.get(Experiment, exp_id) is not None
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -184,8 +208,14 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             "trials": trials,
             "setup_s": setup_s,
             "idle_tick_cpu_s": idle,
+            "full_tick_cpu_s": full,
+            "idle_vs_full": idle / full if full else None,
             "squeue_per_tick": per_tick_squeue,
+            "idle_tick_event_opens": idle_opens,
             "ingest_tick_cpu_s": ingest,
+            "ingest_s_per_row": {n: v / int(n) for n, v in ingest.items() if int(n)},
+            # [event files opened, runs whose files grew]
+            "ingest_tick_event_opens": ingest_opens,
             "max_rss_mb": rss_mb,
         }
 
