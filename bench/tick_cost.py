@@ -108,6 +108,10 @@ def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controll
     trials, all submitted and held; ``reader`` is the controller's event-file reader."""
     from detslurm import settings
 
+    if not os.environ.get("DETSLURM_DATA_DIR"):
+        # Never the user's own store: its daemon would find thousands of "lost" jobs.
+        sys.exit("tick_cost.build needs a private store: call private_env(dir) first")
+
     s = settings.load()
     ctx = dir / "ctx"
     ctx.mkdir()
