@@ -29,7 +29,7 @@ from sqlalchemy import String, Text, select, type_coerce
 from sqlalchemy.orm import Session
 
 from detslurm.controller.executor import JobStatus
-from detslurm.protocol import RunPaths
+from detslurm.protocol import RunPaths, SearcherOps
 from detslurm.protocol.paths import EVENTS_DIR
 from detslurm.store.models import Experiment, Trial, TrialRun
 
@@ -134,6 +134,10 @@ class TickMemory:
     # exp id -> fingerprint after its last full step, when that step left it unchanged.
     steady: dict[int, str] = field(default_factory=dict)
     last_full: float = float("-inf")
+    # What the ops and best-validation files were last written (or read back) as: a full step
+    # rewrites only those that differ, and reads none that it wrote itself.
+    ops_files: dict[int, SearcherOps] = field(default_factory=dict)
+    best_files: dict[int, float] = field(default_factory=dict)
 
     def full_due(self) -> bool:
         """Whether this tick must be a full one (the periodic backstop); resets the timer."""
@@ -142,6 +146,8 @@ class TickMemory:
             self.last_full = now
             self.runs.clear()
             self.steady.clear()
+            self.ops_files.clear()
+            self.best_files.clear()
             return True
         return False
 

@@ -373,8 +373,12 @@ class Controller:
                         closed=t.ops_closed,
                         idle_after=t.ops_completed if t.ops_idle else -1,
                     )
-                    if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
-                        want.write(layout.ops_file(t.id))
+                    # Read back only when this controller has not written it as wanted: at 10,000
+                    # trials reading every ops file would be most of a full step.
+                    if self.memory.ops_files.get(t.id) != want:
+                        if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
+                            want.write(layout.ops_file(t.id))
+                        self.memory.ops_files[t.id] = want
                 reason = _stop_reason(state, t)
                 for r in t.runs:
                     if r.state not in ACTIVE_RUN or not reason:
@@ -382,8 +386,10 @@ class Controller:
                     control = RunPaths.from_run_dir(Path(r.run_dir)).control
                     if not control.exists():
                         ControlRecord(preempt=True, reason=reason).write(control)
-            if best is not None and _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
-                BestValidation(best).write(layout.best_validation)
+            if best is not None and self.memory.best_files.get(exp_id) != best:
+                if _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
+                    BestValidation(best).write(layout.best_validation)
+                self.memory.best_files[exp_id] = best
 
     # -- submissions ----------------------------------------------------------------------
     def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
