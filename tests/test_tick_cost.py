@@ -104,3 +104,28 @@ def test_a_file_growing_again_is_read_again(held: tuple) -> None:
     tick_cost.append_metrics(ctl, exp_id, 10)  # the same run's file grows
     ctl.tick()
     assert metric_rows(ctl) == 20
+
+
+def test_a_file_longer_than_one_read_is_finished_without_growing(det_env: Path) -> None:
+    # Reads of ~2 lines: the rest of the file must be read on the next ticks although its
+    # stamp (size) no longer changes.
+    def small(path: Path, offset: int) -> Batch:
+        return read_lines(path, offset, max_chunk=400, max_line=300)
+
+    ctl, fake, exp_id = tick_cost.build(det_env, 3, small)
+    tick_cost.append_metrics(ctl, exp_id, 10)
+    for _ in range(8):
+        ctl.tick()
+    assert metric_rows(ctl) == 10
+
+
+def test_a_trial_killed_from_the_cli_is_cancelled_in_slurm(held: tuple) -> None:
+    ctl, fake, exp_id, reader = held
+    ctl.tick()
+    ctl.tick()
+    with ctl.store.read() as s:
+        trial_id = s.scalar(select(Trial.id).where(Trial.experiment_id == exp_id).order_by(Trial.id))
+    before = fake.calls.get("scancel", 0)
+    ops.kill_trial(ctl.store, trial_id)
+    ctl.tick()
+    assert fake.calls.get("scancel", 0) == before + 1
