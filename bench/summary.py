@@ -59,6 +59,12 @@ def rows() -> list[tuple[str, str, str, bool]]:
                     True,
                 ),
                 (
+                    f"daemon tick with one validation report, {r['trials']} trials",
+                    f"{r['validation_tick_cpu_s']:.2f} s CPU (a full step of the experiment)",
+                    "O(change)",
+                    False,
+                ),
+                (
                     f"daemon memory, {r['trials']} trials",
                     f"{r['max_rss_mb']:.0f} MB",
                     "<= 300 MB",

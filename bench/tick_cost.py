@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from _common import ROOT, save
+from sqlalchemy import select
 
 from detslurm.controller.apply import Reader
 from detslurm.controller.changes import TickMemory
@@ -181,6 +182,21 @@ def append_metrics(ctl: Controller, exp_id: int, rows: int) -> int:
     return len(touched)
 
 
+def validation_tick(ctl: Controller, exp_id: int) -> float:
+    """CPU of the tick that ingests one validation report (of the first run)."""
+    with ctl.store.read() as s:
+        first = s.scalar(
+            select(TrialRun.run_dir).join(Trial).where(Trial.experiment_id == exp_id).order_by(TrialRun.id)
+        )
+    path = RunPaths.from_run_dir(Path(str(first))).event_file(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(encode(Metrics(group="validation", steps_completed=1, metrics={"loss": 0.25})))
+    t0 = time.process_time()
+    ctl.tick()
+    return time.process_time() - t0
+
+
 def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-tick-") as tmp:
         t0 = time.perf_counter()
@@ -205,6 +221,7 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             ctl.tick()
             ingest[str(n)] = time.process_time() - t1
             ingest_opens[str(n)] = [reader.opens - opens, touched]
+        validation = validation_tick(ctl, exp_id)
         with ctl.store.read() as s:
             assert s.get(Experiment, exp_id) is not None
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -217,6 +234,9 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             "squeue_per_tick": per_tick_squeue,
             "idle_tick_event_opens": idle_opens,
             "ingest_tick_cpu_s": ingest,
+            # One validation report: the searcher's state changes, so the experiment takes a
+            # full step (transitions, files, submissions over every trial).
+            "validation_tick_cpu_s": validation,
             "ingest_s_per_row": {n: v / int(n) for n, v in ingest.items() if int(n)},
             # [event files opened, runs whose files grew]
             "ingest_tick_event_opens": ingest_opens,
