@@ -129,3 +129,29 @@ def test_a_trial_killed_from_the_cli_is_cancelled_in_slurm(held: tuple) -> None:
     ops.kill_trial(ctl.store, trial_id)
     ctl.tick()
     assert fake.calls.get("scancel", 0) == before + 1
+
+
+def test_idle_and_changed_ticks_on_postgres(det_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fingerprint reads JSON columns as stored text; PostgreSQL's driver decodes them
+    itself, so the same checks run there."""
+    from pg_harness import PostgresUnavailable, private_postgres
+
+    try:
+        with private_postgres() as url:
+            monkeypatch.setenv("DETSLURM_DB_URL", url)
+            reader = CountingReader()
+            ctl, fake, exp_id = tick_cost.build(det_env, 6, reader)
+            assert not ctl.store.is_sqlite
+            tick_cost.append_metrics(ctl, exp_id, 20)
+            ctl.tick()
+            reader.opened.clear()
+            ctl.tick()
+            assert reader.opened == [] and metric_rows(ctl) == 20
+            ops.pause(ctl.store, exp_id)
+            ctl.tick()
+            with ctl.store.read() as s:
+                dirs = list(s.scalars(select(TrialRun.run_dir)))
+            assert all(RunPaths.from_run_dir(Path(d)).control.exists() for d in dirs)
+            ctl.store.dispose()
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
