@@ -398,6 +398,8 @@ class Controller:
         return plan_runs(s, exp, self.executor.capacity(), self.executor.kind, self.executor.resources_type())
 
     def _submit(self, exp_id: int) -> None:
+        if not self._may_need_runs(exp_id):
+            return  # every live trial has its run: planning would walk 10,000 trials for nothing
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             if exp.state != ExperimentState.ACTIVE:
@@ -411,6 +413,21 @@ class Controller:
         # Runs that share resources go as job arrays: one sbatch for many trials.
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
+
+    def _may_need_runs(self, exp_id: int) -> bool:
+        """Whether some trial may need a new run (``needs_run`` without its ops test): one
+        indexed query instead of loading every trial and run."""
+        busy = select(TrialRun.id).where(TrialRun.trial_id == Trial.id).where(TrialRun.state.in_(ACTIVE_RUN)).exists()
+        q = (
+            select(Trial.id)
+            .where(Trial.experiment_id == exp_id)
+            .where(Trial.state == TrialState.ACTIVE)
+            .where(Trial.early_stopped.is_(False))
+            .where(~busy)
+            .limit(1)
+        )
+        with self.store.read() as s:
+            return s.scalar(q) is not None
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not
