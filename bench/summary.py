@@ -40,6 +40,40 @@ def rows() -> list[tuple[str, str, str, bool]]:
         ],
     )
     add(
+        "tick_cost",
+        lambda d: [
+            row
+            for r in d["rows"]
+            for row in (
+                (
+                    f"daemon tick, nothing new, {r['trials']} held trials",
+                    f"{r['idle_tick_cpu_s'] * 1000:.0f} ms CPU ({r['idle_vs_full']:.2f}x a full tick, "
+                    f"{r['full_tick_cpu_s']:.2f} s); {r['idle_tick_event_opens']} event files opened",
+                    "<= 50 ms (1000), <= 200 ms (10,000)",
+                    r["idle_tick_cpu_s"] <= (0.05 if r["trials"] <= 1000 else 0.2),
+                ),
+                (
+                    f"daemon tick ingesting N rows, {r['trials']} trials",
+                    ", ".join(f"{n} rows {v:.2f} s" for n, v in r["ingest_tick_cpu_s"].items()),
+                    "O(N)",
+                    True,
+                ),
+                (
+                    f"daemon tick with one validation report, {r['trials']} trials",
+                    f"{r['validation_tick_cpu_s']:.2f} s CPU (a full step of the experiment)",
+                    "O(change)",
+                    False,
+                ),
+                (
+                    f"daemon memory, {r['trials']} trials",
+                    f"{r['max_rss_mb']:.0f} MB",
+                    "<= 300 MB",
+                    r["max_rss_mb"] <= 300,
+                ),
+            )
+        ],
+    )
+    add(
         "submission",
         lambda d: [
             (

@@ -43,6 +43,16 @@ def test_slurmctld_load_is_one_query_per_tick(tmp_path: Path) -> None:
         assert r["per_job_job_queries_per_tick"] == r["jobs"]
 
 
+def test_tick_cost_follows_change(tmp_path: Path) -> None:
+    d = run(tmp_path, "tick_cost.py", "--trials", "20", "--ticks", "2", "--rows", "10,30")
+    (r,) = d["rows"]
+    assert r["trials"] == 20 and r["squeue_per_tick"] == 1
+    assert r["idle_tick_event_opens"] == 0  # nothing new: no event file is opened
+    # A tick opens exactly the files that grew (10 rows a run).
+    assert r["ingest_tick_event_opens"] == {"10": [1, 1], "30": [3, 3]}
+    assert finite(r["idle_tick_cpu_s"], r["full_tick_cpu_s"], r["max_rss_mb"])
+
+
 def test_submission_uses_one_array(tmp_path: Path) -> None:
     d = run(tmp_path, "submission.py", "--trials", "16", "--repeats", "1")
     assert d["detslurm_sbatch_calls"] == [1]

@@ -40,7 +40,7 @@ from detslurm.protocol import (
     decode,
     read_lines,
 )
-from detslurm.protocol.reader import preview
+from detslurm.protocol.reader import Batch, preview
 from detslurm.searcher import (
     Action,
     Close,
@@ -69,6 +69,8 @@ from detslurm.store.sanitize import json_safe
 log = logging.getLogger("detslurm.controller")
 MAX_NOTE = 2000  # characters of one note about trial-written input
 MAX_LISTED = 5  # bad lines described in one quarantine note (all are counted)
+# Reads one event file from a byte offset (protocol.read_lines, or a counting fake in tests).
+Reader = Callable[[Path, int], Batch]
 
 
 def note(session: Session, trial_id: int, message: str, level: str = "INFO") -> None:
@@ -86,6 +88,9 @@ def _ts(t: float) -> datetime:
 
 def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, actions: Iterable[Action]) -> None:
     """Record the searcher's actions (new trials, stops, ops, shutdown) in the store."""
+    actions = list(actions)
+    if not actions:
+        return  # most events ask nothing of the searcher: do not load every trial for them
     trials = {t.request_id: t for t in exp.trials}
     for a in actions:
         if isinstance(a, Create):
@@ -292,8 +297,19 @@ def apply_event(
     return []
 
 
-def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, searcher: SearchMethod) -> int:
-    """Consume new events of one run; returns how many were applied.
+def ingest_run(
+    session: Session,
+    exp: Experiment,
+    trial: Trial,
+    run: TrialRun,
+    searcher: SearchMethod,
+    reader: Reader = read_lines,
+    unfinished: set[int] | None = None,
+) -> int:
+    """Consume new events of one run; returns how many were applied. ``reader`` reads one
+    file from an offset (injected to count opens); a run with lines left to read (a chunk
+    bound, NUL bytes waiting) is added to ``unfinished``: its next tick must read again even
+    if its files do not change.
 
     Never raises for anything a trial wrote: a line that does not decode, or whose event the
     store refuses, is quarantined (offset moved past it, one WARNING note per file and pass).
@@ -304,7 +320,9 @@ def ingest_run(session: Session, exp: Experiment, trial: Trial, run: TrialRun, s
         if off is None:
             off = IngestOffset(trial_run_pk=run.id, file=path.name, offset=0)
             session.add(off)
-        batch = read_lines(path, off.offset)
+        batch = reader(path, off.offset)
+        if (batch.more or batch.waiting) and unfinished is not None:
+            unfinished.add(run.id)
         # Bad lines are collected and noted once per file and pass: a trial writing millions of
         # them adds one note per tick, not millions of rows.
         bad: list[str] = []

@@ -7,6 +7,7 @@ and the executor, so a controller killed at any point resumes where it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -18,7 +19,8 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from detslurm.controller.apply import ingest_run, note
+from detslurm.controller.apply import Reader, ingest_run, note
+from detslurm.controller.changes import Stamp, TickMemory, experiment_fingerprint
 from detslurm.controller.config import stored_config
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
@@ -34,7 +36,7 @@ from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, plan_runs
 from detslurm.errors import StateError
 from detslurm.identity import os_user
-from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps
+from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, read_lines
 from detslurm.protocol.secret import ensure_run_secret
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
@@ -72,12 +74,24 @@ def _get(s: Session, exp_id: int) -> Experiment:
 
 
 class Controller:
-    def __init__(self, store: Store, executor: Executor, owner: str | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        executor: Executor,
+        owner: str | None = None,
+        *,
+        reader: Reader = read_lines,
+        memory: TickMemory | None = None,
+    ) -> None:
         self.store = store
         self.executor = executor
         # Only this user's experiments are ever ticked: a shared database holds other users'
         # experiments too, whose jobs this user's squeue cannot see and must never touch.
         self.owner = owner or current_user()
+        self.reader = reader
+        # What the last ticks saw (a cache: a new controller starts empty and ticks in full).
+        self.memory = memory or TickMemory()
+        self._full = True
 
     # -- the tick -------------------------------------------------------------------------
     def active_experiment_ids(self) -> list[int]:
@@ -97,8 +111,12 @@ class Controller:
         One experiment failing its step (a bug, a bad stored config) is logged and never stops
         the others; a scheduler that does not answer only delays what needs it."""
         ids = exp_ids if exp_ids is not None else self.active_experiment_ids()
+        self._full = self.memory.full_due()
         runs = {exp_id: self._active_runs(exp_id) for exp_id in ids}
-        jobs = {job: Path(d) for rs in runs.values() for _, job, d in rs if job}
+        # Marks of runs that are no longer active (ended, or of ended experiments) go.
+        active = {pk for rs in runs.values() for pk, _, _ in rs}
+        self.memory.forget([pk for pk in self.memory.runs if pk not in active])
+        jobs = {job: _as_path(d) for rs in runs.values() for _, job, d in rs if job}
         statuses: dict[str, JobStatus] | None = None
         try:
             statuses = self.executor.poll(jobs) if jobs else {}
@@ -125,15 +143,49 @@ class Controller:
             except SchedulerUnavailable as e:
                 log.warning("scheduler unreachable: %s", e)
         reachable = statuses is not None
+        if not reachable:
+            self.memory.forget(pk for pk, _, _ in runs)
+            self.memory.forget_experiment(exp_id)
         seen = statuses or {}
-        items = [(pk, (seen.get(job) if job else self._recover(pk)) if reachable else None) for pk, job, _ in runs]
-        self._reconcile_runs(items)
+        changed: list[tuple[int, JobStatus | None]] = []
+        marks: dict[int, tuple[JobStatus | None, Stamp]] = {}
+        for pk, job, run_dir in runs:
+            status = (seen.get(job) if job else self._recover(pk)) if reachable else None
+            # Stamped before the read: whatever is appended after it shows at the next tick.
+            stamp = self.memory.stamp(pk, run_dir)
+            if job and reachable and self.memory.unchanged(pk, status, stamp):
+                continue  # same answer from Slurm, same files: nothing to ingest or decide
+            changed.append((pk, status))
+            if job and reachable:
+                marks[pk] = (status, stamp)
+        unfinished = self._reconcile_runs(changed)
+        for pk, (status, stamp) in marks.items():
+            if pk not in unfinished:
+                self.memory.remember(pk, status, stamp)
+        self._experiment_step(exp_id, reachable)
+
+    def _experiment_step(self, exp_id: int, reachable: bool) -> None:
+        """Kills, transitions, files and submissions: skipped when the experiment's rows are
+        as the end of its last full step left them (nobody paused, killed or edited it, and
+        no run of it changed in a way that matters)."""
+        with self.store.read() as s:
+            before = experiment_fingerprint(s, exp_id)
+        if reachable and not self._full and self.memory.steady.get(exp_id) == before:
+            self._kill_stopping(exp_id)  # scancel again until the job has gone
+            return
+        self.memory.forget_experiment(exp_id)
         if reachable:
             self._kill_stopping(exp_id)
         self._transitions(exp_id)
         self._sync_files(exp_id)
         if reachable:
             self._submit(exp_id)
+            with self.store.read() as s:
+                after = experiment_fingerprint(s, exp_id)
+            # Steady only when this step changed nothing: a write of ours (or anyone's
+            # meanwhile) makes the next tick a full step again.
+            if after == before:
+                self.memory.steady[exp_id] = after
 
     def _check_owner(self, exp_id: int) -> None:
         """Driving another user's experiment would submit their code as this user (and their
@@ -151,7 +203,8 @@ class Controller:
                 .where(Trial.experiment_id == exp_id)
                 .where(TrialRun.state.in_(ACTIVE_RUN))
             )
-            return [(pk, job, d) for pk, job, d in s.execute(q)]
+            # Core rows: no ORM row processing for what is 10,000 plain tuples at scale.
+            return [(pk, job, d) for pk, job, d in s.connection().execute(q)]
 
     def _recover(self, run_pk: int) -> JobStatus | None:
         """A run recorded without a job id: the controller died around the submit, or the
@@ -178,28 +231,42 @@ class Controller:
             run.exit_reason = None
         return JobStatus(JobState.UNKNOWN, None, ExitCause.NEVER_STARTED)
 
-    def _reconcile_runs(self, items: list[tuple[int, JobStatus | None]]) -> None:
+    def _reconcile_runs(self, items: list[tuple[int, JobStatus | None]]) -> set[int]:
         """Ingest and decide for runs of one experiment in one transaction, with the searcher
-        loaded and saved once (a tick over 1000 trials would otherwise rebuild it 1000 times)."""
+        loaded and saved once (a tick over 1000 trials would otherwise rebuild it 1000 times).
+        Returns the runs with events left to read (see ``ingest_run``)."""
+        unfinished: set[int] = set()
         if not items:
-            return
+            return unfinished
         with self.store.tx() as s:
-            first = s.get(TrialRun, items[0][0])
-            assert first is not None
-            exp = first.trial.experiment
+            # One query for the runs and one for their trials, not one per run.
+            pks = [pk for pk, _ in items]
+            loaded = {r.id: r for r in s.scalars(select(TrialRun).where(TrialRun.id.in_(pks)))}
+            trial_ids = {r.trial_id for r in loaded.values()}
+            trials = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(trial_ids)))}
+            exp = trials[loaded[pks[0]].trial_id].experiment
             searcher = load_searcher(exp)
             for run_pk, status in items:
-                run = s.get(TrialRun, run_pk)
-                assert run is not None
-                self._reconcile_one(s, exp, run.trial, run, status, searcher)
-            exp.searcher_state = searcher.state_dict()
+                run = loaded[run_pk]
+                self._reconcile_one(s, exp, trials[run.trial_id], run, status, searcher, unfinished)
+            state = searcher.state_dict()
+            if state != exp.searcher_state:  # an unchanged search is not rewritten
+                exp.searcher_state = state
             exp.progress = searcher.progress()
+        return unfinished
 
     def _reconcile_one(
-        self, s: Session, exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus | None, searcher: SearchMethod
+        self,
+        s: Session,
+        exp: Experiment,
+        trial: Trial,
+        run: TrialRun,
+        status: JobStatus | None,
+        searcher: SearchMethod,
+        unfinished: set[int],
     ) -> None:
         try:
-            ingest_run(s, exp, trial, run, searcher)
+            ingest_run(s, exp, trial, run, searcher, self.reader, unfinished)
             if status is not None:
                 self._observe(exp, trial, run, status, s, searcher)
             if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
@@ -306,8 +373,12 @@ class Controller:
                         closed=t.ops_closed,
                         idle_after=t.ops_completed if t.ops_idle else -1,
                     )
-                    if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
-                        want.write(layout.ops_file(t.id))
+                    # Read back only when this controller has not written it as wanted: at 10,000
+                    # trials reading every ops file would be most of a full step.
+                    if self.memory.ops_files.get(t.id) != want:
+                        if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
+                            want.write(layout.ops_file(t.id))
+                        self.memory.ops_files[t.id] = want
                 reason = _stop_reason(state, t)
                 for r in t.runs:
                     if r.state not in ACTIVE_RUN or not reason:
@@ -315,8 +386,10 @@ class Controller:
                     control = RunPaths.from_run_dir(Path(r.run_dir)).control
                     if not control.exists():
                         ControlRecord(preempt=True, reason=reason).write(control)
-            if best is not None and _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
-                BestValidation(best).write(layout.best_validation)
+            if best is not None and self.memory.best_files.get(exp_id) != best:
+                if _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
+                    BestValidation(best).write(layout.best_validation)
+                self.memory.best_files[exp_id] = best
 
     # -- submissions ----------------------------------------------------------------------
     def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
@@ -325,6 +398,8 @@ class Controller:
         return plan_runs(s, exp, self.executor.capacity(), self.executor.kind, self.executor.resources_type())
 
     def _submit(self, exp_id: int) -> None:
+        if not self._may_need_runs(exp_id):
+            return  # every live trial has its run: planning would walk 10,000 trials for nothing
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             if exp.state != ExperimentState.ACTIVE:
@@ -338,6 +413,21 @@ class Controller:
         # Runs that share resources go as job arrays: one sbatch for many trials.
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
+
+    def _may_need_runs(self, exp_id: int) -> bool:
+        """Whether some trial may need a new run (``needs_run`` without its ops test): one
+        indexed query instead of loading every trial and run."""
+        busy = select(TrialRun.id).where(TrialRun.trial_id == Trial.id).where(TrialRun.state.in_(ACTIVE_RUN)).exists()
+        q = (
+            select(Trial.id)
+            .where(Trial.experiment_id == exp_id)
+            .where(Trial.state == TrialState.ACTIVE)
+            .where(Trial.early_stopped.is_(False))
+            .where(~busy)
+            .limit(1)
+        )
+        with self.store.read() as s:
+            return s.scalar(q) is not None
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not
@@ -415,6 +505,12 @@ def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
     if state == ExperimentState.PAUSED:
         return "pause"
     return None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _as_path(run_dir: str) -> Path:
+    # Run dirs never change: building 10,000 Paths on every tick would cost more than the tick.
+    return Path(run_dir)
 
 
 def _aware(t: datetime) -> datetime:

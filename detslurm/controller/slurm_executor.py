@@ -360,6 +360,8 @@ class SlurmExecutor:
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
+        if q is not None and JOB_STATE[q.state] != JobState.EXITED:
+            return self._live(q)  # the exit record is read only once the job has ended
         record = exit_outcome(exit_record_of(run_dir))
         # The code the batch shell recorded, or None (no record, or one we cannot read: what a
         # trial leaves in its run dir is never trusted to parse).
@@ -372,10 +374,12 @@ class SlurmExecutor:
             if code is not None:
                 return _ended(None, code, image)
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
-        state = JOB_STATE[q.state]
-        if state == JobState.EXITED:
-            return _ended(q.state, code, image)
-        if state == JobState.QUEUED:
+        return _ended(q.state, code, image)
+
+    @staticmethod
+    def _live(q: QueuedJob) -> JobStatus:
+        """A job still queued or running, as the controller sees it."""
+        if JOB_STATE[q.state] == JobState.QUEUED:
             reason = None if q.reason in _NO_REASON else q.reason
             why = pending_reason(reason)
             if reason is not None and why.permanent:

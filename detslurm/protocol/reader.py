@@ -57,6 +57,9 @@ class Batch:
     lines: list[Line] = field(default_factory=list)
     offset: int = 0  # everything before it is consumed
     waiting: str | None = None  # why the reader stopped short of the file's end, if it did
+    # Complete lines may remain past ``offset`` (the chunk bound stopped the read): the next
+    # read must not wait for the file to grow.
+    more: bool = False
 
 
 def preview(raw: bytes) -> str:
@@ -92,10 +95,13 @@ def _read(f: BinaryIO, offset: int, max_chunk: int, max_line: int, quiet_since: 
     if offset > 0 and _byte_at(f, offset - 1) != b"\n":
         pos = _skip_to_newline(f, offset, end)
         if pos < 0:  # still inside the long line: consume what we scanned
-            return Batch(offset=end)
+            return Batch(offset=end, more=end < st.st_size)
     recent = st.st_mtime > quiet_since
     f.seek(pos)
-    return _split(f.read(end - pos), pos, st.st_size, recent, max_line)
+    batch = _split(f.read(end - pos), pos, st.st_size, recent, max_line)
+    if end < st.st_size:
+        batch = Batch(batch.lines, batch.offset, batch.waiting, more=True)
+    return batch
 
 
 def _split(data: bytes, base: int, size: int, recent: bool, max_line: int) -> Batch:

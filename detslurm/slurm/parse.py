@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field
@@ -138,17 +139,32 @@ def parse_squeue_counted(text: str) -> tuple[list[QueuedJob], int]:
     skipped = 0
     records = _squeue_records(text)
     for record in records:
-        f = record.split(SEP)
-        if len(f) != len(SQUEUE_FIELDS) or not re.fullmatch(r"\d+(_\d+)?|\d+_\[[^\]]*\]", f[0]):
+        job = _squeue_record(record)
+        if job is None:
             skipped += 1
-            continue
-        try:
-            jobs.append(_queued_job(f))
-        except ValueError:
-            skipped += 1
+        else:
+            jobs.append(job)
     if records and not jobs and not any(SEP in r for r in records):
         raise SlurmParseError("squeue", text)
     return jobs, skipped
+
+
+# The daemon asks squeue every tick, and most records are the same as last time (a held or
+# running job's line does not change): a record already parsed costs a dict lookup. QueuedJob
+# is frozen, so sharing one between answers is safe; the bound keeps memory flat.
+@functools.lru_cache(maxsize=1 << 15)
+def _squeue_record(record: str) -> Optional[QueuedJob]:
+    """One record as a job, or None when it does not parse (see parse_squeue_counted)."""
+    f = record.split(SEP)
+    if len(f) != len(SQUEUE_FIELDS) or not _JOB_ID.fullmatch(f[0]):
+        return None
+    try:
+        return _queued_job(f)
+    except ValueError:
+        return None
+
+
+_JOB_ID = re.compile(r"\d+(_\d+)?|\d+_\[[^\]]*\]")
 
 
 def parse_squeue(text: str) -> list[QueuedJob]:

@@ -8,6 +8,7 @@ reason that no amount of waiting fixes (squeue(1) "JOB REASON CODES", Slurm 22.0
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -88,6 +89,7 @@ _PREFIXES: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=1024)
 def pending_reason(code: str | None) -> PendingReason:
     """The reason for a code as squeue prints it (``ReqNodeNotAvail, UnavailableNodes:c1``
     counts by its first word). An unknown code of a newer Slurm is shown as it is, and never
