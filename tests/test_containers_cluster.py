@@ -215,7 +215,10 @@ def test_the_trials_exit_code_passes_through_the_container(det: Any, image: str,
 
 
 def test_dry_run_shows_the_container_command_slurm_receives(det: Any, image: str) -> None:
-    from test_dry_run_cluster import normalize, stored_script, submissions, wait_jobs
+    from test_dry_run_cluster import normalize, our_jobs, stored_script, submissions
+
+    # Jobs of the module's earlier tests may still be leaving the queue: compare with ours only.
+    before = set(our_jobs())
 
     over = ["--config", "hyperparameters.sleep=0.3", "--config", f"environment.image={image}"]
     code, dry, err = det("e", "create", "--dry-run", CORE / "const.yaml", CORE, *over)
@@ -225,5 +228,9 @@ def test_dry_run_shows_the_container_command_slurm_receives(det: Any, image: str
     assert det("e", "create", "--paused", CORE / "const.yaml", CORE, *over)[0] == 0
     assert det("e", "activate", "1")[0] == 0
     # Same script, the in-job library's content key included.
-    assert normalize(stored_script(wait_jobs(1)[0])) == normalize(script)
+    deadline = time.time() + 60
+    while not (mine := sorted(set(our_jobs()) - before)) and time.time() < deadline:
+        time.sleep(0.3)
+    assert len(mine) == 1, f"expected this experiment's one job, saw {mine}"
+    assert normalize(stored_script(mine[0])) == normalize(script)
     assert det("e", "kill", "1")[0] == 0
