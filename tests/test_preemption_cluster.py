@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import write
 from sqlalchemy import select
-from test_preemption_multinode import STOPS, finish_and_check, start_two_by_two, stop_and_check
+from test_preemption_multinode import STOPS, finish_and_check, signal_job, start_two_by_two, stop_and_check
 from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
 
 from detslurm.store import TrialRun
@@ -78,24 +78,25 @@ def test_scancel_signal_term_checkpoints_and_resumes(det: Any) -> None:
     _assert_resumed_without_loss(det)
 
 
-def _sbatch_high_on_c1(job: str) -> None:
+def _sbatch_high_on_c1(job: str) -> bool:
     subprocess.run(
         ["sbatch", "-p", "high", "-w", "c1", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 1"],
         check=True,
         capture_output=True,
     )
+    return True
 
 
-def _scancel(*args: str) -> Callable[[str], None]:
-    def stop(job: str) -> None:
-        subprocess.run(["scancel", *args, job], check=True, capture_output=True)
+def _scancel(*args: str) -> Callable[[str], bool]:
+    def stop(job: str) -> bool:
+        return signal_job(list(args), job)
 
     return stop
 
 
 # Every way Slurm stops a one-node trial. (Plain `scancel --signal=TERM` signals only srun steps,
 # and a one-node trial has none: it runs in the batch step, see templates/trial.sbatch.j2.)
-ONE_NODE_STOPS: dict[str, Callable[[str], None]] = {
+ONE_NODE_STOPS: dict[str, Callable[[str], bool]] = {
     "high-partition": _sbatch_high_on_c1,
     "warning-signal": _scancel("--signal=USR2", "--batch"),  # what --signal=B:USR2@lead sends
     "scancel-full-term": _scancel("--full", "--signal=TERM"),
@@ -112,7 +113,8 @@ def _preempt_until_done(det: Any, exp: int, hows: Iterator[str] | None = None) -
     while trials(exp)[0].steps_completed < 30:  # nearer the end the run may finish first
         job = _running_job(trial_id, done, exp)
         t0 = time.monotonic()
-        ONE_NODE_STOPS[next(hows) if hows else "high-partition"](job)
+        if not ONE_NODE_STOPS[next(hows) if hows else "high-partition"](job):
+            continue  # the run finished its work just before the signal: the loop looks again
         _gone_within_kill_wait(job, t0)
         done += 1
     _assert_resumed_without_loss(det, exp)
@@ -131,8 +133,8 @@ def _two_by_two_until_done(det: Any, exp: int, kind: str, ctx: Path, hows: Itera
     done = 0
     wait_for(lambda: bool(trials(exp)), 60)
     while trials(exp)[0].steps_completed < MULTI_TOTAL - 25:
-        stop_and_check(det, exp, next(hows), after_run=done)
-        done += 1
+        if stop_and_check(det, exp, next(hows), after_run=done):
+            done += 1
     finish_and_check(det, exp, MULTI_TOTAL)
     return done
 

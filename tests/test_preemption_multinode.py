@@ -56,29 +56,41 @@ def running_job(exp: int, after_run: int = 0) -> str:
     return str(runs(tid)[-1].job_id)
 
 
-def preempt_by_high(job: str) -> None:
+def signal_job(args: list[str], job: str) -> bool:
+    """``scancel ARGS JOB``; False when the job had already ended: the trial finished its work
+    between the test's look at the queue and the signal (a race of the test, not a stop)."""
+    res = subprocess.run(["scancel", *args, job], capture_output=True, text=True)
+    if res.returncode == 0:
+        return True
+    if "already completing or completed" in res.stderr or "Invalid job id" in res.stderr:
+        return False
+    raise AssertionError(f"scancel {' '.join(args)} {job}: {res.stderr.strip()}")
+
+
+def preempt_by_high(job: str) -> bool:
     subprocess.run(
         ["sbatch", "-p", "high", "-N2", "-w", "c1,c2", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 1"],
         check=True,
         capture_output=True,
     )
+    return True
 
 
-def warning_signal(job: str) -> None:
+def warning_signal(job: str) -> bool:
     # What --signal=B:USR2@lead delivers before the time limit: the batch shell only.
-    subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, capture_output=True)
+    return signal_job(["--signal=USR2", "--batch"], job)
 
 
-def scancel_term(job: str) -> None:
-    subprocess.run(["scancel", "--signal=TERM", job], check=True, capture_output=True)
+def scancel_term(job: str) -> bool:
+    return signal_job(["--signal=TERM"], job)
 
 
-def scancel_full_term(job: str) -> None:
+def scancel_full_term(job: str) -> bool:
     # --full also signals the batch step, where srun runs: the case srun used to turn into SIGKILL.
-    subprocess.run(["scancel", "--full", "--signal=TERM", job], check=True, capture_output=True)
+    return signal_job(["--full", "--signal=TERM"], job)
 
 
-STOPS: dict[str, Callable[[str], None]] = {
+STOPS: dict[str, Callable[[str], bool]] = {
     "high-partition": preempt_by_high,
     "warning-signal": warning_signal,
     "scancel-term": scancel_term,
@@ -86,11 +98,13 @@ STOPS: dict[str, Callable[[str], None]] = {
 }
 
 
-def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> None:
-    """Stop the trial's running job ``how``; the job must be gone within KillWait, acknowledged."""
+def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> bool:
+    """Stop the trial's running job ``how``; the job must be gone within KillWait, acknowledged.
+    False when the job had ended before the signal (nothing to check)."""
     job = running_job(exp, after_run)
     t0 = time.monotonic()
-    STOPS[how](job)
+    if not STOPS[how](job):
+        return False
     wait_for(lambda: job not in squeue_ids(), KILL_WAIT_S + 15)
     # squeue drops the job after the epilog; the margin covers that, not a SIGKILL.
     assert time.monotonic() - t0 < KILL_WAIT_S + 15
@@ -98,6 +112,7 @@ def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> None:
     wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[after_run].end_time is not None, 30)
     run = runs(tid)[after_run]
     assert run.preempt_acked, (how, run.exit_reason)
+    return True
 
 
 def finish_and_check(det: Any, exp: int, total: int = TOTAL_STEPS) -> None:
