@@ -92,17 +92,21 @@ def _laptop(login: dict[str, Any], home: Path, persist_s: int) -> tuple[dict[str
 @pytest.mark.parametrize("persist_s", [0, 60], ids=["direct", "held"])
 def test_dashboard_port_is_forwarded_to_the_laptop(login: dict[str, Any], tmp_path: Path, persist_s: int) -> None:
     env, tag, remote_home = _laptop(login, tmp_path / "laptop", persist_s)
+    errors = (tmp_path / "stderr").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "detslurm.cli.main", "-m", "ssh://direct", "dashboard", "--allow-actions"],
         stdout=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
+        stderr=errors,
         text=True,
         env=env,
         cwd=ROOT,
     )
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline() == "a banner line\n"  # the login node's output comes through
+        first = proc.stdout.readline()
+        # The login node's output comes through (on failure, say what det said).
+        assert first == "a banner line\n", (tmp_path / "stderr").read_text()
         url = proc.stdout.readline().split()
         assert url[0] == "Open" and url[1].startswith("http://127.0.0.1:") and url[1].endswith("/index.html")
         # A laptop port, not the login node's: the page comes through the SSH connection.
@@ -113,6 +117,7 @@ def test_dashboard_port_is_forwarded_to_the_laptop(login: dict[str, Any], tmp_pa
     finally:
         proc.terminate()
         proc.wait(30)
+        errors.close()
         for sock in (tmp_path / "laptop/run/detslurm").glob("*.sock"):
             sock.unlink()  # the holder (persist_s > 0) exits once its socket is gone
     # The laptop went away: the server's stdin closed and it stopped (not orphaned on the login node).
