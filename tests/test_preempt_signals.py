@@ -110,3 +110,20 @@ def test_the_first_signal_s_arrival_is_kept_for_the_stop_time(tmp_path: Path) ->
     )
     assert res.returncode == 0, res.stderr
     assert "kept True True" in res.stdout
+
+
+def test_a_warning_signal_after_close_does_not_kill_the_finished_trial(tmp_path: Path) -> None:
+    """Seen in the stress test: a trial had finished its work and closed its context when the
+    time limit's warning (USR2) arrived; its default action killed the process, and a finished
+    run was counted as failed and charged a restart."""
+    res = _run(
+        tmp_path,
+        """
+        ctx.close()
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        print("alive", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        """,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "alive True" in res.stdout

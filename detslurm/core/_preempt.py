@@ -155,7 +155,14 @@ class PreemptContext:
         if self._thread is not None:
             self._thread.join(timeout=5)
         for sig, old in self._old.items():
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+            if sig != signal.SIGTERM and old in (None, signal.SIG_DFL):
+                # The warning signal's default action is to terminate. After close() the trial
+                # has nothing left to checkpoint, and a warning that lands while it exits (the time
+                # limit's, or a preemption notice) would turn a finished run into a failed one
+                # that is charged a restart. SIGTERM keeps its default: it still means "stop".
+                signal.signal(sig, signal.SIG_IGN)
+            else:
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
         self._old.clear()
 
     def _local_answer(self) -> bool:
