@@ -130,6 +130,7 @@ def test_array_is_one_experiment_with_a_trial_per_task(tmp_path: Path, det: Det)
     assert hps == [0, 1, 2]
 
 
+@pytest.mark.torch  # torchrun comes with torch
 def test_two_node_torchrun_batch_script(tmp_path: Path, det: Det) -> None:
     run = (
         f"exec {shlex.quote(sys.executable)} -m torch.distributed.run --nnodes 2 --nproc-per-node 1 "
