@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from detslurm.controller.decide import SPENDS_NO_RESTART
@@ -55,3 +57,21 @@ def test_every_cause_has_its_text_and_legacy_strings_map() -> None:
     assert ExitCause.parse("job left the queue without an exit record") is ExitCause.LOST
     assert ExitCause.parse("preempted") is ExitCause.PREEMPTED
     assert ExitCause.parse("no such cause") is None and ExitCause.parse(None) is None
+
+
+def test_a_stop_signal_that_kills_the_trial_is_not_its_failure(tmp_path: Path) -> None:
+    """Seen in the stress test: SIGTERM landed after the trial had finished and closed its
+    context; it died of the signal (exit 241) and was charged a restart. The batch shell's
+    record of the signal makes it a stop, resubmitted from the checkpoint without a charge."""
+    from detslurm.controller.slurm_executor import _ended, _stop_signalled
+    from detslurm.slurm.states import SlurmState
+
+    run = tmp_path / "exp-1-x" / "trials" / "1" / "runs" / "4"
+    run.mkdir(parents=True)
+    assert not _stop_signalled(run) and not _stop_signalled(tmp_path)
+    (run / "signals").write_text("TERM\n")
+    assert _stop_signalled(run)
+    assert _ended(SlurmState.FAILED, 241, stopped=True).cause == ExitCause.PREEMPTED
+    assert _ended(SlurmState.FAILED, 241).cause == ExitCause.FAILED
+    assert _ended(SlurmState.COMPLETED, 0, stopped=True).cause == ExitCause.COMPLETED
+    assert _ended(SlurmState.NODE_FAIL, 1, stopped=True).cause == ExitCause.NODE_FAILURE

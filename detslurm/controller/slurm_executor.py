@@ -24,7 +24,7 @@ from detslurm.controller.executor import (
     SubmitUnknown,
 )
 from detslurm.expconf import ExperimentConfig
-from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
+from detslurm.protocol import IMAGE_SOURCE, ExpPaths, NotARunDir, RunPaths, exit_outcome, exit_record_of
 from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
@@ -367,14 +367,15 @@ class SlurmExecutor:
         # trial leaves in its run dir is never trusted to parse).
         code = record.code
         image = code is not None and record.source == IMAGE_SOURCE
+        stopped = _stop_signalled(run_dir)
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
-            return _ended(acct.state, code if code is not None else acct.exit_code, image)
+            return _ended(acct.state, code if code is not None else acct.exit_code, image, stopped)
         if q is None:
             if code is not None:
-                return _ended(None, code, image)
+                return _ended(None, code, image, stopped)
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
-        return _ended(q.state, code, image)
+        return _ended(q.state, code, image, stopped)
 
     @staticmethod
     def _live(q: QueuedJob) -> JobStatus:
@@ -428,11 +429,28 @@ def _classify(e: Exception) -> Exception:
     return e
 
 
-def _ended(state: Optional[SlurmState], code: Optional[int], image_failed: bool = False) -> JobStatus:
+def _stop_signalled(run_dir: Path) -> bool:
+    """Whether the batch shell recorded a stop signal (SIGTERM or the warning signal) for this run.
+    Only the file's size is looked at: nothing the run dir holds is parsed here."""
+    try:
+        return RunPaths.from_run_dir(run_dir).signals.stat().st_size > 0
+    except (OSError, NotARunDir):  # no signal file, or a run dir of another executor's shape
+        return False
+
+
+def _ended(
+    state: Optional[SlurmState], code: Optional[int], image_failed: bool = False, stopped: bool = False
+) -> JobStatus:
     """A finished job: Slurm's final state says why, the run's own record gives the code."""
     cause = EXIT_CAUSE.get(state) if state is not None else None
     if cause is None or cause == ExitCause.COMPLETED:
         cause = ExitCause.COMPLETED if code == 0 else ExitCause.FAILED
+    if stopped and code != 0 and cause == ExitCause.FAILED:
+        # Slurm (or a user's scancel) signalled the job to stop and the trial died of it: a stop
+        # that landed where the trial could not checkpoint (starting up, or already finishing) is
+        # still Slurm's stop, not the trial's failure. Resubmitted from its latest checkpoint
+        # without spending a restart, as a preemption is.
+        cause = ExitCause.PREEMPTED
     if image_failed and code != 0 and cause == ExitCause.FAILED:
         # Not the trial's failure (no trial code ran), and one the next run would repeat; a
         # preemption or node failure meanwhile keeps its own cause and is retried as usual.
