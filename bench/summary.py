@@ -17,15 +17,11 @@ def load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def rows() -> list[tuple[str, str, str, bool]]:
-    out: list[tuple[str, str, str, bool]] = []
+Row = tuple[str, str, str, bool]
 
-    def add(name: str, fn: Callable[[dict[str, Any]], list[tuple[str, str, str, bool]]]) -> None:
-        d = load(name)
-        if d is not None:
-            out.extend(fn(d))
-
-    add(
+# Each benchmark's result file and the table rows it gives (a file that is missing gives none).
+TABLE: list[tuple[str, Callable[[dict[str, Any]], list[Row]]]] = [
+    (
         "slurmctld_load",
         lambda d: [
             (
@@ -38,8 +34,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
             )
             for r in d["rows"]
         ],
-    )
-    add(
+    ),
+    (
         "tick_cost",
         lambda d: [
             row
@@ -72,8 +68,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 ),
             )
         ],
-    )
-    add(
+    ),
+    (
         "submission",
         lambda d: [
             (
@@ -85,12 +81,12 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 max(d["detslurm_sbatch_calls"]) <= 2 and d["ratio_vs_submitit"] <= 1.0,
             )
         ],
-    )
-    add(
+    ),
+    (
         "launch_overhead",
         lambda d: [("launch overhead, 2 nodes", f"{d['ratio']:.2f}x raw srun torchrun", "<= 1.1x", d["ratio"] <= 1.1)],
-    )
-    add(
+    ),
+    (
         "trainer_overhead",
         lambda d: [
             (
@@ -106,8 +102,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 d["report_training_metrics_us_per_call"] < 20,
             ),
         ],
-    )
-    add(
+    ),
+    (
         "checkpoint_io",
         lambda d: [
             (
@@ -123,8 +119,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 d["restore_throughput_ratio"] >= 0.9,
             ),
         ],
-    )
-    add(
+    ),
+    (
         "search_efficiency",
         lambda d: [
             (
@@ -137,8 +133,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 d["asha_ratio_median"] <= 1 / 3,
             )
         ],
-    )
-    add(
+    ),
+    (
         "cli_latency",
         lambda d: (
             [
@@ -180,8 +176,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 else []
             )
         ),
-    )
-    add(
+    ),
+    (
         "dashboard_load",
         lambda d: [
             (
@@ -192,8 +188,8 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 d["page_s"] < d["goal_s"],
             )
         ],
-    )
-    add(
+    ),
+    (
         "store_scale",
         lambda d: [
             (
@@ -222,7 +218,16 @@ def rows() -> list[tuple[str, str, str, bool]]:
                 True,
             ),
         ],
-    )
+    ),
+]
+
+
+def rows() -> list[Row]:
+    out: list[Row] = []
+    for name, fn in TABLE:
+        d = load(name)
+        if d is not None:
+            out.extend(fn(d))
     return out
 
 
