@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -81,8 +82,8 @@ def _laptop(login: dict[str, Any], home: Path, persist_s: int) -> tuple[dict[str
     script.chmod(0o755)
     os.chown(script, user.pw_uid, user.pw_gid)
     config = write(home / "detslurm.json", json.dumps({"remote": {"det": str(script), "persist_s": persist_s}}))
-    run = home / "run"
-    run.mkdir(mode=0o700)
+    # Short, like /run/user/UID (a long pytest basetemp would not fit sun_path); removed by the test.
+    run = Path(tempfile.mkdtemp(prefix="ds-run-"))
     env = dict(os.environ, HOME=str(home), DETSLURM_CONFIG=str(config), XDG_RUNTIME_DIR=str(run))
     env.pop("SSH_AUTH_SOCK", None)
     env.pop("DET_MASTER", None)
@@ -118,8 +119,10 @@ def test_dashboard_port_is_forwarded_to_the_laptop(login: dict[str, Any], tmp_pa
         proc.terminate()
         proc.wait(30)
         errors.close()
-        for sock in (tmp_path / "laptop/run/detslurm").glob("*.sock"):
+        run = Path(env["XDG_RUNTIME_DIR"])
+        for sock in (run / "detslurm").glob("*.sock"):
             sock.unlink()  # the holder (persist_s > 0) exits once its socket is gone
+        shutil.rmtree(run, ignore_errors=True)
     # The laptop went away: the server's stdin closed and it stopped (not orphaned on the login node).
     deadline = time.monotonic() + 20
     while not (remote_home / f"{tag}.stopped").exists():

@@ -121,7 +121,19 @@ def _det(env: dict[str, str], stdin: str | None, *args: str) -> subprocess.Compl
     )
 
 
-def test_two_factor_is_asked_once_then_the_holder_serves(det_env: Path, server: tuple[int, str, Counts]) -> None:
+def _held_socket(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where det put the holder's socket (under a long pytest temp dir, the /tmp fallback)."""
+    from detslurm.remote.holder import socket_path
+    from detslurm.remote.target import parse_url
+
+    monkeypatch.setenv("HOME", env["HOME"])
+    monkeypatch.setenv("XDG_RUNTIME_DIR", env["XDG_RUNTIME_DIR"])
+    return socket_path(parse_url("ssh://twofa"))
+
+
+def test_two_factor_is_asked_once_then_the_holder_serves(
+    det_env: Path, server: tuple[int, str, Counts], monkeypatch: pytest.MonkeyPatch
+) -> None:
     port, known, counts = server
     env = _laptop(det_env, port, known, persist_s=30)
     r = _det(env, CODE + "\n", "e", "list", "--json")
@@ -131,13 +143,13 @@ def test_two_factor_is_asked_once_then_the_holder_serves(det_env: Path, server: 
         r = _det(env, None, "e", "describe", "7")
         assert r.returncode == 1 and r.stderr.strip() == "Error: experiment 7 not found"
     assert counts.answers == [[CODE]] and counts.execs == 3
-    (sock,) = (det_env / "run/detslurm").glob("*.sock")
+    sock = _held_socket(env, monkeypatch)
     assert sock.stat().st_mode & 0o777 == 0o600
     sock.unlink()  # the holder exits once its socket is gone
 
 
 def test_without_the_holder_every_command_asks_and_a_wrong_code_is_refused(
-    det_env: Path, server: tuple[int, str, Counts]
+    det_env: Path, server: tuple[int, str, Counts], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port, known, counts = server
     env = _laptop(det_env, port, known, persist_s=0)
@@ -146,4 +158,4 @@ def test_without_the_holder_every_command_asks_and_a_wrong_code_is_refused(
     assert r.returncode == 1 and r.stdout == ""
     assert "alice@twofa" in r.stderr and ("refused" in r.stderr or "authentication failed" in r.stderr)
     assert counts.answers == [[CODE], ["000000"]]
-    assert not (det_env / "run/detslurm").exists() or not list((det_env / "run/detslurm").glob("*.sock"))
+    assert not _held_socket(env, monkeypatch).exists()

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -112,14 +113,16 @@ def test_changed_host_key_is_refused(det: Any, laptop: Path, servers: dict[str, 
 @pytest.fixture
 def held(laptop: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Commands share one connection through the holder (remote.persist_s > 0)."""
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
+    # Short, like /run/user/UID: under a long pytest basetemp the socket path would not fit
+    # sun_path and det would (rightly) fall back to the shared /tmp/detslurm-UID.
+    run = Path(tempfile.mkdtemp(prefix="ds-run-"))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
     monkeypatch.setenv("DETSLURM_REMOTE_PERSIST_S", "60")
     yield run / "detslurm"
     for sock in (run / "detslurm").glob("*.sock"):
         sock.unlink()  # a holder whose socket is gone exits within a second
     time.sleep(1.5)
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def test_create_upload_cache_reads_and_download_through_bastion(

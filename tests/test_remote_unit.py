@@ -148,3 +148,47 @@ def test_ssh_config_aliases_and_proxyjump_chain(tmp_path: Path, monkeypatch: pyt
     # The URL's user and port win over the config's, as with ssh's own command line.
     (_, _, login) = sshconf.resolve_chain(Target("hpc", user="dave", port=22))
     assert (login.user, login.port, login.key_name) == ("dave", 22, "login01.hpc.example.org")
+
+
+def test_socket_path_fits_sun_path_under_a_long_runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI's pytest temp dirs made $XDG_RUNTIME_DIR/detslurm/ssh-<digest>.sock longer than
+    sockaddr_un holds, and the holder died with "AF_UNIX path too long"."""
+    import os
+    import socket
+
+    from detslurm.remote.holder import socket_path
+    from detslurm.remote.target import SUN_PATH_MAX
+
+    long_run = tmp_path / ("r" * (SUN_PATH_MAX - len(str(tmp_path)) - 12))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(long_run))
+    path = socket_path(Target("login"))
+    assert len(os.fsencode(path)) <= SUN_PATH_MAX
+    assert path.parent == Path(f"/tmp/detslurm-{os.getuid()}")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))  # the holder's bind, for real
+    path.unlink()
+    # A short runtime dir (like /run/user/UID) is still used as it is.
+    import shutil
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="ds-run-"))
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(short))
+        assert socket_path(Target("login")).parent == short / "detslurm"
+    finally:
+        shutil.rmtree(short)
+
+
+def test_socket_dir_refuses_a_planted_link_or_open_dir(tmp_path: Path) -> None:
+    from detslurm.remote.target import _private_dir
+
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(mine)
+    with pytest.raises(RemoteError, match="mode 0700"):
+        _private_dir(tmp_path / "link")
+    (tmp_path / "open").mkdir(mode=0o777)
+    (tmp_path / "open").chmod(0o777)
+    with pytest.raises(RemoteError, match="mode 0700"):
+        _private_dir(tmp_path / "open")
+    assert _private_dir(mine) == mine

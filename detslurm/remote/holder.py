@@ -56,7 +56,8 @@ def socket_path(target: Target) -> Path:
     cfg = Path(os.path.expanduser("~/.ssh/config"))
     salt = cfg.read_bytes() if cfg.is_file() else b""
     digest = hashlib.sha256(target.url.encode() + b"\0" + salt).hexdigest()[:20]
-    return runtime_dir() / f"ssh-{digest}.sock"
+    name = f"ssh-{digest}.sock"
+    return runtime_dir(len(name)) / name
 
 
 class RelayChannel:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,12 +159,28 @@ def load_remote_settings(env: Mapping[str, str]) -> RemoteSettings:
     return remote_settings(raw, env, str(path))
 
 
-def runtime_dir() -> Path:
-    """A private (0700) per-user directory for the connection holder's sockets."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/detslurm-{os.getuid()}"
-    d = Path(base) / "detslurm" if os.environ.get("XDG_RUNTIME_DIR") else Path(base)
+# Linux's sockaddr_un holds 108 bytes including the terminating NUL.
+SUN_PATH_MAX = 107
+
+
+def runtime_dir(name_len: int = 0) -> Path:
+    """A private (0700) per-user directory for the connection holder's sockets.
+
+    ``$XDG_RUNTIME_DIR/detslurm`` when set, else ``/tmp/detslurm-<uid>``; the latter too when a
+    long XDG_RUNTIME_DIR would leave no room for a socket name of ``name_len`` bytes (bind()
+    refuses paths longer than sun_path)."""
+    fallback = Path(f"/tmp/detslurm-{os.getuid()}")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    d = Path(xdg) / "detslurm" if xdg else fallback
+    if len(os.fsencode(d)) + 1 + name_len > SUN_PATH_MAX:
+        d = fallback
+    return _private_dir(d)
+
+
+def _private_dir(d: Path) -> Path:
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = d.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+    # lstat: a link planted in /tmp must not send our sockets somewhere else.
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise RemoteError(f"{d} must be a directory owned by you with mode 0700 (it holds SSH connection sockets)")
     return d
