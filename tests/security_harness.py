@@ -116,13 +116,19 @@ def shared_det(root: Path) -> Path:
     venv built from the system python3 under ``root/.state``. The project's own venv may use an
     interpreter under a private home (root's pyenv) that other users cannot execute. The venv
     is kept between runs; only the checkout is reinstalled, so it runs the code under test."""
-    venv = root / ".state" / "shared-venv"
+    python = next(p for p in _PYTHONS if os.access(p, os.X_OK))
+    version = subprocess.run(
+        [python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    # One venv per interpreter: the 24.11 pass runs this checkout inside a chroot whose system
+    # Python (3.13) differs from the host's, and a venv made by one cannot run under the other.
+    venv = root / ".state" / f"shared-venv-py{version}"
     # The system python3 may be older than requires-python's floor (3.11.2 here), which exists
     # only for tarfile's extraction filters: extracting a context happens inside trials, never
     # in the CLI commands a second user runs in these tests.
     pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
     if not (venv / "bin" / "pip").exists():
-        subprocess.run([_PYTHONS[0], "-m", "venv", str(venv)], check=True)
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
         subprocess.run([*pip, f"{root}[postgres]"], check=True)
     else:
         subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True)

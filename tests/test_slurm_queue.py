@@ -83,7 +83,8 @@ def test_queue_as_root(det: Any) -> None:
     assert int(squeue(a, "%Q")) > int(squeue(b, "%Q"))
     assert det("job", "update", a, "--hold")[0] == 0 and squeue(a, "%r") == "JobHeldAdmin"
     assert det("job", "update", a, "--release")[0] == 0 and squeue(a, "%r") != "JobHeldAdmin"
-    assert det("job", "update", a, "--resource-pool", "gpu")[0] == 0
+    code, _, err = det("job", "update", a, "--resource-pool", "gpu")
+    assert code == 0, err
     assert squeue(a, "%P") == "gpu"
     code, _, err = det("job", "update", blockers[0], "--resource-pool", "gpu")
     assert code == 1 and "Slurm cannot move a running job to another partition" in err

@@ -182,6 +182,15 @@ def test_rate_limiting_past_the_budget_is_an_unavailable_scheduler(tmp_path: Pat
         SlurmExecutor(SlurmClient(slurm, user="root", retry_budget_s=0), SiteConfig()).poll({"5": tmp_path})
 
 
+def test_try_again_from_slurmctld_is_resent() -> None:
+    """24.11 answers EAGAIN to an update of a job it just released (test_queue_as_root)."""
+    eagain = Result(1, "", "Resource temporarily unavailable for job 32\n")
+    slurm = Slurm({"scontrol": [eagain, Result(0, "", "")]})
+    slept: list[float] = []
+    SlurmClient(slurm, user="root", retry_budget_s=10, sleep=slept.append).update("32", Partition="gpu")
+    assert slept == [1.0] and slurm.asked("scontrol") == 2
+
+
 def test_other_errors_are_not_resent() -> None:
     slurm = Slurm({"scancel": Result(1, "", "scancel: error: Access/permission denied\n")})
     slept: list[float] = []
