@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
+from sqlalchemy import select
+from test_refusals import SITE
+from test_refusals import FakeSlurm as RefusalsFake
 
 from detslurm.controller.decide import SPENDS_NO_RESTART
 from detslurm.controller.executor import ExitCause, JobState
@@ -18,6 +21,7 @@ from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.parse import REC_END, SEP, SQUEUE_FIELDS, SQUEUE_FORMAT, parse_squeue
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
+from detslurm.store import Store, Trial, TrialRun, open_store
 
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
 
@@ -94,58 +98,102 @@ def _run_dir(tmp_path: Path, name: str, code: Optional[int], signals: str = "TER
 
 
 @pytest.mark.parametrize("state", ["PENDING", "RUNNING", "REQUEUE_HOLD"])
-def test_a_requeued_trial_job_ends_as_slurms_stop_and_is_cancelled(tmp_path: Path, state: str) -> None:
+def test_a_requeued_trial_job_ends_as_slurms_stop_and_is_to_be_cancelled(tmp_path: Path, state: str) -> None:
     """PENDING after the requeue, RUNNING the start Slurm made (it runs nothing), or held after
-    a failed launch: the run ended as a preemption with the code its stopped start recorded."""
+    a failed launch: the run ended as a preemption with the code its stopped start recorded, and
+    the job is left for the controller to cancel once that end is recorded."""
     fake = FakeSlurm(_record("7", state, 1) + _record("8", "RUNNING", 0, "detslurm:exp=1,trial=2,run=1"))
     ex = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig())
     st = ex.poll({"7": _run_dir(tmp_path, "1", 0), "8": _run_dir(tmp_path, "2", None, "")})
     assert (st["7"].state, st["7"].exit_code, st["7"].cause) == (JobState.EXITED, 0, ExitCause.PREEMPTED)
-    assert st["7"].detail == "REQUEUED" and st["8"].state is JobState.RUNNING
+    assert st["7"].detail == "REQUEUED" and st["7"].cancel_job
+    assert st["8"].state is JobState.RUNNING and not st["8"].cancel_job
     assert ExitCause.PREEMPTED in SPENDS_NO_RESTART  # never charged as a restart
-    assert fake.scancels() == [["scancel", "7"]]
+    assert fake.scancels() == []  # not before the run's end is in the store
 
 
-def test_requeued_jobs_of_one_tick_are_one_scancel(tmp_path: Path) -> None:
-    queue = _record("7", "PENDING", 1) + _record("9_1", "PENDING", 2, "detslurm:exp=1,trial=2+,run=1")
-    fake = FakeSlurm(queue)
+def test_a_stopped_start_killed_before_its_record_is_a_stop_not_a_failure(tmp_path: Path) -> None:
+    fake = FakeSlurm(_record("7", "PENDING", 1) + _record("9_1", "PENDING", 2, "detslurm:exp=1,trial=2+,run=1"))
     ex = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig())
-    # The stopped start was killed before it wrote its record: a stop that resumes from the
-    # latest checkpoint, not a failure.
     st = ex.poll({"7": _run_dir(tmp_path, "1", None), "9_1": _run_dir(tmp_path, "3", 143)})
     assert st["7"].cause is st["9_1"].cause is ExitCause.PREEMPTED and st["7"].exit_code is None
-    assert fake.scancels() == [["scancel", "7", "9_1"]]
+    assert st["9_1"].exit_code == 143 and st["7"].cancel_job and st["9_1"].cancel_job
 
 
 def test_a_requeued_job_still_completing_is_left_to_finish(tmp_path: Path) -> None:
     """COMPLETING: the stopped start may still be writing its checkpoint and exit record."""
     fake = FakeSlurm(_record("7", "COMPLETING", 1))
     st = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig()).poll({"7": _run_dir(tmp_path, "1", None)})
-    assert st["7"].state is JobState.RUNNING and fake.scancels() == []
+    assert st["7"].state is JobState.RUNNING and not st["7"].cancel_job
 
 
 @pytest.mark.parametrize("state", ["CANCELLED", "COMPLETED"])
 def test_a_requeued_job_that_has_ended_is_not_a_user_cancel(tmp_path: Path, state: str) -> None:
-    """Our own scancel (the controller stopped before recording the run's end), or the start
-    Slurm made exiting at once: the restart count keeps it Slurm's stop; nothing to cancel."""
+    """Our own scancel (should the run's end not have been recorded), or the start Slurm made
+    exiting at once: the restart count keeps it Slurm's stop; nothing left to cancel."""
     fake = FakeSlurm(_record("7", state, 1))
     st = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig()).poll({"7": _run_dir(tmp_path, "1", 0)})
     assert (st["7"].state, st["7"].cause, st["7"].exit_code) == (JobState.EXITED, ExitCause.PREEMPTED, 0)
-    assert fake.scancels() == []
-
-
-def test_a_failed_scancel_reports_the_job_as_queued_and_retries(tmp_path: Path) -> None:
-    fake = FakeSlurm(_record("7", "PENDING", 1), scancel_ok=False)
-    ex = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig())
-    run = _run_dir(tmp_path, "1", 0)
-    st = ex.poll({"7": run})
-    assert st["7"].state is JobState.QUEUED and st["7"].detail == "BeginTime"
-    fake.scancel_ok = True
-    assert ex.poll({"7": run})["7"].cause is ExitCause.PREEMPTED and len(fake.scancels()) == 2
+    assert not st["7"].cancel_job
 
 
 def test_a_requeued_job_that_is_no_trial_is_left_to_slurm(tmp_path: Path) -> None:
     """Detached runs (users' own scripts) resume by Slurm's requeue: never cancelled."""
     fake = FakeSlurm(_record("7", "PENDING", 1, comment="my own job"))
     st = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig()).poll({"7": _run_dir(tmp_path, "1", 0)})
-    assert st["7"].state is JobState.QUEUED and fake.scancels() == []
+    assert st["7"].state is JobState.QUEUED and not st["7"].cancel_job
+
+
+class Cluster(RefusalsFake):
+    """The test cluster's answers; sbatch hands out job ids from 77, and each scancel records
+    what the store said of the job's run at that moment."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self.store = store
+        self.next_id = 77
+        self.runs_at_scancel: list[list[tuple[str | None, str | None]]] = []
+
+    def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
+        if list(argv[:2]) == ["sbatch", "--parsable"]:
+            self.calls.append(list(argv))
+            self.next_id += 1
+            return Result(0, f"{self.next_id - 1}\n", "")
+        if argv[0] == "scancel":
+            with self.store.read() as s:
+                self.runs_at_scancel.append([(r.job_id, r.exit_reason) for r in s.scalars(select(TrialRun))])
+        return super().__call__(argv, **kw)
+
+
+def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: Path, tmp_path: Path) -> None:
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 0\nsearcher: {name: single, metric: m}\n")
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Cluster(store)
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # submits job 77
+    fake.queue = _record("77", "COMPLETING", 1, f"detslurm:exp={exp_id},trial=1,run=1")
+    ctl.tick([exp_id])  # the stopped start is still finishing: nothing decided
+    assert fake.count("scancel") == 0 and fake.count("sbatch", "--parsable") == 1
+    fake.queue = _record("77", "PENDING", 1, f"detslurm:exp={exp_id},trial=1,run=1")
+    ctl.tick([exp_id])
+    # One scancel, sent once the run's end was in the store; the trial resumed as run 2 (job 78).
+    assert fake.runs_at_scancel == [[("77", "preempted"), ("78", None)]]
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "77"]]
+    # Our cancel's CANCELLED (the restart count says it was requeued) changes nothing.
+    fake.queue = _record("77", "CANCELLED", 1, f"detslurm:exp={exp_id},trial=1,run=1")
+    fake.queue += _record("78", "RUNNING", 0, f"detslurm:exp={exp_id},trial=1,run=2")
+    ctl.tick([exp_id])
+    with store.read() as s:
+        (trial,) = s.scalars(select(Trial)).all()
+        assert trial.state == "ACTIVE" and trial.restarts == 0 and trial.run_count == 2
+    assert fake.count("scancel") == 1 and fake.count("sbatch", "--parsable") == 2

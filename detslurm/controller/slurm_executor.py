@@ -329,21 +329,23 @@ class SlurmExecutor:
         gone = [j for j in jobs if j not in self.last_queue]
         accounted = self._sacct(gone)
         out = {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}
-        return self._cancel_ended(out)
+        return self._cancel_unschedulable(out)
 
-    def _cancel_ended(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
-        """Jobs whose run has ended while Slurm still holds them are cancelled (one scancel for
-        all of them), and only then reported ended: a trial ended while its job stayed queued
-        could start later, unwatched. These are jobs that wait for a reason that never clears,
-        and jobs Slurm requeued (see _status). If the scancel fails they are reported as the
-        queue shows them (queued with Slurm's reason, or running) and the next tick tries again."""
-        doomed = [j for j, st in statuses.items() if st.state == JobState.EXITED and _in_queue(self.last_queue.get(j))]
+    def _cancel_unschedulable(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
+        """Jobs that wait for a reason that never clears are cancelled (one scancel for all of
+        them), and only then reported ended: a trial ended while its job stayed queued could
+        start later, unwatched. If the scancel fails they stay QUEUED (with their reason) and
+        the next tick tries again. (A requeued job is cancelled by the controller after it has
+        recorded the run's end: a start of it runs nothing, see _requeued_status.)"""
+        doomed = [j for j, st in statuses.items() if st.cause == ExitCause.UNSCHEDULABLE]
         if not doomed:
             return statuses
         try:
             self.kill_many(doomed)
         except (SlurmCommandError, SlurmUnavailable):
-            return {**statuses, **{j: _as_queued(self.last_queue[j]) for j in doomed}}
+            # Queued as before, with Slurm's code as the detail (the queue's own record of it).
+            waiting = {j: JobStatus(JobState.QUEUED, detail=self.last_queue[j].reason) for j in doomed}
+            return {**statuses, **waiting}
         return statuses
 
     def _sacct(self, gone: list[str]) -> dict[str, AccountedJob]:
@@ -374,7 +376,7 @@ class SlurmExecutor:
         image = code is not None and record.source == IMAGE_SOURCE
         stopped = _stop_signalled(run_dir)
         if requeued:
-            return _requeued_status(code, image, stopped)
+            return _requeued_status(code, image, stopped, still_queued=_in_queue(q))
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
             return _ended(acct.state, code if code is not None else acct.exit_code, image, stopped)
@@ -442,29 +444,23 @@ def _requeued_trial(q: QueuedJob) -> bool:
     return q.requeued and q.identity is not None
 
 
-def _requeued_status(code: Optional[int], image_failed: bool, stopped: bool) -> JobStatus:
+def _requeued_status(code: Optional[int], image_failed: bool, stopped: bool, still_queued: bool) -> JobStatus:
     """How a requeued trial run ended: as Slurm's stop (a preemption), decided by the exit
     record the stopped start wrote and its acknowledged checkpoint, never charged as a restart.
 
     The requeued job is not let run again: every start of a trial keeps its own run dir and
     exit record, and the controller stays the one place that decides restarts and resumes (a
-    start Slurm makes runs nothing, see the template). So the job is cancelled and the trial
-    resubmitted from its checkpoint as a new run. Its later CANCELLED (or COMPLETED) state says
-    nothing of the run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop,
-    also when the controller stopped between the scancel and recording the run's end."""
+    start Slurm makes runs nothing, see the template). So the trial is resubmitted from its
+    checkpoint as a new run, and a job still queued is cancelled by the controller once the run's
+    end is recorded (``cancel_job``). Its later CANCELLED (or COMPLETED) state says nothing of the
+    run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop."""
     ended = _ended(SlurmState.PREEMPTED, code, image_failed, stopped)
-    return JobStatus(ended.state, ended.exit_code, ended.cause, SlurmState.REQUEUED.value)
+    return JobStatus(ended.state, ended.exit_code, ended.cause, SlurmState.REQUEUED.value, cancel_job=still_queued)
 
 
 def _in_queue(q: Optional[QueuedJob]) -> bool:
     """Slurm still holds the job: it waits, runs, or may start again."""
     return q is not None and JOB_STATE[q.state] != JobState.EXITED
-
-
-def _as_queued(q: QueuedJob) -> JobStatus:
-    """The job as the queue shows it, with Slurm's reason as the detail of a waiting one."""
-    state = JOB_STATE[q.state]
-    return JobStatus(state, detail=q.reason if state == JobState.QUEUED else None)
 
 
 def _stop_signalled(run_dir: Path) -> bool:
