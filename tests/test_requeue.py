@@ -120,6 +120,19 @@ def test_a_stopped_start_killed_before_its_record_is_a_stop_not_a_failure(tmp_pa
     assert st["9_1"].exit_code == 143 and st["7"].cancel_job and st["9_1"].cancel_job
 
 
+def test_a_requeued_start_with_no_record_and_no_stop_signal_lost_its_node(tmp_path: Path) -> None:
+    """Slurm requeues a job whose node failed too: its start was never signalled and never
+    wrote its exit record. A node failure, also charged no restart."""
+    fake = FakeSlurm(_record("7", "PENDING", 1) + _record("8", "PENDING", 1, "detslurm:exp=1,trial=2,run=1"))
+    ex = SlurmExecutor(SlurmClient(fake, user="u"), SiteConfig())
+    st = ex.poll({"7": _run_dir(tmp_path, "1", None, ""), "8": _run_dir(tmp_path, "2", 0, "")})
+    assert (st["7"].cause, st["7"].exit_code, st["7"].detail) == (ExitCause.NODE_FAILURE, None, "REQUEUED")
+    assert ExitCause.NODE_FAILURE in SPENDS_NO_RESTART and st["7"].cancel_job
+    # Its step ended and the batch shell wrote the record (a preemption with a GraceTime
+    # signals only the ranks): a stop, not a lost node.
+    assert st["8"].cause is ExitCause.PREEMPTED
+
+
 def test_a_requeued_job_still_completing_is_left_to_finish(tmp_path: Path) -> None:
     """COMPLETING: the stopped start may still be writing its checkpoint and exit record."""
     fake = FakeSlurm(_record("7", "COMPLETING", 1))
@@ -184,6 +197,10 @@ def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: 
     fake.queue = _record("77", "COMPLETING", 1, f"detslurm:exp={exp_id},trial=1,run=1")
     ctl.tick([exp_id])  # the stopped start is still finishing: nothing decided
     assert fake.count("scancel") == 0 and fake.count("sbatch", "--parsable") == 1
+    # The stopped start got Slurm's SIGTERM (its batch shell recorded it) and was killed before
+    # it could write its exit record.
+    with store.read() as s:
+        (Path(s.scalars(select(TrialRun.run_dir)).one()) / "signals").write_text("TERM\n")
     fake.queue = _record("77", "PENDING", 1, f"detslurm:exp={exp_id},trial=1,run=1")
     ctl.tick([exp_id])
     # One scancel, sent once the run's end was in the store; the trial resumed as run 2 (job 78).

@@ -453,8 +453,14 @@ def _requeued_status(code: Optional[int], image_failed: bool, stopped: bool, sti
     start Slurm makes runs nothing, see the template). So the trial is resubmitted from its
     checkpoint as a new run, and a job still queued is cancelled by the controller once the run's
     end is recorded (``cancel_job``). Its later CANCELLED (or COMPLETED) state says nothing of the
-    run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop."""
-    ended = _ended(SlurmState.PREEMPTED, code, image_failed, stopped)
+    run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop.
+
+    Slurm also requeues a job whose node failed, and squeue does not say which it was: a start
+    that left neither an exit record nor a stop signal (its batch shell records each one it
+    gets, and writes the record when its step ends) lost its node. Either way no restart is
+    charged; only the words differ."""
+    lost_node = code is None and not stopped
+    ended = _ended(SlurmState.NODE_FAIL if lost_node else SlurmState.PREEMPTED, code, image_failed, stopped)
     return JobStatus(ended.state, ended.exit_code, ended.cause, SlurmState.REQUEUED.value, cancel_job=still_queued)
 
 
