@@ -89,7 +89,7 @@ class FakeSlurm:
     def _record(job: str, comment: str) -> str:
         raw, _, task = job.partition("_")
         f = [job, raw, raw, task or "N/A", "PENDING", "cpu", "bench", "100", "JobHeldUser", "", "1", "1", "N/A"]
-        f += ["2026-11-22T04:25:33", "N/A", "UNLIMITED", "0", "det-bench", comment]
+        f += ["2026-11-22T04:25:33", "N/A", "UNLIMITED", "0", "det-bench", comment, "0"]
         assert len(f) == len(SQUEUE_FIELDS)
         return SEP.join(f) + "\x1e"
 

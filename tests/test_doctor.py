@@ -373,7 +373,8 @@ class FakeSlurm:
 
 def _squeue_record(job: str, reason: str) -> str:
     fields = dict.fromkeys(SQUEUE_FIELDS, "")
-    fields.update({"%i": job, "%A": job, "%T": "PENDING", "%r": reason, "%D": "1", "%C": "1"})
+    fields.update({"JobArrayID": job, "JobID": job, "State": "PENDING", "Reason": reason, "NumNodes": "1"})
+    fields.update({"NumCPUs": "1", "RestartCnt": "0"})
     return SEP.join(fields[k] for k in SQUEUE_FIELDS) + REC_END
 
 

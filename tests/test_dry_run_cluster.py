@@ -98,7 +98,7 @@ def test_dry_run_equals_what_slurm_received(det: Any, tmp_path: Path, trials: in
     assert normalize(opts["Comment"]) == normalize(option(args, "comment")) and ",tag=" in opts["Comment"]
     assert opts["Partition"] == option(args, "partition") and opts["NumNodes"].startswith(option(args, "nodes"))
     assert normalize(opts["WorkDir"]) == normalize(option(args, "chdir"))
-    assert opts["Requeue"] == "0"
+    assert opts["Requeue"] == "1"  # --requeue: `scontrol requeue` is taken, and the daemon replaces the job
     if trials > 1:
         assert option(args, "array") == f"0-{trials - 1}"
         assert opts["ArrayJobId"] == job.split("_")[0] and opts["ArrayTaskId"] in ("0-2", "0", "1", "2")

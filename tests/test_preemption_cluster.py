@@ -14,9 +14,17 @@ from typing import Any
 import pytest
 from conftest import write
 from sqlalchemy import select
-from test_preemption_multinode import STOPS, finish_and_check, signal_job, start_two_by_two, stop_and_check
+from test_preemption_multinode import (
+    STOPS,
+    finish_and_check,
+    scontrol_requeue,
+    signal_job,
+    start_two_by_two,
+    stop_and_check,
+)
 from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
 
+from detslurm.protocol import exit_record_of
 from detslurm.store import TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
@@ -101,6 +109,7 @@ ONE_NODE_STOPS: dict[str, Callable[[str], bool]] = {
     "warning-signal": _scancel("--signal=USR2", "--batch"),  # what --signal=B:USR2@lead sends
     "scancel-full-term": _scancel("--full", "--signal=TERM"),
     "scancel-batch-term": _scancel("--batch", "--signal=TERM"),  # the batch shell relays it
+    "scontrol-requeue": scontrol_requeue,
 }
 
 
@@ -161,17 +170,27 @@ def test_repeated_preemption_stress(det: Any, tmp_path: Path) -> None:
     print(f"{done} stops ({multi} of two-node trials) over {exp} trials in {time.monotonic() - started:.0f} s")
 
 
-def test_scontrol_requeue_is_refused_and_the_trial_goes_on(det: Any) -> None:
-    """detslurm submits with --no-requeue (it resubmits from the checkpoint itself, counting
-    restarts once): an admin's `scontrol requeue` is refused by Slurm and loses nothing."""
+def test_scontrol_requeue_checkpoints_and_resumes(det: Any) -> None:
+    """An admin's `scontrol requeue` is a stop like a preemption: the trial checkpoints and
+    acknowledges, the requeued job is cancelled by the daemon (within KillWait of the requeue,
+    the time the stopped start has) and the trial resumes from its checkpoint as a new run, with
+    a new job; the stopped start's exit record and signals file are as it left them."""
     _start(det)
     job = _running_job(trials(1)[0].id)
-    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
-    assert res.returncode != 0 and "disabled" in res.stderr + res.stdout
-    code, out, err = det("e", "wait", "1")
-    assert code == 0, out + err
-    (t,) = trials(1)
-    assert t.run_count == 1 and t.restarts == 0 and [s for s, _ in steps(t.id)] == list(range(1, 41))
+    t0 = time.monotonic()
+    assert scontrol_requeue(job)
+    _gone_within_kill_wait(job, t0)
+    first = _assert_resumed_without_loss(det)
+    assert first.job_id == job and first.exit_reason == "preempted" and first.exit_code == 0
+    assert job not in {r.job_id for r in _runs(first.trial_id)[1:]}  # resumed by a fresh submission
+    run_dir = Path(first.run_dir)
+    assert (run_dir / "signals").read_text() == "TERM\n"
+    assert f'"code": 0, "source": "batch", "job": "{job}"' in exit_record_of(run_dir).read_text()
+    # Slurm's start of the requeued job (if the daemon's scancel came after it) ran nothing.
+    state = subprocess.run(
+        ["squeue", "-h", "--states=all", "-j", job, "-O", "State,RestartCnt"], text=True, capture_output=True
+    ).stdout.split()
+    assert state[:1] in ([], ["CANCELLED"], ["COMPLETED"]) and state[1:] in ([], ["1"]), state
 
 
 def test_slow_stop_is_measured_and_describe_warns(det: Any, tmp_path: Path) -> None:

@@ -90,11 +90,27 @@ def scancel_full_term(job: str) -> bool:
     return signal_job(["--full", "--signal=TERM"], job)
 
 
+def scontrol_requeue(job: str) -> bool:
+    """An admin's requeue: Slurm stops the job (SIGTERM, SIGKILL after KillWait) and queues it
+    again; the daemon cancels it and resubmits the trial. False when the job is no longer
+    running: Slurm requeues even a job that has completed, so that is looked at first."""
+    state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout
+    if state.strip() != "RUNNING":
+        return False
+    res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if res.returncode == 0:
+        return True
+    if "Invalid job id" in res.stderr or "completed" in res.stderr:
+        return False
+    raise AssertionError(f"scontrol requeue {job}: {res.stderr.strip()}")
+
+
 STOPS: dict[str, Callable[[str], bool]] = {
     "high-partition": preempt_by_high,
     "warning-signal": warning_signal,
     "scancel-term": scancel_term,
     "scancel-full-term": scancel_full_term,
+    "scontrol-requeue": scontrol_requeue,
 }
 
 

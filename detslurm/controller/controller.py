@@ -11,7 +11,7 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -122,11 +122,15 @@ class Controller:
             statuses = self.executor.poll(jobs) if jobs else {}
         except SchedulerUnavailable as e:
             log.warning("scheduler unreachable; ingesting and writing control files only: %s", e)
+        done: list[int] = []
         for exp_id in ids:
             try:
                 self.tick_experiment(exp_id, runs[exp_id], statuses)
+                done.append(exp_id)
             except Exception:
                 log.exception("experiment %d: tick failed", exp_id)
+        # Only where the runs' ends were recorded: elsewhere the next tick decides them first.
+        self._cancel_replaced([job for exp_id in done for _, job, _ in runs[exp_id] if job], statuses or {})
 
     def tick_experiment(
         self, exp_id: int, runs: ActiveRuns | None = None, statuses: dict[str, JobStatus] | None = None
@@ -134,6 +138,7 @@ class Controller:
         """One step for one experiment. ``statuses`` None after ``runs`` were given means the
         scheduler could not be asked: events are still ingested and control files written
         (pause, cancel and early stop need no Slurm), but no run is decided or submitted."""
+        polled_here = runs is None  # else tick() polled, and cancels for all experiments at once
         if runs is None:
             self._check_owner(exp_id)
             runs = self._active_runs(exp_id)
@@ -162,6 +167,8 @@ class Controller:
         for pk, (status, stamp) in marks.items():
             if pk not in unfinished:
                 self.memory.remember(pk, status, stamp)
+        if polled_here:
+            self._cancel_replaced([job for _, job, _ in runs if job], seen)
         self._experiment_step(exp_id, reachable)
 
     def _experiment_step(self, exp_id: int, reachable: bool) -> None:
@@ -186,6 +193,19 @@ class Controller:
             # meanwhile) makes the next tick a full step again.
             if after == before:
                 self.memory.steady[exp_id] = after
+
+    def _cancel_replaced(self, jobs: list[str], statuses: Mapping[str, JobStatus]) -> None:
+        """Cancel, in one call, the jobs whose runs have ended while the scheduler still holds
+        them (Slurm requeued them), now that the runs' ends are recorded: the trials go on as
+        new runs. A failed cancel is only logged: a start of such a job runs nothing (see
+        templates/trial.sbatch.j2), and its run is no longer watched."""
+        doomed = [job for job in jobs if (st := statuses.get(job)) is not None and st.cancel_job]
+        if not doomed:
+            return
+        try:
+            self.executor.kill_many(doomed)
+        except Exception as e:  # the scheduler's error, whatever the executor
+            log.warning("could not cancel requeued job(s) %s (their next start runs nothing): %s", doomed, e)
 
     def _check_owner(self, exp_id: int) -> None:
         """Driving another user's experiment would submit their code as this user (and their

@@ -117,6 +117,10 @@ class JobStatus:
     cause: ExitCause | None = None
     # Scheduler detail shown beside the cause (e.g. Slurm's OUT_OF_MEMORY) or a pending reason.
     detail: str | None = None
+    # The run has ended but the scheduler still holds its job (Slurm requeued it): the controller
+    # cancels it once the run's end is recorded (Controller.tick), so the store says how the run
+    # ended before the job's own final state (CANCELLED) could be read as a user's cancel.
+    cancel_job: bool = False
 
 
 @dataclass(frozen=True)

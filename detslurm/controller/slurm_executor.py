@@ -332,9 +332,11 @@ class SlurmExecutor:
         return self._cancel_unschedulable(out)
 
     def _cancel_unschedulable(self, statuses: dict[str, JobStatus]) -> dict[str, JobStatus]:
-        """Jobs that wait for a reason that never clears are cancelled, and only then reported
-        ended: a trial ended while its job stayed queued could start later, unwatched. If the
-        scancel fails they stay QUEUED (with their reason) and the next tick tries again."""
+        """Jobs that wait for a reason that never clears are cancelled (one scancel for all of
+        them), and only then reported ended: a trial ended while its job stayed queued could
+        start later, unwatched. If the scancel fails they stay QUEUED (with their reason) and
+        the next tick tries again. (A requeued job is cancelled by the controller after it has
+        recorded the run's end: a start of it runs nothing, see _requeued_status.)"""
         doomed = [j for j, st in statuses.items() if st.cause == ExitCause.UNSCHEDULABLE]
         if not doomed:
             return statuses
@@ -360,14 +362,21 @@ class SlurmExecutor:
 
     def _status(self, job_id: str, run_dir: Path, acct: Optional[AccountedJob] = None) -> JobStatus:
         q = self.last_queue.get(job_id)
-        if q is not None and JOB_STATE[q.state] != JobState.EXITED:
-            return self._live(q)  # the exit record is read only once the job has ended
+        requeued = q is not None and _requeued_trial(q)
+        if q is not None and (
+            q.state == SlurmState.COMPLETING or (JOB_STATE[q.state] != JobState.EXITED and not requeued)
+        ):
+            # The exit record is read only once the job has ended; a requeued job is COMPLETING
+            # while the stopped start may still be writing its checkpoint and exit record.
+            return self._live(q)
         record = exit_outcome(exit_record_of(run_dir))
         # The code the batch shell recorded, or None (no record, or one we cannot read: what a
         # trial leaves in its run dir is never trusted to parse).
         code = record.code
         image = code is not None and record.source == IMAGE_SOURCE
         stopped = _stop_signalled(run_dir)
+        if requeued:
+            return _requeued_status(code, image, stopped, still_queued=_in_queue(q))
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
             return _ended(acct.state, code if code is not None else acct.exit_code, image, stopped)
@@ -427,6 +436,37 @@ def _classify(e: Exception) -> Exception:
     if isinstance(e, SlurmCommandError) and e.unreachable:
         return SchedulerUnavailable(str(e))
     return e
+
+
+def _requeued_trial(q: QueuedJob) -> bool:
+    """A trial run's job that Slurm requeued after it had started. Detached runs (users' own
+    scripts, no trial identity in the comment) are left to Slurm: a requeue is how they resume."""
+    return q.requeued and q.identity is not None
+
+
+def _requeued_status(code: Optional[int], image_failed: bool, stopped: bool, still_queued: bool) -> JobStatus:
+    """How a requeued trial run ended: as Slurm's stop (a preemption), decided by the exit
+    record the stopped start wrote and its acknowledged checkpoint, never charged as a restart.
+
+    The requeued job is not let run again: every start of a trial keeps its own run dir and
+    exit record, and the controller stays the one place that decides restarts and resumes (a
+    start Slurm makes runs nothing, see the template). So the trial is resubmitted from its
+    checkpoint as a new run, and a job still queued is cancelled by the controller once the run's
+    end is recorded (``cancel_job``). Its later CANCELLED (or COMPLETED) state says nothing of the
+    run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop.
+
+    Slurm also requeues a job whose node failed, and squeue does not say which it was: a start
+    that left neither an exit record nor a stop signal (its batch shell records each one it
+    gets, and writes the record when its step ends) lost its node. Either way no restart is
+    charged; only the words differ."""
+    lost_node = code is None and not stopped
+    ended = _ended(SlurmState.NODE_FAIL if lost_node else SlurmState.PREEMPTED, code, image_failed, stopped)
+    return JobStatus(ended.state, ended.exit_code, ended.cause, SlurmState.REQUEUED.value, cancel_job=still_queued)
+
+
+def _in_queue(q: Optional[QueuedJob]) -> bool:
+    """Slurm still holds the job: it waits, runs, or may start again."""
+    return q is not None and JOB_STATE[q.state] != JobState.EXITED
 
 
 def _stop_signalled(run_dir: Path) -> bool:

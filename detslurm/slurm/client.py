@@ -190,7 +190,7 @@ class SlurmClient:
         """One call for every job of this user (or all users): the only per-tick query."""
         # --states=all: finished jobs stay visible for MinJobAge, which is how we learn that a
         # job was PREEMPTED, hit its TIMEOUT or lost its node (without slurmdbd there is no sacct).
-        argv = ["squeue", "-h", "-r", "--states=all", "-o", parse.SQUEUE_FORMAT]
+        argv = ["squeue", "-h", "-r", "--states=all", "-O", parse.SQUEUE_FORMAT]
         if not all_users:
             argv += ["-u", self.user]
         return parse.parse_squeue(self._run(argv).stdout)

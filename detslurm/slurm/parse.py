@@ -21,28 +21,34 @@ log = logging.getLogger("detslurm.slurm")
 # record whose field count is wrong (a name or comment holding SEP) is skipped, never guessed.
 SEP = "\x1f"
 REC_END = "\x1e"
+# The fields of the daemon's one squeue per tick, as ``squeue -O`` names them. ``-O`` because the
+# restart count (how often Slurm requeued the job) has no ``-o`` letter; each is printed in full
+# (width 0) and followed by SEP, the last by REC_END, so records look as they did with ``-o``
+# (%i %A %F %K %T %P %u %Q %r %N %D %C %b %V %S %l %y %j %k, same order, checked to print the
+# same on 22.05). Records captured before RestartCnt was added have one field less.
 SQUEUE_FIELDS = [
-    "%i",
-    "%A",
-    "%F",
-    "%K",
-    "%T",
-    "%P",
-    "%u",
-    "%Q",
-    "%r",
-    "%N",
-    "%D",
-    "%C",
-    "%b",
-    "%V",
-    "%S",
-    "%l",
-    "%y",
-    "%j",
-    "%k",
+    "JobArrayID",
+    "JobID",
+    "ArrayJobID",
+    "ArrayTaskID",
+    "State",
+    "Partition",
+    "UserName",
+    "PriorityLong",
+    "Reason",
+    "NodeList",
+    "NumNodes",
+    "NumCPUs",
+    "tres-per-node",
+    "SubmitTime",
+    "StartTime",
+    "TimeLimit",
+    "Nice",
+    "Name",
+    "Comment",
+    "RestartCnt",
 ]
-SQUEUE_FORMAT = SEP.join(SQUEUE_FIELDS) + REC_END
+SQUEUE_FORMAT = ",".join(f"{name}:0{SEP}" for name in SQUEUE_FIELDS[:-1]) + f",{SQUEUE_FIELDS[-1]}:0{REC_END}"
 
 
 class SlurmParseError(DetSlurmError):
@@ -75,6 +81,15 @@ class QueuedJob:
     nice: int
     name: str
     comment: str
+    # How many times Slurm put the job back in the queue after it had started (``scontrol
+    # requeue``, preemption on a PreemptMode=REQUEUE partition, a node failure).
+    restarts: int = 0
+
+    @property
+    def requeued(self) -> bool:
+        """Slurm requeued this job at least once: the start it is waiting for (or running) is
+        not the one that was submitted."""
+        return self.restarts > 0
 
     @property
     def identity(self) -> Optional[tuple[int, int, int]]:
@@ -124,11 +139,13 @@ def _queued_job(f: list[str]) -> QueuedJob:
         nice=_int(f[16]),
         name=f[17],
         comment="" if f[18] == "(null)" else f[18],
+        # Absent from records captured before the field was added: never requeued, as then.
+        restarts=_int(f[19]) if len(f) > 19 else 0,
     )
 
 
 def parse_squeue_counted(text: str) -> tuple[list[QueuedJob], int]:
-    """The jobs of ``squeue -o SQUEUE_FORMAT`` output, and how many records were skipped.
+    """The jobs of ``squeue -O SQUEUE_FORMAT`` output, and how many records were skipped.
 
     A record is skipped when it has the wrong number of fields (a name or comment containing
     SEP: which SEP splits them cannot be known) or a job id that is not a number. One odd job
@@ -156,7 +173,7 @@ def parse_squeue_counted(text: str) -> tuple[list[QueuedJob], int]:
 def _squeue_record(record: str) -> Optional[QueuedJob]:
     """One record as a job, or None when it does not parse (see parse_squeue_counted)."""
     f = record.split(SEP)
-    if len(f) != len(SQUEUE_FIELDS) or not _JOB_ID.fullmatch(f[0]):
+    if len(f) not in (len(SQUEUE_FIELDS), len(SQUEUE_FIELDS) - 1) or not _JOB_ID.fullmatch(f[0]):
         return None
     try:
         return _queued_job(f)

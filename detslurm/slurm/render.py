@@ -264,8 +264,11 @@ def _job_args(
         f"--output={output}",
         "--open-mode=append",
         f"--chdir={chdir}",
-        # detslurm resubmits from the latest checkpoint itself (counting restarts once).
-        "--no-requeue",
+        # Slurm may requeue the job (an admin's `scontrol requeue`, preemption on a PreemptMode=REQUEUE
+        # partition, a node failure): the stopped start checkpoints as for any stop, and the daemon
+        # then cancels the requeued job and resubmits the trial from its checkpoint as a new run
+        # (controller/slurm_executor.py). With --no-requeue, slurmctld refuses `scontrol requeue`.
+        "--requeue",
         # B: sends the warning only to the batch shell, which forwards it to the step (see the
         # template), signal_lead_s seconds before the time limit so the trial can checkpoint.
         f"--signal=B:{sig}@{site.signal_lead_s}",

@@ -27,7 +27,7 @@ class SlurmState(enum.Enum):
 
     @property
     def is_terminal(self) -> bool:
-        """The job is over for good: Slurm will not run it again (we submit with --no-requeue)."""
+        """The job is over for good: Slurm will not run it again (a requeued job shows PENDING again)."""
         return self in _TERMINAL
 
     @property
@@ -49,8 +49,8 @@ _TERMINAL = {
     SlurmState.FAILED,
     SlurmState.CANCELLED,
     SlurmState.TIMEOUT,
-    # PREEMPTED is terminal because we submit with --no-requeue: the controller resubmits from the
-    # latest checkpoint itself.
+    # PREEMPTED is terminal: a preempted job that Slurm requeues goes back to PENDING instead, and
+    # the controller replaces it (controller/slurm_executor.py).
     SlurmState.PREEMPTED,
     SlurmState.NODE_FAIL,
     SlurmState.OUT_OF_MEMORY,
