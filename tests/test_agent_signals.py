@@ -6,6 +6,7 @@ tree, as proctrack/linuxproc does, or only the launcher, as the batch shell's wa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -82,10 +83,8 @@ def every_process(root: int) -> list[int]:
 
 def deliver(proc: subprocess.Popen[bytes], how: str, sig: signal.Signals) -> None:
     for pid in every_process(proc.pid) if how == "every-process" else [proc.pid]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.mark.parametrize(
