@@ -61,7 +61,7 @@ def test_real_time_limit_checkpoints_and_resumes(
     assert code == 0, err
     wait_for(lambda: bool(trials(1)) and bool(runs(trials(1)[0].id)), 60)
     tid = trials(1)[0].id
-    wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and "R" == _state(str(runs(tid)[0].job_id)), 60)
+    wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and _state(str(runs(tid)[0].job_id)) == "R", 60)
     job = str(runs(tid)[0].job_id)
     started = start_time(job)
     wait_for(lambda: job not in squeue_ids(), LIMIT_S + CHECK_S + KILL_WAIT_S + 30)
