@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, write
-from test_preemption_multinode import runs
+from test_preemption_multinode import finish_and_check, runs, start_two_by_two
 from test_slurm_cluster import CORE, squeue_ids, steps, trials, wait_for
+
+from detslurm.store import TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
@@ -59,6 +61,24 @@ def test_real_time_limit_checkpoints_and_resumes(
         "max_restarts=0",
     )
     assert code == 0, err
+    first, signals = first_run_ends_by_the_limit()
+    if lead_s:
+        # Slurm's own warning reached the batch shell, and the trial stopped before the limit.
+        assert signals[:1] == ["USR2"] and first.exit_code == 0
+    else:
+        # No warning: Slurm's SIGTERM at the limit; the job is Slurm's TIMEOUT.
+        assert "TERM" in signals and first.exit_reason == "time limit"
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
+    assert [s for s, _ in steps(t.id)] == list(range(1, 41))  # nothing lost, nothing twice
+    assert all(r.preempt_acked for r in runs(t.id)[:-1])
+
+
+def first_run_ends_by_the_limit() -> tuple[TrialRun, list[str]]:
+    """Experiment 1's first run, once its job has gone: within KillWait of the limit, with its
+    checkpoint acknowledged; and the signals its batch shell recorded."""
     wait_for(lambda: bool(trials(1)) and bool(runs(trials(1)[0].id)), 60)
     tid = trials(1)[0].id
     wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and _state(str(runs(tid)[0].job_id)) == "R", 60)
@@ -72,18 +92,19 @@ def test_real_time_limit_checkpoints_and_resumes(
     first = runs(tid)[0]
     signals = (Path(first.run_dir) / "signals").read_text().split()
     assert first.preempt_acked, (first.exit_reason, first.exit_code, signals)
-    if lead_s:
-        # Slurm's own warning reached the batch shell, and the trial stopped before the limit.
-        assert signals[:1] == ["USR2"] and first.exit_code == 0
-    else:
-        # No warning: Slurm's SIGTERM at the limit; the job is Slurm's TIMEOUT.
-        assert "TERM" in signals and first.exit_reason == "time limit"
-    code, out, err = det("e", "wait", "1")
-    assert code == 0, out + err
-    (t,) = trials(1)
-    assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
-    assert [s for s, _ in steps(t.id)] == list(range(1, 41))  # nothing lost, nothing twice
-    assert all(r.preempt_acked for r in runs(t.id)[:-1])
+    return first, signals
+
+
+@pytest.mark.torch
+def test_real_time_limit_on_two_nodes(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 nodes x 2 ranks under torch_distributed: Slurm's warning reaches only the batch shell,
+    which passes it to srun's step; every rank stops at the same checkpoint."""
+    use_lead(tmp_path, monkeypatch, 30)
+    extra = "slurm: {sbatch_args: [--time=1]}\n"
+    start_two_by_two(det, tmp_path / "ctx", "core", total=160, step_s=0.5, extra=extra)
+    first, signals = first_run_ends_by_the_limit()
+    assert signals[:1] == ["USR2"] and first.exit_code == 0
+    finish_and_check(det, 1, total=160)
 
 
 def _state(job: str) -> str:
