@@ -14,17 +14,26 @@ from test_slurm_cluster import trials
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.usefixtures("slurm_env")]
 
-# The entrypoint's launcher after `python3 -m determined.launch.`, and the module it needs.
-# Horovod under --mpi is not here: mpirun starts its remote daemons with an srun of its own,
-# which Slurm's SIGTERM reaches and which then kills their step (docs/readme/sigfwd.md).
-LAUNCHERS = {"horovod-gloo": ("horovod", "horovod"), "deepspeed": ("deepspeed", "deepspeed")}
+# The entrypoint's launcher after `python3 -m determined.launch.`, and the module it needs. Open
+# MPI gets TCP only: the test cluster's "nodes" share one host, where its shared-memory
+# transport would mix up the two nodes' segments (as in test_launch_cluster).
+LAUNCHERS = {
+    "horovod-gloo": ("horovod", "horovod"),
+    "deepspeed": ("deepspeed", "deepspeed"),
+    "horovod-mpi": ("horovod --mpi --mca btl tcp,self --", "horovod"),
+}
+# Horovod under --mpi only with the warning signal, which mpirun forwards to its ranks. On
+# SIGTERM mpirun aborts the job, and the srun it starts its remote daemons with is inside the
+# job's step, where Slurm's SIGTERM reaches it and it kills their step: not solved yet
+# (docs/readme/sigfwd.md).
+CASES = [(launcher, how) for launcher in ("deepspeed", "horovod-gloo") for how in sorted(STOPS)]
+CASES.append(("horovod-mpi", "warning-signal"))
 # Up to 1.5 s from the signal to the next preemption check: a launcher that kills or orphans
 # its ranks at the signal (DeepSpeed's did) fails here instead of racing the check.
 STEP_S = 0.3
 
 
-@pytest.mark.parametrize("how", sorted(STOPS))
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("launcher,how", CASES)
 def test_launcher_stops_checkpoint_and_resume(det: Any, tmp_path: Path, launcher: str, how: str) -> None:
     entry, needs = LAUNCHERS[launcher]
     pytest.importorskip(needs)
