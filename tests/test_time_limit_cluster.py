@@ -26,7 +26,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
 LIMIT_S = 60  # --time=1
 CHECK_S = 30  # slurmctld's periodic time-limit check: the limit is enforced up to this late
-BATCH_S = 2.5  # 40 batches take 100 s: more than one job's time limit
+# 200 batches take 100 s, more than one job's time limit; the example checkpoints every 5 (2.5 s),
+# well inside KillWait, which is all the time a trial has after the SIGTERM at the limit.
+BATCHES = 200
+BATCH_S = 0.5
 
 
 def use_lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lead_s: int) -> None:
@@ -58,6 +61,8 @@ def test_real_time_limit_checkpoints_and_resumes(
         "--config",
         "slurm.sbatch_args=[--nodelist=c1, --time=1]",
         "--config",
+        f"environment.environment_variables=[EXAMPLE_TOTAL_BATCHES={BATCHES}]",
+        "--config",
         "max_restarts=0",
     )
     assert code == 0, err
@@ -72,7 +77,7 @@ def test_real_time_limit_checkpoints_and_resumes(
     assert code == 0, out + err
     (t,) = trials(1)
     assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
-    assert [s for s, _ in steps(t.id)] == list(range(1, 41))  # nothing lost, nothing twice
+    assert [s for s, _ in steps(t.id)] == list(range(1, BATCHES + 1))  # nothing lost, nothing twice
     assert all(r.preempt_acked for r in runs(t.id)[:-1])
 
 
