@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run, run_secret_env
+from detslurm.launch._agent import run_agent
+from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
 
 
 def hostfile_text(nodes: Nodes) -> str:
@@ -95,7 +96,11 @@ def main(argv: Sequence[str]) -> int:
     # cleanup of its own: the dir is removed at the end of the run.
     hostfile = write_hostfile(Path.cwd(), nodes)
     cmd = build_deepspeed_cmd(nodes, str(hostfile), ports["master"], overrides, script)
-    return run(cmd, {**launch_env(os.environ, nodes, ports["dist"], str(hostfile)), **secret})
+    # Not _common.run: DeepSpeed's launcher acts on SIGTERM itself and dies of the warning
+    # signal, killing or orphaning ranks that are still checkpointing; the stop signals are held
+    # from it and go to the ranks (launchers/_agent.py says how and why).
+    env = {**launch_env(os.environ, nodes, ports["dist"], str(hostfile)), **secret}
+    return run_agent(cmd, env, hold_stop_signals=True)
 
 
 if __name__ == "__main__":

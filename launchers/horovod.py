@@ -135,6 +135,11 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
         subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
         for i in range(nodes.slots)
     ]
+    # Stops (issue 16): no horovodrun driver stands between Slurm and the ranks here, so nothing
+    # kills them on SIGTERM. Slurm signals every process of the step itself, and supervise()
+    # passes each stop signal on to every worker's process group as well (the warning signal
+    # reaches only this launcher on one node); each rank checkpoints, exits 0, and so does this
+    # launcher. The rendezvous server is needed only while the ranks start.
     try:
         return supervise(procs)
     finally:
@@ -223,6 +228,13 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
         env.setdefault("NCCL_SOCKET_IFNAME", settings.network_interface)
         extra += ["--mca", "btl_tcp_if_include", settings.network_interface]
     names = [n for n in (SECRET_FILE_ENV, SECRET_ENV, "DETSLURM_TORCH_PORT", "NCCL_SOCKET_IFNAME") if env.get(n)]
+    # Stops (issue 16): mpirun forwards the warning signal (USR1/USR2) to every rank, which then
+    # checkpoints as under gloo. SIGTERM is not solved here: mpirun aborts the job on it, and the
+    # srun that starts its daemons on the other nodes runs inside this step, where Slurm's SIGTERM
+    # reaches it and srun then kills the daemons' step. When the batch shell got the SIGTERM too
+    # (preemption, the time limit) the run still ends as a preemption and resumes from its latest
+    # periodic checkpoint, but without a checkpoint of its own at the stop (seen on the test
+    # cluster; tests/test_preemption_launchers.py covers only the warning signal for --mpi).
     exported = names + sorted(settings.env)
     return run(mpi_cmd(nodes, extra, script, exported=exported), env)
 

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import BinaryIO, Optional
 
+from detslurm.launch._agent import unblock_stop_signals
 from detslurm.launch._common import forward_signals
 
 # Long lines are broken and each piece gets the prefix again: a line of megabytes (a tensor
@@ -69,6 +70,9 @@ def pump(src: BinaryIO, dst: BinaryIO, prefix: bytes) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
+    # Under DeepSpeed's launcher the stop signals arrive blocked (launchers/_agent.py says why);
+    # this worker and its trial must receive them.
+    unblock_stop_signals()
     args = list(argv)
     if args[:1] == ["--no-redirect-stdio"]:
         args = args[1:]

@@ -28,14 +28,24 @@ TOTAL_STEPS = 60
 FIXTURE = {"ddp": "ddp_preempt.py", "core": "core_dist_preempt.py"}
 
 
-def start_two_by_two(det: Any, ctx: Path, kind: str, total: int = TOTAL_STEPS) -> None:
-    """A trial of 4 slots: two nodes (c1, c2) with two ranks each, ``total`` steps long."""
+def start_two_by_two(
+    det: Any,
+    ctx: Path,
+    kind: str,
+    total: int = TOTAL_STEPS,
+    launcher: str = "torch_distributed",
+    step_s: float = 0.1,
+    extra: str = "",
+) -> None:
+    """A trial of 4 slots: two nodes (c1, c2) with two ranks each, ``total`` steps long, started
+    by ``determined.launch.<launcher>`` (the Core API fixture runs under any of them and takes
+    ``step_s`` per step: it looks for a preemption every 5 steps). ``extra``: more config lines."""
     write(ctx / FIXTURE[kind], (FIXTURES / FIXTURE[kind]).read_text())
     cfg = write(
         ctx.parent / f"{kind}.yaml",
-        f"entrypoint: python3 -m determined.launch.torch_distributed python3 {FIXTURE[kind]}\n"
+        f"entrypoint: python3 -m determined.launch.{launcher} python3 {FIXTURE[kind]}\n"
         "searcher: {name: single, metric: loss}\nresources: {slots_per_trial: 4}\nmax_restarts: 0\n"
-        f"environment: {{environment_variables: [FIXTURE_TOTAL_STEPS={total}]}}\n",
+        f"environment: {{environment_variables: [FIXTURE_TOTAL_STEPS={total}, FIXTURE_STEP_S={step_s}]}}\n{extra}",
     )
     code, out, err = det("e", "create", cfg, ctx)
     assert code == 0, out + err

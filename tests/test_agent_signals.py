@@ -1,0 +1,134 @@
+"""Issue 16: how the stop signals reach ranks under a launcher agent that would act on them
+itself (DeepSpeed's), without a cluster. A stand-in agent behaves as DeepSpeed's two processes
+do (launchers/_agent.py): the outer one dies of SIGTERM and of the warning signal, the inner one
+kills its workers on SIGTERM and exits 1. Slurm is played by signalling every process of the
+tree, as proctrack/linuxproc does, or only the launcher, as the batch shell's warning does."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from detslurm.launch._agent import below
+
+# A rank: waits for a stop signal, "checkpoints" for a second (duplicates arrive meanwhile),
+# then writes which signal it saw and exits 0.
+WORKER = textwrap.dedent(
+    """
+    import pathlib, signal, sys, time
+    out = pathlib.Path(sys.argv[1])
+    got = []
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, lambda s, f: got.append(s))
+    out.with_suffix(".ready").touch()
+    deadline = time.time() + 20
+    while not got and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    out.write_text(signal.Signals(got[0]).name if got else "none")
+    sys.exit(0 if got else 3)
+    """
+)
+# DeepSpeed's launch.py in miniature: on SIGTERM, terminate the workers, wait, and exit 1.
+INNER = textwrap.dedent(
+    """
+    import signal, subprocess, sys, time
+    kid = subprocess.Popen([sys.executable, "-m", "detslurm.launch.wrap_rank", "0", "--", *sys.argv[1:]])
+    def stop(signum, frame):
+        kid.terminate()
+        time.sleep(3)  # its wait for the workers (not kid.wait(): the main thread holds that lock)
+        sys.exit(1)
+    signal.signal(signal.SIGTERM, stop)
+    sys.exit(kid.wait())
+    """
+)
+# DeepSpeed's runner in miniature: no handler at all, its child's exit code.
+OUTER = "import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', *sys.argv[1:]]))"
+# Our launcher, three ways: "hold" (DeepSpeed's now), "ignore" (torchrun's), "forward" (the old
+# _common.run, which DeepSpeed's launcher used).
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys
+    from detslurm.launch._agent import run_agent
+    from detslurm.launch._common import run
+    mode, cmd = sys.argv[1], sys.argv[2:]
+    sys.exit(run(cmd, os.environ) if mode == "forward" else run_agent(cmd, os.environ, mode == "hold"))
+    """
+)
+
+
+def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / "rank0"
+    agent = [sys.executable, "-c", OUTER, INNER, sys.executable, "-c", WORKER, str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, *agent])
+    deadline = time.monotonic() + 30
+    while not out.with_suffix(".ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, "the stand-in rank never started"
+        time.sleep(0.05)
+    return proc, out
+
+
+def every_process(root: int) -> list[int]:
+    """``root`` and everything below it: whom proctrack/linuxproc signals."""
+    return [root] + [pid for depth in range(1, 6) for pid in below(root, depth)]
+
+
+def deliver(proc: subprocess.Popen[bytes], how: str, sig: signal.Signals) -> None:
+    for pid in every_process(proc.pid) if how == "every-process" else [proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+@pytest.mark.parametrize(
+    "how,sig",
+    [("every-process", signal.SIGTERM), ("every-process", signal.SIGUSR2), ("launcher-only", signal.SIGUSR2)],
+    ids=["preemption", "warning-to-step", "warning-to-launcher"],
+)
+def test_held_signals_reach_the_rank_and_the_launcher_exits_0(tmp_path: Path, how: str, sig: signal.Signals) -> None:
+    proc, out = start(tmp_path, "hold")
+    deliver(proc, how, sig)
+    assert proc.wait(30) == 0
+    assert out.read_text() == sig.name  # the rank saw the stop and finished its "checkpoint"
+
+
+@pytest.mark.parametrize(
+    "mode,sig",
+    [("forward", signal.SIGTERM), ("forward", signal.SIGUSR2), ("ignore", signal.SIGTERM)],
+    ids=["forward-term", "forward-warning", "ignore-term"],
+)
+def test_without_holding_the_launcher_reports_a_failure(tmp_path: Path, mode: str, sig: signal.Signals) -> None:
+    """Why the signals are held: forwarded, the agent dies of them (the ranks are orphaned, and
+    srun kills them with the step); ignored, DeepSpeed's inner process still handles SIGTERM and
+    exits 1 after its ranks checkpointed, which counts as the trial's failure."""
+    proc, _ = start(tmp_path, mode)
+    deliver(proc, "every-process", sig)
+    assert proc.wait(30) != 0
+
+
+def test_below_gives_one_generation() -> None:
+    code = "import subprocess, sys; subprocess.Popen(['sleep', '30']).wait()"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    grandchildren: list[int] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not grandchildren:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+            grandchildren = below(child.pid, 1)
+        (grandchild,) = grandchildren
+        assert child.pid in below(os.getpid(), 1) and child.pid not in below(os.getpid(), 2)
+        assert grandchild in below(os.getpid(), 2) and grandchild not in below(os.getpid(), 1)
+        assert not below(grandchild, 1)
+    finally:
+        for pid in grandchildren:
+            os.kill(pid, signal.SIGKILL)
+        child.kill()
+        child.wait()

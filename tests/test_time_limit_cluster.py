@@ -1,0 +1,117 @@
+"""Issue 16: a trial whose job really reaches its Slurm time limit (``--time=1`` through
+``slurm.sbatch_args``), not a warning signal sent by hand. Slurm's own warning signal (the
+site's ``signal_lead_s`` before the limit), or where the site gives no lead the SIGTERM at the
+limit, must end in an acknowledged checkpoint, the job gone within KillWait of the limit, and
+the trial resubmitted until it finishes with no step lost or repeated and no restart charged.
+
+Slurm checks time limits (and sends ``--signal`` warnings) every 30 s, so a 1-minute job ends
+60-90 s after it starts: each case takes a few minutes."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, write
+from test_preemption_multinode import finish_and_check, runs, start_two_by_two
+from test_slurm_cluster import CORE, squeue_ids, steps, trials, wait_for
+
+from detslurm.store import TrialRun
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
+KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
+LIMIT_S = 60  # --time=1
+CHECK_S = 30  # slurmctld's periodic time-limit check: the limit is enforced up to this late
+# 200 batches take 100 s, more than one job's time limit; the example checkpoints every 5 (2.5 s),
+# well inside KillWait, which is all the time a trial has after the SIGTERM at the limit.
+BATCHES = 200
+BATCH_S = 0.5
+
+
+def use_lead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lead_s: int) -> None:
+    """The test cluster's site config with the warning ``lead_s`` before the time limit."""
+    text = (ROOT / "site-configs/test-cluster.yaml").read_text()
+    assert "signal_lead_s: 60" in text
+    site = write(tmp_path / "site.yaml", text.replace("signal_lead_s: 60", f"signal_lead_s: {lead_s}"))
+    monkeypatch.setenv("DETSLURM_SITE_CONFIG", str(site))
+
+
+def start_time(job: str) -> float:
+    """When the job started running (squeue's %S, the controller's local time)."""
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%S"], capture_output=True, text=True, check=True)
+    return datetime.fromisoformat(out.stdout.strip()).timestamp()
+
+
+@pytest.mark.parametrize("lead_s", [30, 0], ids=["warning-signal", "sigterm-at-limit"])
+def test_real_time_limit_checkpoints_and_resumes(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lead_s: int
+) -> None:
+    use_lead(tmp_path, monkeypatch, lead_s)
+    code, _, err = det(
+        "e",
+        "create",
+        CORE / "const.yaml",
+        CORE,
+        "--config",
+        f"hyperparameters.sleep={BATCH_S}",
+        "--config",
+        "slurm.sbatch_args=[--nodelist=c1, --time=1]",
+        "--config",
+        f"environment.environment_variables=[EXAMPLE_TOTAL_BATCHES={BATCHES}]",
+        "--config",
+        "max_restarts=0",
+    )
+    assert code == 0, err
+    first, signals = first_run_ends_by_the_limit()
+    if lead_s:
+        # Slurm's own warning reached the batch shell, and the trial stopped before the limit.
+        assert signals[:1] == ["USR2"] and first.exit_code == 0
+    else:
+        # No warning: Slurm's SIGTERM at the limit; the job is Slurm's TIMEOUT.
+        assert "TERM" in signals and first.exit_reason == "time limit"
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.state == "COMPLETED" and t.run_count >= 2 and t.restarts == 0
+    assert [s for s, _ in steps(t.id)] == list(range(1, BATCHES + 1))  # nothing lost, nothing twice
+    assert all(r.preempt_acked for r in runs(t.id)[:-1])
+
+
+def first_run_ends_by_the_limit() -> tuple[TrialRun, list[str]]:
+    """Experiment 1's first run, once its job has gone: within KillWait of the limit, with its
+    checkpoint acknowledged; and the signals its batch shell recorded."""
+    wait_for(lambda: bool(trials(1)) and bool(runs(trials(1)[0].id)), 60)
+    tid = trials(1)[0].id
+    wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and _state(str(runs(tid)[0].job_id)) == "R", 60)
+    job = str(runs(tid)[0].job_id)
+    started = start_time(job)
+    wait_for(lambda: job not in squeue_ids(), LIMIT_S + CHECK_S + KILL_WAIT_S + 30)
+    # Gone within KillWait of the limit (plus the check's granularity and the epilog), never
+    # left running to SIGKILL-less overtime.
+    assert time.time() - started < LIMIT_S + CHECK_S + KILL_WAIT_S + 10
+    wait_for(lambda: runs(tid)[0].end_time is not None, 30)
+    first = runs(tid)[0]
+    signals = (Path(first.run_dir) / "signals").read_text().split()
+    assert first.preempt_acked, (first.exit_reason, first.exit_code, signals)
+    return first, signals
+
+
+@pytest.mark.torch
+def test_real_time_limit_on_two_nodes(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 nodes x 2 ranks under torch_distributed: Slurm's warning reaches only the batch shell,
+    which passes it to srun's step; every rank stops at the same checkpoint."""
+    use_lead(tmp_path, monkeypatch, 30)
+    extra = "slurm: {sbatch_args: [--time=1]}\n"
+    start_two_by_two(det, tmp_path / "ctx", "core", total=160, step_s=0.5, extra=extra)
+    first, signals = first_run_ends_by_the_limit()
+    assert signals[:1] == ["USR2"] and first.exit_code == 0
+    finish_and_check(det, 1, total=160)
+
+
+def _state(job: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%t"], capture_output=True, text=True)
+    return out.stdout.strip()
