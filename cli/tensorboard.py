@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,10 +87,30 @@ def start(
     if exit_on_eof:
         # Remote mode: the laptop going away closes our stdin; TensorBoard must stop with it.
         exit_on_stdin_eof(proc.terminate)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        code = proc.wait()
+    code = _wait_stopping_on_signals(proc)
     if code not in (0, -15):
         raise DetSlurmError(f"TensorBoard exited with code {code}")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_stopping_on_signals(proc: subprocess.Popen[bytes]) -> int:
+    """TensorBoard's exit code; Ctrl-C, SIGTERM or SIGHUP to det stop TensorBoard first.
+
+    Without the handlers a `kill` of det (or a closed terminal) left TensorBoard running on its
+    port, orphaned (found in a CI run)."""
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            return proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

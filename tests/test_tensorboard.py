@@ -153,5 +153,32 @@ def test_trial_metrics_reach_tensorboard(det: Any) -> None:
             "exp1_trial1/."
         ]
     finally:
+        children = _children(proc.pid)
         proc.terminate()
         proc.wait(30)
+    # det's SIGTERM stopped TensorBoard too (it used to stay behind, serving the port).
+    assert len(children) == 1
+    deadline = time.monotonic() + 15
+    while Path(f"/proc/{children[0]}").exists() and _state(children[0]) != "Z":
+        assert time.monotonic() < deadline, "TensorBoard kept running after det was stopped"
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc: no psutil)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _state(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() or ["?"])[0]
+    except OSError:
+        return "gone"
