@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from fake_runner import FakeRunner
 
 from detslurm.doctor import checks, node_checks, probe, starter
 from detslurm.doctor.facts import SiteFacts, StoreFacts, store_facts
@@ -344,23 +345,15 @@ def test_report_decodes_and_hostile_reports_are_clear_errors(tmp_path: Path) -> 
 # -- waiting, against a fake Slurm -----------------------------------------------------------
 
 
-class FakeSlurm:
+class FakeSlurm(FakeRunner):
     """sbatch hands out ids; squeue shows every job PENDING for ``reason``; calls are recorded."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
-        self.calls: list[list[str]] = []
+        super().__init__()
         self.jobs: list[str] = []
 
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        input: Optional[str] = None,
-        timeout: float,
-        env: Optional[Mapping[str, str]] = None,
-    ) -> Result:
-        self.calls.append(list(argv))
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
         if argv[0] == "sbatch":
             if "--partition=bad" in argv:
                 return Result(1, "", "sbatch: error: invalid partition specified: bad")
@@ -436,18 +429,10 @@ class FailingSqueue(FakeSlurm):
         super().__init__("Resources")
         self.stderr = stderr
 
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        input: Optional[str] = None,
-        timeout: float,
-        env: Optional[Mapping[str, str]] = None,
-    ) -> Result:
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
         if argv[0] == "squeue":
-            self.calls.append(list(argv))
             return Result(1, "", self.stderr)
-        return super().__call__(argv, input=input, timeout=timeout, env=env)
+        return super().answer(argv, input)
 
 
 def test_slurm_failing_while_waiting_leaves_no_probe_queued() -> None:

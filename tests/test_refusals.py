@@ -5,11 +5,12 @@ and their trial ends)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
+from fake_runner import FakeRunner
 
 from detslurm.controller.decide import SPENDS_NO_RESTART
 from detslurm.controller.executor import ExitCause, JobState, RunSpec
@@ -219,24 +220,16 @@ def test_an_unschedulable_end_is_never_free_of_restarts() -> None:
 # -- the executor: probes, sbatch --test-only per shape, cancelling doomed jobs -------------
 
 
-class FakeSlurm:
+class FakeSlurm(FakeRunner):
     """Answers like the test cluster's commands, and records every call."""
 
     def __init__(self, test_only: Result = Result(0, "", "sbatch: Job 3 to start"), scancel: int = 0) -> None:
         self.test_only = test_only
         self.scancel = scancel
         self.queue = ""
-        self.calls: list[list[str]] = []
+        super().__init__()
 
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        input: Optional[str] = None,
-        timeout: float,
-        env: Optional[Mapping[str, str]] = None,
-    ) -> Result:
-        self.calls.append(list(argv))
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
         head = " ".join(argv[:3])
         if head == "scontrol show partition":
             return Result(0, (DATA / "show-partition.txt").read_text(), "")

@@ -4,11 +4,11 @@ executor's decision (the run ended as Slurm's stop, the job is cancelled in one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
+from fake_runner import FakeRunner
 from sqlalchemy import select
 from test_refusals import SITE
 from test_refusals import FakeSlurm as RefusalsFake
@@ -26,23 +26,15 @@ from detslurm.store import Store, Trial, TrialRun, open_store
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
 
 
-class FakeSlurm:
+class FakeSlurm(FakeRunner):
     """squeue answers with the given records; scancel succeeds or fails like Slurm's."""
 
     def __init__(self, squeue: str, scancel_ok: bool = True) -> None:
         self.squeue = squeue
         self.scancel_ok = scancel_ok
-        self.calls: list[list[str]] = []
+        super().__init__()
 
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        input: Optional[str] = None,
-        timeout: float,
-        env: Optional[Mapping[str, str]] = None,
-    ) -> Result:
-        self.calls.append(list(argv))
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
         if argv[0] == "squeue":
             return Result(0, self.squeue, "")
         if argv[0] == "scancel" and not self.scancel_ok:
@@ -167,15 +159,14 @@ class Cluster(RefusalsFake):
         self.next_id = 77
         self.runs_at_scancel: list[list[tuple[str | None, str | None]]] = []
 
-    def __call__(self, argv: Sequence[str], **kw: Any) -> Result:
-        if list(argv[:2]) == ["sbatch", "--parsable"]:
-            self.calls.append(list(argv))
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if argv[:2] == ["sbatch", "--parsable"]:
             self.next_id += 1
             return Result(0, f"{self.next_id - 1}\n", "")
         if argv[0] == "scancel":
             with self.store.read() as s:
                 self.runs_at_scancel.append([(r.job_id, r.exit_reason) for r in s.scalars(select(TrialRun))])
-        return super().__call__(argv, **kw)
+        return super().answer(argv, input)
 
 
 def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: Path, tmp_path: Path) -> None:

@@ -5,11 +5,12 @@ limits, the --json schemas, and per-user rate limiting (a fake that answers like
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Optional
 
 import pytest
+from fake_runner import FakeRunner
 
 from detslurm.controller.executor import ExitCause, JobState, JobStatus, SchedulerUnavailable
 from detslurm.controller.slurm_executor import SlurmExecutor
@@ -33,23 +34,15 @@ def data(version: str) -> Path:
     return Path(__file__).parent / "data" / f"slurm-{version}"
 
 
-class Slurm:
+class Slurm(FakeRunner):
     """Answers each command (matched on its longest listed argv prefix) from a table, and
     records what was asked; unlisted commands fail as Slurm would."""
 
     def __init__(self, answers: Mapping[str, Result | list[Result]]) -> None:
         self.answers = {k: list(v) if isinstance(v, list) else v for k, v in answers.items()}
-        self.calls: list[list[str]] = []
+        super().__init__()
 
-    def __call__(
-        self,
-        argv: Sequence[str],
-        *,
-        input: Optional[str] = None,
-        timeout: float,
-        env: Optional[Mapping[str, str]] = None,
-    ) -> Result:
-        self.calls.append(list(argv))
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
         for n in (3, 2, 1):
             answer = self.answers.get(" ".join(argv[:n]))
             if isinstance(answer, list):
@@ -57,9 +50,6 @@ class Slurm:
             if answer is not None:
                 return answer
         return Result(1, "", f"{argv[0]}: error: not in this fake")
-
-    def asked(self, command: str) -> int:
-        return sum(1 for argv in self.calls if argv[0] == command)
 
 
 def config(version: str, accounting: bool) -> str:
