@@ -166,6 +166,16 @@ def test_storage_and_mounts() -> None:
         STORAGE,
     )
     assert cfg.storage.base_path() == "/scratch/ck"
+    assert "<config>.bind_mounts[0]: host_path '/a:/etc' must not contain ':' (mount options split there)" in errors_of(
+        {**BASE, "bind_mounts": [{"host_path": "/a:/etc", "container_path": "/y"}]}
+    )
+    assert (
+        "<config>.bind_mounts[0]: container_path '/y,ro' must not contain ',' (mount options split there)"
+        in errors_of({**BASE, "bind_mounts": [{"host_path": "/x", "container_path": "/y,ro"}]})
+    )
+    assert "<config>.environment: image '--privileged' is not an image name" in errors_of(
+        {**BASE, "environment": {"image": {"cpu": "--privileged"}}}
+    )
     assert "<config>.bind_mounts[0]: host_path must be an absolute path" in errors_of(
         {**BASE, "bind_mounts": [{"host_path": "x", "container_path": "/y"}]}
     )

@@ -195,6 +195,15 @@ class Environment(Strict):
     drop_capabilities: list[str] = Field(default_factory=list)
     pod_spec: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _check_image(self) -> Environment:
+        images = self.image.values() if isinstance(self.image, dict) else [self.image] if self.image else []
+        for image in images:
+            # The runtimes take the image as a positional argument: "-..." would be read as an option.
+            if image.startswith("-") or not image.strip() or not image.isprintable():
+                raise ValueError(f"image {image!r} is not an image name")
+        return self
+
     def variables(self, kind: str = "cpu") -> dict[str, str]:
         """The user's variables for one device kind (a plain list applies to every kind)."""
         ev = self.environment_variables
@@ -217,6 +226,14 @@ class BindMount(Strict):
             raise ValueError("host_path must be an absolute path")
         if self.container_path == ".":
             raise ValueError('container_path must not be "."')
+        for name, path in (("host_path", self.host_path), ("container_path", self.container_path)):
+            # Every runtime's mount option (--bind SRC:DST:ro, -v, --container-mounts a,b) splits
+            # at these: such a path would silently become other mounts or mount options.
+            bad = sorted({c for c in path if c in ":," or not c.isprintable()})
+            if bad:
+                raise ValueError(
+                    f"{name} {path!r} must not contain {', '.join(map(repr, bad))} (mount options split there)"
+                )
         return self
 
 
