@@ -283,7 +283,10 @@ def test_crash_between_sbatch_and_commit_is_adopted_by_comment(det: Any) -> None
 @pytest.fixture(scope="module")
 def dbd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     state = tmp_path_factory.mktemp("slurm-dbd")
-    env = dict(os.environ, TEST_CLUSTER_PORT="18917", TEST_CLUSTER_DBD="1")
+    # Beside the main cluster's ports (test_accounting_cluster uses +100, test_rate_limit +300),
+    # so parallel runs with their own TEST_CLUSTER_PORT never share it.
+    port = str(int(os.environ.get("TEST_CLUSTER_PORT", "17817")) + 200)
+    env = dict(os.environ, TEST_CLUSTER_PORT=port, TEST_CLUSTER_DBD="1")
     subprocess.run([str(Path(__file__).parent.parent / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
     yield state
     subprocess.run(
