@@ -36,12 +36,12 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
-from detslurm.launch._common import FORWARDED
+from detslurm.launch._common import handling
 
 # Delivered to the workers, never acted on by the agent: Slurm's SIGTERM and the warning signals.
 TO_WORKERS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -97,9 +97,7 @@ def _ignore_worker_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-@contextlib.contextmanager
-def _forward_to_workers(agent: subprocess.Popen[Any], deep: bool = False) -> Iterator[None]:
-    old: dict[signal.Signals, Any] = {}
+def _forward_to_workers(agent: subprocess.Popen[Any], deep: bool = False) -> contextlib.AbstractContextManager[None]:
     # torchrun's workers are its children; DeepSpeed's are two levels down (runner, launch.py).
     # Exactly that level and no deeper: a trial's own children (data loader workers) would die
     # of a warning signal they have no handler for.
@@ -112,13 +110,7 @@ def _forward_to_workers(agent: subprocess.Popen[Any], deep: bool = False) -> Ite
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(target, signum)
 
-    for sig in FORWARDED:
-        old[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    return handling(handler)
 
 
 def agent_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -198,9 +198,18 @@ def _expand_ports(text: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def forward_signals(proc: subprocess.Popen[Any], to_group: bool = True) -> Iterator[None]:
+def handling(handler: Callable[[int, Optional[FrameType]], None]) -> Iterator[None]:
+    """``handler`` for every FORWARDED signal while the block runs; the old handlers after."""
+    old = {sig: signal.signal(sig, handler) for sig in FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def forward_signals(proc: subprocess.Popen[Any], to_group: bool = True) -> contextlib.AbstractContextManager[None]:
     """Pass signals on to the child (its process group), and restore our handlers after."""
-    old: dict[signal.Signals, Any] = {}
 
     def handler(signum: int, _frame: Optional[FrameType]) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -209,13 +218,7 @@ def forward_signals(proc: subprocess.Popen[Any], to_group: bool = True) -> Itera
             else:
                 proc.send_signal(signum)
 
-    for sig in FORWARDED:
-        old[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    return handling(handler)
 
 
 def run(cmd: Sequence[str], env: Mapping[str, str]) -> int:
@@ -234,16 +237,13 @@ def supervise(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 5.0, poll
     """The custom-launcher contract for workers we start ourselves: when one exits non-zero,
     stop the others (SIGTERM, SIGKILL after ``grace_s``) and return its code; 0 when all exit 0.
     Signals to this process are forwarded to every worker meanwhile."""
-    old: dict[signal.Signals, Any] = {}
 
     def forward(signum: int, _frame: Optional[FrameType]) -> None:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signum)
 
-    for sig in FORWARDED:
-        old[sig] = signal.signal(sig, forward)
-    try:
+    with handling(forward):
         while True:
             codes = [p.poll() for p in procs]
             bad = next((c for c in codes if c not in (None, 0)), None)
@@ -253,9 +253,6 @@ def supervise(procs: Sequence[subprocess.Popen[Any]], grace_s: float = 5.0, poll
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 def _stop(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
