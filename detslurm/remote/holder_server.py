@@ -86,21 +86,11 @@ class Holder:
         relay(client, self.conn.open_tcp(port, host))
 
     def _sftp(self, client: socket.socket) -> None:
+        from detslurm.remote.forward import relay
+
         chan = self.conn.transport.open_session()
         chan.invoke_subsystem("sftp")
-        with chan:
-            while True:
-                ready, _, _ = select.select([chan, client], [], [], 1.0)
-                if client in ready:
-                    data = client.recv(65536)
-                    if not data:
-                        return
-                    chan.sendall(data)
-                if chan in ready:
-                    data = chan.recv(65536)
-                    if not data:
-                        return
-                    client.sendall(data)
+        relay(client, chan)  # closes both when either side ends
 
 
 def _peer_is_us(client: socket.socket) -> bool:
