@@ -59,6 +59,9 @@ def sync() -> None:
 class Trial(pytorch.PyTorchTrial):
     def __init__(self, context: pytorch.PyTorchTrialContext, n: int) -> None:
         self.context, self.n = context, n
+        # Built here, before the timer starts, as the hand loop builds its dataset before its own:
+        # generating 32n random samples is the benchmark's setup, not the Trainer's work.
+        self.train_data, self.val_data = data(n * 32), data(32)
         self.model = context.wrap_model(model())
         self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.01))
 
@@ -73,10 +76,10 @@ class Trial(pytorch.PyTorchTrial):
         return {"val": 0.0}
 
     def build_training_data_loader(self) -> pytorch.DataLoader:
-        return pytorch.DataLoader(data(self.n * 32), batch_size=self.context.get_per_slot_batch_size(), shuffle=True)
+        return pytorch.DataLoader(self.train_data, batch_size=self.context.get_per_slot_batch_size(), shuffle=True)
 
     def build_validation_data_loader(self) -> pytorch.DataLoader:
-        return pytorch.DataLoader(data(32), batch_size=32)
+        return pytorch.DataLoader(self.val_data, batch_size=32)
 
 
 def hand_loop(n: int, ckdir: str) -> float:
@@ -163,9 +166,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as ck:
         os.environ["DETSLURM_DATA_DIR"] = ck
         loop, tr = [], []
-        for _ in range(args.repeats):
-            loop.append(hand_loop(args.batches, ck))
-            tr.append(trainer(args.batches, ck))
+        for i in range(args.repeats):
+            # Alternate who goes first: the second run of a pair finds warmer caches and allocator.
+            if i % 2:
+                tr.append(trainer(args.batches, ck))
+                loop.append(hand_loop(args.batches, ck))
+            else:
+                loop.append(hand_loop(args.batches, ck))
+                tr.append(trainer(args.batches, ck))
     us = statistics.median(report_cost(100_000) for _ in range(3))
     result = {
         "benchmark": "trainer_overhead",

@@ -28,6 +28,12 @@ def test_units() -> None:
     assert Batch(10).hits(20, 7) and not Batch(10).hits(15, 7) and not Batch(0).hits(0, 7)
     assert Batch([2, 5]).hits(5, 100) and not Batch([2, 5]).hits(4, 100)
     assert Epoch(2).hits(14, 7) and not Epoch(2).hits(7, 7)
+    # next_hit agrees with hits: the Trainer skips its bookkeeping on the batches in between.
+    for unit in (Batch(10), Batch([2, 5]), Epoch(2), Batch(0), Epoch([1, 3])):
+        for done in range(40):
+            nxt = unit.next_hit(done, 7)
+            hits_after = [b for b in range(done + 1, 60) if unit.hits(b, 7)]
+            assert nxt == (hits_after[0] if hits_after else None), (unit, done)
     assert TrainUnit.from_values(batches=0) is None and TrainUnit.from_values(
         records=64, global_batch_size=32
     ) == Batch(2)

@@ -41,6 +41,13 @@ class TrainUnit:
         # Never at batch 0: a period ends after training, and Batch(0) means "never".
         return b > 0 and batches_done > 0 and batches_done % b == 0
 
+    def next_hit(self, batches_done: int, batches_per_epoch: int) -> Optional[int]:
+        """The first batch count after ``batches_done`` at which :meth:`hits` is true, or None."""
+        b = self.to_batches(batches_per_epoch)
+        if isinstance(b, list):
+            return next((v for v in b if v > batches_done), None)
+        return (batches_done // b + 1) * b if b > 0 else None
+
     @staticmethod
     def from_values(
         batches: Optional[int] = None,
