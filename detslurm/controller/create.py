@@ -28,6 +28,7 @@ from detslurm.expconf import ExperimentConfig, apply_overrides, merge_config, pa
 from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
+from detslurm.searcher.base import Action, Create
 from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
 from detslurm.store import Store
@@ -114,8 +115,11 @@ def plan_create(
     return CreatePlan(config=cfg, original_yaml=text, bundle=bundle, test_mode=test_mode, paused=paused)
 
 
-def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str) -> Experiment:
-    """The experiment's rows and its first trials (no files)."""
+def _insert(
+    s: Session, settings: Settings, plan: CreatePlan, executor_kind: str, first: int | None = None
+) -> Experiment:
+    """The experiment's rows and its first trials (no files); with ``first``, only the first
+    ``first`` of those trials (the refusal check's sample, rolled back)."""
     cfg = plan.config
     exp = Experiment(
         name=cfg.name,
@@ -141,10 +145,22 @@ def _insert(s: Session, settings: Settings, plan: CreatePlan, executor_kind: str
     # experiment 1, and must never write into, adopt or delete each other's.
     exp.exp_dir = str(Path(settings.experiments_dir) / f"exp-{exp.id}-{secrets.token_hex(4)}")
     searcher = build(cfg)
-    apply_actions(s, exp, searcher, searcher.initial_trials())
+    actions = searcher.initial_trials()
+    if first is not None:
+        # The searcher drew every trial (ids, hparams and seeds in the same order as for the real
+        # create); only the first ones, and what concerns them, are recorded.
+        actions = _first_trials(actions, first)
+    apply_actions(s, exp, searcher, actions)
     # The searcher state is saved with the trials it created, so the daemon resumes right after them.
     exp.searcher_state = searcher.state_dict()
     return exp
+
+
+def _first_trials(actions: list[Action], n: int) -> list[Action]:
+    """The actions that create the first ``n`` trials or concern them, and those that concern no
+    trial, in their order."""
+    keep = [a.request_id for a in actions if isinstance(a, Create)][:n]
+    return [a for a in actions if getattr(a, "request_id", None) in keep or not hasattr(a, "request_id")]
 
 
 def execute_create(store: Store, settings: Settings, plan: CreatePlan, executor: str) -> int:
@@ -225,7 +241,7 @@ def dry_run(
     capacity = SHAPE_SAMPLE if cap is None else min(cap, SHAPE_SAMPLE)
     try:
         with store.tx() as s:
-            exp = _insert(s, settings, plan, executor.kind)
+            exp = _insert(s, settings, plan, executor.kind, SHAPE_SAMPLE if sample else None)
             if exp.state == ExperimentState.ACTIVE and sample:
                 # Controller.plan_submission's call, with the sample's capacity.
                 runs = plan_runs(s, exp, capacity, executor.kind, executor.resources_type())

@@ -146,10 +146,9 @@ def ensure_run_secrets(run_dirs: Sequence[os.PathLike[str] | str], name: str = S
     """``ensure_run_secret`` for many runs (a submission's), with the new secrets written by one
     ``write_run_secrets``: its concurrent fsyncs instead of one commit per run."""
     missing = [d for d in run_dirs if not os.path.lexists(Path(d) / name)]
-    try:
+    # A failure here may be a concurrent writer that won a name: each is checked (or made) alone below.
+    with contextlib.suppress(RunSecretError):
         write_run_secrets(missing, name)
-    except RunSecretError:
-        pass  # maybe a concurrent writer won a name: each is checked (or made) alone below
     return [ensure_run_secret(d, name) for d in run_dirs]
 
 
