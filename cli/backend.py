@@ -113,7 +113,8 @@ class SlurmBackend:
         # Slurm in reach it checks nothing rather than fail.
         executor = SlurmExecutor(self.app.client, self.app.site(), offline=dry_run)
         active = dataclasses.replace(plan, paused=False)
-        specs = plan_first_runs(self.app.store, self.app.settings, active, executor)
+        # One shape, sampled: the create's first runs all share it (see create.dry_run).
+        specs = plan_first_runs(self.app.store, self.app.settings, active, executor, sample=True)
         refusals = executor.refusals(executor.plan_many(specs))
         if refusals:
             raise RequestRefused(refusals)

@@ -10,7 +10,7 @@ from detslurm import daemon as daemon_mod
 from detslurm.cli.app import App
 from detslurm.cli.lazy import lazy_module
 from detslurm.identity import os_user
-from detslurm.protocol.detached import detached_root
+from detslurm.util import detached_root
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic when their fast path needs none of them.

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import psutil
-
 from detslurm import settings as settings_mod
 from detslurm.errors import StateError
 from detslurm.jobenv import daemon_env, warn_once
@@ -69,6 +67,8 @@ class PidRecord:
 
     @classmethod
     def of_this_process(cls) -> PidRecord:
+        import psutil
+
         return cls(socket.gethostname(), os.getuid(), os.getpid(), psutil.Process().create_time())
 
     def to_json(self) -> str:
@@ -119,6 +119,10 @@ def daemon_status(s: Settings) -> DaemonStatus:
 
 def _live_pid(rec: PidRecord) -> Optional[int]:
     """rec.pid while it is still the process that wrote the record (ours, alive, same start)."""
+    # Imported here: a read command with no pid file (no daemon) never needs it (det t logs'
+    # start-up, issue 15).
+    import psutil
+
     try:
         proc = psutil.Process(rec.pid)
         # The pid file lives in a directory the user owns, but a reused pid may now be anyone's.

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import platformdirs
-import yaml
 
 from detslurm.errors import ConfigError
 
@@ -55,9 +54,15 @@ def _read_user_config() -> dict[str, Any]:
     try:
         if not path.exists():
             return {}
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as e:
         raise ConfigError([f"{path}: cannot read: {e.strerror}"], source="detslurm user config") from None
+    # Imported only when there is a file to parse: most commands of most users have none, and
+    # yaml is a tenth of `det t logs`' start-up.
+    import yaml
+
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError([f"{path}: {e}"], source="detslurm user config") from None
     # An empty file (or one of only comments) is the same as no file.

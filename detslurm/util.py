@@ -11,6 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# The experiments dir's subdirectory where detached runs (the user's own sbatch scripts)
+# register. Here, in a leaf module, rather than in detslurm.protocol.detached: the read
+# commands' reconcile step checks for it, and importing the protocol package for a name cost
+# `det t logs` 0.03 s of its start-up.
+DETACHED_DIR = "detached"
+
+
+def detached_root(experiments: Path) -> Path:
+    """Where detached runs register under the experiments dir."""
+    return experiments / DETACHED_DIR
+
 
 def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = True) -> None:
     """Write to a temp file in the same dir, fsync, then rename: readers on other nodes see

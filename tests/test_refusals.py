@@ -402,3 +402,42 @@ def test_the_controller_ends_an_unschedulable_trial_once_and_never_resubmits(det
             "it was canceled"
         )
     assert fake.count("sbatch", "--parsable") == 1 and fake.count("scancel") == 1
+
+
+def test_the_refusal_check_plans_a_sample_of_the_runs_the_create_submits(det_env: Path, tmp_path: Path) -> None:
+    """`det e create`'s refusal check plans two of a 256-trial grid's first runs, not 256: they
+    are the first two of the full plan, run for run, and their sbatch has the full plan's shape."""
+    from detslurm import settings as settings_mod
+    from detslurm.controller.create import dry_run, plan_create
+    from detslurm.controller.slurm_executor import _shape_key
+    from detslurm.store import open_store
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "name: g\nentrypoint: python3 train.py\n"
+        "hyperparameters: {x: {type: int, minval: 0, maxval: 255, count: 256}}\n"
+        "searcher: {name: grid, metric: m, max_length: {batches: 1}, max_concurrent_trials: 256}\n"
+    )
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    plan = plan_create(settings, cfg, ctx)
+    ex = SlurmExecutor(SlurmClient(FakeSlurm(), user="alice"), SITE)
+    full = dry_run(store, settings, plan, ex)
+    sample = dry_run(store, settings, plan, ex, sample=True)
+    assert len(full) == 256 and len(sample) == 2
+
+    # The same runs (rolled back both times, so the same ids), planned alike; only what is drawn
+    # afresh per create differs (the experiment dir's random part, the trials' seeds).
+    def planned(s: RunSpec) -> tuple[object, ...]:
+        return (s.identity, s.env["DET_HPARAMS"], sorted(s.env), s.run_dir.relative_to(s.exp_dir), s.argv)
+
+    assert [planned(s) for s in sample] == [planned(s) for s in full[:2]]
+    (whole,), (sampled,) = ex.plan_many(full), ex.plan_many(sample)
+    assert "--array=0-255" in whole.request.args and "--array=0-1" in sampled.request.args
+    assert _shape_key(whole.request.args) == _shape_key(sampled.request.args)
+    fake = FakeSlurm()
+    assert SlurmExecutor(SlurmClient(fake, user="alice"), SITE).refusals([sampled]) == []
+    assert fake.count("sbatch", "--test-only") == 1

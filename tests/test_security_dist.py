@@ -30,9 +30,11 @@ from detslurm.protocol.secret import (
     SECRET_FILE_ENV,
     RunSecretError,
     ensure_run_secret,
+    ensure_run_secrets,
     new_secret,
     read_run_secret,
     write_run_secret,
+    write_run_secrets,
 )
 
 # A rank as a launcher starts it; rank 0 first, the others only once GO exists, so that the
@@ -307,6 +309,30 @@ def test_run_secret_file_checks(tmp_path: Path) -> None:
     short.chmod(0o600)
     with pytest.raises(RunSecretError, match="has 2 bytes; at least 32"):
         read_run_secret(short)
+
+
+def test_run_secrets_in_a_batch_are_private_distinct_and_never_reused(tmp_path: Path) -> None:
+    """A submission's secrets written at once (concurrent fsyncs) hold the same guarantees as one:
+    0600, random (all distinct), no temporary file left, an existing secret kept after its check,
+    a bad one refused."""
+    dirs = [tmp_path / f"run{i}" for i in range(40)]
+    for d in dirs:
+        d.mkdir()
+    kept = write_run_secret(dirs[3])  # a resubmitted run: its secret stays
+    before = read_run_secret(kept)
+    paths = ensure_run_secrets(dirs)
+    assert paths == [d / "run-secret" for d in dirs]
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in paths)
+    assert len({read_run_secret(p) for p in paths}) == 40 and read_run_secret(kept) == before
+    assert sorted(os.listdir(dirs[0])) == ["run-secret"]  # the temporary name is gone
+    with pytest.raises(RunSecretError, match="already exists: a run secret is never reused"):
+        write_run_secrets(dirs[:2])
+    assert all(sorted(os.listdir(d)) == ["run-secret"] for d in dirs[:2])  # nothing left behind on failure
+    paths[5].chmod(0o644)
+    with pytest.raises(RunSecretError, match="mode 644: it must be 600"):
+        ensure_run_secrets(dirs)
+    with pytest.raises(RunSecretError, match="cannot create the run secret in"):
+        write_run_secrets([tmp_path / "missing"])
 
 
 @pytest.mark.security

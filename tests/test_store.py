@@ -93,14 +93,73 @@ def test_postgres_store_migrates_and_loses_nothing(postgres: str) -> None:
     _four_writers_lose_nothing(postgres, 20)
 
 
+def _replay_migrations(url: str) -> None:
+    """Every migration from an empty database up to head, as an existing store is upgraded."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from detslurm.store import db
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = db._alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    engine.dispose()
+
+
+def _sqlite_schema(path: Path) -> dict[str, tuple[object, ...]]:
+    """Each table's columns (type, NOT NULL, default, primary key), indexes (unique or not, their
+    columns; unique constraints are indexes too) and foreign keys (with ON DELETE), by name."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    out: dict[str, tuple[object, ...]] = {}
+    for (table,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+        cols = sorted(r[1:] for r in conn.execute(f"PRAGMA table_info('{table}')"))
+        indexes = sorted(
+            (name, unique, tuple(c[2] for c in conn.execute(f"PRAGMA index_info('{name}')")))
+            for _, name, unique, *_ in conn.execute(f"PRAGMA index_list('{table}')")
+        )
+        fks = sorted(r[2:] for r in conn.execute(f"PRAGMA foreign_key_list('{table}')"))
+        out[table] = (cols, indexes, fks)
+    conn.close()
+    return out
+
+
 def test_migrations_match_models(tmp_path: Path) -> None:
-    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    replayed = tmp_path / "replayed.sqlite"
+    _replay_migrations(f"sqlite:///{replayed}")
+    store = open_store(f"sqlite:///{replayed}")  # already at head: nothing to do
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == [], f"models changed without a migration: {diff}"
     names = set(inspect(store.engine).get_table_names())
     assert {"experiments", "trials", "trial_runs", "metrics", "checkpoints", "ingest_offsets"} <= names
     open_store(store.url)  # a second open is a no-op
+
+
+def test_a_new_store_is_created_with_the_schema_the_migrations_build(tmp_path: Path) -> None:
+    """A brand-new SQLite store is made from the models and stamped at head (no migration is
+    replayed): table for table the same schema as every migration replayed, and alembic reads the
+    stamp as its own, so the next migration upgrades it like any other store."""
+    from alembic.script import ScriptDirectory
+
+    from detslurm.store import db
+
+    replayed, created = tmp_path / "replayed.sqlite", tmp_path / "created.sqlite"
+    _replay_migrations(f"sqlite:///{replayed}")
+    store = open_store(f"sqlite:///{created}")
+    assert _sqlite_schema(created) == _sqlite_schema(replayed)
+    assert set(_sqlite_schema(created)) >= {"experiments", "trials", "trial_runs", "metrics", "alembic_version"}
+    head = ScriptDirectory.from_config(db._alembic_config()).get_current_head()
+    with store.engine.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == head
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    assert created.stat().st_mode & 0o077 == 0  # private to the user, as a migrated one
+    # A store with any table is never created over: it takes the migrations' path.
+    assert store._create_new() is False
+    _make_experiment(store.url)  # and it works as a store
 
 
 def _make_experiment(url: str) -> int:

@@ -37,7 +37,7 @@ from detslurm.controller.submit import ACTIVE_RUN, plan_runs
 from detslurm.errors import StateError
 from detslurm.identity import os_user
 from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, read_lines
-from detslurm.protocol.secret import ensure_run_secret
+from detslurm.protocol.secret import ensure_run_secrets
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
@@ -429,7 +429,8 @@ class Controller:
             return
         for _, spec in specs:
             spec.run_dir.mkdir(parents=True, exist_ok=True)
-            ensure_run_secret(spec.run_dir)  # a resubmitted run keeps its (checked) secret
+        # Durable before sbatch; a resubmitted run keeps its (checked) secret.
+        ensure_run_secrets([spec.run_dir for _, spec in specs])
         # Runs that share resources go as job arrays: one sbatch for many trials.
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])

@@ -37,9 +37,10 @@ from detslurm.protocol import _check as c
 from detslurm.protocol._check import BadRecord
 from detslurm.protocol.paths import RunPaths
 from detslurm.protocol.records import read_record
+from detslurm.util import DETACHED_DIR as DETACHED_DIR
 from detslurm.util import atomic_write_json
+from detslurm.util import detached_root as detached_root
 
-DETACHED_DIR = "detached"
 KEY_FILE = ".key"
 REGISTRATION = "detached.json"
 CLOSED = "closed.json"
@@ -328,7 +329,3 @@ def experiments_dir(env: Mapping[str, str], config_value: str | None = None) -> 
     both sides must find the same ``detached/`` root."""
     raw = env.get("DETSLURM_EXPERIMENTS_DIR") or config_value
     return Path(raw).expanduser() if raw else Path.home() / "detslurm" / "experiments"
-
-
-def detached_root(experiments: Path) -> Path:
-    return experiments / DETACHED_DIR

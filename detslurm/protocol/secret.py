@@ -12,12 +12,14 @@ readable only by its own user and root. Stdlib only: the login side and every ra
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
@@ -29,6 +31,8 @@ SECRET_FILE_NAME = "run-secret"
 SECRET_BYTES = 32
 # The file is 65 bytes when we write it; reading at most this much bounds a planted huge file.
 _MAX_FILE_BYTES = 4096
+# fsyncs in flight at once: enough for the filesystem to batch its commits, few enough threads.
+_FSYNC_THREADS = 16
 
 
 class RunSecretError(Exception):
@@ -47,7 +51,47 @@ def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NA
     never see a half-written file: the secret is written under a random temporary name first and
     then hard-linked into place, which fails if the name exists.
     """
-    final = Path(run_dir) / name
+    return write_run_secrets([run_dir], name)[0]
+
+
+def write_run_secrets(run_dirs: Sequence[os.PathLike[str] | str], name: str = SECRET_FILE_NAME) -> list[Path]:
+    """``write_run_secret`` for many runs at once (a job array's): their paths, in order.
+
+    Every secret is durable before its name appears, as for one: each temporary file is fsynced
+    before it is linked into place. The fsyncs run concurrently, after all files are written: one
+    at a time, each waits for its own journal commit (256 secrets took 0.7 s on ext4); together,
+    the filesystem commits them in a few batches.
+    """
+    temps: list[tuple[Path, Path]] = []
+    fds: list[int] = []
+    try:
+        try:
+            for d in run_dirs:
+                fds.append(_write_temp(Path(d), name, temps))
+            _fsync_all(fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for tmp, final in temps:
+            # link(), not rename(): rename would silently replace an existing secret, link fails
+            # instead, and either way readers only ever see the complete file.
+            try:
+                os.link(tmp, final)
+            except FileExistsError:
+                raise RunSecretError(f"{final} already exists: a run secret is never reused") from None
+            except OSError as e:
+                raise RunSecretError(f"cannot write the run secret {final}: {e.strerror}") from None
+    finally:
+        for tmp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    return [final for _, final in temps]
+
+
+def _write_temp(run_dir: Path, name: str, temps: list[tuple[Path, Path]]) -> int:
+    """A fresh secret in a new private temporary file of ``run_dir`` (noted in ``temps`` for the
+    caller to link and remove); its still open descriptor."""
+    final = run_dir / name
     # A random temp name: a predictable one could be pre-created (or symlinked) by another user in a
     # shared directory.
     tmp = final.with_name(f".{name}.{secrets.token_hex(8)}.tmp")
@@ -56,22 +100,32 @@ def write_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NA
         fd = os.open(tmp, flags, 0o600)
     except OSError as e:
         raise RunSecretError(f"cannot create the run secret in {run_dir}: {e.strerror}") from None
+    temps.append((tmp, final))
     try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)  # whatever the umask: owner read/write only
-            f.write(new_secret().hex() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        # link(), not rename(): rename would silently replace an existing secret, link fails instead,
-        # and either way readers only ever see the complete file.
-        os.link(tmp, final)
-    except FileExistsError:
-        raise RunSecretError(f"{final} already exists: a run secret is never reused") from None
+        os.fchmod(fd, 0o600)  # whatever the umask: owner read/write only
+        data = (new_secret().hex() + "\n").encode()
+        if os.write(fd, data) != len(data):  # 65 bytes to a new regular file: short only on a full disk
+            raise RunSecretError(f"cannot write the run secret {final}: short write")
     except OSError as e:
+        os.close(fd)
         raise RunSecretError(f"cannot write the run secret {final}: {e.strerror}") from None
-    finally:
-        os.unlink(tmp)
-    return final
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fsync_all(fds: Sequence[int]) -> None:
+    """fsync every descriptor, several at a time (see ``write_run_secrets``)."""
+    try:
+        if len(fds) <= 1:
+            for fd in fds:
+                os.fsync(fd)
+            return
+        with ThreadPoolExecutor(max_workers=min(_FSYNC_THREADS, len(fds))) as pool:
+            list(pool.map(os.fsync, fds))  # list(): re-raises the first failure
+    except OSError as e:
+        raise RunSecretError(f"cannot write the run secrets to disk: {e.strerror}") from None
 
 
 def ensure_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_NAME) -> Path:
@@ -86,6 +140,16 @@ def ensure_run_secret(run_dir: os.PathLike[str] | str, name: str = SECRET_FILE_N
                 raise
     read_run_secret(path)
     return path
+
+
+def ensure_run_secrets(run_dirs: Sequence[os.PathLike[str] | str], name: str = SECRET_FILE_NAME) -> list[Path]:
+    """``ensure_run_secret`` for many runs (a submission's), with the new secrets written by one
+    ``write_run_secrets``: its concurrent fsyncs instead of one commit per run."""
+    missing = [d for d in run_dirs if not os.path.lexists(Path(d) / name)]
+    # A failure here may be a concurrent writer that won a name: each is checked (or made) alone below.
+    with contextlib.suppress(RunSecretError):
+        write_run_secrets(missing, name)
+    return [ensure_run_secret(d, name) for d in run_dirs]
 
 
 def read_run_secret(path: os.PathLike[str] | str) -> bytes:

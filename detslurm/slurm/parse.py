@@ -91,15 +91,20 @@ class QueuedJob:
         not the one that was submitted."""
         return self.restarts > 0
 
-    @property
+    # Cached (in the instance's __dict__, which a frozen dataclass allows): `det job list` asks
+    # each of 2000 jobs for its identity four times, and parsed records are shared between ticks.
+    @functools.cached_property
     def identity(self) -> Optional[tuple[int, int, int]]:
         """(experiment, trial, run) when this is one of our trial runs."""
         return parse_comment(self.comment, self.array_task_id)
 
     @property
     def gpus(self) -> int:
-        m = re.search(r"gpu(?::[^:,]+)?:(\d+)", self.gres)
+        m = _GRES_GPUS.search(self.gres)
         return int(m.group(1)) * max(1, self.num_nodes) if m else 0
+
+
+_GRES_GPUS = re.compile(r"gpu(?::[^:,]+)?:(\d+)")
 
 
 def _int(text: str, default: int = 0) -> int:
