@@ -243,6 +243,10 @@ class _Gate:
             chunk = p.sock.recv(4096)
         except (BlockingIOError, InterruptedError):
             return
+        except ConnectionResetError:
+            # A peer that closes without reading our challenge makes its kernel answer with a
+            # reset instead of an orderly close: the same departure, said the same way.
+            return self._reject(p, "it closed the connection before authenticating (reset)")
         except OSError as e:
             return self._reject(p, str(e))
         if not chunk:
