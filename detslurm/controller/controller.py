@@ -30,6 +30,7 @@ from detslurm.controller.executor import (
     JobStatus,
     RunSpec,
     SchedulerUnavailable,
+    SubmitLater,
     SubmitUnknown,
 )
 from detslurm.controller.gc import collect_garbage, remove_dirs
@@ -475,7 +476,10 @@ class Controller:
             run = s.get(TrialRun, run_pk)
             assert run is not None
             run.trial.run_count -= 1
-            note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
+            if not isinstance(error, SubmitLater):
+                note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
+            elif error.warn:  # a submit limit: said once per throttled stretch, not per trial
+                note(s, run.trial_id, str(error), "WARNING")
             s.delete(run)
         log.warning("submission deferred (Slurm unreachable): %s", error)
 
