@@ -162,6 +162,8 @@ class SlurmExecutor:
         t = self._throttle
         if t.limits is not None and self._clock() - t.limits_at < LIMITS_TTL_S:
             return t.limits
+        if t.limits is not None:
+            t.refused_at = None  # limits read again: what a refusal taught may have changed too
         try:
             caps = self.client.capabilities(fresh=t.limits is not None)
             assocs = self.client.assoc_limits() if caps.accounting else []
@@ -169,7 +171,6 @@ class SlurmExecutor:
         except (SlurmCommandError, SlurmUnavailable, SlurmParseError):
             t.limits = t.limits or SubmitLimits(SLURM_DEFAULT_MAX_JOB_COUNT, None)
         t.limits_at = self._clock()
-        t.refused_at = None  # limits read again: what a refusal taught may have changed too
         return t.limits
 
     def _later(self, e: SlurmCommandError, tried: int) -> SubmitLater:
@@ -349,7 +350,8 @@ class SlurmExecutor:
                 except SubmitLater as e:
                     refused = True
                     # One warning event (the first trial's), not one per trial of the array.
-                    ids = [e] + [SubmitLater(str(e), warn=False)] * (len(sub.specs) - 1)
+                    quiet: list[str | Exception] = [SubmitLater(str(e), warn=False)] * (len(sub.specs) - 1)
+                    ids = [e, *quiet]
                 except Exception as e:  # the whole sbatch failed: none of its runs started
                     ids = [e] * len(sub.specs)
             out.update(zip((s.identity for s in sub.specs), ids, strict=True))
