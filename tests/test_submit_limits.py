@@ -18,12 +18,9 @@ from detslurm.slurm.limits import QueueCount, SubmitLimits, headroom, is_limit_r
 from detslurm.slurm.parse import parse_config
 
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
-# sbatch's two lines when an association's MaxSubmitJobs refuses a job (22.05).
-REFUSED = (
-    "sbatch: error: AssocMaxSubmitJobLimit\n"
-    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
-    "(job submit limit, user's size and/or time limits)\n"
-)
+# sbatch's stderr when an association's MaxSubmitJobs refused a job, captured on the test
+# cluster (22.05, TEST_CLUSTER_ENFORCE=1, `sacctmgr modify user root set MaxSubmitJobs=1`).
+REFUSED = (DATA / "sbatch-submit-limit.txt").read_text()
 
 
 def show_config(max_job_count: int, accounting: bool) -> str:

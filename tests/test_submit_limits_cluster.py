@@ -34,7 +34,8 @@ def limits_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         pytest.skip("the Slurm test cluster needs root")
     reuse = os.environ.get("DETSLURM_TEST_LIMITS_CLUSTER")
     state = Path(reuse) if reuse else tmp_path_factory.mktemp("slurm-limits")
-    port = str(int(os.environ.get("TEST_CLUSTER_PORT", "17817")) + 200)
+    # Clear of the shared cluster's ports (+0..+4) and the accounting one's (+100..+111).
+    port = os.environ.get("TEST_CLUSTER_LIMITS_PORT") or str(int(os.environ.get("TEST_CLUSTER_PORT", "17817")) + 50)
     env = dict(os.environ, TEST_CLUSTER_PORT=port, TEST_CLUSTER_DBD="1", TEST_CLUSTER_ENFORCE="1")
     subprocess.run([str(ROOT / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
     yield state
