@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Optional
 
 from fake_runner import FakeRunner
+from sqlalchemy import select
 from test_refusals import SITE, config, specs
+from test_refusals import FakeSlurm as RefusalsFake
 from test_requeue import _record
 
 from detslurm.controller.executor import SubmitLater
@@ -16,6 +18,7 @@ from detslurm.controller.slurm_executor import LIMITS_TTL_S, QUEUE_STALE_S, Slur
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.limits import QueueCount, SubmitLimits, headroom, is_limit_refusal
 from detslurm.slurm.parse import parse_config
+from detslurm.store import LogEntry, Trial, TrialRun, open_store
 
 DATA = Path(__file__).parent / "data" / "slurm-22.05"
 # sbatch's stderr when an association's MaxSubmitJobs refused a job, captured on the test
@@ -183,3 +186,57 @@ def test_an_offline_dry_run_plans_every_trial() -> None:
     fake = Limited()
     ex = SlurmExecutor(SlurmClient(fake, user="root"), SITE, offline=True)
     assert ex.capacity() is None and fake.calls == []
+
+
+class RefusingCluster(RefusalsFake):
+    """The test cluster's answers; sbatch refuses for a submit limit while ``refuse`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = True
+        self.next_id = 300
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if argv[:2] == ["sbatch", "--parsable"]:
+            if self.refuse:
+                return Result(1, "", REFUSED)
+            self.next_id += 1
+            return Result(0, f"{self.next_id}\n", "")
+        return super().answer(argv, input)
+
+
+def test_the_controller_takes_refused_runs_back_warns_once_and_submits_later(det_env: Path, tmp_path: Path) -> None:
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "name: u\nentrypoint: python3 train.py\nmax_restarts: 0\n"
+        "hyperparameters: {x: {type: int, minval: 0, maxval: 3, count: 4}}\n"
+        "searcher: {name: grid, metric: m, max_concurrent_trials: 4}\n"
+    )
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = RefusingCluster()
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # the 4-task array is refused for the limit
+    ctl.tick([exp_id])  # learned: half of it is tried next, and refused again
+    with store.read() as s:
+        trials = list(s.scalars(select(Trial)))
+        assert [(t.state, t.run_count, t.restarts) for t in trials] == [("ACTIVE", 0, 0)] * 4
+        assert list(s.scalars(select(TrialRun))) == []  # taken back: no run spent, none failed
+        warnings = list(s.scalars(select(LogEntry).where(LogEntry.level == "WARNING")))
+        assert len(warnings) == 1 and "AssocMaxSubmitJobLimit" in warnings[0].message
+        assert not list(s.scalars(select(LogEntry).where(LogEntry.level == "ERROR")))
+    assert fake.count("sbatch", "--parsable") == 2
+    fake.refuse = False
+    ctl.tick([exp_id])
+    with store.read() as s:
+        runs = list(s.scalars(select(TrialRun)))
+    # Slurm took the trials it had room for; the rest wait in the store for a later tick.
+    assert runs and all(r.job_id and r.run_id == 1 for r in runs)
