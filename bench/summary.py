@@ -41,13 +41,13 @@ TABLE: list[tuple[str, Callable[[dict[str, Any]], list[Row]]]] = [
         lambda d: [
             (
                 f"ASHA search on Slurm, {d['trials']} of up to {d['max_trials']} trials in {d['elapsed_s']:.0f} s",
-                f"{d['rpcs_per_min']:.0f} RPCs/min ({d['daemon_rpcs_per_min']:.0f} from the daemon's commands; "
-                f"poll {d['poll_s']:g} s), {d['sbatch_calls']} sbatch, {d['trial_states'].get('COMPLETED', 0)} "
-                f"completed, tick CPU {d['tick_cpu_s_median'] * 1000:.0f} ms median / "
-                f"{d['tick_cpu_s_max'] * 1000:.0f} ms max, store {d['store_mb']:.1f} MiB, "
-                f"det e describe {d['describe_s']:.2f} s",
+                f"daemon's commands {d['daemon_rpcs_per_min']:.0f} RPCs/min (poll {d['poll_s']:g} s; all of "
+                f"slurmctld {d['rpcs_per_min']:.0f}/min, mostly the jobs' own completions), "
+                f"{d['sbatch_calls']} sbatch, {d['trial_states'].get('COMPLETED', 0)} completed, tick CPU "
+                f"{d['tick_cpu_s_median'] * 1000:.0f} ms median / {d['tick_cpu_s_max'] * 1000:.0f} ms max, "
+                f"store {d['store_mb']:.1f} MiB, det e describe {d['describe_s']:.2f} s",
                 "< 60 RPCs/min",
-                d["rpcs_per_min"] < d["goal_rpcs_per_min"],
+                d["daemon_rpcs_per_min"] < d["goal_rpcs_per_min"],
             )
         ],
     ),
