@@ -29,6 +29,7 @@ TABLE: list[tuple[str, Callable[[dict[str, Any]], list[Row]]]] = [
                 f"{r['detslurm_job_queries_per_tick']:.0f} job query "
                 f"({r['detslurm_rpcs_per_tick']:.0f} RPCs) per tick vs {r['per_job_job_queries_per_tick']:.0f} "
                 f"({r['per_job_rpcs_per_tick']:.0f} RPCs) polling per job"
+                + (" (estimated)" if r.get("per_job_estimated") or "estimated" in r["per_job_by_type"] else "")
                 + (f"; tick {r['detslurm_tick_cpu_s'] * 1000:.0f} ms CPU" if "detslurm_tick_cpu_s" in r else ""),
                 "1 query per tick",
                 r["detslurm_job_queries_per_tick"] <= 1,
