@@ -133,7 +133,8 @@ class SlurmExecutor:
     def capacity(self) -> Optional[int]:
         """How many more jobs (an array's tasks one each) this user may queue now: Slurm's
         submit limits (read rarely) minus this user's jobs in the tick's squeue answer and what
-        was submitted since, with a margin. Trials past it wait, QUEUED, for a later tick."""
+        was submitted since, with a margin. Trials past it wait for a later tick with no run yet
+        (``plan_runs`` stops at it, in trial order), as trials past max_local_trials do."""
         if self.offline:
             return None  # a dry run plans every trial, as Slurm would be asked to take them
         t = self._throttle
