@@ -41,21 +41,21 @@ def delta(before: tuple[int, dict[str, int]], after: tuple[int, dict[str, int]])
     return after[0] - before[0], queries
 
 
-def measure(fn: Any, ticks: int) -> tuple[float, float, float, dict[str, float]]:
-    """(user RPCs, job-query RPCs, seconds, RPCs by message type), each per tick, for ``fn``
-    run ``ticks`` times."""
+def measure(fn: Any, ticks: int) -> tuple[float, float, float, dict[str, float], float]:
+    """(user RPCs, job-query RPCs, seconds, RPCs by message type, this process's CPU seconds),
+    each per tick, for ``fn`` run ``ticks`` times."""
     before = sdiag()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(ticks):
         fn()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     after = sdiag()
     idle_before = sdiag()
     time.sleep(elapsed)
     idle = delta(idle_before, sdiag())
     user, queries = delta(before, after)
     types = {k: (v - before[1].get(k, 0)) / ticks for k, v in after[1].items() if v != before[1].get(k, 0)}
-    return (user - idle[0]) / ticks, queries / ticks, elapsed / ticks, types
+    return (user - idle[0]) / ticks, queries / ticks, elapsed / ticks, types, cpu / ticks
 
 
 def per_job(jobs: list[str]) -> None:
@@ -84,6 +84,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--counts", default="1,10,100")
     ap.add_argument("--ticks", type=int, default=3)
+    ap.add_argument(
+        "--skip-per-job-from",
+        type=int,
+        default=0,
+        help="counts from this one on measure no per-job polling (at 10,000 held tasks it is 10,000 squeues)",
+    )
     args = ap.parse_args()
     require_cluster()
     from detslurm import daemon, settings
@@ -100,15 +106,21 @@ def main() -> int:
             jobs = setup(ws, n)
             ctl = daemon.make_controller(settings.load())
             ctl.tick()  # warm: the capability probe is cached after this
-            det_user, det_q, det_s, det_types = measure(ctl.tick, args.ticks)
+            det_user, det_q, det_s, det_types, det_cpu = measure(ctl.tick, args.ticks)
             pj_ticks = 1 if n >= 100 else args.ticks
-            pj_user, pj_q, pj_s, pj_types = measure(functools.partial(per_job, jobs), pj_ticks)
+            if args.skip_per_job_from and n >= args.skip_per_job_from:
+                # Three RPCs per job, as measured at the smaller counts: not worth 10,000 squeues.
+                pj_user, pj_q, pj_s, pj_types = 3.0 * len(jobs), float(len(jobs)), float("nan"), {"estimated": 1.0}
+            else:
+                pj_user, pj_q, pj_s, pj_types, _ = measure(functools.partial(per_job, jobs), pj_ticks)
             rows.append(
                 {
                     "jobs": len(jobs),
                     "detslurm_rpcs_per_tick": det_user,
                     "detslurm_job_queries_per_tick": det_q,
                     "detslurm_tick_s": det_s,
+                    # The daemon's own CPU per tick (the tick runs in this process).
+                    "detslurm_tick_cpu_s": det_cpu,
                     "per_job_rpcs_per_tick": pj_user,
                     "per_job_job_queries_per_tick": pj_q,
                     "per_job_tick_s": pj_s,

@@ -28,11 +28,28 @@ TABLE: list[tuple[str, Callable[[dict[str, Any]], list[Row]]]] = [
                 f"slurmctld load, {r['jobs']} jobs",
                 f"{r['detslurm_job_queries_per_tick']:.0f} job query "
                 f"({r['detslurm_rpcs_per_tick']:.0f} RPCs) per tick vs {r['per_job_job_queries_per_tick']:.0f} "
-                f"({r['per_job_rpcs_per_tick']:.0f} RPCs) polling per job",
+                f"({r['per_job_rpcs_per_tick']:.0f} RPCs) polling per job"
+                + (" (estimated)" if r.get("per_job_estimated") or "estimated" in r["per_job_by_type"] else "")
+                + (f"; tick {r['detslurm_tick_cpu_s'] * 1000:.0f} ms CPU" if "detslurm_tick_cpu_s" in r else ""),
                 "1 query per tick",
                 r["detslurm_job_queries_per_tick"] <= 1,
             )
             for r in d["rows"]
+        ],
+    ),
+    (
+        "asha_scale",
+        lambda d: [
+            (
+                f"ASHA search on Slurm, {d['trials']} of up to {d['max_trials']} trials in {d['elapsed_s']:.0f} s",
+                f"daemon's commands {d['daemon_rpcs_per_min']:.0f} RPCs/min (poll {d['poll_s']:g} s; all of "
+                f"slurmctld {d['rpcs_per_min']:.0f}/min, mostly the jobs' own completions), "
+                f"{d['sbatch_calls']} sbatch, {d['trial_states'].get('COMPLETED', 0)} completed, tick CPU "
+                f"{d['tick_cpu_s_median'] * 1000:.0f} ms median / {d['tick_cpu_s_max'] * 1000:.0f} ms max, "
+                f"store {d['store_mb']:.1f} MiB, det e describe {d['describe_s']:.2f} s",
+                "< 60 RPCs/min",
+                d["daemon_rpcs_per_min"] < d["goal_rpcs_per_min"],
+            )
         ],
     ),
     (

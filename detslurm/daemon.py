@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 # its lock and writes its pid first, so `det e create` waits for it only briefly.
 
 log = logging.getLogger("detslurm.daemon")
+# A file the daemon appends one JSON line to per tick (CPU and wall seconds, Slurm commands):
+# how the scale benchmark (bench/asha_scale.py) reads the real daemon's own cost per tick.
+TICK_STATS_ENV = "DETSLURM_TICK_STATS"
 
 
 class Paths:
@@ -353,7 +356,9 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
             try:
                 ids = ctl.active_experiment_ids()
                 if ids:
+                    cpu, wall, calls = time.process_time(), time.perf_counter(), client.calls
                     ctl.tick(ids)
+                    _tick_stats(cpu, wall, client.calls - calls)
                 # Detached runs keep the daemon from idling out while they run.
                 if _detached_step(detached) or ids:
                     idle_since = time.monotonic()
@@ -371,6 +376,16 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
     return 0
+
+
+def _tick_stats(cpu_start: float, wall_start: float, slurm_calls: int) -> None:
+    """One line for the tick that just ended, where TICK_STATS_ENV names a file."""
+    path = os.environ.get(TICK_STATS_ENV)
+    if not path:
+        return
+    cpu, wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    with open(path, "a") as f:
+        f.write(json.dumps({"cpu_s": round(cpu, 6), "wall_s": round(wall, 6), "slurm_calls": slurm_calls}) + "\n")
 
 
 def _remove_pid_file(path: Path, me: PidRecord) -> None:

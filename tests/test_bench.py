@@ -100,3 +100,28 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
 def test_dashboard_benchmark(tmp_path: Path) -> None:
     d = run(tmp_path, "dashboard_load.py", "--trials", "20", "--points", "100")
     assert (d["trials"], d["points"]) == (20, 2000) and finite(d["page_s"], d["whole_rows_s"], d["ratio"])
+
+
+def test_asha_scale_search_ends_throttled_with_arrays(tmp_path: Path) -> None:
+    d = run(
+        tmp_path,
+        "asha_scale.py",
+        "--trials",
+        "12",
+        "--concurrent",
+        "4",
+        "--budget-s",
+        "300",
+        "--poll-s",
+        "1",
+        "--idle-s",
+        "2",
+    )
+    assert d["search_ended"] and d["experiment_state"] == "COMPLETED"
+    assert d["trials"] == 12 and d["trial_states"] == {"COMPLETED": 12}
+    # The trials a tick starts go as one array: at most one sbatch per tick, and the first four
+    # trials share one.
+    assert 1 <= d["sbatch_calls"] <= min(d["ticks"] + 1, 12 - 4 + 1)
+    # One squeue per tick (the last may be counted before its stats line is written).
+    assert d["rpcs_by_type"].get("REQUEST_JOB_INFO", 0) <= d["ticks"] + 1
+    assert finite(d["tick_cpu_s_median"], d["describe_s"], d["store_mb"])

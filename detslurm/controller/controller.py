@@ -30,6 +30,7 @@ from detslurm.controller.executor import (
     JobStatus,
     RunSpec,
     SchedulerUnavailable,
+    SubmitLater,
     SubmitUnknown,
 )
 from detslurm.controller.gc import collect_garbage, remove_dirs
@@ -91,6 +92,7 @@ class Controller:
         self.reader = reader
         # What the last ticks saw (a cache: a new controller starts empty and ticks in full).
         self.memory = memory or TickMemory()
+        self._deferred: set[int] = set()  # experiments with runs taken back this step (_unsubmit)
         self._full = True
 
     # -- the tick -------------------------------------------------------------------------
@@ -191,8 +193,11 @@ class Controller:
                 after = experiment_fingerprint(s, exp_id)
             # Steady only when this step changed nothing: a write of ours (or anyone's
             # meanwhile) makes the next tick a full step again.
-            if after == before:
+            # ... and none of its runs was taken back to submit later (a limit, an outage):
+            # nothing else may change before room frees up, and the next tick must try again.
+            if after == before and exp_id not in self._deferred:
                 self.memory.steady[exp_id] = after
+            self._deferred.discard(exp_id)
 
     def _cancel_replaced(self, jobs: list[str], statuses: Mapping[str, JobStatus]) -> None:
         """Cancel, in one call, the jobs whose runs have ended while the scheduler still holds
@@ -476,7 +481,11 @@ class Controller:
             run = s.get(TrialRun, run_pk)
             assert run is not None
             run.trial.run_count -= 1
-            note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
+            self._deferred.add(run.trial.experiment_id)
+            if not isinstance(error, SubmitLater):
+                note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
+            elif error.warn:  # a submit limit: said once per throttled stretch, not per trial
+                note(s, run.trial_id, str(error), "WARNING")
             s.delete(run)
         log.warning("submission deferred (Slurm unreachable): %s", error)
 

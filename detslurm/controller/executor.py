@@ -103,6 +103,17 @@ class SchedulerUnavailable(Exception):
     the controller takes the run back and submits it again later."""
 
 
+class SubmitLater(SchedulerUnavailable):
+    """Slurm refused the submission for a limit that frees up as jobs end (MaxSubmitJobs,
+    MaxJobCount): nothing was submitted, so like an unreachable scheduler the run is taken back
+    and submitted on a later tick, spending no restart and failing nothing. ``warn`` is set on
+    the first refusal of a throttled stretch only, so the trial's events say it once."""
+
+    def __init__(self, message: str, warn: bool = True) -> None:
+        super().__init__(message)
+        self.warn = warn
+
+
 class SubmitUnknown(Exception):
     """The submission was sent but its reply never came: the job may exist. The controller
     must look for it (by its identity) before it may submit the run again."""
@@ -144,7 +155,8 @@ class Executor(Protocol):
     kind: str
 
     def capacity(self) -> int | None:
-        """How many more runs may start now (None: no local limit, the scheduler decides)."""
+        """How many more runs may start now (None: no limit, the scheduler decides); the rest
+        wait for a later tick."""
 
     def resources_type(self) -> str:
         """``DET_RESOURCES_TYPE`` for runs of this backend."""

@@ -10,7 +10,7 @@ import json
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -21,6 +21,7 @@ from detslurm.controller.executor import (
     JobStatus,
     RunSpec,
     SchedulerUnavailable,
+    SubmitLater,
     SubmitUnknown,
 )
 from detslurm.expconf import ExperimentConfig
@@ -29,6 +30,7 @@ from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.containers import Runtime
+from detslurm.slurm.limits import SubmitLimits, Throttle, count_queue, headroom, is_limit_refusal, submit_limits
 from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
 from detslurm.slurm.reasons import pending_reason
 from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
@@ -41,6 +43,14 @@ from detslurm.slurm.states import SlurmState
 ARRAY_SCRIPT_BUDGET = 1 << 20
 RECOVER_CACHE_S = 5.0
 SLURM_DEFAULT_MAX_ARRAY_SIZE = 1001  # slurm.conf's default MaxArraySize
+SLURM_DEFAULT_MAX_JOB_COUNT = 10000  # slurm.conf's default MaxJobCount
+# Submit limits change when an admin edits slurm.conf or the accounting database: read them
+# again this often (two commands), not every tick.
+LIMITS_TTL_S = 600.0
+# A throttled executor whose queue answer is older than this reads it again before saying
+# "no room": with no job of ours left to poll, no tick reads the queue, and trials would wait
+# on jobs that have ended.
+QUEUE_STALE_S = 10.0
 
 # What a job in the queue is, for the controller. COMPLETING counts as running: the final
 # state (PREEMPTED, TIMEOUT, ...) comes next, and deciding now would lose how the run ended.
@@ -100,7 +110,13 @@ class Submission:
 class SlurmExecutor:
     kind = "slurm"
 
-    def __init__(self, client: SlurmClient, site: SiteConfig, offline: bool = False) -> None:
+    def __init__(
+        self,
+        client: SlurmClient,
+        site: SiteConfig,
+        offline: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.site = site
         # Planning only, maybe with no Slurm in reach (a dry run on a laptop): Slurm's own
@@ -110,9 +126,63 @@ class SlurmExecutor:
         # Why refusals() checked nothing (offline, Slurm out of reach), for the dry run to say.
         self.unchecked: Optional[str] = None
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
+        self._clock = clock  # a seam: tests age the cached limits and queue without sleeping
+        self._throttle = Throttle()
 
+    # -- how many more jobs Slurm takes -----------------------------------------------------
     def capacity(self) -> Optional[int]:
-        return None  # Slurm queues; we never hold trials back
+        """How many more jobs (an array's tasks one each) this user may queue now: Slurm's
+        submit limits (read rarely) minus this user's jobs in the tick's squeue answer and what
+        was submitted since, with a margin. Trials past it wait for a later tick with no run yet
+        (``plan_runs`` stops at it, in trial order), as trials past max_local_trials do."""
+        if self.offline:
+            return None  # a dry run plans every trial, as Slurm would be asked to take them
+        t = self._throttle
+        room = self._room()
+        if room == 0 and self._clock() - t.queue_at > QUEUE_STALE_S:
+            try:
+                self._read_queue()
+            except SchedulerUnavailable:
+                return 0  # no answer: submitting would fail the same way
+            room = self._room()
+        return room
+
+    def _room(self) -> Optional[int]:
+        t = self._throttle
+        queue = count_queue(self.last_queue.values())
+        room = headroom(self._submit_limits(), queue, t.submitted)
+        if t.refused_at is not None:
+            # Slurm refused a job at this many: a limit we could not read (a QOS's) holds there.
+            learned = max(0, t.refused_at - queue.live - t.submitted)
+            room = learned if room is None else min(room, learned)
+        return room
+
+    def _submit_limits(self) -> SubmitLimits:
+        """The cached limits, read again every LIMITS_TTL_S. What cannot be read keeps the last
+        answer (or Slurm's default MaxJobCount): a failing sacctmgr must not stop submissions."""
+        t = self._throttle
+        if t.limits is not None and self._clock() - t.limits_at < LIMITS_TTL_S:
+            return t.limits
+        if t.limits is not None:
+            t.refused_at = None  # limits read again: what a refusal taught may have changed too
+        try:
+            caps = self.client.capabilities(fresh=t.limits is not None)
+            assocs = self.client.assoc_limits() if caps.accounting else []
+            t.limits = submit_limits(caps, assocs)
+        except (SlurmCommandError, SlurmUnavailable, SlurmParseError):
+            t.limits = t.limits or SubmitLimits(SLURM_DEFAULT_MAX_JOB_COUNT, None)
+        t.limits_at = self._clock()
+        return t.limits
+
+    def _later(self, e: SlurmCommandError, tried: int) -> SubmitLater:
+        """A submission Slurm refused for a limit: remember where it holds (our live jobs, or
+        half the array just tried when none are live) and warn once per throttled stretch."""
+        t = self._throttle
+        live = count_queue(self.last_queue.values()).live + t.submitted
+        t.refused_at = live if live > 0 else tried // 2
+        warn, t.warned = not t.warned, True
+        reason = next((line for line in e.stderr.splitlines() if is_limit_refusal(line)), e.stderr)
+        return SubmitLater(f"Slurm refused the job for a submit limit ({reason.strip()}); submitting later", warn)
 
     def resources_type(self) -> str:
         return "slurm-job"
@@ -268,11 +338,23 @@ class SlurmExecutor:
         except Exception as e:  # planning needs the site's limits: nothing was submitted
             return [_classify(e)] * len(specs)
         out: dict[tuple[int, int, int], str | Exception] = {}
+        refused = False
         for sub in subs:
-            try:
-                ids: list[str | Exception] = list(sub.job_ids(self.execute(sub)))
-            except Exception as e:  # the whole sbatch failed: none of its runs started
-                ids = [e] * len(sub.specs)
+            ids: list[str | Exception]
+            if refused:  # a limit refused the previous sbatch: this one would be refused too
+                ids = [SubmitLater("waiting for a submit limit", warn=False)] * len(sub.specs)
+            else:
+                try:
+                    ids = list(sub.job_ids(self.execute(sub)))
+                    self._throttle.submitted += len(sub.specs)
+                    self._throttle.warned = False
+                except SubmitLater as e:
+                    refused = True
+                    # One warning event (the first trial's), not one per trial of the array.
+                    quiet: list[str | Exception] = [SubmitLater(str(e), warn=False)] * (len(sub.specs) - 1)
+                    ids = [e, *quiet]
+                except Exception as e:  # the whole sbatch failed: none of its runs started
+                    ids = [e] * len(sub.specs)
             out.update(zip((s.identity for s in sub.specs), ids, strict=True))
         return [out[s.identity] for s in specs]
 
@@ -300,6 +382,8 @@ class SlurmExecutor:
             # The order matters: a lost reply is also "unreachable", but the job may exist.
             if e.reply_lost:
                 raise SubmitUnknown(str(e)) from e
+            if is_limit_refusal(e.stderr):
+                raise self._later(e, len(sub.specs)) from e
             raise _classify(e) from e
 
     # -- observe ----------------------------------------------------------------------------
@@ -315,6 +399,13 @@ class SlurmExecutor:
                 return job.job_id
         return None
 
+    def _read_queue(self) -> None:
+        """The tick's one squeue: every job of this user, kept for capacity() and recover()."""
+        self.last_queue = {j.job_id: j for j in self._squeue()}
+        self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
+        # What was submitted before this answer is in it now.
+        self._throttle.queue_at, self._throttle.submitted = self._clock(), 0
+
     def _squeue(self) -> list[QueuedJob]:
         try:
             return self.client.squeue()
@@ -324,8 +415,7 @@ class SlurmExecutor:
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
         if not jobs:
             return {}
-        self.last_queue = {j.job_id: j for j in self._squeue()}
-        self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
+        self._read_queue()
         gone = [j for j in jobs if j not in self.last_queue]
         accounted = self._sacct(gone)
         out = {job_id: self._status(job_id, run_dir, accounted.get(job_id)) for job_id, run_dir in jobs.items()}

@@ -233,8 +233,10 @@ class SlurmClient:
         argv = ["sacctmgr", "-n", "-P", "show", "assoc", f"user={self.user}", f"format={ASSOC_FIELDS}"]
         return parse_assoc_limits(self._run(argv).stdout)
 
-    def capabilities(self) -> Capabilities:
-        if self._caps is None:
+    def capabilities(self, fresh: bool = False) -> Capabilities:
+        """``scontrol show config``, read once per client; ``fresh`` reads it again (limits an
+        admin may have raised since, ``SlurmExecutor.capacity``)."""
+        if self._caps is None or fresh:
             self._caps = parse.parse_config(self._run(["scontrol", "show", "config"]).stdout)
         return self._caps
 
