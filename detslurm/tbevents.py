@@ -38,10 +38,32 @@ def _crc32c_table() -> list[int]:
 _TABLE = _crc32c_table()
 
 
+# CRC-32C two bytes at a time: ingest frames one record per metric report, and the byte loop
+# was a third of the daemon's ingest time (issue 15). Built on first use: 64k entries, ~30 ms.
+_TABLE16: list[int] = []
+
+
+def _crc32c_table16() -> list[int]:
+    # The table for one 16-bit word w: two byte steps of the 8-bit table folded into one.
+    out = []
+    for w in range(1 << 16):
+        first = _TABLE[w & 0xFF]
+        out.append(_TABLE[(first ^ (w >> 8)) & 0xFF] ^ (first >> 8))
+    return out
+
+
 def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli) of ``data``, as TFRecord framing uses it."""
+    if not _TABLE16:
+        _TABLE16.extend(_crc32c_table16())
+    table16 = _TABLE16
     crc = 0xFFFFFFFF
-    for b in data:
-        crc = _TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    even = len(data) & ~1
+    # Little-endian 16-bit words: byte i is the low half, as the byte-wise loop consumes it.
+    for w in struct.unpack(f"<{even >> 1}H", data[:even]):
+        crc = table16[(crc ^ w) & 0xFFFF] ^ (crc >> 16)
+    if even != len(data):
+        crc = _TABLE[(crc ^ data[-1]) & 0xFF] ^ (crc >> 8)
     return crc ^ 0xFFFFFFFF
 
 
@@ -73,17 +95,40 @@ def event(wall_time: float, step: int, scalars: Mapping[str, float] | None = Non
     out = b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step)
     if version:
         return out + _field(3, _FILE_VERSION)
-    values = b"".join(
-        _field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
-        for tag, value in (scalars or {}).items()
-    )
+    values = b"".join(_value_head(tag) + struct.pack("<f", value) for tag, value in (scalars or {}).items())
     return out + _field(5, values)
+
+
+# The masked CRC of a record's 8-byte length field, by length: reports of one trial have a few
+# lengths, so the CRC is computed once per length instead of once per record.
+_LENGTH_CRC: dict[int, bytes] = {}
+
+
+# The bytes of a summary value before its float, by tag: the Value message (tag (1), then
+# simple_value's key 0x15) framed as field 1 of the Summary; built once per tag, not per report.
+_VALUE_HEAD: dict[str, bytes] = {}
+
+
+def _value_head(tag: str) -> bytes:
+    head = _VALUE_HEAD.get(tag)
+    if head is None:
+        name = _field(1, tag.encode())
+        # The Value message is name + 0x15 + 4 bytes of float: its length is known before the float.
+        head = _varint(1 << 3 | 2) + _varint(len(name) + 5) + name + b"\x15"
+        if len(_VALUE_HEAD) < 4096:  # bounded: tags come from trials
+            _VALUE_HEAD[tag] = head
+    return head
 
 
 def record(data: bytes) -> bytes:
     """``data`` framed as one TFRecord."""
     length = struct.pack("<Q", len(data))
-    return length + _masked(length) + data + _masked(data)
+    head = _LENGTH_CRC.get(len(data))
+    if head is None:
+        head = _masked(length)
+        if len(_LENGTH_CRC) < 4096:  # bounded: a trial decides the lengths
+            _LENGTH_CRC[len(data)] = head
+    return length + head + data + _masked(data)
 
 
 def tag_for(group: str, name: str) -> str:
@@ -112,12 +157,23 @@ def event_file(directory: Path) -> Path:
     return directory / f"{PREFIX}0000000000{SUFFIX}"
 
 
+def report_record(group: str, step: int, wall_time: float, metrics: Mapping[str, Any]) -> bytes:
+    """One report's scalars as a framed record; empty when the report has none."""
+    scalars = scalars_of(group, metrics)
+    return record(event(wall_time, step, scalars)) if scalars else b""
+
+
 def append(directory: Path, group: str, step: int, wall_time: float, metrics: Mapping[str, Any]) -> int:
     """Append one report's scalars to ``directory``'s event file; how many were written."""
-    scalars = scalars_of(group, metrics)
-    if not scalars:
-        return 0
-    data = record(event(wall_time, step, scalars))
+    data = report_record(group, step, wall_time, metrics)
+    if data:
+        append_records(directory, data, wall_time)
+    return len(scalars_of(group, metrics)) if data else 0
+
+
+def append_records(directory: Path, data: bytes, wall_time: float) -> None:
+    """Append framed records (:func:`report_record`, concatenated) to ``directory``'s event
+    file in one write; ``wall_time`` dates the version record a new file starts with."""
     path = event_file(directory)
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
     try:
@@ -135,4 +191,3 @@ def append(directory: Path, group: str, step: int, wall_time: float, metrics: Ma
         os.write(fd, data)
     finally:
         os.close(fd)
-    return len(scalars)
