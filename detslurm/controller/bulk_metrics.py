@@ -149,8 +149,10 @@ class PendingMetrics:
         """Insert ``queued`` now: one executemany per table."""
         if not queued:
             return
-        if session.get_bind().dialect.name == "sqlite":
-            self._insert_sqlite(session, queued)
+        # The session's own connection, so the rows are in its transaction and SAVEPOINT.
+        raw = session.connection().connection.driver_connection
+        if isinstance(raw, sqlite3.Connection):
+            self._insert_sqlite(raw, queued)
         else:
             self._insert_core(session, queued)
 
@@ -186,9 +188,7 @@ class PendingMetrics:
         if points:
             session.execute(insert(MetricPoint.metadata.tables[MetricPoint.__tablename__]), points)
 
-    def _insert_sqlite(self, session: Session, queued: list[Queued]) -> None:
-        # The session's own connection, so the rows are in its transaction and SAVEPOINT.
-        raw = session.connection().connection.driver_connection
+    def _insert_sqlite(self, raw: sqlite3.Connection, queued: list[Queued]) -> None:
         tid, dumps = self.trial_id, json.dumps
         rows, points = [], []
         for q in queued:
