@@ -42,6 +42,9 @@ POINT_NAME_MAX = 256  # MetricPoint.name's length
 # the report's JSON, never as a point (float() of it would raise).
 _FLOAT_MAX = 1.7976931348623157e308
 
+# json.dumps's output (SQLAlchemy's JSON columns use it), without the cycle check: decoded JSON
+# and json_safe's copies have no cycles.
+_encode = json.JSONEncoder(check_circular=False).encode
 _SQLITE_METRICS = (
     'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, batch_metrics, report_time, '
     "archived) VALUES (?, ?, ?, ?, ?, ?, ?, 0)"
@@ -80,27 +83,33 @@ def _points(metrics: Any) -> list[tuple[str, float]]:
     ]
 
 
-def _is_safe_flat(metrics: dict[str, Any]) -> bool:
-    """Whether ``json_safe(metrics)`` would equal ``metrics``: a flat report of finite numbers,
-    booleans, nulls and short strings without NUL (nearly every report), which then needs no copy."""
-    for k, v in metrics.items():
-        if type(k) is not str or len(k) > JSON_STR_MAX or "\x00" in k:
-            return False
-        t = type(v)
-        if t is float:
-            if v - v != 0.0:  # NaN or an infinity: json_safe spells them as strings
-                return False
-        elif t is str:
-            if len(v) > JSON_STR_MAX or "\x00" in v:
-                return False
-        elif t is not int and t is not bool and v is not None:
-            return False  # nested values, or an int/float subclass: json_safe's full walk
-    return True
-
-
-def safe_report(metrics: Any) -> Any:
-    """``json_safe(metrics)``, without its copy for the common flat report."""
-    return metrics if type(metrics) is dict and _is_safe_flat(metrics) else json_safe(metrics)
+def safe_report(metrics: Any) -> tuple[Any, list[tuple[str, float]]]:
+    """``json_safe(metrics)`` and its points. A flat report of finite numbers, booleans, nulls and
+    short strings without NUL (nearly every report) is already JSON-safe: it is checked and its
+    points collected in one loop, with no copy; anything else takes json_safe's full walk."""
+    if type(metrics) is dict:
+        points: list[tuple[str, float]] = []
+        for k, v in metrics.items():
+            if type(k) is not str or len(k) > JSON_STR_MAX or "\x00" in k:
+                break
+            t = type(v)
+            if t is float:
+                if v - v != 0.0:  # NaN or an infinity: json_safe spells them as strings
+                    break
+                if len(k) <= POINT_NAME_MAX:
+                    points.append((k, v))
+            elif t is int:
+                if len(k) <= POINT_NAME_MAX and -_FLOAT_MAX <= v <= _FLOAT_MAX:
+                    points.append((k, float(v)))
+            elif t is str:
+                if len(v) > JSON_STR_MAX or "\x00" in v:
+                    break
+            elif t is not bool and v is not None:
+                break  # nested values, or an int/float subclass
+        else:
+            return metrics, points
+    safe = json_safe(metrics)
+    return safe, _points(safe)
 
 
 class Queued(NamedTuple):
@@ -130,9 +139,9 @@ class PendingMetrics:
 
     def add(self, line: Line, ev: Metrics, when: datetime) -> None:
         """Queue the rows of ``ev`` (the same columns ``apply._on_metrics`` writes)."""
-        metrics = safe_report(ev.metrics)
+        metrics, points = safe_report(ev.metrics)
         batch = None if ev.batch_metrics is None else json_safe(ev.batch_metrics)
-        self.rows.append(Queued(line, ev.group, ev.steps_completed, metrics, batch, when, _points(metrics)))
+        self.rows.append(Queued(line, ev.group, ev.steps_completed, metrics, batch, when, points))
         if self.tensorboard is not None:
             data = tbevents.report_record(ev.group, ev.steps_completed, ev.time, ev.metrics)
             if data:
@@ -189,7 +198,7 @@ class PendingMetrics:
             session.execute(insert(MetricPoint.metadata.tables[MetricPoint.__tablename__]), points)
 
     def _insert_sqlite(self, raw: sqlite3.Connection, queued: list[Queued]) -> None:
-        tid, dumps = self.trial_id, json.dumps
+        tid, dumps = self.trial_id, _encode
         rows, points = [], []
         for q in queued:
             # SQLAlchemy's format for SQLite DATETIME: UTC wall clock, always 6 decimals, no offset.

@@ -92,13 +92,13 @@ def json_tree(value: Any, key: str, depth: int = 0) -> Any:
 def mapping(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BadRecord(f"{key!r} must be an object, got {_kind(value)}")
-    if _flat_ok(value):
+    if flat_ok(value):
         return value
     out: dict[str, Any] = json_tree(value, key)
     return out
 
 
-def _flat_ok(value: dict[Any, Any]) -> bool:
+def flat_ok(value: dict[Any, Any]) -> bool:
     """Whether ``json_tree`` would accept ``value`` at once: a flat object of scalars with short
     string keys and no NUL (a metrics report). One loop instead of a call per key and value;
     anything else takes ``json_tree``'s walk, which names the problem."""
