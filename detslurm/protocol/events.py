@@ -284,7 +284,10 @@ def decode(line: bytes | str) -> Event:
     """One event line -> its record. Raises :class:`BadEvent` (or :class:`UnknownEvent`) and
     nothing else, whatever the line holds."""
     try:
-        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines.
+        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines. A
+        # line opening with "{" is UTF-8 by that detection: decoded here, its probe is skipped.
+        if isinstance(line, bytes) and line[:1] == b"{":
+            line = line.decode("utf-8", "surrogatepass")
         obj = json.loads(line)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None
