@@ -382,8 +382,16 @@ def _bulk_metrics_store_the_same(url: str) -> None:
         assert orphan.flush(s, lambda line, why: refused.append((line, why))) == 1
     assert [line for line, _ in refused] == [first] and "IntegrityError" in refused[0][1]
     with store.read() as s:
-        rows = list(s.execute(select(Metric.group, Metric.metrics, Metric.batch_metrics, Metric.report_time)))
-        points = sorted(s.execute(select(MetricPoint.steps_completed, MetricPoint.name, MetricPoint.value)))
+        # This trial's only: the PostgreSQL server is shared by the module's tests.
+        mine = select(Metric.group, Metric.metrics, Metric.batch_metrics, Metric.report_time)
+        rows = list(s.execute(mine.where(Metric.trial_id == trial_id).order_by(Metric.id)))
+        points = sorted(
+            s.execute(
+                select(MetricPoint.steps_completed, MetricPoint.name, MetricPoint.value).where(
+                    MetricPoint.trial_id == trial_id
+                )
+            )
+        )
     store.dispose()
     assert [(g, m, b) for g, m, b, _ in rows] == [
         ("training", {"loss": 0.5, "big": 10**40, "nan": "NaN", "flag": True, "nested": {"a": [1, "Infinity"]}}, None),
