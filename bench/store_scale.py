@@ -168,6 +168,13 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     return time.perf_counter() - t0, p.stdout
 
 
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children: a whole command's CPU, steadier than its
+    wall time on a shared machine."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def curve_seconds(url: str, trial_id: int, points: int) -> tuple[float, int]:
     """In-process seconds of the dashboard's curve query (views.metric_curve) and its points."""
     from detslurm import views
@@ -216,10 +223,17 @@ def main() -> int:
             ).fetchone()[0]
         )
         con.close()
-        t: dict[str, list[float]] = {"det_e_describe": [], "raw_curve_select": [], "curve_query": []}
+        t: dict[str, list[float]] = {
+            "det_e_describe": [],
+            "det_e_describe_cpu": [],
+            "raw_curve_select": [],
+            "curve_query": [],
+        }
         points = 0
         for _ in range(args.repeats):
+            c0 = children_cpu()
             secs, _out = timed([DET, "e", "describe", str(exp_id)], ws.env)
+            t["det_e_describe_cpu"].append(children_cpu() - c0)
             t["det_e_describe"].append(secs)
             t["raw_curve_select"].append(timed([sys.executable, "-c", RAW_CURVE, db, str(trial_ids[-1])], ws.env)[0])
             secs, points = curve_seconds(url, trial_ids[-1], args.points)
