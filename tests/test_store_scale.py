@@ -8,8 +8,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import write
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from detslurm import settings, views
 from detslurm.controller.apply import ingest_run
@@ -90,6 +92,30 @@ def test_bulk_ingest_keeps_order_and_quarantines_a_refused_row_alone(det_env: Pa
     assert trial is not None and trial.progress == 1.0 and trial.searcher_metric == 2.0 / 30
     assert len(notes) == 1 and "quarantined 1 bad event line" in notes[0] and "refused by the store" in notes[0]
     assert _ingest(url, exp_id, tid, events) == 0  # offsets committed with the rows: nothing twice
+
+
+def test_a_failing_store_rolls_the_pass_back_instead_of_quarantining(det_env: Path, tmp_path: Path) -> None:
+    """sqlite3's own errors in the fast insert are the store failing (disk full, I/O), not a row
+    refused: raised as SQLAlchemy's OperationalError, so the tick rolls back and every line is
+    read again next time, none quarantined."""
+    url, exp_id, tid = _experiment(tmp_path)
+    db = url.split("///", 1)[-1]
+    con = sqlite3.connect(db)
+    # Fires on every insert and fails as a broken store does: an OperationalError from SQLite.
+    con.execute("CREATE TRIGGER broken BEFORE INSERT ON metrics BEGIN INSERT INTO no_such_table VALUES (1); END")
+    con.commit()
+    events = [Metrics(group="training", steps_completed=step, metrics={"loss": 1.0}) for step in range(1, 6)]
+    with pytest.raises(OperationalError, match="no_such_table"):
+        _ingest(url, exp_id, tid, events)
+    con.execute("DROP TRIGGER broken")
+    con.commit()
+    con.close()
+    assert _ingest(url, exp_id, tid, events) == 5  # the same lines, from the old offset
+    store = open_store(url)
+    with store.read() as s:
+        assert list(s.scalars(select(Metric.steps_completed).order_by(Metric.id))) == [1, 2, 3, 4, 5]
+        assert not list(s.scalars(select(LogEntry.message).where(LogEntry.level == "WARNING")))
+    store.dispose()
 
 
 def test_odd_report_values_are_stored_as_the_orm_stored_them(det_env: Path, tmp_path: Path) -> None:
