@@ -2,12 +2,15 @@
 
 - metrics ingest: rows/s through the daemon's own path (``controller.apply.ingest_run``: event
   file -> decoded, validated events -> metric rows, offsets committed with them) into SQLite
-  on local disk, side by side with a bare sqlite3 ``executemany`` of the same rows (the floor);
+  on local disk, side by side with a bare sqlite3 ``executemany`` of the same rows (the floor),
+  and of the same rows with the two ``metric_points`` rows each report also writes; wall and
+  CPU time of this process (the CPU ratio is the steadier on a shared machine);
 - an experiment with ``--rows`` metric rows (1M at full size): whole-process `det e describe`
   (`--metrics-shown` rows are what it prints), and the dashboard's curve query (one trial's
   validation curve of one metric, downsampled to ``--points``), side by side with the bare
   sqlite3 SELECT of the same rows;
-- store size per million metric rows.
+- store size per million metric rows: of the rows written in bulk (with their points), and of
+  what the ingest itself added (rows, points, offsets).
 
     python bench/store_scale.py [--ingest N] [--rows N] [--trials N] [--repeats R]
 """
@@ -81,9 +84,9 @@ def make_experiment(ws: Workspace, trials: int) -> tuple[str, int, list[int]]:
     return st.db_url, exp_id, ids
 
 
-def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float, int]:
-    """Seconds for the daemon's ingest of ``n`` metric events of one run (one transaction, as a
-    tick), and how many rows it wrote."""
+def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float, float, int]:
+    """Seconds (wall, and this process's CPU) for the daemon's ingest of ``n`` metric events of
+    one run (one transaction per pass, as a tick), and how many rows it wrote."""
     from sqlalchemy import func, select
 
     from detslurm.controller.apply import ingest_run
@@ -101,7 +104,7 @@ def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float,
             # Mostly training rows, a validation every 10th: the mix a trial reports.
             group = "validation" if i % 10 == 9 else "training"
             f.write(encode(Metrics(group=group, steps_completed=i + 1, metrics={"loss": 1.0 / (i + 1), "acc": 0.5})))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     applied, run_pk = 0, run.id
     # One transaction per pass, as the daemon's ticks: a pass reads a bounded chunk of the file.
     while applied < n:
@@ -114,16 +117,17 @@ def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float,
         if got == 0:
             break
         applied += got
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     with store.read() as s:
         rows = int(s.scalar(select(func.count()).select_from(Metric).where(Metric.trial_id == trial_id)) or 0)
     store.dispose()
     assert applied == n, (applied, n)
-    return seconds, rows
+    return seconds, cpu, rows
 
 
-def raw_insert(db: str, trial_ids: list[int], n: int, first_step: int) -> float:
-    """Bare sqlite3 executemany of ``n`` metric rows spread over the trials; its seconds."""
+def raw_insert(db: str, trial_ids: list[int], n: int, first_step: int, points: bool = False) -> float:
+    """Bare sqlite3 executemany of ``n`` metric rows spread over the trials (and, with ``points``,
+    their two ``metric_points`` rows each, as ingest writes them); its seconds."""
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
     per = max(1, n // len(trial_ids))
     con = sqlite3.connect(db)
@@ -131,20 +135,21 @@ def raw_insert(db: str, trial_ids: list[int], n: int, first_step: int) -> float:
     with con:
         for k, tid in enumerate(trial_ids):
             count = per if k < len(trial_ids) - 1 else n - per * (len(trial_ids) - 1)
+            rows = [
+                (tid, "validation" if i % 10 == 9 else "training", first_step + i, {"loss": 1.0 / (i + 1), "acc": 0.5})
+                for i in range(count)
+            ]
             con.executemany(
                 'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, batch_metrics, '
                 "report_time, archived) VALUES (?, 1, ?, ?, ?, NULL, ?, 0)",
-                (
-                    (
-                        tid,
-                        "validation" if i % 10 == 9 else "training",
-                        first_step + i,
-                        json.dumps({"loss": 1.0 / (i + 1), "acc": 0.5}),
-                        now,
-                    )
-                    for i in range(count)
-                ),
+                ((t, g, step, json.dumps(m), now) for t, g, step, m in rows),
             )
+            if points:
+                con.executemany(
+                    'INSERT INTO metric_points (trial_id, "group", name, steps_completed, report_time, value, '
+                    "archived) VALUES (?, ?, ?, ?, ?, ?, 0)",
+                    ((t, g, name, step, now, v) for t, g, step, m in rows for name, v in m.items()),
+                )
     seconds = time.perf_counter() - t0
     con.close()
     return seconds
@@ -161,6 +166,13 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, str]:
     t0 = time.perf_counter()
     p = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
     return time.perf_counter() - t0, p.stdout
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children: a whole command's CPU, steadier than its
+    wall time on a shared machine."""
+    t = os.times()
+    return t.children_user + t.children_system
 
 
 def curve_seconds(url: str, trial_id: int, points: int) -> tuple[float, int]:
@@ -189,11 +201,19 @@ def main() -> int:
     try:
         url, exp_id, trial_ids = make_experiment(ws, args.trials)
         db = url.split("///", 1)[-1]
-        ingest_s, ingested = measure_ingest(url, exp_id, trial_ids[0], args.ingest)
+        before_ingest = store_bytes(db)
+        ingest_s, ingest_cpu, ingested = measure_ingest(url, exp_id, trial_ids[0], args.ingest)
+        ingest_bytes = store_bytes(db) - before_ingest
+        # The floors, side by side: the metric rows alone, then with the points ingest also writes.
+        c0 = time.process_time()
         raw_s = raw_insert(db, trial_ids[1:2] or trial_ids, args.ingest, 10_000_000)
+        raw_cpu = time.process_time() - c0
+        c0 = time.process_time()
+        raw_points_s = raw_insert(db, trial_ids[1:2] or trial_ids, args.ingest, 30_000_000, points=True)
+        raw_points_cpu = time.process_time() - c0
         before = store_bytes(db)
-        # The rest of the experiment's rows, spread over its trials, the fast way.
-        raw_insert(db, trial_ids, max(0, args.rows - 2 * args.ingest), 20_000_000)
+        # The rest of the experiment's rows, spread over its trials, the fast way (with their points).
+        raw_insert(db, trial_ids, max(0, args.rows - 3 * args.ingest), 20_000_000, points=True)
         after = store_bytes(db)
         con = sqlite3.connect(db)
         total_rows = int(con.execute("SELECT count(*) FROM metrics").fetchone()[0])
@@ -203,10 +223,17 @@ def main() -> int:
             ).fetchone()[0]
         )
         con.close()
-        t: dict[str, list[float]] = {"det_e_describe": [], "raw_curve_select": [], "curve_query": []}
+        t: dict[str, list[float]] = {
+            "det_e_describe": [],
+            "det_e_describe_cpu": [],
+            "raw_curve_select": [],
+            "curve_query": [],
+        }
         points = 0
         for _ in range(args.repeats):
+            c0 = children_cpu()
             secs, _out = timed([DET, "e", "describe", str(exp_id)], ws.env)
+            t["det_e_describe_cpu"].append(children_cpu() - c0)
             t["det_e_describe"].append(secs)
             t["raw_curve_select"].append(timed([sys.executable, "-c", RAW_CURVE, db, str(trial_ids[-1])], ws.env)[0])
             secs, points = curve_seconds(url, trial_ids[-1], args.points)
@@ -214,17 +241,26 @@ def main() -> int:
     finally:
         ws.close()
     med = {k: median(v) for k, v in t.items()}
-    added = max(1, total_rows - 2 * args.ingest)
+    added = max(1, total_rows - 3 * args.ingest)
+    load = os.getloadavg()
     result: dict[str, Any] = {
         "benchmark": "store_scale",
         "ingested_rows": ingested,
         "ingest_rows_per_s": ingested / ingest_s,
         "raw_executemany_rows_per_s": args.ingest / raw_s,
         "ingest_ratio_vs_raw": (ingested / ingest_s) / (args.ingest / raw_s),
+        "raw_with_points_rows_per_s": args.ingest / raw_points_s,
+        "ingest_ratio_vs_raw_with_points": (ingested / ingest_s) / (args.ingest / raw_points_s),
+        # CPU seconds of this process: steadier than wall time on a shared machine.
+        "ingest_cpu_rows_per_s": ingested / ingest_cpu,
+        "raw_cpu_rows_per_s": args.ingest / raw_cpu,
+        "raw_with_points_cpu_rows_per_s": args.ingest / raw_points_cpu,
+        "ingest_store_mb_per_million_rows": ingest_bytes / ingested * 1e6 / 2**20,
+        "load_average": load,
         "metric_rows": total_rows,
         "curve_trial_validation_rows": biggest,
         "curve_points": points,
-        "store_mb_per_million_rows": (after - before) / added * 1e6 / 2**20 if args.rows > 2 * args.ingest else None,
+        "store_mb_per_million_rows": (after - before) / added * 1e6 / 2**20 if args.rows > 3 * args.ingest else None,
         "median_s": med,
         "samples_s": t,
         "describe_ratio_vs_raw_select": med["det_e_describe"] / med["raw_curve_select"],

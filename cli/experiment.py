@@ -15,7 +15,7 @@ from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import DetSlurmError
-from detslurm.store.quick import ExperimentRow, experiment_filter_rows
+from detslurm.store.quick import DescribedTrial, ExperimentRow, experiment_filter_rows
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic when their fast path needs none of them.
@@ -273,23 +273,59 @@ experiment.add_command(list_, "ls")
 def describe(app: App, exp_id: int, as_json: bool) -> None:
     """Show an experiment, its trials and their workloads."""
     slurm_mod.reconcile(app)
+    # The tables come from the fast path where it can serve (no ORM, no pydantic: a describe of
+    # a million metric rows is mostly imports otherwise); --json and the rest take the ORM path.
+    quick = None if as_json else app.quick()
+    got = quick.describe(exp_id, app.scope.owner, WORKLOADS_SHOWN) if quick is not None else None
+    if got is not None:
+        trials = [_quick_trial(t) for t in got.trials]
+        work = [(tid, *w) for tid, (shown, _) in got.workloads.items() for w in shown]
+        hidden = [tid for tid, (_, more) in got.workloads.items() if more]
+        _print_described(got.experiment, got.searcher_metric, trials, work, hidden)
+        return
     with app.store.read() as s:
         exp = views.get_experiment(s, exp_id, app.scope)
         e = views.experiment_dict(exp)
         trials = [views.trial_dict(s, t) for t in exp.trials]
-        # Only the header names it: read from the stored config (validated when it was stored)
-        # rather than through pydantic, which costs more than the rest of the command's imports.
-        metric = (exp.config.get("searcher") or {}).get("metric")
         # Read everything inside the session: rows are not loaded lazily once it closes, and
         # the tables below are printed after it. --json shows no workloads: none are loaded.
         work, hidden = ([], []) if as_json else _workloads(s, [int(t["id"]) for t in trials])
         # Stop times measured after preemptions: compared below with what the site allows.
         stops = [(t.id, r.run_id, r.preempt_stop_s) for t in exp.trials for r in t.runs]
         pool = _typed(exp.config).resources.resource_pool
+        # Only the header names it: read from the stored config (validated when it was stored)
+        # rather than through pydantic, which costs more than the rest of the command's imports.
+        metric = (exp.config.get("searcher") or {}).get("metric")
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
         return
+    _print_described(e, metric, trials, work, hidden)
+    for line in stop_time.warnings(app, pool, stops):
+        click.echo(line, err=True)
+
+
+def _quick_trial(t: DescribedTrial) -> dict[str, Any]:
+    """The fast path's trial as the keys of ``views.trial_dict`` that describe's table shows."""
+    from detslurm.slurm.reasons import pending_words
+
+    pending = pending_words(t.runner_state) if t.queued else None
+    return {
+        "id": t.id,
+        "experiment_id": t.experiment_id,
+        "state": t.state,
+        "hparams": t.hparams,
+        "start_time": t.start_time,
+        "end_time": t.end_time,
+        "exit_reason": t.exit_reason,
+        "pending_reason": pending,
+    }
+
+
+def _print_described(
+    e: dict[str, Any], metric: Any, trials: list[dict[str, Any]], work: list[tuple[Any, ...]], hidden: list[int]
+) -> None:
+    """`det e describe`'s tables, from either path."""
     click.echo("Experiment:")
     _print_experiment(e)
     click.echo("\nTrials:")
@@ -300,7 +336,8 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
                 t["id"],
                 t["experiment_id"],
                 t["state"],
-                views.trial_reason(t),
+                # views.trial_reason, which would import the ORM: why it waits, else why it ended.
+                str(t.get("pending_reason") or t.get("exit_reason") or ""),
                 fmt_time(t["start_time"]),
                 fmt_time(t["end_time"]),
                 json.dumps(t["hparams"], indent=2),
@@ -318,8 +355,6 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
             f"Trial {tid}: only its last {WORKLOADS_SHOWN} workloads are shown; "
             f"det trial describe {tid} --metrics lists them all."
         )
-    for line in stop_time.warnings(app, pool, stops):
-        click.echo(line, err=True)
 
 
 # Workloads `det e describe` shows per trial: a trial reporting every few batches for days has

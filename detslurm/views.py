@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
-from detslurm.slurm.reasons import describe_reason
+from detslurm.slurm.reasons import pending_words as pending_words
 from detslurm.store.models import (
     Checkpoint,
     Experiment,
@@ -128,19 +128,6 @@ def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
 
 def _queued(t: Trial) -> bool:
     return not t.state.is_terminal and any(r.state == RunState.QUEUED for r in t.runs)
-
-
-# The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).
-_QUEUED = "queued: "
-
-
-def pending_words(runner_state: str | None) -> str | None:
-    """A queued trial's pending reason in words, or None when it is not waiting in a queue."""
-    if not runner_state or not runner_state.startswith(_QUEUED):
-        return None
-    code = runner_state.removeprefix(_QUEUED)
-    # "waiting" is what the controller notes when Slurm gave no reason at all.
-    return describe_reason(None if code == "waiting" else code)
 
 
 def trial_reason(d: dict[str, Any]) -> str:

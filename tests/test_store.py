@@ -411,3 +411,59 @@ def test_upgrade_from_0001_keeps_rows_postgres(postgres: str) -> None:
         conn.execute(text("CREATE DATABASE upgrade_test"))
     admin.dispose()
     _upgrade_keeps_rows(postgres.rsplit("/", 1)[0] + "/upgrade_test")
+
+
+def _bulk_metrics_store_the_same(url: str) -> None:
+    """Ingest's bulk insert (bulk_metrics: sqlite3's own executemany on SQLite, SQLAlchemy Core
+    on PostgreSQL) stores the same rows and points on both, and a row the store refuses costs
+    only itself on both."""
+    from datetime import datetime, timezone
+
+    from detslurm.controller.bulk_metrics import PendingMetrics
+    from detslurm.protocol import Line, Metrics
+
+    exp_id = _make_experiment(url)
+    store = open_store(url)
+    odd = {"loss": 0.5, "big": 10**40, "nan": float("nan"), "flag": True, "nested": {"a": [1, float("inf")]}}
+    when = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc)
+    first, second = Line(0, 10, b"first"), Line(10, 20, b"second")
+    refused: list[tuple[Line, str]] = []
+    with store.tx() as s:
+        trial_id = s.scalars(select(Trial.id).where(Trial.experiment_id == exp_id)).one()
+        pending = PendingMetrics(trial_id, 1)
+        pending.add(first, Metrics(group="training", steps_completed=1, metrics=odd, time=1.0), when)
+        pending.add(
+            second, Metrics(group="v", steps_completed=2, metrics={"acc": 1}, batch_metrics=[{}], time=1.0), when
+        )
+        assert pending.flush(s, lambda line, why: refused.append((line, why))) == 0
+        orphan = PendingMetrics(trial_id + 1000, 1)  # no such trial: the foreign key refuses its row
+        orphan.add(first, Metrics(group="training", steps_completed=3, metrics={"loss": 1.0}, time=1.0), when)
+        assert orphan.flush(s, lambda line, why: refused.append((line, why))) == 1
+    assert [line for line, _ in refused] == [first] and "IntegrityError" in refused[0][1]
+    with store.read() as s:
+        # This trial's only: the PostgreSQL server is shared by the module's tests.
+        mine = select(Metric.group, Metric.metrics, Metric.batch_metrics, Metric.report_time)
+        rows = list(s.execute(mine.where(Metric.trial_id == trial_id).order_by(Metric.id)))
+        points = sorted(
+            s.execute(
+                select(MetricPoint.steps_completed, MetricPoint.name, MetricPoint.value).where(
+                    MetricPoint.trial_id == trial_id
+                )
+            )
+        )
+    store.dispose()
+    assert [(g, m, b) for g, m, b, _ in rows] == [
+        ("training", {"loss": 0.5, "big": 10**40, "nan": "NaN", "flag": True, "nested": {"a": [1, "Infinity"]}}, None),
+        ("v", {"acc": 1}, [{}]),
+    ]
+    # SQLite reads its DATETIME back naive (UTC), PostgreSQL aware: the same instant either way.
+    assert {t.replace(tzinfo=t.tzinfo or timezone.utc) for *_, t in rows} == {when}
+    assert points == [(1, "big", 1e40), (1, "loss", 0.5), (2, "acc", 1.0)]
+
+
+def test_bulk_metrics_sqlite(tmp_path: Path) -> None:
+    _bulk_metrics_store_the_same(f"sqlite:///{tmp_path / 'db.sqlite'}")
+
+
+def test_bulk_metrics_postgres(postgres: str) -> None:
+    _bulk_metrics_store_the_same(postgres)

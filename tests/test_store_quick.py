@@ -17,10 +17,26 @@ from conftest import ROOT, write
 from sqlalchemy import insert
 
 from detslurm import settings, views
+from detslurm.cli.experiment import WORKLOADS_SHOWN
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.identity import Scope, os_user
-from detslurm.store import Experiment, ExperimentState, LogEntry, Trial, TrialRun, open_store
-from detslurm.store.quick import TERMINAL_EXPERIMENT_STATES, QuickStore, experiment_filter_rows
+from detslurm.store import (
+    Experiment,
+    ExperimentState,
+    LogEntry,
+    Metric,
+    RunState,
+    Trial,
+    TrialRun,
+    TrialState,
+    open_store,
+)
+from detslurm.store.quick import (
+    TERMINAL_EXPERIMENT_STATES,
+    TERMINAL_TRIAL_STATES,
+    QuickStore,
+    experiment_filter_rows,
+)
 
 CONFIG = "name: q\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\n"
 
@@ -197,3 +213,90 @@ def test_e_list_output_is_the_orm_paths(det_env: Path, tmp_path: Path) -> None:
         code, slow, heavy = _probe(*args, env=orm_env)
         assert code == 0 and "sqlalchemy" in heavy, args
         assert slow == fast, args
+
+
+def test_terminal_trial_states_match_the_model() -> None:
+    assert set(TERMINAL_TRIAL_STATES) == {st.value for st in TrialState if st.is_terminal}
+
+
+def _describe_fixture(url: str, tid: int) -> int:
+    """Give ``tid``'s experiment what describe prints: labels, a description, a queued second
+    trial with a pending reason, an ended third one, and more workloads than it shows (an
+    archived row among them, odd values); returns the experiment id."""
+    store = open_store(url)
+    when = datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=timezone.utc)
+    with store.tx() as s:
+        trial = s.get(Trial, tid)
+        assert trial is not None
+        exp = trial.experiment
+        exp.config = {**exp.config, "labels": ["a", "b c"]}
+        exp.description = "some words"
+        trial.hparams = {"lr": 0.1, "nested": {"x": [1, 2]}, "name": "é"}
+        waiting = Trial(experiment_id=exp.id, request_id="w", hparams={}, seed=2, runner_state="queued: Resources")
+        ended = Trial(experiment_id=exp.id, request_id="e", hparams={}, seed=3, state=TrialState.ERROR)
+        ended.exit_reason = "the job failed"
+        s.add_all([waiting, ended])
+        s.flush()
+        s.add(
+            TrialRun(
+                trial_id=waiting.id, run_id=1, executor="slurm", run_dir="/w", log_path="/w/o", state=RunState.QUEUED
+            )
+        )
+        rows = [
+            {
+                "trial_id": tid,
+                "run_id": 1,
+                "group": "validation" if i % 7 == 0 else "training",
+                "steps_completed": i // 2,  # two reports per step: the id orders them
+                "metrics": {"loss": 1.0 / (i + 1), "acc": "NaN", "deep": {"k": [i]}},
+                "batch_metrics": None,
+                "report_time": when,
+                "archived": i == 1200,
+            }
+            for i in range(WORKLOADS_SHOWN + 300)
+        ]
+        s.execute(insert(Metric), rows)
+        s.execute(insert(Metric), [{**rows[0], "trial_id": ended.id, "steps_completed": 5}])
+        exp_id = exp.id
+    store.dispose()
+    return exp_id
+
+
+def test_e_describe_output_is_the_orm_paths(det_env: Path, tmp_path: Path) -> None:
+    url, tid = _store_with_experiments(tmp_path)
+    exp_id = _describe_fixture(url, tid)
+    _all_ended(url)
+    db = url.split("///", 1)[-1]
+    orm_env = {"DETSLURM_DB_URL": f"sqlite:///{db}?timeout=30"}
+    code, fast, heavy = _probe("e", "describe", str(exp_id))
+    assert code == 0 and heavy == "", fast
+    code, slow, heavy = _probe("e", "describe", str(exp_id), env=orm_env)
+    assert code == 0 and "sqlalchemy" in heavy
+    assert slow == fast
+    # What the table holds, so that two equally wrong paths cannot pass.
+    assert "a, b c" in fast and "some words" in fast and "waiting for free nodes (Resources)" in fast
+    assert "the job failed" in fast and f"Trial {tid}: only its last {WORKLOADS_SHOWN} workloads" in fast
+    assert fast.count('"deep": {"k": [') == WORKLOADS_SHOWN + 1  # the last 1000 of one trial, 1 of another
+    # Not found: the fast path leaves it to the ORM path, which says so the same way.
+    code, missing, _ = _probe("e", "describe", str(exp_id + 1000))
+    assert code != 0 and missing == _probe("e", "describe", str(exp_id + 1000), env=orm_env)[1]
+
+
+def test_quick_describe_leaves_the_rest_to_the_orm(det_env: Path, tmp_path: Path) -> None:
+    url, tid = _store_with_experiments(tmp_path)
+    exp_id = _describe_fixture(url, tid)
+    quick = QuickStore.open(url)
+    assert quick is not None
+    got = quick.describe(exp_id, os_user(), 10)
+    # The experiment's first trial (from create), the one with workloads, the queued one, the ended one.
+    assert got is not None and [len(w) for w, _ in got.workloads.values()] == [0, 10, 0, 1]
+    assert [more for _, more in got.workloads.values()] == [False, True, False, False]
+    assert got.searcher_metric == "loss" and [t.queued for t in got.trials] == [False, False, True, False]
+    # Another user's experiment is not served (the ORM path says "not found").
+    assert quick.describe(exp_id, "someone-else", 10) is None
+    con = sqlite3.connect(url.split("///", 1)[-1])
+    with con:  # a measured stop time: its warning needs the typed config and Slurm
+        con.execute("UPDATE trial_runs SET preempt_stop_s = 3.5 WHERE trial_id = ?", (tid,))
+    con.close()
+    assert quick.describe(exp_id, os_user(), 10) is None
+    quick.close()

@@ -8,15 +8,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import write
 from sqlalchemy import select
+from sqlalchemy.exc import OperationalError
 
 from detslurm import settings, views
 from detslurm.controller.apply import ingest_run
 from detslurm.controller.controller import load_searcher
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.protocol import ExpPaths, Metrics, Progress, encode
-from detslurm.store import Experiment, LogEntry, Metric, Trial, TrialRun, open_store
+from detslurm.store import Experiment, LogEntry, Metric, MetricPoint, Trial, TrialRun, open_store
+from detslurm.store.sanitize import JSON_STR_MAX, json_safe
 
 CONFIG = "name: s\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\n"
 
@@ -89,6 +92,70 @@ def test_bulk_ingest_keeps_order_and_quarantines_a_refused_row_alone(det_env: Pa
     assert trial is not None and trial.progress == 1.0 and trial.searcher_metric == 2.0 / 30
     assert len(notes) == 1 and "quarantined 1 bad event line" in notes[0] and "refused by the store" in notes[0]
     assert _ingest(url, exp_id, tid, events) == 0  # offsets committed with the rows: nothing twice
+
+
+def test_a_failing_store_rolls_the_pass_back_instead_of_quarantining(det_env: Path, tmp_path: Path) -> None:
+    """sqlite3's own errors in the fast insert are the store failing (disk full, I/O), not a row
+    refused: raised as SQLAlchemy's OperationalError, so the tick rolls back and every line is
+    read again next time, none quarantined."""
+    url, exp_id, tid = _experiment(tmp_path)
+    db = url.split("///", 1)[-1]
+    con = sqlite3.connect(db)
+    # Fires on every insert and fails as a broken store does: an OperationalError from SQLite.
+    con.execute("CREATE TRIGGER broken BEFORE INSERT ON metrics BEGIN INSERT INTO no_such_table VALUES (1); END")
+    con.commit()
+    events = [Metrics(group="training", steps_completed=step, metrics={"loss": 1.0}) for step in range(1, 6)]
+    with pytest.raises(OperationalError, match="no_such_table"):
+        _ingest(url, exp_id, tid, events)
+    con.execute("DROP TRIGGER broken")
+    con.commit()
+    con.close()
+    assert _ingest(url, exp_id, tid, events) == 5  # the same lines, from the old offset
+    store = open_store(url)
+    with store.read() as s:
+        assert list(s.scalars(select(Metric.steps_completed).order_by(Metric.id))) == [1, 2, 3, 4, 5]
+        assert not list(s.scalars(select(LogEntry.message).where(LogEntry.level == "WARNING")))
+    store.dispose()
+
+
+def test_odd_report_values_are_stored_as_the_orm_stored_them(det_env: Path, tmp_path: Path) -> None:
+    """The fast path (no json_safe copy for flat reports, sqlite3's executemany) stores what
+    json_safe makes of any report, and the values no float holds cost neither ingest nor TensorBoard."""
+    url, exp_id, tid = _experiment(tmp_path)
+    odd = {
+        "loss": 0.5,
+        "big": 10**400,  # JSON allows it; no float holds it
+        "huge": 1e39,  # a float64, beyond float32 (TensorBoard's values)
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "flag": True,
+        "none": None,
+        "long": "x" * (JSON_STR_MAX + 10),
+        "nested": {"a": [1, float("nan")]},
+    }
+    flat = {"loss": 0.25, "acc": 1, "name": "ok"}
+    events = [
+        Metrics(group="training", steps_completed=1, metrics=odd),
+        Metrics(group="training", steps_completed=2, metrics=flat, batch_metrics=[{"l": float("inf")}]),
+    ]
+    assert _ingest(url, exp_id, tid, events) == 2
+    store = open_store(url)
+    with store.read() as s:
+        stored = list(s.execute(select(Metric.metrics, Metric.batch_metrics).order_by(Metric.id)))
+        points = list(s.execute(select(MetricPoint.steps_completed, MetricPoint.name, MetricPoint.value)))
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        tb_dir = ExpPaths(Path(exp.exp_dir)).trial_tensorboard(tid)
+    store.dispose()
+    assert stored == [(json_safe(odd), None), (flat, [{"l": "Infinity"}])]
+    assert sorted(points) == [(1, "huge", 1e39), (1, "loss", 0.5), (2, "acc", 1.0), (2, "loss", 0.25)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
+    assert [e.value for e in acc.Scalars("huge")] == [float("inf")]  # float32's view of 1e39
+    assert set(acc.Tags()["scalars"]) == {"loss", "huge", "acc"}
 
 
 def test_metric_curve_downsamples_and_keeps_the_last_point(det_env: Path, tmp_path: Path) -> None:

@@ -327,7 +327,9 @@ def ingest_run(
         # them adds one note per tick, not millions of rows.
         bad: list[str] = []
 
-        at = _Ingest(session, exp, trial, run, searcher, off, PendingMetrics(trial.id, run.run_id), _refusals(bad))
+        # The reports' TensorBoard records are written by the pending rows' flushes (bulk_metrics.py).
+        pending = PendingMetrics(trial.id, run.run_id, ExpPaths(Path(exp.exp_dir)).trial_tensorboard(trial.id))
+        at = _Ingest(session, exp, trial, run, searcher, off, pending, _refusals(bad))
         for line in batch.lines:
             count += at.line(line)
             off.offset = line.end
@@ -368,7 +370,6 @@ class _Ingest:
             return 0
         if isinstance(ev, Metrics):
             self.pending.add(line, ev, _ts(ev.time))
-            _tensorboard(self.exp, self.trial, ev)
             problem = self._searcher_step(line, ev) if ev.group == "validation" else None
         elif isinstance(ev, _ATTRIBUTE_EVENTS):
             apply_event(self.session, self.exp, self.trial, self.run, ev, self.searcher)

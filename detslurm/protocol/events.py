@@ -168,6 +168,26 @@ def encode(ev: Event, default: Callable[[Any], Any] | None = None) -> str:
 # One decoder per type. Each reads only the fields it knows (a newer writer may add more) and
 # checks each one; a missing optional field gets the writer's default.
 def _metrics(d: dict[str, Any]) -> Metrics:
+    # The common report, accepted in one condition (ingest decodes ~100k of them a second): the
+    # same checks as below, which alone name what is wrong when any of these fails.
+    group, steps, metrics, t = d.get("group"), d.get("steps_completed"), d.get("metrics"), d.get("time")
+    if (
+        type(group) is str
+        and 0 < len(group) <= MAX_GROUP
+        and "\x00" not in group
+        and type(steps) is int
+        and 0 <= steps <= c.INT64_MAX
+        and type(metrics) is dict
+        and c.flat_ok(metrics)
+        and d.get("batch_metrics") is None
+        and type(t) is float
+        and 0 <= t < 1e11
+    ):
+        return Metrics(group=group, steps_completed=steps, metrics=metrics, time=t)
+    return _metrics_checked(d)
+
+
+def _metrics_checked(d: dict[str, Any]) -> Metrics:
     group = c.text(c.req(d, "group"), "group", MAX_GROUP)
     if not group:
         raise BadEvent("'group' is empty")
@@ -264,7 +284,10 @@ def decode(line: bytes | str) -> Event:
     """One event line -> its record. Raises :class:`BadEvent` (or :class:`UnknownEvent`) and
     nothing else, whatever the line holds."""
     try:
-        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines.
+        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines. A
+        # line opening with "{" is UTF-8 by that detection: decoded here, its probe is skipped.
+        if isinstance(line, bytes) and line[:1] == b"{":
+            line = line.decode("utf-8", "surrogatepass")
         obj = json.loads(line)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 MAX_CHUNK = 8 << 20
 MAX_LINE = 1 << 20
@@ -41,10 +41,10 @@ NUL_WINDOW = 16 << 20
 PREVIEW = 80
 
 
-@dataclass(frozen=True)
-class Line:
+class Line(NamedTuple):
     """A complete line at [start, end) (``end`` is just past its newline). ``problem`` says why
-    it is quarantined, and ``data`` is then only a preview."""
+    it is quarantined, and ``data`` is then only a preview. (A NamedTuple: one per event line,
+    ~100k a second at ingest, built at a third of a frozen dataclass's cost.)"""
 
     start: int
     end: int

@@ -116,3 +116,16 @@ def _per_job_limit(code: str) -> bool:
 def describe_reason(code: str | None) -> str:
     """``waiting for free nodes (Resources)``, for tables."""
     return pending_reason(code).shown()
+
+
+# The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).
+_QUEUED = "queued: "
+
+
+def pending_words(runner_state: str | None) -> str | None:
+    """A queued trial's pending reason in words, or None when it is not waiting in a queue."""
+    if not runner_state or not runner_state.startswith(_QUEUED):
+        return None
+    code = runner_state.removeprefix(_QUEUED)
+    # "waiting" is what the controller notes when Slurm gave no reason at all.
+    return describe_reason(None if code == "waiting" else code)

@@ -13,11 +13,12 @@ ORM's on the same store.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from detslurm.store.fs import warn_if_network_db
 
@@ -27,6 +28,8 @@ HEAD_REVISION = "0003_preempt2"
 
 # Experiment states that have ended (models.ExperimentState.is_terminal; a test keeps them equal).
 TERMINAL_EXPERIMENT_STATES = ("CANCELED", "COMPLETED", "ERROR")
+# The same for trials (models.TrialState.is_terminal).
+TERMINAL_TRIAL_STATES = ("CANCELED", "COMPLETED", "ERROR")
 
 
 class ExperimentRow(NamedTuple):
@@ -103,6 +106,56 @@ class QuickStore:
             return None
         return runs, notes
 
+    def describe(self, exp_id: int, owner: str | None, limit: int) -> Described | None:
+        """`det e describe`'s table data, each trial's last ``limit`` workloads; None where the
+        ORM path must answer: no such experiment of ``owner`` (it says "not found"), or a run's
+        stop time was measured (its warning needs the typed config and Slurm)."""
+        with self._con:  # one read transaction: a consistent view
+            self._con.execute("BEGIN")
+            if _measured_stops(self._con, exp_id):
+                return None
+            exp, trials, work = _describe_queries(self._con, exp_id, limit)
+        if exp is None or (owner is not None and exp[1] != owner):
+            return None
+        i, own, name, state, progress, desc, t0, t1, pool, archived, config = exp
+        cfg = json.loads(config)
+        # The keys views.experiment_dict gives the table (JSON columns read as SQLAlchemy reads them).
+        e = {
+            "id": i,
+            "name": name,
+            "owner": own,
+            "state": state,
+            "progress": float(progress),
+            "description": desc,
+            "start_time": _when(t0),
+            "end_time": _when(t1),
+            "resource_pool": pool,
+            "archived": bool(archived),
+            "labels": cfg.get("labels", []),
+        }
+        shown = [
+            DescribedTrial(
+                tid,
+                eid,
+                st,
+                json.loads(hp),
+                _when(a),
+                _when(b),
+                why,
+                runner,
+                bool(q) and st not in TERMINAL_TRIAL_STATES,
+            )
+            for tid, eid, st, hp, a, b, why, runner, q in trials
+        ]
+        workloads = {
+            tid: (
+                [Workload(step, group, _when(at), json.loads(m)) for step, group, at, m in rows[:limit]][::-1],
+                len(rows) > limit,
+            )
+            for tid, rows in work.items()
+        }
+        return Described(e, (cfg.get("searcher") or {}).get("metric"), shown, workloads)
+
     def experiment_names(self, ids: set[int], owner: str | None) -> dict[int, tuple[str, str]]:
         """id -> (name, experiment dir) of ``owner``'s experiments among ``ids`` (`det job list`)."""
         out: dict[int, tuple[str, str]] = {}
@@ -153,6 +206,72 @@ class QuickStore:
             ExperimentRow(i, o, n, p, st, float(pr), _when(t0), _when(t1), pool, bool(arch))
             for i, o, n, p, st, pr, t0, t1, pool, arch in self._con.execute(sql, args)
         ]
+
+
+class DescribedTrial(NamedTuple):
+    """The columns of one trial in `det e describe`'s table (``views.trial_dict``'s names)."""
+
+    id: int
+    experiment_id: int
+    state: str
+    hparams: Any
+    start_time: datetime | None
+    end_time: datetime | None
+    exit_reason: str | None
+    runner_state: str | None
+    queued: bool  # not ended, and a run waits in Slurm's queue: runner_state is its reason
+
+
+class Workload(NamedTuple):
+    """One metric report as `det e describe` shows it (``views.Workload``)."""
+
+    steps_completed: int
+    group: str
+    report_time: datetime | None
+    metrics: Any
+
+
+class Described(NamedTuple):
+    """What `det e describe` prints: the experiment's columns (``views.experiment_dict``'s
+    names), its trials by id, and each trial's last workloads with whether it has earlier ones."""
+
+    experiment: dict[str, Any]
+    searcher_metric: Any  # the config's searcher.metric, named in the workloads' header
+    trials: list[DescribedTrial]
+    workloads: dict[int, tuple[list[Workload], bool]]
+
+
+_EXPERIMENT_COLUMNS = (
+    "id, owner, name, state, progress, description, start_time, end_time, resource_pool, archived, config"
+)
+
+
+def _describe_queries(con: sqlite3.Connection, exp_id: int, limit: int) -> tuple[Any, list[Any], dict[int, Any]]:
+    exp = con.execute(f"SELECT {_EXPERIMENT_COLUMNS} FROM experiments WHERE id = ?", (exp_id,)).fetchone()
+    trials = con.execute(
+        "SELECT id, experiment_id, state, hparams, start_time, end_time, exit_reason, runner_state, "
+        "EXISTS (SELECT 1 FROM trial_runs r WHERE r.trial_id = trials.id AND r.state = 'QUEUED') "
+        "FROM trials WHERE experiment_id = ? ORDER BY id",
+        (exp_id,),
+    ).fetchall()
+    work: dict[int, Any] = {}
+    for t in trials:
+        # views.recent_metrics' query: from the end of the (trial, step) index, one row past the limit.
+        work[t[0]] = con.execute(
+            'SELECT steps_completed, "group", report_time, metrics FROM metrics WHERE trial_id = ? AND archived = 0 '
+            "ORDER BY steps_completed DESC, id DESC LIMIT ?",
+            (t[0], max(limit, 0) + 1),
+        ).fetchall()
+    return exp, trials, work
+
+
+def _measured_stops(con: sqlite3.Connection, exp_id: int) -> bool:
+    row = con.execute(
+        "SELECT 1 FROM trial_runs r JOIN trials t ON r.trial_id = t.id WHERE t.experiment_id = ? "
+        "AND r.preempt_stop_s IS NOT NULL LIMIT 1",
+        (exp_id,),
+    ).fetchone()
+    return row is not None
 
 
 class TrialRunLog(NamedTuple):
