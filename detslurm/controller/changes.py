@@ -22,6 +22,7 @@ anyway every ``FULL_EVERY_S`` as a backstop against anything a stamp cannot see.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +36,7 @@ from sqlalchemy.orm import Session
 from detslurm.controller.executor import JobStatus
 from detslurm.protocol import RunPaths, SearcherOps
 from detslurm.protocol.paths import EVENTS_DIR
+from detslurm.searcher import SearchMethod
 from detslurm.store.models import Experiment, Trial, TrialRun
 
 # A full tick at least this often, whatever the stamps say: cheap insurance against a change a
@@ -182,6 +184,16 @@ class ExperimentSnapshot:
         return Changes(everything=False, trials=frozenset(trials), searcher=self.searcher != old.searcher)
 
 
+@dataclass(frozen=True)
+class KeptSearcher:
+    """A searcher as the last committed transaction left it, with the state and config that
+    transaction read or wrote (as the store gives them back: decoded JSON)."""
+
+    searcher: SearchMethod
+    state: Any
+    config: Any
+
+
 @dataclass
 class TickMemory:
     """Run marks and experiment fingerprints of one controller (see the module doc)."""
@@ -196,6 +208,8 @@ class TickMemory:
     # rewrites only those that differ, and reads none that it wrote itself.
     ops_files: dict[int, SearcherOps] = field(default_factory=dict)
     best_files: dict[int, float] = field(default_factory=dict)
+    # exp id -> its searcher, so that a step does not rebuild it (a 10,000-point grid) for one event.
+    searchers: dict[int, KeptSearcher] = field(default_factory=dict)
 
     def full_due(self) -> bool:
         """Whether this tick must be a full one (the periodic backstop); resets the timer."""
@@ -206,6 +220,7 @@ class TickMemory:
             self.snapshots.clear()
             self.ops_files.clear()
             self.best_files.clear()
+            self.searchers.clear()
             return True
         return False
 
@@ -226,6 +241,22 @@ class TickMemory:
 
     def forget_experiment(self, exp_id: int) -> None:
         self.snapshots.pop(exp_id, None)
+        self.searchers.pop(exp_id, None)
+
+    def take_searcher(self, exp: Experiment, load: Callable[[Experiment], SearchMethod]) -> SearchMethod:
+        """The experiment's searcher: the kept one if the store still holds the state and config
+        it was kept with (nobody else wrote them since), else loaded afresh. Taken out of the
+        memory: a transaction that fails after changing it must not leave it there."""
+        kept = self.searchers.pop(exp.id, None)
+        if kept is not None and kept.state == exp.searcher_state and kept.config == exp.config:
+            return kept.searcher
+        return load(exp)
+
+    def keep_searcher(self, exp_id: int, searcher: SearchMethod, state: dict[str, Any], config: Any) -> None:
+        """After the commit of the transaction that used ``searcher`` and stored ``state``."""
+        # As the store will give it back (lists for tuples, string keys), and never sharing a
+        # list with the searcher, which changes its own lists in place.
+        self.searchers[exp_id] = KeptSearcher(searcher, json.loads(json.dumps(state)), config)
 
 
 # Above this many changed trials one query for all of the experiment's trials is cheaper than

@@ -19,7 +19,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import Reader, ingest_run, note
-from detslurm.controller.changes import ExperimentSnapshot, Stamp, TickMemory, trials_to_step
+from detslurm.controller.changes import (
+    MAX_LISTED_TRIALS,
+    Changes,
+    ExperimentSnapshot,
+    Stamp,
+    TickMemory,
+    trials_to_step,
+)
 from detslurm.controller.config import stored_config
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
@@ -33,7 +40,7 @@ from detslurm.controller.executor import (
 )
 from detslurm.controller.files import sync_files
 from detslurm.controller.gc import collect_garbage, remove_dirs
-from detslurm.controller.submit import ACTIVE_RUN, plan_runs, runless_trials
+from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
 from detslurm.errors import StateError
 from detslurm.identity import os_user
 from detslurm.protocol import RunPaths, read_lines
@@ -187,7 +194,7 @@ class Controller:
                 sync_files(s, _get(s, exp_id), changes.only, self.memory)
         if reachable:
             if changes.any:
-                self._submit(exp_id)
+                self._submit(exp_id, _among(changes, now))
             # Kept only once the whole step is done: a step that failed leaves no snapshot, and
             # the next one walks every trial. Its own writes show as changes at the next tick.
             self.memory.snapshots[exp_id] = now
@@ -263,7 +270,7 @@ class Controller:
             trial_ids = {r.trial_id for r in loaded.values()}
             trials = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(trial_ids)))}
             exp = trials[loaded[pks[0]].trial_id].experiment
-            searcher = load_searcher(exp)
+            searcher = self.memory.take_searcher(exp, load_searcher)
             for run_pk, status in items:
                 run = loaded[run_pk]
                 self._reconcile_one(s, exp, trials[run.trial_id], run, status, searcher, unfinished)
@@ -271,6 +278,7 @@ class Controller:
             if state != exp.searcher_state:  # an unchanged search is not rewritten
                 exp.searcher_state = state
             exp.progress = searcher.progress()
+        self.memory.keep_searcher(exp.id, searcher, state, exp.config)  # committed
         return unfinished
 
     def _reconcile_one(
@@ -328,7 +336,7 @@ class Controller:
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             # Loaded only when a trial ends (most steps end none): at 10,000 trials its state is large.
-            searcher = _OnDemand(exp)
+            searcher = _OnDemand(exp, self.memory)
             state = exp.state
             for t in trials_to_step(s, exp, only):
                 busy = any(r.state in ACTIVE_RUN for r in t.runs)
@@ -342,8 +350,11 @@ class Controller:
                     exp.state = final
                     exp.end_time = _now()
                     exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
-            if searcher.loaded is not None:
-                exp.searcher_state = searcher.loaded.state_dict()
+            kept = searcher.loaded
+            if kept is not None:
+                exp.searcher_state = saved = kept.state_dict()
+        if kept is not None:
+            self.memory.keep_searcher(exp_id, kept, saved, exp.config)  # committed
         doomed: list[Path] = []
         with self.store.tx() as s:
             exp = _get(s, exp_id)
@@ -376,19 +387,24 @@ class Controller:
             finish_trial(s, exp, t, TrialState.COMPLETED, searcher())
 
     # -- submissions ----------------------------------------------------------------------
-    def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
+    def plan_submission(
+        self, s: Session, exp: Experiment, among: Among | None = None
+    ) -> list[tuple[TrialRun, RunSpec]]:
         """New runs (PENDING in ``s``) and their plans: what ``_submit`` hands the executor,
         and what ``det e create --dry-run`` shows before rolling the session back."""
-        return plan_runs(s, exp, self.executor.capacity(), self.executor.kind, self.executor.resources_type())
+        capacity = self.executor.capacity()
+        return plan_runs(s, exp, capacity, self.executor.kind, self.executor.resources_type(), among)
 
-    def _submit(self, exp_id: int) -> None:
-        if not self._may_need_runs(exp_id):
+    def _submit(self, exp_id: int, among: Among | None) -> None:
+        if self.executor.capacity() is not None:
+            among = None  # trials held back for capacity need a run without any change of theirs
+        if not self._may_need_runs(exp_id, among):
             return  # every live trial has its run: planning would walk 10,000 trials for nothing
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             if exp.state != ExperimentState.ACTIVE:
                 return
-            specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp)]
+            specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp, among)]
         if not specs:
             return
         for _, spec in specs:
@@ -398,11 +414,11 @@ class Controller:
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
 
-    def _may_need_runs(self, exp_id: int) -> bool:
+    def _may_need_runs(self, exp_id: int, among: Among | None) -> bool:
         """Whether some trial may need a new run (``needs_run`` without its ops test): one
         indexed query instead of loading every trial and run."""
         with self.store.read() as s:
-            return s.scalar(runless_trials(exp_id).with_only_columns(Trial.id).limit(1)) is not None
+            return s.scalar(runless_trials(exp_id, among).with_only_columns(Trial.id).limit(1)) is not None
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not
@@ -511,16 +527,25 @@ def _tested_everything(s: Session, trial: Trial) -> bool:
     return {"training", "validation"} <= groups and bool(cks)
 
 
-class _OnDemand:
-    """The experiment's searcher, loaded from the store on first use within a transaction."""
+def _among(changes: Changes, now: ExperimentSnapshot) -> Among | None:
+    """The trials a submission must look at; None: all of them."""
+    only = changes.only
+    if only is None or len(only) > MAX_LISTED_TRIALS:
+        return None  # many changed (every trial's first run): one plain query is cheaper
+    return Among(only, max(now.trials, default=0))
 
-    def __init__(self, exp: Experiment) -> None:
+
+class _OnDemand:
+    """The experiment's searcher, taken from the memory (or the store) on first use."""
+
+    def __init__(self, exp: Experiment, memory: TickMemory) -> None:
         self.exp = exp
+        self.memory = memory
         self.loaded: SearchMethod | None = None
 
     def __call__(self) -> SearchMethod:
         if self.loaded is None:
-            self.loaded = load_searcher(self.exp)
+            self.loaded = self.memory.take_searcher(self.exp, load_searcher)
         return self.loaded
 
 
