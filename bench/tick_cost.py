@@ -108,9 +108,12 @@ def private_env(dir: Path) -> None:
     )
 
 
-def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controller, FakeSlurm, int]:
+def build(
+    dir: Path, trials: int, reader: Reader = read_lines, search: Optional[str] = None
+) -> tuple[Controller, FakeSlurm, int]:
     """A store (from the DETSLURM_* environment) with one grid experiment of ``trials``
-    trials, all submitted and held; ``reader`` is the controller's event-file reader."""
+    trials, all submitted and held; ``reader`` is the controller's event-file reader;
+    ``search``: the config's hyperparameters and searcher lines instead (YAML)."""
     from detslurm import settings
 
     if not os.environ.get("DETSLURM_DATA_DIR"):
@@ -121,11 +124,10 @@ def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controll
     ctx = dir / "ctx"
     ctx.mkdir()
     (ctx / "noop.py").write_text("pass\n")
-    (ctx / "c.yaml").write_text(f"""name: tick-{trials}
-entrypoint: python3 noop.py
-hyperparameters: {{x: {{type: int, minval: 0, maxval: {max(trials - 1, 1)}, count: {trials}}}}}
+    grid = f"""hyperparameters: {{x: {{type: int, minval: 0, maxval: {max(trials - 1, 1)}, count: {trials}}}}}
 searcher: {{name: grid, metric: loss, max_length: {{batches: 1}}, max_concurrent_trials: {trials}}}
-""")
+"""
+    (ctx / "c.yaml").write_text(f"name: tick-{trials}\nentrypoint: python3 noop.py\n{search or grid}")
     store = open_store(s.db_url)
     exp_id = execute_create(store, s, plan_create(s, ctx / "c.yaml", ctx), "slurm")
     fake = FakeSlurm()
