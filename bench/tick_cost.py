@@ -30,6 +30,7 @@ from detslurm.controller.changes import TickMemory
 from detslurm.controller.controller import Controller
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.controller.slurm_executor import SlurmExecutor
+from detslurm.daemon import settle_heap
 from detslurm.protocol import Batch, Event, ExitRecord, Metrics, OpCompleted, RunPaths, exit_record_of, read_lines
 from detslurm.protocol.events import encode
 from detslurm.slurm.client import Result, SlurmClient
@@ -265,6 +266,11 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
         reader = CountingReader()
         ctl, fake, exp_id = build(Path(tmp), trials, reader)
         setup_s = time.perf_counter() - t0
+        # As the daemon starts: what exists now stands for its start-up (settle_heap), then a
+        # first tick with empty memory, whose marks and snapshots the collector does track.
+        settle_heap()
+        ctl.memory = TickMemory()
+        ctl.tick()
         append_metrics(ctl, exp_id, 10)  # one run has an event file: idle ticks must not open it
         ctl.tick()
         squeues, opens = fake.calls.get("squeue", 0), reader.opens

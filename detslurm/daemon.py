@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import gc
 import os
 import signal
 import socket
@@ -340,6 +341,7 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         client = client_from_env()
         ctl = make_controller(s, site, client=client)
         detached = detached_ingest(s, ctl, client)
+        settle_heap()
         # The site's floor wins over a user's faster setting: many daemons polling squeue quickly
         # would load slurmctld for everyone.
         interval = max(site.poll_interval_s, s.poll_interval_s)
@@ -367,6 +369,14 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
     return 0
+
+
+def settle_heap() -> None:
+    """Exempt what start-up built (modules, classes, the config) from the cyclic collector:
+    a full collection would otherwise walk it all again every few ticks, about 50 ms of a
+    tick at 10,000 trials. Only cycle detection is affected; freed objects are still freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def _remove_pid_file(path: Path, me: PidRecord) -> None:
