@@ -8,9 +8,9 @@ the site's floor, and exits after a while with nothing to do (``det e create`` s
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
-import gc
 import os
 import signal
 import socket

@@ -119,17 +119,17 @@ def test_selects_of_a_changed_tick_do_not_grow_with_trials(det_env: Path, monkey
         own_store(monkeypatch, det_env / str(n))
         ctl, fake, exp_id = tick_cost.build(det_env / str(n), n)
         ctl.tick()
-        selects = [0]
+        statements: list[str] = []
 
-        def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-            selects[0] += statement.lstrip().upper().startswith("SELECT")
+        def seen(conn: Any, cursor: Any, statement: str, *rest: Any, into: list[str] = statements) -> None:
+            into.append(statement)
 
         run_dir, _ = tick_cost.nth_run(ctl, exp_id, 1)
         tick_cost.append_event(run_dir, validation(0.5))
-        event.listen(ctl.store.engine, "before_cursor_execute", count)
+        event.listen(ctl.store.engine, "before_cursor_execute", seen)
         ctl.tick()
-        event.remove(ctl.store.engine, "before_cursor_execute", count)
-        counts.append(selects[0])
+        event.remove(ctl.store.engine, "before_cursor_execute", seen)
+        counts.append(sum(1 for st in statements if st.lstrip().upper().startswith("SELECT")))
         ctl.store.dispose()
     assert counts[0] == counts[1]
 
