@@ -239,24 +239,25 @@ def timed_tick(ctl: Controller, loads: TrialLoads) -> tuple[float, int]:
     return time.process_time() - t0, loads.count - before
 
 
-def change_ticks(ctl: Controller, fake: FakeSlurm, exp_id: int) -> dict[str, list[float]]:
-    """Ticks whose change is one event: a validation report (run 0), an op completed (run 1),
-    a trial ending (run 2); each [CPU seconds, Trial rows loaded]."""
+def change_ticks(ctl: Controller, fake: FakeSlurm, exp_id: int, reps: int) -> dict[str, list[float]]:
+    """Ticks whose change is one event: a validation report, an op completed, a trial ending
+    (each on its own run, ``reps`` times); each [median CPU seconds, most Trial rows loaded]."""
     loads = TrialLoads()
+    ticks: dict[str, list[tuple[float, int]]] = {"validation": [], "op_completed": [], "trial_ended": []}
     try:
-        out: dict[str, list[float]] = {}
-        run_dir, _ = nth_run(ctl, exp_id, 0)
-        append_event(run_dir, Metrics(group="validation", steps_completed=1, metrics={"loss": 0.25}))
-        out["validation"] = list(timed_tick(ctl, loads))
-        run_dir, _ = nth_run(ctl, exp_id, 1)
-        append_event(run_dir, OpCompleted(index=0, length=1, metric=0.25))
-        out["op_completed"] = list(timed_tick(ctl, loads))
-        run_dir, job = nth_run(ctl, exp_id, 2)
-        end_job(fake, run_dir, job)
-        out["trial_ended"] = list(timed_tick(ctl, loads))
-        return out
+        for i in range(reps):
+            run_dir, _ = nth_run(ctl, exp_id, 3 * i)
+            append_event(run_dir, Metrics(group="validation", steps_completed=1, metrics={"loss": 0.5 - i / 100}))
+            ticks["validation"].append(timed_tick(ctl, loads))
+            run_dir, _ = nth_run(ctl, exp_id, 3 * i + 1)
+            append_event(run_dir, OpCompleted(index=0, length=1, metric=0.25))
+            ticks["op_completed"].append(timed_tick(ctl, loads))
+            run_dir, job = nth_run(ctl, exp_id, 3 * i + 2)
+            end_job(fake, run_dir, job)
+            ticks["trial_ended"].append(timed_tick(ctl, loads))
     finally:
         loads.close()
+    return {k: [sorted(c for c, _ in v)[len(v) // 2], max(n for _, n in v)] for k, v in ticks.items()}
 
 
 def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
@@ -288,7 +289,7 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             ctl.tick()
             ingest[str(n)] = time.process_time() - t1
             ingest_opens[str(n)] = [reader.opens - opens, touched]
-        changed = change_ticks(ctl, fake, exp_id)
+        changed = change_ticks(ctl, fake, exp_id, ticks)
         with ctl.store.read() as s:
             assert s.get(Experiment, exp_id) is not None
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
