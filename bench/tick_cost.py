@@ -23,14 +23,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from _common import ROOT, save
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from detslurm.controller.apply import Reader
 from detslurm.controller.changes import TickMemory
 from detslurm.controller.controller import Controller
 from detslurm.controller.create import execute_create, plan_create
 from detslurm.controller.slurm_executor import SlurmExecutor
-from detslurm.protocol import Batch, Metrics, RunPaths, read_lines
+from detslurm.daemon import settle_heap
+from detslurm.protocol import Batch, Event, ExitRecord, Metrics, OpCompleted, RunPaths, exit_record_of, read_lines
 from detslurm.protocol.events import encode
 from detslurm.slurm.client import Result, SlurmClient
 from detslurm.slurm.parse import SEP, SQUEUE_FIELDS
@@ -49,6 +50,10 @@ class FakeSlurm:
         self.tasks: list[tuple[str, str]] = []  # (job id, comment)
         self.calls: dict[str, int] = {}
         self._answer: Optional[str] = None
+
+    def reset(self) -> None:
+        """The queue changed: render squeue's answer again."""
+        self._answer = None
 
     def __call__(
         self,
@@ -104,9 +109,12 @@ def private_env(dir: Path) -> None:
     )
 
 
-def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controller, FakeSlurm, int]:
+def build(
+    dir: Path, trials: int, reader: Reader = read_lines, search: Optional[str] = None
+) -> tuple[Controller, FakeSlurm, int]:
     """A store (from the DETSLURM_* environment) with one grid experiment of ``trials``
-    trials, all submitted and held; ``reader`` is the controller's event-file reader."""
+    trials, all submitted and held; ``reader`` is the controller's event-file reader;
+    ``search``: the config's hyperparameters and searcher lines instead (YAML)."""
     from detslurm import settings
 
     if not os.environ.get("DETSLURM_DATA_DIR"):
@@ -117,11 +125,10 @@ def build(dir: Path, trials: int, reader: Reader = read_lines) -> tuple[Controll
     ctx = dir / "ctx"
     ctx.mkdir()
     (ctx / "noop.py").write_text("pass\n")
-    (ctx / "c.yaml").write_text(f"""name: tick-{trials}
-entrypoint: python3 noop.py
-hyperparameters: {{x: {{type: int, minval: 0, maxval: {max(trials - 1, 1)}, count: {trials}}}}}
+    grid = f"""hyperparameters: {{x: {{type: int, minval: 0, maxval: {max(trials - 1, 1)}, count: {trials}}}}}
 searcher: {{name: grid, metric: loss, max_length: {{batches: 1}}, max_concurrent_trials: {trials}}}
-""")
+"""
+    (ctx / "c.yaml").write_text(f"name: tick-{trials}\nentrypoint: python3 noop.py\n{search or grid}")
     store = open_store(s.db_url)
     exp_id = execute_create(store, s, plan_create(s, ctx / "c.yaml", ctx), "slurm")
     fake = FakeSlurm()
@@ -182,19 +189,75 @@ def append_metrics(ctl: Controller, exp_id: int, rows: int) -> int:
     return len(touched)
 
 
-def validation_tick(ctl: Controller, exp_id: int) -> float:
-    """CPU of the tick that ingests one validation report (of the first run)."""
+class TrialLoads:
+    """Counts the Trial rows the ORM builds (a SQLAlchemy ``load`` event): what a tick loads."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        event.listen(Trial, "load", self._loaded)
+
+    def _loaded(self, target: Trial, context: Any) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        event.remove(Trial, "load", self._loaded)
+
+
+def nth_run(ctl: Controller, exp_id: int, n: int) -> tuple[Path, str]:
+    """The run dir and job id of the experiment's ``n``-th run."""
     with ctl.store.read() as s:
-        first = s.scalar(
-            select(TrialRun.run_dir).join(Trial).where(Trial.experiment_id == exp_id).order_by(TrialRun.id)
-        )
-    path = RunPaths.from_run_dir(Path(str(first))).event_file(0)
+        row = s.execute(
+            select(TrialRun.run_dir, TrialRun.job_id)
+            .join(Trial)
+            .where(Trial.experiment_id == exp_id)
+            .order_by(TrialRun.id)
+            .offset(n)
+            .limit(1)
+        ).one()
+    return Path(row[0]), str(row[1])
+
+
+def append_event(run_dir: Path, ev: Event) -> None:
+    path = RunPaths.from_run_dir(run_dir).event_file(0)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(encode(Metrics(group="validation", steps_completed=1, metrics={"loss": 0.25})))
+        f.write(encode(ev))
+
+
+def end_job(fake: FakeSlurm, run_dir: Path, job: str) -> None:
+    """The run's job ends with code 0: its exit record written, gone from the queue."""
+    ExitRecord(code=0).write(exit_record_of(run_dir))
+    fake.tasks = [(j, c) for j, c in fake.tasks if j != job]
+    fake.reset()
+
+
+def timed_tick(ctl: Controller, loads: TrialLoads) -> tuple[float, int]:
+    """CPU seconds of one tick and how many Trial rows it loaded."""
+    before = loads.count
     t0 = time.process_time()
     ctl.tick()
-    return time.process_time() - t0
+    return time.process_time() - t0, loads.count - before
+
+
+def change_ticks(ctl: Controller, fake: FakeSlurm, exp_id: int, reps: int) -> dict[str, list[float]]:
+    """Ticks whose change is one event: a validation report, an op completed, a trial ending
+    (each on its own run, ``reps`` times); each [median CPU seconds, most Trial rows loaded]."""
+    loads = TrialLoads()
+    ticks: dict[str, list[tuple[float, int]]] = {"validation": [], "op_completed": [], "trial_ended": []}
+    try:
+        for i in range(reps):
+            run_dir, _ = nth_run(ctl, exp_id, 3 * i)
+            append_event(run_dir, Metrics(group="validation", steps_completed=1, metrics={"loss": 0.5 - i / 100}))
+            ticks["validation"].append(timed_tick(ctl, loads))
+            run_dir, _ = nth_run(ctl, exp_id, 3 * i + 1)
+            append_event(run_dir, OpCompleted(index=0, length=1, metric=0.25))
+            ticks["op_completed"].append(timed_tick(ctl, loads))
+            run_dir, job = nth_run(ctl, exp_id, 3 * i + 2)
+            end_job(fake, run_dir, job)
+            ticks["trial_ended"].append(timed_tick(ctl, loads))
+    finally:
+        loads.close()
+    return {k: [sorted(c for c, _ in v)[len(v) // 2], max(n for _, n in v)] for k, v in ticks.items()}
 
 
 def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
@@ -204,6 +267,11 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
         reader = CountingReader()
         ctl, fake, exp_id = build(Path(tmp), trials, reader)
         setup_s = time.perf_counter() - t0
+        # As the daemon starts: what exists now stands for its start-up (settle_heap), then a
+        # first tick with empty memory, whose marks and snapshots the collector does track.
+        settle_heap()
+        ctl.memory = TickMemory()
+        ctl.tick()
         append_metrics(ctl, exp_id, 10)  # one run has an event file: idle ticks must not open it
         ctl.tick()
         squeues, opens = fake.calls.get("squeue", 0), reader.opens
@@ -221,7 +289,7 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             ctl.tick()
             ingest[str(n)] = time.process_time() - t1
             ingest_opens[str(n)] = [reader.opens - opens, touched]
-        validation = validation_tick(ctl, exp_id)
+        changed = change_ticks(ctl, fake, exp_id, ticks)
         with ctl.store.read() as s:
             assert s.get(Experiment, exp_id) is not None
         rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -234,9 +302,9 @@ def measure(trials: int, ticks: int, rows: list[int]) -> dict[str, Any]:
             "squeue_per_tick": per_tick_squeue,
             "idle_tick_event_opens": idle_opens,
             "ingest_tick_cpu_s": ingest,
-            # One validation report: the searcher's state changes, so the experiment takes a
-            # full step (transitions, files, submissions over every trial).
-            "validation_tick_cpu_s": validation,
+            # One event each: the step walks only the trial it changed ([CPU s, Trial rows loaded]).
+            "change_tick": changed,
+            "validation_tick_cpu_s": changed["validation"][0],
             "ingest_s_per_row": {n: v / int(n) for n, v in ingest.items() if int(n)},
             # [event files opened, runs whose files grew]
             "ingest_tick_event_opens": ingest_opens,

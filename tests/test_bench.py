@@ -50,6 +50,8 @@ def test_tick_cost_follows_change(tmp_path: Path) -> None:
     assert r["idle_tick_event_opens"] == 0  # nothing new: no event file is opened
     # A tick opens exactly the files that grew (10 rows a run).
     assert r["ingest_tick_event_opens"] == {"10": [1, 1], "30": [3, 3]}
+    # One validation, one op completed, one trial ending: each loads only its own trial (not 20).
+    assert {k: v[1] for k, v in r["change_tick"].items()} == {"validation": 3, "op_completed": 3, "trial_ended": 3}
     assert finite(r["idle_tick_cpu_s"], r["full_tick_cpu_s"], r["max_rss_mb"])
 
 

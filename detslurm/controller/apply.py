@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from sqlalchemy import inspect, select
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -91,7 +92,7 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
     actions = list(actions)
     if not actions:
         return  # most events ask nothing of the searcher: do not load every trial for them
-    trials = {t.request_id: t for t in exp.trials}
+    trials = _named_trials(session, exp, actions)
     for a in actions:
         if isinstance(a, Create):
             t = Trial(
@@ -115,7 +116,8 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
             )
             _warm_start(session, exp, t)
             session.add(t)
-            exp.trials.append(t)
+            # Through the backref: a collection not loaded is not loaded for it (10,000 trials).
+            t.experiment = exp
             trials[a.request_id] = t
         elif isinstance(a, Stop) and a.request_id in trials:
             t = trials[a.request_id]
@@ -145,6 +147,18 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
                 exp.state = ExperimentState.STOPPING_CANCELED
             else:
                 exp.state = ExperimentState.STOPPING_COMPLETED
+
+
+def _named_trials(session: Session, exp: Experiment, actions: list[Action]) -> dict[str, Trial]:
+    """The trials the actions name, by request id: one query for just those, unless the
+    experiment's trials are loaded already."""
+    if "trials" not in inspect(exp).unloaded:
+        return {t.request_id: t for t in exp.trials}
+    names = sorted({a.request_id for a in actions if isinstance(a, (Stop, ValidateAfter, Idle, Close))})
+    if not names:
+        return {}
+    q = select(Trial).where(Trial.experiment_id == exp.id).where(Trial.request_id.in_(names))
+    return {t.request_id: t for t in session.scalars(q)}
 
 
 def searcher_is_promotion(searcher: SearchMethod) -> bool:

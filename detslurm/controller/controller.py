@@ -11,16 +11,22 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import Reader, ingest_run, note
-from detslurm.controller.changes import Stamp, TickMemory, experiment_fingerprint
+from detslurm.controller.changes import (
+    MAX_LISTED_TRIALS,
+    Changes,
+    ExperimentSnapshot,
+    Stamp,
+    TickMemory,
+    trials_to_step,
+)
 from detslurm.controller.config import stored_config
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
@@ -33,11 +39,12 @@ from detslurm.controller.executor import (
     SubmitLater,
     SubmitUnknown,
 )
+from detslurm.controller.files import sync_files
 from detslurm.controller.gc import collect_garbage, remove_dirs
-from detslurm.controller.submit import ACTIVE_RUN, plan_runs
+from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
 from detslurm.errors import StateError
 from detslurm.identity import os_user
-from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps, read_lines
+from detslurm.protocol import RunPaths, read_lines
 from detslurm.protocol.secret import ensure_run_secrets
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
@@ -174,30 +181,30 @@ class Controller:
         self._experiment_step(exp_id, reachable)
 
     def _experiment_step(self, exp_id: int, reachable: bool) -> None:
-        """Kills, transitions, files and submissions: skipped when the experiment's rows are
-        as the end of its last full step left them (nobody paused, killed or edited it, and
-        no run of it changed in a way that matters)."""
+        """Kills, transitions, files and submissions, for the trials whose rows (or runs)
+        changed since the last step began: every trial when the experiment's own row changed
+        (a pause, an edit) or nothing is remembered, none when nothing changed."""
         with self.store.read() as s:
-            before = experiment_fingerprint(s, exp_id)
-        if reachable and not self._full and self.memory.steady.get(exp_id) == before:
+            now = ExperimentSnapshot.take(s, exp_id)
+        last = self.memory.snapshots.pop(exp_id, None)
+        changes = now.changes_since(last if reachable and not self._full else None)
+        if reachable:
             self._kill_stopping(exp_id)  # scancel again until the job has gone
-            return
-        self.memory.forget_experiment(exp_id)
-        if reachable:
-            self._kill_stopping(exp_id)
-        self._transitions(exp_id)
-        self._sync_files(exp_id)
-        if reachable:
-            self._submit(exp_id)
+        if changes.any:
+            self._transitions(exp_id, changes.only)
             with self.store.read() as s:
-                after = experiment_fingerprint(s, exp_id)
-            # Steady only when this step changed nothing: a write of ours (or anyone's
-            # meanwhile) makes the next tick a full step again.
-            # ... and none of its runs was taken back to submit later (a limit, an outage):
-            # nothing else may change before room frees up, and the next tick must try again.
-            if after == before and exp_id not in self._deferred:
-                self.memory.steady[exp_id] = after
-            self._deferred.discard(exp_id)
+                sync_files(s, _get(s, exp_id), changes.only, self.memory)
+        if reachable:
+            if changes.any:
+                self._submit(exp_id, _among(changes, now))
+            # Kept only once the whole step is done: a step that failed leaves no snapshot, and
+            # the next one walks every trial. Its own writes show as changes at the next tick.
+            # Not kept when runs were taken back to submit later (a limit, an outage): the rows
+            # are then as they were, and nothing may change before room frees up, so the next
+            # tick must walk the trials and submit again.
+            if exp_id not in self._deferred:
+                self.memory.snapshots[exp_id] = now
+        self._deferred.discard(exp_id)
 
     def _cancel_replaced(self, jobs: list[str], statuses: Mapping[str, JobStatus]) -> None:
         """Cancel, in one call, the jobs whose runs have ended while the scheduler still holds
@@ -270,7 +277,7 @@ class Controller:
             trial_ids = {r.trial_id for r in loaded.values()}
             trials = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(trial_ids)))}
             exp = trials[loaded[pks[0]].trial_id].experiment
-            searcher = load_searcher(exp)
+            searcher = self.memory.take_searcher(exp, load_searcher)
             for run_pk, status in items:
                 run = loaded[run_pk]
                 self._reconcile_one(s, exp, trials[run.trial_id], run, status, searcher, unfinished)
@@ -278,6 +285,7 @@ class Controller:
             if state != exp.searcher_state:  # an unchanged search is not rewritten
                 exp.searcher_state = state
             exp.progress = searcher.progress()
+        self.memory.keep_searcher(exp.id, searcher, state, exp.config)  # committed
         return unfinished
 
     def _reconcile_one(
@@ -330,23 +338,30 @@ class Controller:
         if jobs:
             self.executor.kill_many(jobs)  # one scancel for all of them
 
-    def _transitions(self, exp_id: int) -> None:
+    def _transitions(self, exp_id: int, only: frozenset[int] | None) -> None:
+        """Trial transitions for the trials in ``only`` (None: all), then the experiment's end."""
         with self.store.tx() as s:
             exp = _get(s, exp_id)
-            searcher = load_searcher(exp)
+            # Loaded only when a trial ends (most steps end none): at 10,000 trials its state is large.
+            searcher = _OnDemand(exp, self.memory)
             state = exp.state
-            busy = {r.trial_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
-            for t in exp.trials:
-                self._trial_transition(s, exp, state, t, t.id in busy, searcher)
-            if all(t.state.is_terminal for t in exp.trials) and not busy:
+            for t in trials_to_step(s, exp, only):
+                busy = any(r.state in ACTIVE_RUN for r in t.runs)
+                self._trial_transition(s, exp, state, t, busy, searcher)
+            s.flush()
+            if not _any_live(s, exp_id):
                 final = _FINAL.get(state)
-                if final is None and state == ExperimentState.ACTIVE and searcher.book.shut_down:
+                if final is None and state == ExperimentState.ACTIVE and searcher().book.shut_down:
                     final = ExperimentState.COMPLETED
                 if final is not None:
                     exp.state = final
                     exp.end_time = _now()
                     exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
-            exp.searcher_state = searcher.state_dict()
+            kept = searcher.loaded
+            if kept is not None:
+                exp.searcher_state = saved = kept.state_dict()
+        if kept is not None:
+            self.memory.keep_searcher(exp_id, kept, saved, exp.config)  # committed
         doomed: list[Path] = []
         with self.store.tx() as s:
             exp = _get(s, exp_id)
@@ -356,7 +371,7 @@ class Controller:
 
     @staticmethod
     def _trial_transition(
-        s: Session, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: SearchMethod
+        s: Session, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: _OnDemand
     ) -> None:
         ts = t.state
         if ts.is_terminal:
@@ -368,68 +383,35 @@ class Controller:
                     t.state = target
             else:
                 final = TrialState.ERROR if target == TrialState.STOPPING_ERROR else TrialState.CANCELED
-                finish_trial(s, exp, t, final, searcher, "USER_CANCELED")
+                finish_trial(s, exp, t, final, searcher(), "USER_CANCELED")
         elif ts in (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED) and not busy:
-            finish_trial(s, exp, t, TrialState.CANCELED, searcher, "USER_CANCELED", "trial killed")
+            finish_trial(s, exp, t, TrialState.CANCELED, searcher(), "USER_CANCELED", "trial killed")
         elif state == ExperimentState.PAUSED and ts == TrialState.ACTIVE and not busy:
             t.state = TrialState.PAUSED
         elif state == ExperimentState.ACTIVE and ts == TrialState.PAUSED:
             t.state = TrialState.ACTIVE
         elif not busy and (ops_done(t) or t.early_stopped):
-            finish_trial(s, exp, t, TrialState.COMPLETED, searcher)
-
-    # -- files the trials read ------------------------------------------------------------
-    def _sync_files(self, exp_id: int) -> None:
-        # Ops and best-validation files are not fsynced: the next tick rewrites them from the
-        # store whenever they differ. (The control file is written once, so it is.)
-        with self.store.tx() as s:
-            exp = _get(s, exp_id)
-            layout = ExpPaths(Path(exp.exp_dir))
-            state = exp.state
-            best: float | None = None
-            sib = stored_config(exp).searcher.smaller_is_better
-            for t in exp.trials:
-                if t.searcher_metric is not None and (best is None or (t.searcher_metric < best) == sib):
-                    best = t.searcher_metric
-                if t.searcher_ops:
-                    want = SearcherOps(
-                        ops=tuple(t.searcher_ops),
-                        completed=t.ops_completed,
-                        closed=t.ops_closed,
-                        idle_after=t.ops_completed if t.ops_idle else -1,
-                    )
-                    # Read back only when this controller has not written it as wanted: at 10,000
-                    # trials reading every ops file would be most of a full step.
-                    if self.memory.ops_files.get(t.id) != want:
-                        if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
-                            want.write(layout.ops_file(t.id))
-                        self.memory.ops_files[t.id] = want
-                reason = _stop_reason(state, t)
-                for r in t.runs:
-                    if r.state not in ACTIVE_RUN or not reason:
-                        continue
-                    control = RunPaths.from_run_dir(Path(r.run_dir)).control
-                    if not control.exists():
-                        ControlRecord(preempt=True, reason=reason).write(control)
-            if best is not None and self.memory.best_files.get(exp_id) != best:
-                if _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
-                    BestValidation(best).write(layout.best_validation)
-                self.memory.best_files[exp_id] = best
+            finish_trial(s, exp, t, TrialState.COMPLETED, searcher())
 
     # -- submissions ----------------------------------------------------------------------
-    def plan_submission(self, s: Session, exp: Experiment) -> list[tuple[TrialRun, RunSpec]]:
+    def plan_submission(
+        self, s: Session, exp: Experiment, among: Among | None = None
+    ) -> list[tuple[TrialRun, RunSpec]]:
         """New runs (PENDING in ``s``) and their plans: what ``_submit`` hands the executor,
         and what ``det e create --dry-run`` shows before rolling the session back."""
-        return plan_runs(s, exp, self.executor.capacity(), self.executor.kind, self.executor.resources_type())
+        capacity = self.executor.capacity()
+        return plan_runs(s, exp, capacity, self.executor.kind, self.executor.resources_type(), among)
 
-    def _submit(self, exp_id: int) -> None:
-        if not self._may_need_runs(exp_id):
+    def _submit(self, exp_id: int, among: Among | None) -> None:
+        if self.executor.capacity() is not None:
+            among = None  # trials held back for capacity need a run without any change of theirs
+        if not self._may_need_runs(exp_id, among):
             return  # every live trial has its run: planning would walk 10,000 trials for nothing
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             if exp.state != ExperimentState.ACTIVE:
                 return
-            specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp)]
+            specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp, among)]
         if not specs:
             return
         for _, spec in specs:
@@ -440,20 +422,11 @@ class Controller:
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
 
-    def _may_need_runs(self, exp_id: int) -> bool:
+    def _may_need_runs(self, exp_id: int, among: Among | None) -> bool:
         """Whether some trial may need a new run (``needs_run`` without its ops test): one
         indexed query instead of loading every trial and run."""
-        busy = select(TrialRun.id).where(TrialRun.trial_id == Trial.id).where(TrialRun.state.in_(ACTIVE_RUN)).exists()
-        q = (
-            select(Trial.id)
-            .where(Trial.experiment_id == exp_id)
-            .where(Trial.state == TrialState.ACTIVE)
-            .where(Trial.early_stopped.is_(False))
-            .where(~busy)
-            .limit(1)
-        )
         with self.store.read() as s:
-            return s.scalar(q) is not None
+            return s.scalar(runless_trials(exp_id, among).with_only_columns(Trial.id).limit(1)) is not None
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not
@@ -523,20 +496,6 @@ _STOPPING_TARGET = {
 }
 
 
-def _stop_reason(state: ExperimentState, t: Trial) -> str | None:
-    if t.early_stopped:
-        return "early_stop"
-    if t.state in (TrialState.STOPPING_CANCELED, TrialState.STOPPING_ERROR):
-        return "cancel"
-    if t.state == TrialState.STOPPING_KILLED.value:
-        # scancel normally ends the job first; while slurmctld is down the file is what still
-        # reaches the trial, which then stops at its next checkpoint.
-        return "kill"
-    if state == ExperimentState.PAUSED:
-        return "pause"
-    return None
-
-
 @functools.lru_cache(maxsize=1 << 16)
 def _as_path(run_dir: str) -> Path:
     # Run dirs never change: building 10,000 Paths on every tick would cost more than the tick.
@@ -580,12 +539,37 @@ def _tested_everything(s: Session, trial: Trial) -> bool:
     return {"training", "validation"} <= groups and bool(cks)
 
 
-def _read_or_none(read: Callable[[Path], Any], path: Path) -> Any:
-    """A record the trial side could have clobbered: unreadable counts as absent (rewritten)."""
-    try:
-        return read(path)
-    except BadRecord:
-        return None
+def _among(changes: Changes, now: ExperimentSnapshot) -> Among | None:
+    """The trials a submission must look at; None: all of them."""
+    only = changes.only
+    if only is None or len(only) > MAX_LISTED_TRIALS:
+        return None  # many changed (every trial's first run): one plain query is cheaper
+    return Among(only, max(now.trials, default=0))
+
+
+class _OnDemand:
+    """The experiment's searcher, taken from the memory (or the store) on first use."""
+
+    def __init__(self, exp: Experiment, memory: TickMemory) -> None:
+        self.exp = exp
+        self.memory = memory
+        self.loaded: SearchMethod | None = None
+
+    def __call__(self) -> SearchMethod:
+        if self.loaded is None:
+            self.loaded = self.memory.take_searcher(self.exp, load_searcher)
+        return self.loaded
+
+
+def _any_live(s: Session, exp_id: int) -> bool:
+    """Whether a trial of the experiment has not ended, or a run of it is still active: two
+    indexed queries that stop at the first row, instead of walking every trial."""
+    ended = [st for st in TrialState if st.is_terminal]
+    trial = select(Trial.id).where(Trial.experiment_id == exp_id).where(Trial.state.not_in(ended)).limit(1)
+    if s.scalar(trial) is not None:
+        return True
+    run = select(TrialRun.id).join(Trial).where(Trial.experiment_id == exp_id).where(TrialRun.state.in_(ACTIVE_RUN))
+    return s.scalar(run.limit(1)) is not None
 
 
 def current_user() -> str:

@@ -7,9 +7,10 @@ The same functions serve a real submission (``Controller._submit``) and the dry 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import update
+from sqlalchemy import Select, or_, select, update
 from sqlalchemy.orm import Session
 
 from detslurm.controller.config import stored_config
@@ -116,20 +117,50 @@ def run_spec(exp: Experiment, t: Trial, run: TrialRun, resources_type: str) -> R
     )
 
 
+@dataclass(frozen=True)
+class Among:
+    """The only trials that can need a run since the last planning: those whose rows changed
+    (``changed``) and those created after it (ids above ``newest``). Without a capacity limit
+    every trial that needed a run then got one, and a trial comes to need one only through a
+    change of its own row or runs."""
+
+    changed: frozenset[int]
+    newest: int
+
+
+def runless_trials(exp_id: int, among: Among | None = None) -> Select[Trial]:
+    """The experiment's trials that may need a new run, in id order: live, not stopped by the
+    searcher, and with no active run (``needs_run`` still tests their ops); ``among``: only
+    those. Indexed: nobody walks every trial to find the few that need a run."""
+    busy = select(TrialRun.id).where(TrialRun.trial_id == Trial.id).where(TrialRun.state.in_(ACTIVE_RUN)).exists()
+    q = select(Trial).where(Trial.experiment_id == exp_id)
+    if among is not None:
+        q = q.where(or_(Trial.id.in_(sorted(among.changed)), Trial.id > among.newest))
+    return (
+        q.where(Trial.state == TrialState.ACTIVE).where(Trial.early_stopped.is_(False)).where(~busy).order_by(Trial.id)
+    )
+
+
 def plan_runs(
-    s: Session, exp: Experiment, capacity: int | None, executor_kind: str, resources_type: str
+    s: Session,
+    exp: Experiment,
+    capacity: int | None,
+    executor_kind: str,
+    resources_type: str,
+    among: Among | None = None,
 ) -> list[tuple[TrialRun, RunSpec]]:
-    """New runs for every trial that needs one (up to ``capacity``), recorded in ``s`` as
-    PENDING, with their plans. The caller submits them, or rolls back (dry run)."""
+    """New runs for every trial that needs one (up to ``capacity``; ``among``: only of those
+    trials), recorded in ``s`` as PENDING, with their plans. The caller submits them, or rolls
+    back (dry run)."""
     s.flush()  # trials the searcher just created need their ids (run dirs are named by them)
-    busy = {t.id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN}
     new: list[tuple[Trial, TrialRun]] = []
-    for t in exp.trials:
+    # Only the trials without an active run are loaded (with their runs, in one more query).
+    for t in list(s.scalars(runless_trials(exp.id, among))):
         # capacity: local processes are capped (max_local_trials), Slurm's queue is not (None);
         # the rest wait for a later tick, in trial order so earlier trials go first.
         if capacity is not None and len(new) >= capacity:
             break
-        if needs_run(t, busy):
+        if needs_run(t, set()):
             new.append((t, new_run(s, exp, t, executor_kind)))
     s.flush()  # once for all new runs: their ids
     return [(run, run_spec(exp, t, run, resources_type)) for t, run in new]
