@@ -205,3 +205,37 @@ def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: 
         (trial,) = s.scalars(select(Trial)).all()
         assert trial.state == "ACTIVE" and trial.restarts == 0 and trial.run_count == 2
     assert fake.count("scancel") == 1 and fake.count("sbatch", "--parsable") == 2
+
+
+def test_node_failures_in_a_row_end_up_spending_restarts(det_env: Path, tmp_path: Path) -> None:
+    """A trial that loses its node every time (it brings the node down itself) is resubmitted
+    for free only NODE_FAILURES_FREE times in a row; the next one spends a restart, as a crash."""
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.controller.decide import NODE_FAILURES_FREE
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 0\nsearcher: {name: single, metric: m}\n")
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Cluster(store)
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # run 1: job 77
+    for n in range(1, NODE_FAILURES_FREE + 2):
+        # Requeued by Slurm after its node failed: no stop signal, no exit record.
+        fake.queue = _record(str(76 + n), "PENDING", 1, f"detslurm:exp={exp_id},trial=1,run={n}")
+        ctl.tick([exp_id])
+        with store.read() as s:
+            (trial,) = s.scalars(select(Trial)).all()
+            if n <= NODE_FAILURES_FREE:
+                assert (trial.state, trial.restarts, trial.run_count) == ("ACTIVE", 0, n + 1), n
+            else:  # one more in a row spends a restart, and max_restarts 0 allows none
+                assert (trial.state, trial.restarts, trial.run_count) == ("ERROR", 1, n), n
+    with store.read() as s:
+        reasons = [r.exit_reason for r in s.scalars(select(TrialRun).order_by(TrialRun.run_id))]
+    assert reasons == ["node failure"] * (NODE_FAILURES_FREE + 1)

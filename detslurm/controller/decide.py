@@ -19,6 +19,22 @@ from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, 
 SPENDS_NO_RESTART = frozenset({ExitCause.PREEMPTED, ExitCause.NODE_FAILURE, ExitCause.NEVER_STARTED})
 
 
+# Node failures in a row that spend no restart; from the next one on each spends one, as a crash.
+NODE_FAILURES_FREE = 3
+
+
+def _node_failures_in_a_row(trial: Trial) -> int:
+    """How many of the trial's last ended runs, this one included, lost their node."""
+    n = 0
+    for r in sorted(trial.runs, key=lambda r: r.run_id, reverse=True):
+        if r.end_time is None:
+            continue  # a run not ended yet (there is none while deciding; kept for safety)
+        if r.exit_reason != ExitCause.NODE_FAILURE.value:
+            break
+        n += 1
+    return n
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -172,6 +188,12 @@ def decide_exit(
     elif trial.early_stopped:
         why = f"trial exited with code {status.exit_code} after the searcher stopped it"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, None, why)
+    elif cause == ExitCause.NODE_FAILURE and _node_failures_in_a_row(trial) > NODE_FAILURES_FREE:
+        # A trial that takes its node down every time (an OOM that kills the node, a bad driver)
+        # would otherwise be resubmitted forever without spending anything.
+        msg = f"more than {NODE_FAILURES_FREE} node failures in a row: this one spends a restart"
+        note(session, trial.id, msg, "WARNING")
+        _after_failure(session, exp, trial, run, searcher)
     elif cause in SPENDS_NO_RESTART:
         # Preempted or lost its node before it could checkpoint: resume from the latest
         # checkpoint without spending one of the trial's restarts.
