@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+# Re-exported: FORWARDED is defined in wrap_rank, the one launcher module that must stay stdlib-only.
+from detslurm.launch.wrap_rank import FORWARDED as FORWARDED
 from detslurm.protocol import NotARunDir, RunPaths, expand_nodelist
 from detslurm.protocol.secret import (
     SECRET_ENV,
@@ -27,8 +29,6 @@ from detslurm.protocol.secret import (
     wait_run_secret,
     write_run_secret,
 )
-
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class LaunchError(Exception):
