@@ -13,10 +13,12 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-
-import pathspec
+from typing import TYPE_CHECKING
 
 from detslurm.errors import ContextError
+
+if TYPE_CHECKING:
+    import pathspec
 
 # Determined's limit for a context (its common/constants.py); kept so a context
 # that works here also works there, and data sets are not copied into every trial dir.
@@ -44,6 +46,10 @@ class ContextBundle:
 
 
 def _spec(root: Path) -> pathspec.GitIgnoreSpec:
+    # Imported here: only packaging needs it, and every trial's exec.launch imports this module
+    # for extract() on the way to its first step.
+    import pathspec
+
     lines = list(ALWAYS_IGNORED)
     ignore = root / ".detignore"
     if ignore.is_file():

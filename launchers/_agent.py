@@ -23,7 +23,7 @@ checkpoint (seen on the test cluster: the launcher exited 241 after SIGTERM, 244
 signal would not do, since launch.py installs its own SIGTERM handler over it; a *blocked*
 one is never delivered whatever handler is installed, and the block survives fork and exec.
 So the runner starts with the stop signals blocked, and wrap_rank, which is every worker's
-parent under that launcher, unblocks them for itself and the trial (``unblock_stop_signals``).
+parent under that launcher, unblocks them for itself and the trial (``wrap_rank.unblock_stop_signals``).
 The forwarder then signals the runner's grandchildren, the wrap_rank processes (where only
 the launcher gets the signal: the warning signal on one node); wrap_rank passes it on and the
 trial acts on it, while the two DeepSpeed processes hold theirs pending; launch.py sees its
@@ -42,9 +42,11 @@ from types import FrameType
 from typing import Any, Optional
 
 from detslurm.launch._common import handling
+from detslurm.launch.wrap_rank import STOP_SIGNALS
 
 # Delivered to the workers, never acted on by the agent: Slurm's SIGTERM and the warning signals.
-TO_WORKERS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# (Defined in wrap_rank, which every worker runs and which must import nothing of ours.)
+TO_WORKERS = STOP_SIGNALS
 # What torchrun may still handle itself (its default list without SIGTERM).
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
@@ -78,12 +80,6 @@ def below(pid: int, depth: int, proc: Path = Path("/proc")) -> list[int]:
     for _ in range(depth):
         level = [child for parent in level for child in tree.get(parent, [])]
     return level
-
-
-def unblock_stop_signals() -> None:
-    """Undo ``hold_stop_signals``'s block in this process (wrap_rank calls it first thing), so
-    it and the trial it starts receive the stop signals again. A no-op where nothing is blocked."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, TO_WORKERS)
 
 
 def _block_worker_signals() -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
+# Re-exported: FORWARDED is defined in wrap_rank, the one launcher module that must stay stdlib-only.
+from detslurm.launch.wrap_rank import FORWARDED as FORWARDED
 from detslurm.protocol import NotARunDir, RunPaths, expand_nodelist
 from detslurm.protocol.secret import (
     SECRET_ENV,
@@ -27,8 +29,6 @@ from detslurm.protocol.secret import (
     wait_run_secret,
     write_run_secret,
 )
-
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class LaunchError(Exception):
@@ -277,13 +277,20 @@ def publish(path: Path, values: Mapping[str, Any]) -> None:
 
 
 def wait_published(path: Path, timeout_s: float = 120) -> dict[str, Any]:
+    """The chief's published values, read as soon as they are there.
+
+    Every node starts at the same moment, so the chief's file usually appears within
+    milliseconds: the first retries come after 5, 10, 20 ms, then every 50 ms (a shared
+    filesystem is not hammered by a chief that is slow to start)."""
     deadline = time.monotonic() + timeout_s
+    pause = 0.005
     while time.monotonic() < deadline:
         try:
             data: dict[str, Any] = json.loads(path.read_text())
             return data
         except (FileNotFoundError, json.JSONDecodeError):
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
     raise LaunchError(f"the chief node did not publish {path.name} within {timeout_s:.0f} s")
 
 

@@ -19,13 +19,14 @@ import os
 import sys
 from collections.abc import Sequence
 
+from detslurm.launch import wrap_rank
 from detslurm.launch._common import LaunchError, fail, help_requested, nodes_from_env, parse_args, run
 from detslurm.launch._horovod_args import parse_overrides
 
 
 def run_one_slot(script: Sequence[str], python: str = sys.executable) -> int:
     """The script alone, as rank 0, with signals forwarded; its exit code."""
-    return run([python, "-m", "detslurm.launch.wrap_rank", "0", "--", *script], os.environ)
+    return run(wrap_rank.command("0", script, python), os.environ)
 
 
 def _is_trial(script: Sequence[str]) -> bool:

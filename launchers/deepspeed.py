@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from detslurm.launch import wrap_rank
 from detslurm.launch._agent import run_agent
 from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
 
@@ -63,12 +64,7 @@ def build_deepspeed_cmd(
         # script) instead of prefixing python and appending --local_rank to the user's argv.
         "--no_python",
         "--no_local_rank",
-        python,
-        "-m",
-        "detslurm.launch.wrap_rank",
-        "RANK",
-        "--",
-        *script,
+        *wrap_rank.command("RANK", script, python),
     ]
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from detslurm.launch import wrap_rank
 from detslurm.launch._common import (
     LaunchError,
     Nodes,
@@ -79,7 +80,7 @@ def worker_env(
 
 
 def worker_cmd(script: Sequence[str], python: str = sys.executable) -> list[str]:
-    return [python, "-m", "detslurm.launch.wrap_rank", "HOROVOD_RANK", "--", *script]
+    return wrap_rank.command("HOROVOD_RANK", script, python)
 
 
 def _start_rendezvous(nodes: Nodes) -> tuple[Any, int]:
@@ -183,12 +184,7 @@ def mpi_cmd(
         "DETSLURM_DIST_PORT",
         *(arg for name in exported for arg in ("-x", name)),
         *rest,
-        python,
-        "-m",
-        "detslurm.launch.wrap_rank",
-        "OMPI_COMM_WORLD_RANK,PMI_RANK",
-        "--",
-        *script,
+        *wrap_rank.command("OMPI_COMM_WORLD_RANK,PMI_RANK", script, python),
     ]
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from detslurm.launch import wrap_rank
 from detslurm.launch._agent import run_agent
 from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
 
@@ -46,13 +47,11 @@ def build_torchrun_cmd(
         str(master_port),
         # After our flags: torchrun takes the last value of a repeated flag, so the user's override wins.
         *overrides,
-        "--module",
         # Each worker runs under wrap_rank so its output lines carry [rank=N]; RANK is the variable
-        # torchrun sets for every worker it starts.
-        "detslurm.launch.wrap_rank",
-        "RANK",
-        "--",
-        *script,
+        # torchrun sets for every worker it starts. --no-python: torchrun runs our argv as given
+        # (wrap_rank's light start, python -S on its file) instead of `python -u -m MODULE`.
+        "--no-python",
+        *wrap_rank.command("RANK", script, python),
     ]
 
 

@@ -6,20 +6,73 @@ Lines are split on ``\\n`` and ``\\r`` (tqdm's redraws become lines); over-long 
 Signals are forwarded to the worker; the exit code is the worker's. ``--no-redirect-stdio`` is
 accepted for Determined's command lines: output always goes to this process's own stdout and
 stderr here (the trial's log), never to separate files.
+
+Our launchers start it once per worker, so it is on the path from job start to the first step
+four times on a 2 x 2 job: they run this file by path under ``python -S`` (:func:`command`),
+which skips site-packages, ``.pth`` files and the detslurm package entirely. That is why this
+module imports only the standard library and holds the signal sets the other launchers share.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
-from typing import BinaryIO, Optional
 
-from detslurm.launch._agent import unblock_stop_signals
-from detslurm.launch._common import forward_signals
+# Names used only in annotations (strings here, PEP 563): mypy reads them, the interpreter never
+# imports typing's machinery for them (a few ms of every worker's start). mypy treats a name
+# TYPE_CHECKING as true whatever its value.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from types import FrameType
+    from typing import Any, BinaryIO, Optional
+
+# Every signal a launcher passes on to what it started (SIGINT and SIGHUP too: a user's Ctrl-C
+# on a local run, a hangup of the batch shell).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# The stop signals: Slurm's SIGTERM and the warning signals. Delivered to the workers, never
+# acted on by an agent in between (launchers/_agent.py).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def command(rank_spec: str, script: Sequence[str], python: str = sys.executable) -> list[str]:
+    """Pure: the argv that runs ``script`` under this wrapper as rank ``rank_spec``.
+
+    ``-S`` and the file's path instead of ``-m detslurm.launch.wrap_rank``: no site-packages
+    scan, no ``.pth`` hooks and no package ``__init__`` (about 50 ms of start-up per worker,
+    more where bytecode is not cached). ``-u``: lines reach the log as they are pumped.
+    """
+    return [python, "-S", "-u", os.path.abspath(__file__), rank_spec, "--", *script]
+
+
+def unblock_stop_signals() -> None:
+    """Undo ``run_agent(hold_stop_signals=True)``'s block in this process (wrap_rank calls it
+    first thing), so it and the trial it starts receive the stop signals again. A no-op where
+    nothing is blocked."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _wait_forwarding(proc: subprocess.Popen[Any]) -> int:
+    """Wait for ``proc``, passing every FORWARDED signal on to it meanwhile; its exit code.
+
+    To its pid, not its group: the worker shares our process group (it is not a group leader),
+    and the preemption SIGTERM must reach it to checkpoint."""
+
+    def handler(signum: int, _frame: Optional[FrameType]) -> None:
+        # Popen.send_signal ignores a worker that has exited meanwhile (ProcessLookupError).
+        proc.send_signal(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in FORWARDED}
+    try:
+        return proc.wait()
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
 
 # Long lines are broken and each piece gets the prefix again: a line of megabytes (a tensor
 # dump) keeps its rank tag on every log line, and the pump never holds more than this.
@@ -102,10 +155,7 @@ def main(argv: Sequence[str]) -> int:
     ]
     for t in threads:
         t.start()
-    # to_group=False: the worker shares our process group (it is not a group leader), so the
-    # signal goes to its pid; the preemption SIGTERM must reach it to checkpoint.
-    with forward_signals(proc, to_group=False):
-        code = proc.wait()
+    code = _wait_forwarding(proc)
     for t in threads:
         t.join()
     return code

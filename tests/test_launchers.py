@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from detslurm.launch import wrap_rank
 from detslurm.launch._common import LaunchError, Nodes, nodes_from_env, parse_args, rendezvous_ports
 from detslurm.launch.torch_distributed import build_torchrun_cmd
 from detslurm.launch.wrap_rank import resolve_rank, split_lines
 from detslurm.protocol import RunPaths
+
+# Where the launchers' workers find wrap_rank: its file, run by path (launchers/wrap_rank.py says why).
+WRAP_RANK_FILE = os.path.abspath(wrap_rank.__file__)
 
 
 @pytest.mark.parametrize(
@@ -60,8 +65,11 @@ def test_torchrun_command_literal() -> None:
         "--master_port",
         "41000",
         "--log-dir=x",
-        "--module",
-        "detslurm.launch.wrap_rank",
+        "--no-python",
+        "PY",
+        "-S",
+        "-u",
+        WRAP_RANK_FILE,
         "RANK",
         "--",
         "python3",
@@ -134,6 +142,33 @@ def test_wrap_rank_forwards_signals() -> None:
     assert p.stdout.read() == b"[rank=2] got term\n"
 
 
+def test_wrap_rank_as_the_launchers_start_it_needs_only_the_standard_library() -> None:
+    """The launchers run wrap_rank.py by path under ``python -S``; with -I as well (no PYTHONPATH,
+    no user site) nothing of detslurm is importable, so this passes only while it imports nothing
+    of ours. Output, exit code and signals behave as under ``-m``."""
+    code = (
+        "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: (print('got term', flush=True), sys.exit(5)));"
+        " sys.stderr.write('err\\n'); print('ready', flush=True); time.sleep(30)"
+    )
+    cmd = wrap_rank.command("RANK", [sys.executable, "-c", code])
+    assert cmd[1:3] == ["-S", "-u"]
+    p = subprocess.Popen(
+        [cmd[0], "-I", *cmd[1:]], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, RANK="3")
+    )
+    assert p.stdout is not None and p.stderr is not None
+    assert p.stdout.readline() == b"[rank=3] ready\n"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(10) == 5
+    assert p.stdout.read() == b"[rank=3] got term\n" and p.stderr.read() == b"[rank=3] err\n"
+
+
+def test_no_launcher_module_shadows_the_standard_library() -> None:
+    """Run by path, wrap_rank has the launchers' dir first on sys.path: a module there named like
+    a standard one (signal.py, threading.py) would replace it in every worker's wrapper."""
+    here = Path(wrap_rank.__file__).parent
+    assert not {p.stem for p in here.glob("*.py")} & set(sys.stdlib_module_names)
+
+
 def test_rank_filter_in_trial_logs(det, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from conftest import write
 
@@ -172,8 +207,9 @@ def test_deepspeed_command_and_hostfile() -> None:
         "--no_python",
         "--no_local_rank",
         "PY",
-        "-m",
-        "detslurm.launch.wrap_rank",
+        "-S",
+        "-u",
+        WRAP_RANK_FILE,
         "RANK",
         "--",
         "python3",

@@ -26,6 +26,7 @@ from typing import Optional
 
 from detslurm.context import extract
 from detslurm.errors import ContextError
+from detslurm.exec import forked
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
 from detslurm.protocol import (
@@ -157,6 +158,15 @@ class _StopClock:
             self.at = time.monotonic()
 
 
+def _start(argv: list[str], workdir: Path, env: dict[str, str]) -> subprocess.Popen[bytes] | forked.Forked:
+    """The entrypoint in a session of its own: our own launcher as a fork of this process where
+    a fresh interpreter would run exactly it (detslurm/exec/forked.py), else a new process."""
+    main = forked.launcher_for(argv, env, workdir, COMPAT_DIR, _has_real_determined())
+    if main is not None:
+        return forked.start(main, argv, workdir, env)
+    return subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
+
+
 def _run(argv: list[str], workdir: Path, env: dict[str, str], control: Optional[Path] = None) -> int:
     """The entrypoint in its own process group, with our signals forwarded to that group."""
     # In a Slurm job the entrypoint usually gets Slurm's SIGTERM twice: once from slurmstepd,
@@ -166,7 +176,7 @@ def _run(argv: list[str], workdir: Path, env: dict[str, str], control: Optional[
     # as one preemption (detslurm.core._preempt explains why it must).
     from detslurm.launch._common import FORWARDED
 
-    proc = subprocess.Popen(argv, cwd=workdir, env=env, start_new_session=True)
+    proc = _start(argv, workdir, env)
     clock = _StopClock()
 
     def forward(signum: int, _frame: Optional[FrameType]) -> None:
@@ -183,16 +193,23 @@ def _run(argv: list[str], workdir: Path, env: dict[str, str], control: Optional[
             signal.signal(sig, handler)
 
 
-def _wait(proc: subprocess.Popen[bytes], clock: _StopClock, timeout_s: Optional[float], control: Optional[Path]) -> int:
+def _wait(
+    proc: subprocess.Popen[bytes] | forked.Forked,
+    clock: _StopClock,
+    timeout_s: Optional[float],
+    control: Optional[Path],
+) -> int:
     """Wait for the entrypoint; with a preemption_timeout, kill it that long after it was told
     to stop (a trial that never reaches its checkpoint must not hold the allocation)."""
+    if timeout_s is None:
+        # Nothing to time: block in waitpid instead of waking every few ms (Popen.wait with a
+        # timeout polls) beside ranks that are importing their framework.
+        return proc.wait()
     while True:
         try:
             return proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
-        if timeout_s is None:
-            continue
         if clock.at is None and control is not None and _control_says_stop(control):
             clock.start()  # pause, kill, early stop from the controller: the same clock
         if clock.at is not None and time.monotonic() - clock.at > timeout_s:
