@@ -18,21 +18,24 @@ Startup cost: importing this module and ``detslurm`` (a few ms); nothing heavy i
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
+import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import importlib.machinery
 
 NAME = "determined"
-PACKAGE_DIR = Path(__file__).resolve().parent / NAME
+# os.path, not pathlib, and no importlib.abc base class: this module is imported at every
+# interpreter start where detslurm is installed, and those imports cost about 5 ms each time.
+PACKAGE_DIR = os.path.join(os.path.dirname(os.path.realpath(__file__)), NAME)
 
 
-class DeterminedFallbackFinder(importlib.abc.MetaPathFinder):
-    """Resolves ``determined`` to detslurm's compatibility package as the last resort."""
+class DeterminedFallbackFinder:
+    """Resolves ``determined`` to detslurm's compatibility package as the last resort (a
+    meta path finder by protocol: ``find_spec`` is all the import system asks of it)."""
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
@@ -41,10 +44,12 @@ class DeterminedFallbackFinder(importlib.abc.MetaPathFinder):
             return None
         if self._someone_else_has_it(fullname, path, target):
             return None
-        init = PACKAGE_DIR / "__init__.py"
-        if not init.is_file():
+        init = os.path.join(PACKAGE_DIR, "__init__.py")
+        if not os.path.isfile(init):
             return None  # a broken install: behave as if we were not here
-        return importlib.util.spec_from_file_location(NAME, init, submodule_search_locations=[str(PACKAGE_DIR)])
+        import importlib.util  # only when `determined` is imported, not at interpreter start
+
+        return importlib.util.spec_from_file_location(NAME, init, submodule_search_locations=[PACKAGE_DIR])
 
     def _someone_else_has_it(self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]) -> bool:
         # Finders before us have already said no when we are asked. Finders appended after us
