@@ -40,7 +40,17 @@ def test_our_launcher_runs_in_a_fork(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["other-module", "interpreter-flag", "other-interpreter", "user-determined", "user-detslurm", "real-determined"],
+    [
+        "other-module",
+        "interpreter-flag",
+        "other-interpreter",
+        "other-venv",
+        "user-determined",
+        "relative-pythonpath",
+        "user-detslurm",
+        "user-detslurm-under-determined",
+        "real-determined",
+    ],
 )
 def test_anything_else_gets_a_fresh_interpreter(tmp_path: Path, case: str) -> None:
     work, user = tmp_path / "work", tmp_path / "user"
@@ -58,6 +68,19 @@ def test_anything_else_gets_a_fresh_interpreter(tmp_path: Path, case: str) -> No
     elif case == "user-determined":  # a vendored determined in the context shadows the shim
         (work / "determined").mkdir()
         (work / "determined" / "__init__.py").write_text("")
+    elif case == "other-venv":  # a venv of the same base Python: the same binary, its own packages
+        venv_bin = tmp_path / "trainenv" / "bin"
+        venv_bin.mkdir(parents=True)
+        (venv_bin / "python").symlink_to(os.path.realpath(sys.executable))
+        argv[0] = str(venv_bin / "python")
+    elif case == "relative-pythonpath":  # relative to the fresh interpreter's cwd, the workdir
+        (work / "lib" / "determined").mkdir(parents=True)
+        (work / "lib" / "determined" / "__init__.py").write_text("")
+        env["PYTHONPATH"] = f"lib{os.pathsep}{COMPAT_DIR}"
+    elif case == "user-detslurm-under-determined":  # our determined imports the user's detslurm
+        (user / "detslurm").mkdir()
+        (user / "detslurm" / "__init__.py").write_text("")
+        env["PYTHONPATH"] = f"{user}{os.pathsep}{COMPAT_DIR}"
     elif case == "user-detslurm":  # ...and a detslurm on the user's PYTHONPATH shadows ours
         argv[2] = "detslurm.launch.torch_distributed"
         (user / "detslurm").mkdir()

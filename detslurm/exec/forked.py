@@ -56,14 +56,20 @@ def _ours(module: str, env: Mapping[str, str], workdir: Path, compat_dir: Path, 
     Its sys.path starts with the working dir (``-m``) and PYTHONPATH, ahead of site-packages:
     a ``determined`` or ``detslurm`` there (the user's context, the user's PYTHONPATH) wins."""
     top = module.partition(".")[0]
-    ahead = [str(workdir), *env.get("PYTHONPATH", "").split(os.pathsep)]
-    found = _first_on_path(top, ahead)
+    # Relative PYTHONPATH entries are relative to the fresh interpreter's cwd: the workdir.
+    entries = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
+    ahead = [str(workdir), *(os.path.join(workdir, e) for e in entries)]
+    ours = Path(importlib.import_module("detslurm").__file__ or "").resolve().parent
+    found_detslurm = _first_on_path("detslurm", ahead)
+    # Our determined package imports detslurm: a user's own detslurm ahead of ours would run.
+    if found_detslurm is not None and not Path(found_detslurm).resolve().is_relative_to(ours):
+        return False
     if top == "determined":
+        found = _first_on_path(top, ahead)
         if found is None:
             return not real_determined  # our finder answers last, only when nothing else does
         return Path(found).resolve().is_relative_to(compat_dir.resolve())
-    ours = Path(importlib.import_module("detslurm").__file__ or "").resolve().parent
-    return found is None or Path(found).resolve().is_relative_to(ours)
+    return True
 
 
 def launcher_for(
@@ -76,8 +82,11 @@ def launcher_for(
     if len(argv) < 3 or argv[1] != "-m" or argv[2] not in OWN_LAUNCHERS:
         return None
     exe = shutil.which(argv[0], path=env.get("PATH"))
+    # The same file in the same bin dir: every venv made from one base Python links to the same
+    # binary, but a venv's own site-packages (the user's torch) come with where it was started.
     try:
         same = exe is not None and os.path.samefile(exe, sys.executable)
+        same = same and os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
     except OSError:
         same = False
     if not same or not _ours(argv[2], env, workdir, compat_dir, real_determined):
@@ -152,4 +161,4 @@ def start(main: LauncherMain, argv: Sequence[str], workdir: Path, env: Mapping[s
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         # Never return into exec.launch's main: its exit record and clean-up are the parent's.
-        os._exit(code & 0xFF)
+        os._exit(code & 0xFF if isinstance(code, int) else 1)
