@@ -86,10 +86,11 @@ def launcher_for(
     # binary, but a venv's own site-packages (the user's torch) come with where it was started.
     try:
         same = exe is not None and os.path.samefile(exe, sys.executable)
-        same = same and os.path.dirname(os.path.abspath(exe)) == os.path.dirname(os.path.abspath(sys.executable))
     except OSError:
         same = False
-    if not same or not _ours(argv[2], env, workdir, compat_dir, real_determined):
+    if exe is None or not same or os.path.dirname(os.path.abspath(exe)) != os.path.dirname(sys.executable):
+        return None
+    if not _ours(argv[2], env, workdir, compat_dir, real_determined):
         return None
     main: LauncherMain = importlib.import_module(OWN_LAUNCHERS[argv[2]]).main
     return main
