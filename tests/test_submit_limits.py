@@ -150,9 +150,10 @@ def test_a_limit_refusal_is_submit_later_warned_once_and_learned(tmp_path: Path)
     assert all(isinstance(r, SubmitLater) for r in first)
     assert [r.warn for r in first if isinstance(r, SubmitLater)] == [True, False, False]
     assert "AssocMaxSubmitJobLimit" in str(first[0])
-    assert ex.capacity() == 0  # learned: no room until one of the 7 ends
+    assert ex.capacity() == 1  # learned: the limit lies below 7 + 3; half of the 3 goes next
     again = ex.submit_many(specs(tmp_path, config(), 1))
     assert isinstance(again[0], SubmitLater) and not again[0].warn  # still the same stretch
+    assert ex.capacity() == 0  # a lone job refused: the limit is our 7 live jobs
     fake.refuse = None
     fake.hold(5)
     ex.poll({"9_0": tmp_path})
@@ -240,3 +241,63 @@ def test_the_controller_takes_refused_runs_back_warns_once_and_submits_later(det
         runs = list(s.scalars(select(TrialRun)))
     # Slurm took the trials it had room for; the rest wait in the store for a later tick.
     assert runs and all(r.job_id and r.run_id == 1 for r in runs)
+
+
+def test_a_big_array_refused_early_halves_down_to_the_limit_it_cannot_read(tmp_path: Path) -> None:
+    """An unreadable limit of 20 with 2 jobs live: the 60-task array refused teaches "below
+    62", not "2"; halving finds room for 15 more instead of pinning the search at 2 jobs."""
+    fake = Limited()
+    ex = executor(fake)
+    fake.hold(2)
+    ex.poll({"9_0": tmp_path})
+    fake.refuse = REFUSED
+    assert all(isinstance(r, SubmitLater) for r in ex.submit_many(specs(tmp_path, config(), 40)))
+    assert ex.capacity() == 20  # 2 live + 40 // 2, less the 2 live
+    assert all(isinstance(r, SubmitLater) for r in ex.submit_many(specs(tmp_path, config(), 20)))
+    assert ex.capacity() == 10
+    fake.refuse = None
+    assert all(isinstance(r, str) for r in ex.submit_many(specs(tmp_path, config(), 10)))
+
+
+def test_the_first_submission_reads_the_queue_so_other_jobs_count(tmp_path: Path) -> None:
+    """No job of ours polled yet (the first submission, or one after an idle stretch): the
+    user's other jobs are only in a fresh answer."""
+    fake = Limited()
+    ex = executor(fake)
+    fake.hold(45)  # the user's own jobs, submitted outside detslurm
+    assert ex.capacity() == 50 - 2 - 45
+    assert sum(1 for c in fake.calls if c[0] == "squeue") == 1
+
+
+def test_trials_held_back_for_room_go_in_once_room_frees_with_no_change_of_ours(det_env: Path, tmp_path: Path) -> None:
+    """The user's other jobs end: nothing of the experiment changed, yet the next tick submits."""
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "name: u\nentrypoint: python3 train.py\n"
+        "hyperparameters: {x: {type: int, minval: 0, maxval: 3, count: 4}}\n"
+        "searcher: {name: grid, metric: m, max_concurrent_trials: 4}\n"
+    )
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Limited()
+    fake.hold(47)  # MaxSubmitJobs 50 less its margin of 2: room for one
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="root"), SITE))
+    ctl.tick([exp_id])
+    with store.read() as s:
+        (run,) = s.scalars(select(TrialRun)).all()
+        ours = _record(str(run.job_id), "PENDING", 0, f"detslurm:exp={exp_id},trial={run.trial_id},run=1")
+    fake.queue = fake.queue + [ours]
+    ctl.tick([exp_id])  # still full: nothing more
+    assert sum(1 for c in fake.calls if c[0] == "sbatch") == 1
+    fake.queue = [ours]  # the other jobs end
+    ctl.tick([exp_id])
+    with store.read() as s:
+        assert len(s.scalars(select(TrialRun)).all()) == 4

@@ -100,6 +100,9 @@ class Controller:
         # What the last ticks saw (a cache: a new controller starts empty and ticks in full).
         self.memory = memory or TickMemory()
         self._deferred: set[int] = set()  # experiments with runs taken back this step (_unsubmit)
+        # Experiments with trials held back for the executor's capacity: room can free up with
+        # no change of ours (the user's other jobs end), so their submission is tried every tick.
+        self._held: set[int] = set()
         self._full = True
 
     # -- the tick -------------------------------------------------------------------------
@@ -195,7 +198,7 @@ class Controller:
             with self.store.read() as s:
                 sync_files(s, _get(s, exp_id), changes.only, self.memory)
         if reachable:
-            if changes.any:
+            if changes.any or exp_id in self._held:
                 self._submit(exp_id, _among(changes, now))
             # Kept only once the whole step is done: a step that failed leaves no snapshot, and
             # the next one walks every trial. Its own writes show as changes at the next tick.
@@ -403,7 +406,9 @@ class Controller:
         return plan_runs(s, exp, capacity, self.executor.kind, self.executor.resources_type(), among)
 
     def _submit(self, exp_id: int, among: Among | None) -> None:
-        if self.executor.capacity() is not None:
+        self._held.discard(exp_id)
+        capacity = self.executor.capacity()
+        if capacity is not None:
             among = None  # trials held back for capacity need a run without any change of theirs
         if not self._may_need_runs(exp_id, among):
             return  # every live trial has its run: planning would walk 10,000 trials for nothing
@@ -412,6 +417,8 @@ class Controller:
             if exp.state != ExperimentState.ACTIVE:
                 return
             specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp, among)]
+        if capacity is not None and len(specs) >= capacity:
+            self._held.add(exp_id)  # planning stopped at the capacity: more may wait
         if not specs:
             return
         for _, spec in specs:

@@ -139,7 +139,9 @@ class SlurmExecutor:
             return None  # a dry run plans every trial, as Slurm would be asked to take them
         t = self._throttle
         room = self._room()
-        if room == 0 and self._clock() - t.queue_at > QUEUE_STALE_S:
+        # A stale answer (no job of ours was polled lately: the first submission, or one after
+        # an idle stretch) does not show the user's other jobs: read the queue once more.
+        if room is not None and self._clock() - t.queue_at > QUEUE_STALE_S:
             try:
                 self._read_queue()
             except SchedulerUnavailable:
@@ -175,11 +177,14 @@ class SlurmExecutor:
         return t.limits
 
     def _later(self, e: SlurmCommandError, tried: int) -> SubmitLater:
-        """A submission Slurm refused for a limit: remember where it holds (our live jobs, or
-        half the array just tried when none are live) and warn once per throttled stretch."""
+        """A submission Slurm refused for a limit: remember where it holds (at most our live jobs
+        and half the array just tried) and warn once per throttled stretch."""
         t = self._throttle
         live = count_queue(self.last_queue.values()).live + t.submitted
-        t.refused_at = live if live > 0 else tried // 2
+        # The limit lies below live + tried: halve what is tried until Slurm takes it (a lone
+        # job refused says the limit is where we are). Learning only `live` would pin a search
+        # refused early, with few jobs live, to those few for good.
+        t.refused_at = live + tried // 2
         warn, t.warned = not t.warned, True
         reason = next((line for line in e.stderr.splitlines() if is_limit_refusal(line)), e.stderr)
         return SubmitLater(f"Slurm refused the job for a submit limit ({reason.strip()}); submitting later", warn)
