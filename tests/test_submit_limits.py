@@ -301,3 +301,40 @@ def test_trials_held_back_for_room_go_in_once_room_frees_with_no_change_of_ours(
     ctl.tick([exp_id])
     with store.read() as s:
         assert len(s.scalars(select(TrialRun)).all()) == 4
+
+
+def test_a_timeout_keeps_what_the_command_printed() -> None:
+    """sbatch resending into a full job table prints why before our timeout cuts it short."""
+    from detslurm.slurm.client import SlurmCommandError, subprocess_runner
+
+    script = "echo 'sbatch: error: Slurm job queue full, sleeping and retrying' >&2; exec sleep 5"
+    try:
+        subprocess_runner(["sh", "-c", script], timeout=1.0)
+    except SlurmCommandError as e:
+        assert e.returncode == 124 and e.reply_lost
+        assert is_limit_refusal(e.stderr) and "timed out after 1 s" in e.stderr
+    else:
+        raise AssertionError("no timeout")
+
+
+class FullTable(Limited):
+    """sbatch timed out while resending into a full job table."""
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if argv[0] == "sbatch":
+            msg = "sbatch: error: Slurm job queue full, sleeping and retrying\ntimed out after 30 s"
+            return Result(124, "", msg)
+        return super().answer(argv, input)
+
+
+def test_a_full_job_table_cut_short_is_looked_for_and_teaches_the_limit(tmp_path: Path) -> None:
+    from detslurm.controller.executor import SubmitUnknown
+
+    fake = FullTable()
+    ex = executor(fake)
+    fake.hold(4)
+    ex.poll({"9_0": tmp_path})
+    out = ex.submit_many(specs(tmp_path, config(), 6))
+    # A resend may have got in before the timeout: the runs are looked for, not resubmitted.
+    assert all(isinstance(r, SubmitUnknown) for r in out)
+    assert ex.capacity() == 3  # and the limit is learned: below 4 live + 6 tried

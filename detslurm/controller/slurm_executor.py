@@ -386,6 +386,10 @@ class SlurmExecutor:
         except SlurmCommandError as e:
             # The order matters: a lost reply is also "unreachable", but the job may exist.
             if e.reply_lost:
+                if is_limit_refusal(e.stderr):
+                    # sbatch was still resending into a full job table when our timeout cut it
+                    # short: learn the limit, but a resend may have got in, so look for the job.
+                    self._later(e, len(sub.specs))
                 raise SubmitUnknown(str(e)) from e
             if is_limit_refusal(e.stderr):
                 raise self._later(e, len(sub.specs)) from e

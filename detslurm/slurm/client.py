@@ -107,8 +107,11 @@ def subprocess_runner(
         raise SlurmUnavailable(
             f"{argv[0]} not found: is this a Slurm login node (or is the test cluster up)?"
         ) from None
-    except subprocess.TimeoutExpired:
-        raise SlurmCommandError(argv, 124, f"timed out after {timeout:.0f} s (is slurmctld responding?)") from None
+    except subprocess.TimeoutExpired as e:
+        # What it printed before we gave up says why (sbatch retrying a full job queue, say).
+        said = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        msg = f"timed out after {timeout:.0f} s (is slurmctld responding?)"
+        raise SlurmCommandError(argv, 124, f"{said.strip()}\n{msg}" if said.strip() else msg) from None
     return Result(p.returncode, p.stdout, p.stderr)
 
 
