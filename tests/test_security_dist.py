@@ -413,3 +413,21 @@ def test_c1_on_the_cluster_two_nodes_two_ranks(det: Any, mallory: Attacker, mark
     code, logs, _ = det("t", "logs", "1")
     assert "rank 3: group [[0, 'c1'], [1, 'c1'], [2, 'c2'], [3, 'c2']]" in logs
     assert "global/4 group: closed a connection from" in logs and "failed authentication" in logs
+
+
+def test_a_batch_bigger_than_the_descriptor_limit_is_written_in_chunks(tmp_path: Path) -> None:
+    """One descriptor per run is held while a batch is fsynced: 600 runs under a limit of 300."""
+    script = f"""
+import resource, sys
+from pathlib import Path
+from detslurm.protocol.secret import write_run_secrets
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+dirs = [Path({str(tmp_path)!r}) / f"r{{i}}" for i in range(600)]
+for d in dirs:
+    d.mkdir()
+print(len(set(p.read_text() for p in write_run_secrets(dirs))))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "600"  # every secret written, all distinct
+    assert not list(tmp_path.glob("r*/.*.tmp"))
