@@ -210,9 +210,12 @@ class PendingMetrics:
             raw.executemany(_SQLITE_METRICS, rows)
             if points:
                 raw.executemany(_SQLITE_POINTS, points)
-        except (sqlite3.OperationalError, sqlite3.InterfaceError) as e:
-            # The store itself failed (disk full, I/O): raised as SQLAlchemy raises it, so the
-            # tick rolls back and retries as for any other store failure.
+        except (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.ProgrammingError):
+            raise  # this row's fault: refused alone by flush()
+        except (sqlite3.DatabaseError, sqlite3.InterfaceError, MemoryError) as e:
+            # The store itself failed (disk full, I/O, a corrupt file, out of memory): raised as
+            # SQLAlchemy raises it, so the tick rolls back and retries as for any other store
+            # failure, instead of refusing every line of the pass.
             raise OperationalError(_SQLITE_METRICS, None, e) from e
 
     def flush(self, session: Session, refused: Callable[[Line, str], None]) -> int:
