@@ -300,3 +300,13 @@ def test_quick_describe_leaves_the_rest_to_the_orm(det_env: Path, tmp_path: Path
     con.close()
     assert quick.describe(exp_id, os_user(), 10) is None
     quick.close()
+
+
+def test_a_relative_sqlite_path_is_read_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """sqlite:///rel.db is relative to the current dir, for the fast path as for the ORM."""
+    from detslurm.store import open_store
+    from detslurm.store.quick import QuickStore
+
+    monkeypatch.chdir(tmp_path)
+    open_store("sqlite:///rel.db").dispose()
+    assert QuickStore.open("sqlite:///rel.db") is not None

@@ -71,7 +71,7 @@ class QuickStore:
         warn_if_network_db(path)  # the same warning open_store gives (once per process)
         try:
             # mode=ro: this path never writes, whatever a bug might ask. 30 s: the ORM's busy wait.
-            con = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=30)
+            con = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=30)
         except sqlite3.Error:
             return None
         try:
