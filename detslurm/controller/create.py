@@ -237,14 +237,13 @@ def dry_run(
     runs of a grid to check one shape cost 0.8 s of ``det e create``.
     """
     specs: list[RunSpec] = []
-    cap = executor.capacity()
-    capacity = SHAPE_SAMPLE if cap is None else min(cap, SHAPE_SAMPLE)
     try:
         with store.tx() as s:
             exp = _insert(s, settings, plan, executor.kind, SHAPE_SAMPLE if sample else None)
             if exp.state == ExperimentState.ACTIVE and sample:
-                # Controller.plan_submission's call, with the sample's capacity.
-                runs = plan_runs(s, exp, capacity, executor.kind, executor.resources_type())
+                # Controller.plan_submission's call, with the sample's size for capacity: whether
+                # Slurm admits the shape does not depend on the room the user has right now.
+                runs = plan_runs(s, exp, SHAPE_SAMPLE, executor.kind, executor.resources_type())
                 specs = [spec for _, spec in runs]
             elif exp.state == ExperimentState.ACTIVE:
                 specs = [spec for _, spec in Controller(store, executor).plan_submission(s, exp)]
