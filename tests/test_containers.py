@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from detslurm.controller.executor import ExitCause, JobState
-from detslurm.controller.slurm_executor import _ended
+from detslurm.controller.slurm_status import ended as _ended
 from detslurm.core import DummyDistributedContext
 from detslurm.core._preempt import PreemptContext
 from detslurm.errors import ConfigError

@@ -8,7 +8,8 @@ import pytest
 
 from detslurm.controller.decide import SPENDS_NO_RESTART
 from detslurm.controller.executor import ExitCause, JobState
-from detslurm.controller.slurm_executor import EXIT_CAUSE, JOB_STATE, _ended
+from detslurm.controller.slurm_status import EXIT_CAUSE, JOB_STATE
+from detslurm.controller.slurm_status import ended as _ended
 from detslurm.slurm.states import SLURM_STATES, SlurmState, state_from_slurm
 
 
@@ -63,7 +64,8 @@ def test_a_stop_signal_that_kills_the_trial_is_not_its_failure(tmp_path: Path) -
     """Seen in the stress test: SIGTERM landed after the trial had finished and closed its
     context; it died of the signal (exit 241) and was charged a restart. The batch shell's
     record of the signal makes it a stop, resubmitted from the checkpoint without a charge."""
-    from detslurm.controller.slurm_executor import _ended, _stop_signalled
+    from detslurm.controller.slurm_status import ended as _ended
+    from detslurm.controller.slurm_status import stop_signalled as _stop_signalled
     from detslurm.slurm.states import SlurmState
 
     run = tmp_path / "exp-1-x" / "trials" / "1" / "runs" / "4"

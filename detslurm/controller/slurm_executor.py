@@ -24,8 +24,9 @@ from detslurm.controller.executor import (
     SubmitLater,
     SubmitUnknown,
 )
+from detslurm.controller.slurm_status import JOB_STATE, ended, in_queue, requeued_status, stop_signalled
 from detslurm.expconf import ExperimentConfig
-from detslurm.protocol import IMAGE_SOURCE, ExpPaths, NotARunDir, RunPaths, exit_outcome, exit_record_of
+from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
 from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
@@ -51,41 +52,6 @@ LIMITS_TTL_S = 600.0
 # "no room": with no job of ours left to poll, no tick reads the queue, and trials would wait
 # on jobs that have ended.
 QUEUE_STALE_S = 10.0
-
-# What a job in the queue is, for the controller. COMPLETING counts as running: the final
-# state (PREEMPTED, TIMEOUT, ...) comes next, and deciding now would lose how the run ended.
-JOB_STATE: dict[SlurmState, JobState] = {
-    SlurmState.PENDING: JobState.QUEUED,
-    SlurmState.REQUEUED: JobState.QUEUED,
-    SlurmState.RUNNING: JobState.RUNNING,
-    SlurmState.SUSPENDED: JobState.RUNNING,
-    SlurmState.COMPLETING: JobState.RUNNING,
-    # A state this Slurm does not know yet (a newer version): still in the queue, so active.
-    SlurmState.UNKNOWN: JobState.RUNNING,
-    SlurmState.COMPLETED: JobState.EXITED,
-    SlurmState.FAILED: JobState.EXITED,
-    SlurmState.CANCELLED: JobState.EXITED,
-    SlurmState.TIMEOUT: JobState.EXITED,
-    SlurmState.PREEMPTED: JobState.EXITED,
-    SlurmState.NODE_FAIL: JobState.EXITED,
-    SlurmState.OUT_OF_MEMORY: JobState.EXITED,
-    SlurmState.BOOT_FAIL: JobState.EXITED,
-    SlurmState.DEADLINE: JobState.EXITED,
-}
-
-# How a job ended, by Slurm's final state. A boot failure is the node's fault, not the
-# trial's; a deadline is a time limit the user set.
-EXIT_CAUSE: dict[SlurmState, ExitCause] = {
-    SlurmState.COMPLETED: ExitCause.COMPLETED,
-    SlurmState.FAILED: ExitCause.FAILED,
-    SlurmState.OUT_OF_MEMORY: ExitCause.FAILED,
-    SlurmState.CANCELLED: ExitCause.CANCELED_BY_USER,
-    SlurmState.TIMEOUT: ExitCause.TIME_LIMIT,
-    SlurmState.DEADLINE: ExitCause.TIME_LIMIT,
-    SlurmState.PREEMPTED: ExitCause.PREEMPTED,
-    SlurmState.NODE_FAIL: ExitCause.NODE_FAILURE,
-    SlurmState.BOOT_FAIL: ExitCause.NODE_FAILURE,
-}
 
 # Pending reasons that mean "no reason" in squeue's output.
 _NO_REASON = ("None", "(null)", "")
@@ -128,6 +94,7 @@ class SlurmExecutor:
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
         self._clock = clock  # a seam: tests age the cached limits and queue without sleeping
         self._throttle = Throttle()
+        self.unreachable: Optional[str] = None
 
     # -- how many more jobs Slurm takes -----------------------------------------------------
     def capacity(self) -> Optional[int]:
@@ -144,7 +111,8 @@ class SlurmExecutor:
         if room is not None and self._clock() - t.queue_at > QUEUE_STALE_S:
             try:
                 self._read_queue()
-            except SchedulerUnavailable:
+            except SchedulerUnavailable as e:
+                self.unreachable = str(e)
                 return 0  # no answer: submitting would fail the same way
             room = self._room()
         return room
@@ -381,6 +349,9 @@ class SlurmExecutor:
             for spec in sub.specs:
                 link = sub.links_dir / str(spec.identity[1] - base)
                 link.symlink_to(spec.run_dir.resolve(), target_is_directory=True)
+        # A queue read before this sbatch cannot show its job: recover() must not answer from it
+        # (a run whose job id was lost would be judged never started and submitted again).
+        self._recover_queue = None
         try:
             return self.client.sbatch(sub.request.args, sub.request.script)
         except SlurmCommandError as e:
@@ -411,6 +382,7 @@ class SlurmExecutor:
     def _read_queue(self) -> None:
         """The tick's one squeue: every job of this user, kept for capacity() and recover()."""
         self.last_queue = {j.job_id: j for j in self._squeue()}
+        self.unreachable = None
         self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
         # What was submitted before this answer is in it now.
         self._throttle.queue_at, self._throttle.submitted = self._clock(), 0
@@ -473,17 +445,17 @@ class SlurmExecutor:
         # trial leaves in its run dir is never trusted to parse).
         code = record.code
         image = code is not None and record.source == IMAGE_SOURCE
-        stopped = _stop_signalled(run_dir)
+        stopped = stop_signalled(run_dir)
         if requeued:
-            return _requeued_status(code, image, stopped, still_queued=_in_queue(q))
+            return requeued_status(code, image, stopped, still_queued=in_queue(q))
         if q is None and acct is not None and acct.state.is_terminal:
             # Left the queue (MinJobAge) but slurmdbd knows how it ended.
-            return _ended(acct.state, code if code is not None else acct.exit_code, image, stopped)
+            return ended(acct.state, code if code is not None else acct.exit_code, image, stopped)
         if q is None:
             if code is not None:
-                return _ended(None, code, image, stopped)
+                return ended(None, code, image, stopped)
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST)
-        return _ended(q.state, code, image, stopped)
+        return ended(q.state, code, image, stopped)
 
     @staticmethod
     def _live(q: QueuedJob) -> JobStatus:
@@ -515,8 +487,8 @@ class SlurmExecutor:
                 self.client.scancel(job_ids[i : i + 500], pending_only=pending_only)
             except SlurmCommandError as e:
                 # scancel cancels the rest and complains about jobs that ended meanwhile: fine.
-                ended = ("Invalid job id", "already completing or completed")
-                if not all(any(m in line for m in ended) for line in e.stderr.splitlines() if line.strip()):
+                gone = ("Invalid job id", "already completing or completed")
+                if not all(any(m in line for m in gone) for line in e.stderr.splitlines() if line.strip()):
                     raise
 
 
@@ -541,58 +513,3 @@ def _requeued_trial(q: QueuedJob) -> bool:
     """A trial run's job that Slurm requeued after it had started. Detached runs (users' own
     scripts, no trial identity in the comment) are left to Slurm: a requeue is how they resume."""
     return q.requeued and q.identity is not None
-
-
-def _requeued_status(code: Optional[int], image_failed: bool, stopped: bool, still_queued: bool) -> JobStatus:
-    """How a requeued trial run ended: as Slurm's stop (a preemption), decided by the exit
-    record the stopped start wrote and its acknowledged checkpoint, never charged as a restart.
-
-    The requeued job is not let run again: every start of a trial keeps its own run dir and
-    exit record, and the controller stays the one place that decides restarts and resumes (a
-    start Slurm makes runs nothing, see the template). So the trial is resubmitted from its
-    checkpoint as a new run, and a job still queued is cancelled by the controller once the run's
-    end is recorded (``cancel_job``). Its later CANCELLED (or COMPLETED) state says nothing of the
-    run: Slurm's restart count, read in the same squeue, keeps it Slurm's stop.
-
-    Slurm also requeues a job whose node failed, and squeue does not say which it was: a start
-    that left neither an exit record nor a stop signal (its batch shell records each one it
-    gets, and writes the record when its step ends) lost its node. Either way no restart is
-    charged; only the words differ."""
-    lost_node = code is None and not stopped
-    ended = _ended(SlurmState.NODE_FAIL if lost_node else SlurmState.PREEMPTED, code, image_failed, stopped)
-    return JobStatus(ended.state, ended.exit_code, ended.cause, SlurmState.REQUEUED.value, cancel_job=still_queued)
-
-
-def _in_queue(q: Optional[QueuedJob]) -> bool:
-    """Slurm still holds the job: it waits, runs, or may start again."""
-    return q is not None and JOB_STATE[q.state] != JobState.EXITED
-
-
-def _stop_signalled(run_dir: Path) -> bool:
-    """Whether the batch shell recorded a stop signal (SIGTERM or the warning signal) for this run.
-    Only the file's size is looked at: nothing the run dir holds is parsed here."""
-    try:
-        return RunPaths.from_run_dir(run_dir).signals.stat().st_size > 0
-    except (OSError, NotARunDir):  # no signal file, or a run dir of another executor's shape
-        return False
-
-
-def _ended(
-    state: Optional[SlurmState], code: Optional[int], image_failed: bool = False, stopped: bool = False
-) -> JobStatus:
-    """A finished job: Slurm's final state says why, the run's own record gives the code."""
-    cause = EXIT_CAUSE.get(state) if state is not None else None
-    if cause is None or cause == ExitCause.COMPLETED:
-        cause = ExitCause.COMPLETED if code == 0 else ExitCause.FAILED
-    if stopped and code != 0 and cause == ExitCause.FAILED:
-        # Slurm (or a user's scancel) signalled the job to stop and the trial died of it: a stop
-        # that landed where the trial could not checkpoint (starting up, or already finishing) is
-        # still Slurm's stop, not the trial's failure. Resubmitted from its latest checkpoint
-        # without spending a restart, as a preemption is.
-        cause = ExitCause.PREEMPTED
-    if image_failed and code != 0 and cause == ExitCause.FAILED:
-        # Not the trial's failure (no trial code ran), and one the next run would repeat; a
-        # preemption or node failure meanwhile keeps its own cause and is retried as usual.
-        cause = ExitCause.IMAGE_UNAVAILABLE
-    detail = state.value if state is not None and state != SlurmState.COMPLETED else None
-    return JobStatus(JobState.EXITED, code, cause, detail)
