@@ -338,3 +338,77 @@ def test_a_full_job_table_cut_short_is_looked_for_and_teaches_the_limit(tmp_path
     # A resend may have got in before the timeout: the runs are looked for, not resubmitted.
     assert all(isinstance(r, SubmitUnknown) for r in out)
     assert ex.capacity() == 3  # and the limit is learned: below 4 live + 6 tried
+
+
+class Down(Limited):
+    """slurmctld stopped: every command fails as 22.05's do when it cannot be reached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = True
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if self.down:
+            return Result(1, "", f"{argv[0]}: error: Unable to contact slurm controller (connect failure)\n")
+        return super().answer(argv, input)
+
+
+def test_trials_waiting_out_an_outage_say_why_once_and_no_sbatch_is_tried(det_env: Path, tmp_path: Path) -> None:
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "name: u\nentrypoint: python3 train.py\n"
+        "hyperparameters: {x: {type: int, minval: 0, maxval: 1, count: 2}}\n"
+        "searcher: {name: grid, metric: m}\n"
+    )
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Down()
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="root"), SITE))
+
+    def warnings() -> list[str]:
+        with store.read() as s:
+            return [e.message for e in s.scalars(select(LogEntry).where(LogEntry.level == "WARNING"))]
+
+    ctl.tick([exp_id])
+    ctl.tick([exp_id])
+    assert fake.asked("sbatch") == 0  # the queue did not answer: no sbatch into a stopped slurmctld
+    (said,) = warnings()  # once per outage, not per tick or per trial
+    assert said.startswith("Slurm is unreachable; will submit again") and "Unable to contact" in said
+    with store.read() as s:
+        assert list(s.scalars(select(TrialRun))) == []
+        assert [(t.run_count, t.restarts) for t in s.scalars(select(Trial))] == [(0, 0)] * 2
+    fake.down = False
+    ctl.tick([exp_id])
+    with store.read() as s:
+        assert len(s.scalars(select(TrialRun)).all()) == 2
+    assert len(warnings()) == 1
+
+
+class Queueing(Limited):
+    """sbatch's job shows in the next squeue answer, with the comment it was submitted with."""
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        result = super().answer(argv, input)
+        if argv[0] == "sbatch" and result.returncode == 0:
+            comment = next(a.removeprefix("--comment=") for a in argv if a.startswith("--comment="))
+            self.queue.append(_record(result.stdout.strip(), "PENDING", 0, comment))
+        return result
+
+
+def test_a_queue_read_before_a_submission_never_answers_a_recovery(tmp_path: Path) -> None:
+    """The tick read the queue (for capacity), then submitted; the job id was lost on our side
+    (a controller dying before its commit). Looking for the job must ask Slurm again: the read
+    from before the sbatch would say "never submitted" and the run would be submitted twice."""
+    fake = Queueing()
+    ex = executor(fake)
+    assert ex.capacity() is not None  # the first submission reads the queue
+    (job,) = ex.submit_many(specs(tmp_path, config(), 1))
+    assert ex.recover((1, 1, 1), str(tmp_path / "exp-1-abcd")) == job

@@ -103,6 +103,7 @@ class Controller:
         # Experiments with trials held back for the executor's capacity: room can free up with
         # no change of ours (the user's other jobs end), so their submission is tried every tick.
         self._held: set[int] = set()
+        self._outage_noted: set[int] = set()  # experiments told of the outage delaying them
         self._full = True
 
     # -- the tick -------------------------------------------------------------------------
@@ -410,7 +411,8 @@ class Controller:
         capacity = self.executor.capacity()
         if capacity is not None:
             among = None  # trials held back for capacity need a run without any change of theirs
-        if not self._may_need_runs(exp_id, among):
+        first = self._first_needing_run(exp_id, among)
+        if first is None:
             return  # every live trial has its run: planning would walk 10,000 trials for nothing
         with self.store.tx() as s:
             exp = _get(s, exp_id)
@@ -419,6 +421,7 @@ class Controller:
             specs = [(run.id, spec) for run, spec in self.plan_submission(s, exp, among)]
         if capacity is not None and len(specs) >= capacity:
             self._held.add(exp_id)  # planning stopped at the capacity: more may wait
+        self._note_outage(exp_id, first, capacity)
         if not specs:
             return
         for _, spec in specs:
@@ -429,11 +432,23 @@ class Controller:
         results = self.executor.submit_many([sp for _, sp in specs])
         self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
 
-    def _may_need_runs(self, exp_id: int, among: Among | None) -> bool:
-        """Whether some trial may need a new run (``needs_run`` without its ops test): one
-        indexed query instead of loading every trial and run."""
+    def _first_needing_run(self, exp_id: int, among: Among | None) -> int | None:
+        """The first trial that may need a new run (``needs_run`` without its ops test), if
+        any: one indexed query instead of loading every trial and run."""
         with self.store.read() as s:
-            return s.scalar(runless_trials(exp_id, among).with_only_columns(Trial.id).limit(1)) is not None
+            return s.scalar(runless_trials(exp_id, among).with_only_columns(Trial.id).limit(1))
+
+    def _note_outage(self, exp_id: int, trial_id: int, capacity: int | None) -> None:
+        """Trials held back because Slurm did not answer (capacity 0 for an unread queue) say
+        why in their events: once per outage and experiment, on the first waiting trial, rather
+        than an sbatch per tick into a scheduler that is down."""
+        reason = self.executor.unreachable if capacity == 0 else None
+        if reason is None:
+            self._outage_noted.discard(exp_id)
+        elif exp_id not in self._outage_noted:
+            self._outage_noted.add(exp_id)
+            with self.store.tx() as s:
+                note(s, trial_id, f"Slurm is unreachable; will submit again: {reason}", "WARNING")
 
     def _record(self, results: list[tuple[int, RunSpec, str | Exception]]) -> None:
         """Note submissions' job ids, each first in its run dir (the store commit may not

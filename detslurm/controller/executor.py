@@ -153,6 +153,9 @@ class Executor(Protocol):
     controller always uses (a backend may implement them one run at a time)."""
 
     kind: str
+    # Why the last capacity() said 0 without asking the scheduler's limits (it did not answer),
+    # for the controller to tell the waiting trials; None when it answered.
+    unreachable: str | None
 
     def capacity(self) -> int | None:
         """How many more runs may start now (None: no limit, the scheduler decides); the rest

@@ -19,6 +19,7 @@ class LocalExecutor:
     """Trial runs as child processes of the controller, at most ``max_parallel`` at a time."""
 
     kind = "local"
+    unreachable: str | None = None  # local processes need no scheduler
 
     def __init__(self, max_parallel: int) -> None:
         self.max_parallel = max_parallel
