@@ -115,8 +115,11 @@ def assert_same_training(dirs: list[Path], tmp_path: Path, upto: dict[Path, int]
     for step in range(0, BATCHES, N_RECORDS // GBS):  # each epoch: every record exactly once
         epoch = [i for s in got[step : step + N_RECORDS // GBS] for i in s]
         assert sorted(epoch) == list(range(N_RECORDS)) or len(epoch) < N_RECORDS
-    got_w = json.loads((dirs[-1] / "weights.json").read_text())
-    assert torch.allclose(torch.tensor(got_w), torch.tensor(want_w), atol=1e-5, rtol=1e-4)
+    got_w = torch.tensor(json.loads((dirs[-1] / "weights.json").read_text()))
+    want_t = torch.tensor(want_w)
+    worst = int((got_w - want_t).abs().argmax())
+    # Summation order alone moves the weights by about 1e-7 here; the message names the worst one.
+    assert torch.allclose(got_w, want_t, atol=1e-5, rtol=1e-4), (worst, got_w[worst].item(), want_t[worst].item())
 
 
 def test_two_processes_under_torchrun_train_like_one(tmp_path: Path) -> None:
