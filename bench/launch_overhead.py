@@ -11,9 +11,10 @@ How the sides are kept comparable on a small shared machine:
 - each detslurm side's daemon is started before the first repeat, so its one-time start-up
   (SQLAlchemy and the store) never overlaps a job's window (on a cluster it runs on the login
   node, not on the job's nodes); its ticks do overlap, as they would;
-- every side reads bytecode from one bench-private cache (``PYTHONPYCACHEPREFIX``; an installed
-  package has its bytecode compiled), filled by ``--warmup`` untimed rounds, whatever
-  PYTHONDONTWRITEBYTECODE the caller's environment sets.
+- every side reads bytecode from one private cache in this run's own dir
+  (``PYTHONPYCACHEPREFIX``; an installed package has its bytecode compiled), filled by one
+  process per interpreter before the first job, whatever PYTHONDONTWRITEBYTECODE the caller's
+  environment sets; ``--warmup`` untimed rounds come on top.
 
 ``--compare-python PY`` adds a second detslurm side run by another install's interpreter (its
 ``det`` next to PY), e.g. a checkout of the previous version: before/after in one run.
@@ -130,27 +131,35 @@ def _det_side(name: str, python: str, work: Path, base: dict[str, str]) -> DetSi
     return DetSide(name, _det_next_to(python), env)
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first (fill the bytecode cache)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--compare-python", help="also run the detslurm installed for this interpreter")
     ap.add_argument(
         "--pycache-prefix",
-        default=str(Path(tempfile.gettempdir()) / f"detslurm-bench-pycache-{os.getuid()}"),
-        help="the bytecode cache every side reads (PYTHONPYCACHEPREFIX)",
+        help="the bytecode cache every side reads (PYTHONPYCACHEPREFIX); default: a private one in this run's dir",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _warm(pythons: set[str], env: dict[str, str]) -> None:
+    """Fill the bytecode cache once, in one process each, before any job: a cold cache is
+    compiled by all six processes of the first job at once (agents and ranks), which on a
+    fresh, busy 2-core machine outlasted wait_file's limit (CI), and would be timed otherwise."""
+    for python in pythons:
+        subprocess.run([python, "-c", WARM_IMPORTS], env=env, check=True, capture_output=True)
+
+
+def main() -> int:
+    args = _args()
     work = Path(tempfile.mkdtemp(prefix="bench-launch-"))
-    base = _env(work, Path(args.pycache_prefix))
+    # Private (mkdtemp, 0700) unless asked: a fixed name in /tmp could hold another user's .pyc files.
+    base = _env(work, Path(args.pycache_prefix) if args.pycache_prefix else work / "pycache")
     sides = [_det_side("detslurm", PY, work, base)]
     if args.compare_python:
         sides.append(_det_side("compare", args.compare_python, work, base))
-    for python in {PY, args.compare_python or PY}:
-        # Fill the bytecode cache once, in one process, before any job: a cold cache is compiled
-        # by all six processes of the first job at once (agents and ranks), which on a fresh,
-        # busy 2-core machine outlasted wait_file's limit (CI), and would be timed otherwise.
-        subprocess.run([python, "-c", WARM_IMPORTS], env=base, check=True, capture_output=True)
+    _warm({PY, args.compare_python or PY}, base)
     raw: list[float] = []
     loads: list[float] = []
     try:
