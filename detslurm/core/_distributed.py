@@ -12,9 +12,8 @@ Security (review C1, C1b): any user on the cluster can reach these sockets, so
   ids, which are public in squeue) by an HMAC challenge-response, and the server proves it back;
   after that every frame carries an HMAC over its direction and sequence number;
 - only the expected ranks may join, each once;
-- the server's accept loop outlives bad clients: a connection that fails the handshake, sends
-  garbage or an oversized frame, or stalls, is closed and logged, and accepting goes on until
-  every member joined or the join deadline passed (an error naming the missing ranks);
+- the server's accept loop outlives bad clients (a failed handshake, garbage, an oversized frame,
+  a stall: closed and logged) until every member joined or the deadline passed (naming the missing);
 - on Linux the node-local socket lives in the abstract namespace under a name derived from the
   secret, so no file in a shared /tmp can be planted to block it, and nobody can guess the name
   before the server binds it.
