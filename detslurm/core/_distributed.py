@@ -10,13 +10,12 @@ Security (review C1, C1b): any user on the cluster can reach these sockets, so
 - frames are JSON, never pickles: what comes from the network is data, not code;
 - a member proves it holds this run's random secret (``detslurm.protocol.secret``: never derived from
   ids, which are public in squeue) by an HMAC challenge-response, and the server proves it back;
-  after that every frame carries an HMAC over its direction and sequence number;
-- only the expected ranks may join, each once;
-- the server's accept loop outlives bad clients (a failed handshake, garbage, an oversized frame,
-  a stall: closed and logged) until every member joined or the deadline passed (naming the missing);
-- on Linux the node-local socket lives in the abstract namespace under a name derived from the
-  secret, so no file in a shared /tmp can be planted to block it, and nobody can guess the name
-  before the server binds it.
+  then every frame carries an HMAC over its direction and sequence number; only the expected ranks
+  may join, each once;
+- the server's accept loop outlives bad clients (a failed handshake, garbage, an oversized frame, a
+  stall: closed and logged) until every member joined or the deadline passed (naming the missing);
+- on Linux the node-local socket is in the abstract namespace, named from the secret: no file in a
+  shared /tmp can be planted to block it, and nobody can guess the name before the server binds it.
 
 Traffic is authenticated, not encrypted: keep secrets out of collectives.
 """
