@@ -189,6 +189,37 @@ def curve_seconds(url: str, trial_id: int, points: int) -> tuple[float, int]:
     return seconds, len(curve)
 
 
+def row_counts(db: str, trial_id: int) -> tuple[int, int]:
+    """The experiment's metric rows, and the validation rows of the trial whose curve is asked."""
+    con = sqlite3.connect(db)
+    try:
+        total = int(con.execute("SELECT count(*) FROM metrics").fetchone()[0])
+        q = "SELECT count(*) FROM metrics WHERE trial_id = ? AND \"group\" = 'validation'"
+        return total, int(con.execute(q, (trial_id,)).fetchone()[0])
+    finally:
+        con.close()
+
+
+def time_queries(
+    ws: Workspace, url: str, exp_id: int, trial_id: int, points: int, repeats: int
+) -> tuple[dict[str, list[float]], int]:
+    """det e describe (wall and CPU), a bare SELECT of the curve's rows and the curve query,
+    ``repeats`` times each; also the number of points the curve query returned."""
+    db = url.split("///", 1)[-1]
+    names = ("det_e_describe", "det_e_describe_cpu", "raw_curve_select", "curve_query")
+    t: dict[str, list[float]] = {k: [] for k in names}
+    got = 0
+    for _ in range(repeats):
+        c0 = children_cpu()
+        secs, _out = timed([DET, "e", "describe", str(exp_id)], ws.env)
+        t["det_e_describe_cpu"].append(children_cpu() - c0)
+        t["det_e_describe"].append(secs)
+        t["raw_curve_select"].append(timed([sys.executable, "-c", RAW_CURVE, db, str(trial_id)], ws.env)[0])
+        secs, got = curve_seconds(url, trial_id, points)
+        t["curve_query"].append(secs)
+    return t, got
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ingest", type=int, default=100_000, help="metric events ingested in one tick")
@@ -215,29 +246,8 @@ def main() -> int:
         # The rest of the experiment's rows, spread over its trials, the fast way (with their points).
         raw_insert(db, trial_ids, max(0, args.rows - 3 * args.ingest), 20_000_000, points=True)
         after = store_bytes(db)
-        con = sqlite3.connect(db)
-        total_rows = int(con.execute("SELECT count(*) FROM metrics").fetchone()[0])
-        biggest = int(
-            con.execute(
-                "SELECT count(*) FROM metrics WHERE trial_id = ? AND \"group\" = 'validation'", (trial_ids[-1],)
-            ).fetchone()[0]
-        )
-        con.close()
-        t: dict[str, list[float]] = {
-            "det_e_describe": [],
-            "det_e_describe_cpu": [],
-            "raw_curve_select": [],
-            "curve_query": [],
-        }
-        points = 0
-        for _ in range(args.repeats):
-            c0 = children_cpu()
-            secs, _out = timed([DET, "e", "describe", str(exp_id)], ws.env)
-            t["det_e_describe_cpu"].append(children_cpu() - c0)
-            t["det_e_describe"].append(secs)
-            t["raw_curve_select"].append(timed([sys.executable, "-c", RAW_CURVE, db, str(trial_ids[-1])], ws.env)[0])
-            secs, points = curve_seconds(url, trial_ids[-1], args.points)
-            t["curve_query"].append(secs)
+        total_rows, biggest = row_counts(db, trial_ids[-1])
+        t, points = time_queries(ws, url, exp_id, trial_ids[-1], args.points, args.repeats)
     finally:
         ws.close()
     med = {k: median(v) for k, v in t.items()}
