@@ -54,6 +54,42 @@ def write(path: Path, text: str) -> Path:
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# scripts/test builds DeepSpeed's CPU op and Horovod in the background (scripts/bootstrap-launchers)
+# and names here the file it writes when that build has ended. The tests that need the build are
+# marked `late_build`: they run after all others, and each waits for the build before it starts.
+LATE_BUILD_DONE = os.environ.get("DETSLURM_LATE_BUILD_DONE")
+LATE_BUILD_WAIT_S = 3600
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if LATE_BUILD_DONE:
+        items.sort(key=lambda item: item.get_closest_marker("late_build") is not None)  # stable
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not LATE_BUILD_DONE or item.get_closest_marker("late_build") is None:
+        return
+    import time
+
+    deadline = time.monotonic() + LATE_BUILD_WAIT_S
+    while not Path(LATE_BUILD_DONE).exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"scripts/bootstrap-launchers did not end within {LATE_BUILD_WAIT_S} s")
+        time.sleep(2)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under CI, a failure is printed the moment it happens, not only in the final summary.
+
+    CI shows the tail of a run cut off at its time limit, and pytest prints the tracebacks only at
+    the end; the tail of each traceback here names the assertion that failed."""
+    if not os.environ.get("CI") or not report.failed:
+        return
+    tail = report.longreprtext.strip().splitlines()[-12:]
+    lines = [f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", *("  " + t for t in tail)]
+    sys.stderr.write("\n" + "\n".join(lines) + "\n")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The project's real Slurm test cluster (scripts/test-cluster), started once per session.

@@ -14,6 +14,8 @@ cannot pass just because pytest's private tmp dir (0700) is in the way.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import pwd
 import shutil
@@ -127,13 +129,34 @@ def shared_det(root: Path) -> Path:
     # only for tarfile's extraction filters: extracting a context happens inside trials, never
     # in the CLI commands a second user runs in these tests.
     pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
-    if not (venv / "bin" / "pip").exists():
-        subprocess.run([python, "-m", "venv", str(venv)], check=True)
-        subprocess.run([*pip, f"{root}[postgres]"], check=True)
-    else:
-        subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True)
-        if subprocess.run([str(venv / "bin/python"), "-c", "import psycopg"], capture_output=True).returncode:
-            subprocess.run([*pip, "psycopg[binary]>=3.1"], check=True)
+    (root / ".state").mkdir(exist_ok=True)
+    # scripts/test runs several pytest sessions at once: one pip at a time in this venv.
+    with open(root / ".state" / f"shared-venv-py{version}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _install_shared(python, venv, pip, root)
     for d in (root / ".state", venv):
         os.chmod(d, 0o755)
     return venv / "bin" / "det"
+
+
+def _install_shared(python: str, venv: Path, pip: list[str], root: Path) -> None:
+    # Reinstalled only when the checkout changed: another session may be running this det.
+    stamp, want = venv / ".detslurm-tree", _tree_hash(root)
+    if not (venv / "bin" / "pip").exists():
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        subprocess.run([*pip, f"{root}[postgres]"], check=True)
+    elif not stamp.exists() or stamp.read_text() != want:
+        subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True)
+        if subprocess.run([str(venv / "bin/python"), "-c", "import psycopg"], capture_output=True).returncode:
+            subprocess.run([*pip, "psycopg[binary]>=3.1"], check=True)
+    stamp.write_text(want)
+
+
+def _tree_hash(root: Path) -> str:
+    """Of everything the package is built from (pyproject.toml's package-dir)."""
+    h = hashlib.sha256((root / "pyproject.toml").read_bytes())
+    for top in ("detslurm", "cli", "launchers", "templates"):
+        for f in sorted((root / top).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()

@@ -116,6 +116,7 @@ def ds_ctx(tmp_path: Path) -> Path:
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
+@pytest.mark.late_build
 def test_deepspeed_zero2_two_nodes(det: Any, tmp_path: Path) -> None:
     cfg = write(tmp_path / "c.yaml", DS + "resources: {slots_per_trial: 4}\n")
     code, out, err = det("e", "create", cfg, ds_ctx(tmp_path), "-f")
@@ -135,6 +136,7 @@ HVD = (
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
+@pytest.mark.late_build
 @pytest.mark.parametrize("mode", ["gloo", "mpi"])
 def test_horovod_two_nodes(det: Any, tmp_path: Path, mode: str) -> None:
     pytest.importorskip("horovod.torch")
@@ -196,6 +198,7 @@ def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: 
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
+@pytest.mark.late_build
 def test_horovod_overrides_reach_every_rank_on_two_nodes(det: Any, tmp_path: Path) -> None:
     """horovodrun-spelled overrides become Horovod's variables on both nodes' workers."""
     pytest.importorskip("horovod.torch")
@@ -214,6 +217,7 @@ def test_horovod_overrides_reach_every_rank_on_two_nodes(det: Any, tmp_path: Pat
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
+@pytest.mark.late_build
 @pytest.mark.parametrize(
     "entrypoint,needs",
     [

@@ -12,7 +12,7 @@ import pytest
 from test_preemption_multinode import STOPS, finish_and_check, runs, start_two_by_two, stop_and_check
 from test_slurm_cluster import trials
 
-pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.usefixtures("slurm_env")]
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.late_build, pytest.mark.usefixtures("slurm_env")]
 
 # The entrypoint's launcher after `python3 -m determined.launch.`, and the module it needs. Open
 # MPI gets TCP only: the test cluster's "nodes" share one host, where its shared-memory
