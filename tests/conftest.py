@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,8 +70,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if not LATE_BUILD_DONE or item.get_closest_marker("late_build") is None:
         return
-    import time
-
     deadline = time.monotonic() + LATE_BUILD_WAIT_S
     while not Path(LATE_BUILD_DONE).exists():
         if time.monotonic() > deadline:
@@ -124,12 +123,12 @@ def slurm_env(det_env: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatc
 
     daemon.stop(settings.load())
     subprocess.run(["scancel", "-u", os.environ.get("USER", "root")], check=False)
-    deadline = __import__("time").time() + 15
-    while __import__("time").time() < deadline:
+    deadline = time.time() + 15
+    while time.time() < deadline:
         out = subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout
         if not out.strip():
             break
-        __import__("time").sleep(0.3)
+        time.sleep(0.3)
 
 
 @pytest.fixture(scope="session")
