@@ -28,6 +28,16 @@ The forwarder then signals the runner's grandchildren, the wrap_rank processes (
 the launcher gets the signal: the warning signal on one node); wrap_rank passes it on and the
 trial acts on it, while the two DeepSpeed processes hold theirs pending; launch.py sees its
 workers exit 0 after their checkpoint and exits 0 itself.
+
+A failed rank: torchrun then stops the other workers with SIGTERM and waits up to 30 s (a
+grace no setting shortens in torch 2.13) before its SIGKILL, and a rank blocked in a gloo
+collective never runs its SIGTERM handler. On a loaded node that made a worker failure take
+over 30 s to end the job. So each worker's wrap_rank marks a non-zero exit in a private
+directory (``wrap_rank.FAILED_RANKS_ENV``), and :func:`run_agent` SIGKILLs the agent's other
+workers and everything under them :data:`FAILURE_GRACE_S` after the first mark. It also tells
+the step's other nodes through the run dir (:class:`PeerMarks`), whose ranks may sit in a
+collective with the dead one; otherwise only srun's kill-on-bad-exit would stop them, after
+the site's KillWait. A preemption never goes through this: its ranks exit 0.
 """
 
 from __future__ import annotations
@@ -36,19 +46,28 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, Optional
 
 from detslurm.launch._common import handling
-from detslurm.launch.wrap_rank import STOP_SIGNALS
+from detslurm.launch.wrap_rank import FAILED_RANKS_ENV, STOP_SIGNALS
+from detslurm.protocol import NotARunDir, RunPaths
 
 # Delivered to the workers, never acted on by the agent: Slurm's SIGTERM and the warning signals.
 # (Defined in wrap_rank, which every worker runs and which must import nothing of ours.)
 TO_WORKERS = STOP_SIGNALS
 # What torchrun may still handle itself (its default list without SIGTERM).
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+# How long the other ranks get, after one failed, to finish on their own (an error of their own
+# from the broken collective, a last log line) before they are killed.
+FAILURE_GRACE_S = 2.0
+# How long the agent gets, once none of its workers is left, to print its summary and exit.
+AGENT_EXIT_S = 2.0
 
 
 def _children_map(proc: Path) -> dict[int, list[int]]:
@@ -73,13 +92,58 @@ def children_of(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return _children_map(proc).get(pid, [])
 
 
+def _generation(tree: Mapping[int, list[int]], pids: list[int], depth: int) -> list[int]:
+    for _ in range(depth):
+        pids = [child for parent in pids for child in tree.get(parent, [])]
+    return pids
+
+
 def below(pid: int, depth: int, proc: Path = Path("/proc")) -> list[int]:
     """The pids exactly ``depth`` generations below ``pid`` (1: its children, 2: theirs)."""
+    return _generation(_children_map(proc), [pid], depth)
+
+
+def tree_below(pid: int, depth: int, proc: Path = Path("/proc")) -> list[int]:
+    """The pids ``depth`` generations below ``pid`` and all their descendants, from one scan."""
     tree = _children_map(proc)
-    level = [pid]
-    for _ in range(depth):
-        level = [child for parent in level for child in tree.get(parent, [])]
-    return level
+    level = _generation(tree, [pid], depth)
+    out: list[int] = []
+    while level:
+        out += level
+        level = _generation(tree, level, 1)
+    return out
+
+
+@dataclass(frozen=True)
+class PeerMarks:
+    """How the launchers of one step's nodes tell each other that a rank failed: a mark each in
+    the run dir, which every node shares. A rank on another node may be stuck in a collective
+    with the dead one and never fail on its own."""
+
+    mine: Path
+    pattern: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Optional[PeerMarks]:
+        """None outside a step of more than one node (nothing to tell) or outside a run."""
+        if int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1") < 2:
+            return None
+        try:
+            run = RunPaths.from_env(env)
+        except NotARunDir:
+            return None
+        step = f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_STEP_ID', '')}"
+        mine = run.failure_mark(step, env.get("SLURM_NODEID", "0"))
+        return cls(mine, run.failure_mark(step, "*").name)
+
+    def tell(self) -> None:
+        with contextlib.suppress(OSError):
+            self.mine.touch()
+
+    def heard(self) -> bool:
+        with contextlib.suppress(OSError):
+            return any(p != self.mine for p in self.mine.parent.glob(self.pattern))
+        return False
 
 
 def _block_worker_signals() -> None:
@@ -121,13 +185,71 @@ def agent_env(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def run_agent(cmd: Sequence[str], env: Mapping[str, str], hold_stop_signals: bool = False) -> int:
+def run_agent(
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    hold_stop_signals: bool = False,
+    grace: Optional[float] = FAILURE_GRACE_S,
+) -> int:
     """Run the agent in its own session; stop signals go to its workers. Its exit code.
 
     ``hold_stop_signals``: for an agent that acts on SIGTERM whatever it is told (DeepSpeed's):
     the stop signals stay blocked in it and its own helper process, and go to the processes two
-    levels below it instead, which must be wrap_rank (it unblocks them)."""
+    levels below it instead, which must be wrap_rank (it unblocks them). ``grace``: how long the
+    other workers live on after one failed (the module's docstring says why); None leaves a
+    failure to the agent, for one that restarts its workers."""
     hold = _block_worker_signals if hold_stop_signals else _ignore_worker_signals
-    proc = subprocess.Popen(list(cmd), env=agent_env(env), start_new_session=True, preexec_fn=hold)
-    with _forward_to_workers(proc, deep=hold_stop_signals):
-        return proc.wait()
+    depth = 2 if hold_stop_signals else 1
+    # mkdtemp: private (0700) under a random name, so no other user can plant or remove marks.
+    with tempfile.TemporaryDirectory(prefix="detslurm-ranks-") as failed:
+        agent = agent_env(env) if grace is None else {**agent_env(env), FAILED_RANKS_ENV: failed}
+        proc = subprocess.Popen(list(cmd), env=agent, start_new_session=True, preexec_fn=hold)
+        with _forward_to_workers(proc, deep=hold_stop_signals):
+            if grace is None:
+                return proc.wait()
+            return _wait_failing_fast(proc, Path(failed), depth, grace, PeerMarks.from_env(env))
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _wait_failing_fast(
+    proc: subprocess.Popen[Any], failed: Path, depth: int, grace: float, peers: Optional[PeerMarks]
+) -> int:
+    """``proc``'s exit code. Once a worker marked a failure, here or on another node of the step
+    (``peers``, looked at every second), the others and everything under them are SIGKILLed
+    after ``grace`` s. The agent then has AGENT_EXIT_S to report and exit: torchrun's interpreter
+    took 10-25 s to tear torch down on a loaded node, after it had printed its failure summary.
+    Killed, it counts as failed (1, torchrun's code for a failed worker)."""
+    kill_at: Optional[float] = None
+    alone_since: Optional[float] = None
+    polls = 0
+    while True:
+        try:
+            return proc.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            polls += 1
+        now = time.monotonic()
+        if kill_at is None:
+            if any(failed.iterdir()):
+                kill_at = now + grace
+                if peers:
+                    peers.tell()
+            elif peers and polls % 5 == 0 and peers.heard():
+                kill_at = now + grace
+            continue
+        if now < kill_at:
+            continue
+        # Workers and their trials from one snapshot: a trial orphaned by its wrap_rank's death
+        # would no longer be found below the agent.
+        workers = tree_below(proc.pid, depth)
+        _kill(workers)
+        alone_since = None if workers else alone_since or now
+        if alone_since is not None and now - alone_since >= AGENT_EXIT_S:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its session: DeepSpeed's runner and launch.py
+            proc.wait()
+            return 1

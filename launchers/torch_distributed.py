@@ -6,8 +6,8 @@ node of the list, and a master port no other job on that node can hold (see
 ``_common.rendezvous_ports``). Overrides go to torchrun after ours, so they win.
 
 Failure: torchrun runs with ``--max_restarts 0``, so a worker that fails takes its node's workers
-down and torchrun exits non-zero; ``srun --kill-on-bad-exit=1`` then ends every other node's
-step. No node waits in torchrun's 300 s exit barrier.
+down (killed after a short grace, ``_agent.run_agent``) and torchrun exits non-zero;
+``srun --kill-on-bad-exit=1`` then ends every other node's step. No node waits in torchrun's 300 s exit barrier.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from detslurm.launch import wrap_rank
-from detslurm.launch._agent import run_agent
+from detslurm.launch._agent import FAILURE_GRACE_S, run_agent
 from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
 
 
@@ -79,7 +79,19 @@ def main(argv: Sequence[str]) -> int:
     # would make the second bind fail.
     cmd = build_torchrun_cmd(nodes, ports["master"], overrides, script)
     # run_agent, not run: torchrun must not act on SIGTERM itself (launchers/_agent.py says why).
-    return run_agent(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret})
+    # Failed workers are its to restart where the user asked for restarts, so none are killed then.
+    grace = None if restarts_requested(overrides) else FAILURE_GRACE_S
+    return run_agent(cmd, {**launch_env(os.environ, nodes, ports["dist"]), **secret}, grace=grace)
+
+
+def restarts_requested(overrides: Sequence[str]) -> bool:
+    """Pure: whether the user's torchrun flags ask for elastic restarts (the last value wins)."""
+    value = "0"
+    for i, arg in enumerate(overrides):
+        name, eq, inline = arg.partition("=")
+        if name in ("--max_restarts", "--max-restarts"):
+            value = inline if eq else (overrides[i + 1] if i + 1 < len(overrides) else "0")
+    return value.strip() not in ("", "0")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,10 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signa
 # The stop signals: Slurm's SIGTERM and the warning signals. Delivered to the workers, never
 # acted on by an agent in between (launchers/_agent.py).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# Set by a launcher agent's parent (launchers/_agent.py) to a private directory where a rank that
+# failed leaves a mark: the agent's own teardown of the other ranks can take its full 30 s grace
+# (torchrun's), and a rank stuck in a collective never acts on SIGTERM.
+FAILED_RANKS_ENV = "DETSLURM_FAILED_RANKS_DIR"
 
 
 def command(rank_spec: str, script: Sequence[str], python: str = sys.executable) -> list[str]:
@@ -54,6 +58,20 @@ def unblock_stop_signals() -> None:
     first thing), so it and the trial it starts receive the stop signals again. A no-op where
     nothing is blocked."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def mark_failure(rank: str, code: int, env: Mapping[str, str]) -> None:
+    """Leave ``rank``'s non-zero exit where the agent's parent looks (:data:`FAILED_RANKS_ENV`).
+    Best effort: the exit code still reaches the agent the usual way."""
+    where = env.get(FAILED_RANKS_ENV)
+    if not where or code == 0:
+        return
+    try:
+        fd = os.open(os.path.join(where, f"rank-{os.getpid()}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{rank} {code}\n")
+    except OSError:
+        pass
 
 
 def _wait_forwarding(proc: subprocess.Popen[Any]) -> int:
@@ -156,6 +174,8 @@ def main(argv: Sequence[str]) -> int:
     for t in threads:
         t.start()
     code = _wait_forwarding(proc)
+    # Before the pumps finish: a process the trial left behind may hold its pipes open.
+    mark_failure(rank, code, os.environ)
     for t in threads:
         t.join()
     return code

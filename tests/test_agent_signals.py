@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from detslurm.launch._agent import below
+from detslurm.launch._agent import below, tree_below
 
 # A rank: waits for a stop signal, "checkpoints" for a second (duplicates arrive meanwhile),
 # then writes which signal it saw and exits 0.
@@ -132,3 +132,97 @@ def test_below_gives_one_generation() -> None:
             os.kill(pid, signal.SIGKILL)
         child.kill()
         child.wait()
+
+
+# torchrun's failure handling in miniature: workers in sessions of their own under wrap_rank; when
+# one fails, SIGTERM the others and wait for them however long they take (torchrun gives 30 s),
+# then a teardown that never ends (torchrun's interpreter took up to 25 s on a loaded node).
+FAILING_AGENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    wrap = [sys.executable, "-m", "detslurm.launch.wrap_rank"]
+    workers = [subprocess.Popen([*wrap, str(rank), "--", sys.executable, "-c", code], start_new_session=True)
+               for rank, code in enumerate(sys.argv[1:])]
+    while all(w.poll() is None for w in workers):
+        time.sleep(0.05)
+    for w in workers:
+        if w.poll() is None:
+            w.terminate()
+    code = max(abs(w.wait()) for w in workers)
+    time.sleep(600)
+    sys.exit(code)
+    """
+)
+# A rank stuck in a collective: SIGTERM does nothing, and it has a child of its own.
+STUCK = textwrap.dedent(
+    """
+    import pathlib, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    kid = subprocess.Popen(["sleep", "600"])
+    pathlib.Path(sys.argv[1]).write_text(f"{kid.pid}")
+    time.sleep(600)
+    """
+)
+
+
+def test_a_failed_rank_gets_the_stuck_ranks_killed_after_the_grace(tmp_path: Path) -> None:
+    pids = tmp_path / "stuck"
+    fail = f"import pathlib, sys, time\nwhile not pathlib.Path({str(pids)!r}).exists(): time.sleep(0.05)\nsys.exit(3)"
+    launcher = "import os, sys\nfrom detslurm.launch._agent import run_agent\nsys.exit(run_agent(sys.argv[1:], os.environ, grace=0.5))"
+    stuck = STUCK.replace("sys.argv[1]", repr(str(pids)))
+    proc = subprocess.Popen([sys.executable, "-c", launcher, sys.executable, "-c", FAILING_AGENT, fail, stuck])
+    try:
+        code = proc.wait(120)  # without the marks it would wait for the stuck rank and the agent for ever
+    finally:
+        for pid in [proc.pid, *tree_below(proc.pid, 1)]:  # whatever a failure left
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert code == 1
+    kid = int(pids.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{kid}").exists() and Path(f"/proc/{kid}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the stuck rank's own child outlived the job"
+        time.sleep(0.05)
+
+
+def test_wrap_rank_marks_a_failure_and_nothing_else(tmp_path: Path) -> None:
+    from detslurm.launch.wrap_rank import FAILED_RANKS_ENV, command
+
+    env = {**os.environ, FAILED_RANKS_ENV: str(tmp_path)}
+    assert subprocess.run(command("4", ["sh", "-c", "exit 0"]), env=env).returncode == 0
+    assert not list(tmp_path.iterdir())
+    assert subprocess.run(command("5", ["sh", "-c", "exit 3"]), env=env).returncode == 3
+    (mark,) = tmp_path.iterdir()
+    assert mark.read_text() == "5 3\n" and mark.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    "overrides,wanted",
+    [
+        ([], False),
+        (["--max_restarts", "0"], False),
+        (["--max-restarts=2"], True),
+        (["--max_restarts", "3", "--nproc_per_node", "2"], True),
+        (["--max_restarts=3", "--max_restarts", "0"], False),  # torchrun keeps the last value
+    ],
+)
+def test_restarts_asked_of_torchrun_leave_failures_to_it(overrides: list[str], wanted: bool) -> None:
+    from detslurm.launch.torch_distributed import restarts_requested
+
+    assert restarts_requested(overrides) is wanted
+
+
+def test_peer_marks_tell_the_other_nodes_of_the_step_only(tmp_path: Path) -> None:
+    from detslurm.launch._agent import PeerMarks
+
+    run_dir = tmp_path / "exp/trials/3/runs/1"
+    run_dir.mkdir(parents=True)
+    env = {"DET_RUN_DIR": str(run_dir), "SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2"}
+    node0 = PeerMarks.from_env({**env, "SLURM_NODEID": "0"})
+    node1 = PeerMarks.from_env({**env, "SLURM_NODEID": "1"})
+    other_step = PeerMarks.from_env({**env, "SLURM_NODEID": "0", "SLURM_STEP_ID": "1"})
+    assert node0 and node1 and other_step and not node0.heard()
+    node1.tell()
+    assert node0.heard() and not node1.heard() and not other_step.heard()
+    assert PeerMarks.from_env({**env, "SLURM_STEP_NUM_NODES": "1"}) is None  # nobody to tell

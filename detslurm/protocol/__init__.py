@@ -12,7 +12,8 @@ sides import.
 Layout of an experiment dir: ``context.tar.gz``, ``config.yaml``, ``best_validation.json``,
 ``arrays/t<T>-r<R>/``, ``trials/<t>/{searcher_ops.json,metadata.json}`` and per run
 ``trials/<t>/runs/<r>/{events/rank-<N>.jsonl,control.json,exit.json,exit-node<N>.json,job_id,
-output.log,signals,rendezvous-*.json}``. ``tests/test_layering.py`` enforces the import rules.
+output.log,signals,rendezvous-*.json,rank-failed-*}``. ``tests/test_layering.py`` enforces the
+import rules.
 """
 
 # Trial-written files are untrusted input: every decoder here turns malformed content into

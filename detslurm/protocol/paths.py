@@ -181,6 +181,11 @@ class RunPaths:
         :attr:`exit_record` for the run."""
         return self.dir / f"exit-node{node}.json"
 
+    def failure_mark(self, step: str, node: int | str) -> Path:
+        """Left by a node's launcher when one of its ranks failed, so that the launchers of the
+        step's other nodes stop their ranks too (launchers/_agent.py). ``step``: JOBID.STEPID."""
+        return self.dir / f"rank-failed-{step}-node{node}"
+
     @property
     def job_id_marker(self) -> Path:
         return self.dir / JOB_ID_MARKER
