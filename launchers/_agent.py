@@ -67,7 +67,7 @@ AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # from the broken collective, a last log line) before they are killed.
 FAILURE_GRACE_S = 2.0
 # How long the agent gets, once none of its workers is left, to print its summary and exit.
-AGENT_EXIT_S = 2.0
+AGENT_EXIT_S = 1.0
 
 
 def _children_map(proc: Path) -> dict[int, list[int]]:
@@ -219,9 +219,9 @@ def _kill(pids: Sequence[int]) -> None:
 def _wait_failing_fast(
     proc: subprocess.Popen[Any], failed: Path, depth: int, grace: float, peers: Optional[PeerMarks]
 ) -> int:
-    """``proc``'s exit code. Once a worker marked a failure, here or on another node of the step
-    (``peers``, looked at every second), the others and everything under them are SIGKILLed
-    after ``grace`` s. The agent then has AGENT_EXIT_S to report and exit: torchrun's interpreter
+    """``proc``'s exit code. Once a worker marked a failure, the others and everything under them
+    are SIGKILLed after ``grace`` s; at once where another node of the step marked one (``peers``,
+    looked at every 0.4 s). The agent then has AGENT_EXIT_S to report and exit: torchrun's interpreter
     took 10-25 s to tear torch down on a loaded node, after it had printed its failure summary.
     Killed, it counts as failed (1, torchrun's code for a failed worker)."""
     kill_at: Optional[float] = None
@@ -238,8 +238,9 @@ def _wait_failing_fast(
                 kill_at = now + grace
                 if peers:
                     peers.tell()
-            elif peers and polls % 5 == 0 and peers.heard():
-                kill_at = now + grace
+            elif peers and polls % 2 == 0 and peers.heard():
+                # At once: the failed rank had its grace on its own node, and the job has failed.
+                kill_at = now
             continue
         if now < kill_at:
             continue

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from detslurm.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -87,6 +92,28 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     tail = report.longreprtext.strip().splitlines()[-12:]
     lines = [f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", *("  " + t for t in tail)]
     sys.stderr.write("\n" + "\n".join(lines) + "\n")
+
+
+@pytest.fixture(scope="session")
+def store_1000x1000(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """(SQLite file, experiment id) of one finished 1000-trial experiment with 1M metric points
+    (bench/dashboard_load.py's synthetic store), built once per session: two dashboard tests
+    read it, and filling it took six minutes on a loaded 2-core machine. Tests work on a copy."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from dashboard_load import build_store
+
+    d = tmp_path_factory.mktemp("store-1000x1000")
+    store, exp_id = build_store(f"sqlite:///{d / 'db.sqlite'}", 1000, 1000, d / "exp")
+    store.dispose()
+    return d / "db.sqlite", exp_id
+
+
+def copy_store(src: Path, tmp_path: Path) -> Store:
+    from detslurm.store import open_store
+
+    dst = tmp_path / src.name
+    shutil.copyfile(src, dst)
+    return open_store(f"sqlite:///{dst}")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, copy_store
 
 from detslurm.dashboard import downsample, logs, queries, serve
 from detslurm.dashboard.server import Sources
@@ -189,10 +189,12 @@ def test_logs_follow_from_a_cursor_with_a_rank_filter(tmp_path: Path) -> None:
     assert [x for x in only1.lines if not x.startswith("===")] == ["[rank=1] two", "[rank=1] four"]
 
 
-def test_a_1000_trial_1m_point_experiment_is_downsampled_in_sql(tmp_path: Path) -> None:
+def test_a_1000_trial_1m_point_experiment_is_downsampled_in_sql(
+    store_1000x1000: tuple[Path, int], tmp_path: Path
+) -> None:
     """The shape of the large page (timing is bench/dashboard_load.py's business): every trial
     is a series, the points sent stay within the budget, and every stored point is counted."""
-    store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 1000, 1000, tmp_path / "exp")
+    store, exp_id = copy_store(store_1000x1000[0], tmp_path), store_1000x1000[1]
     with running_dashboard(store) as (base, cookie):
         _, page, curves = open_page(base, cookie, exp_id)
     assert len(page["trials"]) == 1000

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from browser import chromium, column, open_page, require_browser, shot, texts
-from conftest import ROOT
+from conftest import ROOT, copy_store
 
 from detslurm.dashboard.server import Sources
 from detslurm.dashboard.testing import running_dashboard
@@ -135,8 +135,8 @@ def test_pages_show_what_the_store_holds(tmp_path: Path) -> None:
         shot(driver, "pools")
 
 
-def test_a_1000_trial_experiment_opens_in_the_browser(tmp_path: Path) -> None:
-    store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 1000, 1000, tmp_path / "exp")
+def test_a_1000_trial_experiment_opens_in_the_browser(store_1000x1000: tuple[Path, int], tmp_path: Path) -> None:
+    store, exp_id = copy_store(store_1000x1000[0], tmp_path), store_1000x1000[1]
     with running_dashboard(store) as (base, cookie), chromium() as driver:
         token = cookie.split("=", 1)[1]
         open_page(driver, f"{base}/?token={token}", "/")

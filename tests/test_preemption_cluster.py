@@ -16,6 +16,7 @@ from conftest import write
 from sqlalchemy import select
 from test_preemption_multinode import (
     STOPS,
+    ended_on_its_own,
     finish_and_check,
     scontrol_requeue,
     signal_job,
@@ -28,7 +29,6 @@ from detslurm.protocol import exit_record_of
 from detslurm.store import TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
-KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
 
 
 def _runs(trial_id: int) -> list[TrialRun]:
@@ -52,16 +52,11 @@ def _start(det: Any, sleep: float = 0.2) -> None:
 
 def _running_job(trial_id: int, after_run: int = 0, exp: int = 1) -> str:
     """The Slurm job of the trial's newest run once it is running and has a checkpoint."""
-    wait_for(lambda: len(_runs(trial_id)) > after_run and _runs(trial_id)[-1].job_id in squeue_ids())
+    # Guards, not timings (a loaded 2-core machine starts jobs slowly).
+    wait_for(lambda: len(_runs(trial_id)) > after_run and _runs(trial_id)[-1].job_id in squeue_ids(), 600)
     start = trials(exp)[0].steps_completed
-    wait_for(lambda: trials(exp)[0].latest_checkpoint is not None and trials(exp)[0].steps_completed > start)
+    wait_for(lambda: trials(exp)[0].latest_checkpoint is not None and trials(exp)[0].steps_completed > start, 600)
     return str(_runs(trial_id)[-1].job_id)
-
-
-def _gone_within_kill_wait(job: str, since: float) -> None:
-    wait_for(lambda: job not in squeue_ids(), KILL_WAIT_S + 10)
-    # Squeue only drops the job after the epilog; the margin covers that, not a SIGKILL.
-    assert time.monotonic() - since < KILL_WAIT_S + 10
 
 
 def _assert_resumed_without_loss(det: Any, exp: int = 1) -> TrialRun:
@@ -80,9 +75,8 @@ def test_scancel_signal_term_checkpoints_and_resumes(det: Any) -> None:
     job = _running_job(1)
     # --full: without it scancel signals only the job's srun steps, and a one-node trial runs in
     # the batch step itself (see templates/trial.sbatch.j2).
-    t0 = time.monotonic()
     subprocess.run(["scancel", "--full", "--signal=TERM", job], check=True, capture_output=True)
-    _gone_within_kill_wait(job, t0)
+    ended_on_its_own(job, 1)
     _assert_resumed_without_loss(det)
 
 
@@ -121,10 +115,9 @@ def _preempt_until_done(det: Any, exp: int, hows: Iterator[str] | None = None) -
     done = 0
     while trials(exp)[0].steps_completed < 30:  # nearer the end the run may finish first
         job = _running_job(trial_id, done, exp)
-        t0 = time.monotonic()
         if not ONE_NODE_STOPS[next(hows) if hows else "high-partition"](job):
             continue  # the run finished its work just before the signal: the loop looks again
-        _gone_within_kill_wait(job, t0)
+        ended_on_its_own(job, trial_id)
         done += 1
     _assert_resumed_without_loss(det, exp)
     runs = [(r.run_id, r.job_id, r.preempt_acked, r.exit_reason) for r in _runs(trial_id)]
@@ -172,14 +165,13 @@ def test_repeated_preemption_stress(det: Any, tmp_path: Path) -> None:
 
 def test_scontrol_requeue_checkpoints_and_resumes(det: Any) -> None:
     """An admin's `scontrol requeue` is a stop like a preemption: the trial checkpoints and
-    acknowledges, the requeued job is cancelled by the daemon (within KillWait of the requeue,
-    the time the stopped start has) and the trial resumes from its checkpoint as a new run, with
+    acknowledges, the requeued job is cancelled by the daemon (before Slurm's start of it runs
+    anything) and the trial resumes from its checkpoint as a new run, with
     a new job; the stopped start's exit record and signals file are as it left them."""
     _start(det)
     job = _running_job(trials(1)[0].id)
-    t0 = time.monotonic()
     assert scontrol_requeue(job)
-    _gone_within_kill_wait(job, t0)
+    ended_on_its_own(job, trials(1)[0].id)
     first = _assert_resumed_without_loss(det)
     assert first.job_id == job and first.exit_reason == "preempted" and first.exit_code == 0
     assert job not in {r.job_id for r in _runs(first.trial_id)[1:]}  # resumed by a fresh submission
