@@ -48,7 +48,8 @@ def _det_next_to(python: str) -> str:
     return str(det if det.exists() else ROOT / ".venv/bin/det")
 
 
-def wait_file(path: Path, timeout: float = 180) -> float:
+def wait_file(path: Path, timeout: float = 900) -> float:
+    # A guard, not a measurement: a 2-node torch job on a loaded 2-core machine took over 3 min.
     deadline = time.time() + timeout
     while time.time() < deadline:
         if path.exists() and path.read_text().strip():

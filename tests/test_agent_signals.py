@@ -69,7 +69,7 @@ def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp_path / "rank0"
     agent = [sys.executable, "-c", OUTER, INNER, sys.executable, "-c", WORKER, str(out)]
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, *agent])
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 180  # a guard: three Pythons start on a loaded machine first
     while not out.with_suffix(".ready").exists():
         assert time.monotonic() < deadline and proc.poll() is None, "the stand-in rank never started"
         time.sleep(0.05)

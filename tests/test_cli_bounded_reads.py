@@ -72,7 +72,7 @@ def test_tail_of_a_huge_log_reads_from_the_end(det: Any, trial_log: Path) -> Non
     assert lines[0].startswith("xxxx") and lines[0].endswith(f" ... [line cut: {49 * MiB} more bytes]")
     assert len(lines[0]) < 2 * MiB
     assert peak < 32 * MiB, f"peak {peak / MiB:.1f} MiB"
-    assert took < 15, f"{took:.1f} s"
+    assert took < 45, f"{took:.1f} s"  # reading all 200 MiB would take minutes on a loaded machine
     code, out, err, _, peak = _measured(det, "t", "logs", "1", "--head", "2")
     assert code == 0 and out.splitlines()[1] == "first line" and peak < 32 * MiB, err
 
@@ -103,16 +103,15 @@ conn.execute("COMMIT")
 
 def test_read_commands_do_not_wait_for_a_writer(det: Any, trial_log: Path) -> None:
     db = settings.load().db_url.split("///", 1)[1]
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, db, "10"], stdout=subprocess.PIPE, text=True)
+    # Held far longer than SQLite's busy timeout (30 s): a command that waited for the writer would
+    # fail with "database is locked" rather than succeed, however fast or slow the machine.
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, db, "600"], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         for args in (("e", "list"), ("e", "describe", "1"), ("t", "logs", "1", "--tail", "2"), ("c", "list", "1")):
-            start = time.monotonic()
             code, out, err = det(*args)
-            took = time.monotonic() - start
             assert code == 0, (args, err)
-            assert took < 3, f"{args} waited {took:.1f} s for the writer"
-        assert holder.poll() is None  # the write transaction was open the whole time
+            assert holder.poll() is None, args  # the write transaction was still open
     finally:
         holder.terminate()
         holder.wait()

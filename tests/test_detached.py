@@ -167,7 +167,7 @@ def test_rerun_with_the_same_ids_continues_the_trial(det_env: Path) -> None:
 def test_a_failing_script_exits_promptly_and_errors(det_env: Path) -> None:
     start = time.monotonic()
     proc = _run(det_env, "detached_fail.py", timeout=30, EXP_NAME="boom", FAIL="1")
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 25  # not its 30 s timeout
     assert proc.returncode == 1 and "RuntimeError: the model diverged" in proc.stderr
     _ingest()
     assert _experiments() == [("boom", "ERROR", [("ERROR", 0, 1)])]
@@ -292,7 +292,7 @@ def test_a_stuck_event_writer_does_not_hold_the_exit(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="did not finish"):
         writer.flush(0.5)
     writer.close(0.5)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 20  # a blocked FIFO would hold it for ever
     # The thread stays blocked (a daemon thread: it holds nothing at the interpreter's exit).
     assert writer._thread.daemon and writer._thread.is_alive()
 

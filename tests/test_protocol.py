@@ -227,7 +227,7 @@ def test_reader_100mib_line_bounded_memory(tmp_path: Path) -> None:
     took = time.monotonic() - started
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert peak < 32 << 20 and took < 5
+    assert peak < 32 << 20 and took < 30
     assert [ln.problem for ln in first.lines] == [None, "a line longer than 1048576 bytes"]
     offset, calls = first.offset, 1
     while offset < path.stat().st_size:  # skip mode: bounded chunks, never re-reading

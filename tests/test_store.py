@@ -297,7 +297,7 @@ def test_postgres_reader_is_not_blocked_by_a_writer(postgres: str) -> None:
         start = time.monotonic()
         with store.read() as r:
             assert r.get(Experiment, exp_id).state == "ACTIVE"  # type: ignore[union-attr]
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start < 20  # not the lock wait
 
 
 def test_postgres_lock_waits_are_bounded_and_per_owner(postgres: str) -> None:
@@ -323,7 +323,7 @@ def test_postgres_lock_waits_are_bounded_and_per_owner(postgres: str) -> None:
         start = time.monotonic()
         with pytest.raises(StoreError, match=r"is busy: .* more than 1 s") as e, store.tx() as s:
             s.scalars(select(Experiment.id)).all()
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 30
         assert "postgres@127.0.0.1" in str(e.value)
         conn.execute(text("SELECT pg_advisory_unlock_all()"))
         conn.commit()

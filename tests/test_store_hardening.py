@@ -168,7 +168,7 @@ def test_sqlite_reader_is_not_blocked_by_a_writer(tmp_path: Path) -> None:
         start = time.monotonic()
         with store.read() as r:
             names = r.scalars(select(Experiment.name)).all()
-        assert time.monotonic() - start < 5  # BEGIN IMMEDIATE would wait 30 s and fail
+        assert time.monotonic() - start < 20  # BEGIN IMMEDIATE would wait 30 s and fail
         assert names == ["committed"]
     with store.read() as r:
         assert sorted(r.scalars(select(Experiment.name)).all()) == ["committed", "uncommitted"]

@@ -170,7 +170,7 @@ def test_hook_exports_come_back_through_a_pipe_not_a_file(tmp_path: Path) -> Non
     t0 = time.monotonic()
     assert _run_hook(wd, env) == 0
     # The background sleep does not hold the pipe open: we do not wait for it.
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # not the 30 s sleep
     assert env["FROM_HOOK"] == "a b=c" and env["SECRET"] == "s3cret" and "SHLVL" not in env
     assert sorted(p.name for p in wd.iterdir()) == ["startup-hook.sh"]  # no .hook-env on disk
 
