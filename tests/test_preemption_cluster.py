@@ -133,7 +133,7 @@ MULTI_TOTAL = 90  # steps of each two-node trial in the stress test (0.1 s each)
 def _two_by_two_until_done(det: Any, exp: int, kind: str, ctx: Path, hows: Iterator[str]) -> int:
     start_two_by_two(det, ctx, kind, MULTI_TOTAL)
     done = 0
-    wait_for(lambda: bool(trials(exp)), 60)
+    wait_for(lambda: bool(trials(exp)), 300)
     while trials(exp)[0].steps_completed < MULTI_TOTAL - 25:
         if stop_and_check(det, exp, next(hows), after_run=done):
             done += 1

@@ -76,7 +76,7 @@ def ended_on_its_own(job: str, trial_id: int) -> None:
 
 def running_job(exp: int, after_run: int = 0) -> str:
     """The job of the trial's newest run once it runs and has checkpointed past where it began."""
-    wait_for(lambda: bool(trials(exp)), 60)
+    wait_for(lambda: bool(trials(exp)), 300)
     tid = trials(exp)[0].id
     # Guards, not timings: a 2 x 2 DDP start on a loaded 2-core machine took over 2 min.
     wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[-1].job_id in squeue_ids(), 600)
@@ -151,7 +151,7 @@ def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> bool:
         return False
     tid = trials(exp)[0].id
     ended_on_its_own(job, tid)
-    wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[after_run].end_time is not None, 30)
+    wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[after_run].end_time is not None, 120)
     run = runs(tid)[after_run]
     assert run.preempt_acked, (how, run.exit_reason)
     return True

@@ -178,7 +178,7 @@ def test_daemon_sigkill_loses_and_duplicates_nothing(det: Any) -> None:
         pid = daemon.running_pid(s)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: daemon.running_pid(s) is None, 10)
+            wait_for(lambda: daemon.running_pid(s) is None, 60)
         daemon.start(s)
     code, out, err = det("e", "wait", "1")
     assert code == 0, out + err
@@ -301,7 +301,7 @@ def test_accounting_cluster_sacct(dbd_cluster: Path, monkeypatch: pytest.MonkeyP
     client = SlurmClient()
     assert client.capabilities().accounting
     job = client.sbatch(["-o", "/dev/null"], "#!/bin/bash\nexit 4\n")
-    wait_for(lambda: client.sacct([job]).get(job) is not None and client.sacct([job])[job].state.is_terminal, 30)
+    wait_for(lambda: client.sacct([job]).get(job) is not None and client.sacct([job])[job].state.is_terminal, 120)
     acct = client.sacct([job])[job]
     assert acct.state.value == "FAILED" and acct.exit_code == 4
 

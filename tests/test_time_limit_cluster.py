@@ -84,16 +84,16 @@ def test_real_time_limit_checkpoints_and_resumes(
 def first_run_ends_by_the_limit() -> tuple[TrialRun, list[str]]:
     """Experiment 1's first run, once its job has gone: within KillWait of the limit, with its
     checkpoint acknowledged; and the signals its batch shell recorded."""
-    wait_for(lambda: bool(trials(1)) and bool(runs(trials(1)[0].id)), 60)
+    wait_for(lambda: bool(trials(1)) and bool(runs(trials(1)[0].id)), 300)
     tid = trials(1)[0].id
-    wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and _state(str(runs(tid)[0].job_id)) == "R", 60)
+    wait_for(lambda: runs(tid)[0].job_id in squeue_ids() and _state(str(runs(tid)[0].job_id)) == "R", 300)
     job = str(runs(tid)[0].job_id)
     started = start_time(job)
     wait_for(lambda: job not in squeue_ids(), LIMIT_S + CHECK_S + KILL_WAIT_S + 30)
     # Gone within KillWait of the limit (plus the check's granularity and the epilog), never
     # left running to SIGKILL-less overtime.
     assert time.time() - started < LIMIT_S + CHECK_S + KILL_WAIT_S + 10
-    wait_for(lambda: runs(tid)[0].end_time is not None, 30)
+    wait_for(lambda: runs(tid)[0].end_time is not None, 120)
     first = runs(tid)[0]
     signals = (Path(first.run_dir) / "signals").read_text().split()
     assert first.preempt_acked, (first.exit_reason, first.exit_code, signals)
