@@ -67,7 +67,17 @@ LATE_BUILD_DONE = os.environ.get("DETSLURM_LATE_BUILD_DONE")
 LATE_BUILD_WAIT_S = 3600
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# scripts/test without arguments (CI's run) sets this to "ci": the tests marked `full` are then
+# left out (README, "How ./scripts/test runs the whole suite" says which and why).
+TIER = os.environ.get("DETSLURM_TEST_TIER", "full")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TIER == "ci":
+        left_out = [item for item in items if item.get_closest_marker("full") is not None]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [item for item in items if item.get_closest_marker("full") is None]
     if LATE_BUILD_DONE:
         items.sort(key=lambda item: item.get_closest_marker("late_build") is not None)  # stable
 

@@ -26,8 +26,16 @@ LAUNCHERS = {
 # SIGTERM mpirun aborts the job, and the srun it starts its remote daemons with is inside the
 # job's step, where Slurm's SIGTERM reaches it and it kills their step: not solved yet
 # (docs/readme/sigfwd.md).
-CASES = [(launcher, how) for launcher in ("deepspeed", "horovod-gloo") for how in sorted(STOPS)]
-CASES.append(("horovod-mpi", "warning-signal"))
+# In CI's run one way of stopping per launcher; the other ways, each a 2 x 2 start of several
+# minutes on a loaded machine, in the whole suite (marker `full`). Every way is run in CI for
+# torch.distributed and the Core API (test_preemption_multinode).
+IN_CI = {("deepspeed", "high-partition"), ("horovod-gloo", "warning-signal")}
+CASES = [
+    pytest.param(launcher, how, marks=() if (launcher, how) in IN_CI else pytest.mark.full)
+    for launcher in ("deepspeed", "horovod-gloo")
+    for how in sorted(STOPS)
+]
+CASES.append(pytest.param("horovod-mpi", "warning-signal"))
 # Up to 1.5 s from the signal to the next preemption check: a launcher that kills or orphans
 # its ranks at the signal (DeepSpeed's did) fails here instead of racing the check.
 STEP_S = 0.3
