@@ -81,6 +81,7 @@ def check_exactly_once(exp_id: int, submitted: Path) -> list[Trial]:
     return ts
 
 
+@pytest.mark.full  # test_slurm_cluster's daemon SIGKILL test covers the property in CI's run
 def test_daemon_sigkilled_at_20_random_points_of_a_30_trial_search(
     det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

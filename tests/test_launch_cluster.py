@@ -117,6 +117,7 @@ def ds_ctx(tmp_path: Path) -> Path:
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
 @pytest.mark.late_build
+@pytest.mark.full  # it needs DeepSpeed's CPU op, whose compile took a core for 30 min of CI's run
 def test_deepspeed_zero2_two_nodes(det: Any, tmp_path: Path) -> None:
     cfg = write(tmp_path / "c.yaml", DS + "resources: {slots_per_trial: 4}\n")
     code, out, err = det("e", "create", cfg, ds_ctx(tmp_path), "-f")
@@ -155,6 +156,7 @@ def test_horovod_two_nodes(det: Any, tmp_path: Path, mode: str) -> None:
 @pytest.mark.slurm
 @pytest.mark.torch
 @pytest.mark.usefixtures("slurm_env")
+@pytest.mark.full  # 2 x 2 DDP under a nested launcher: over 7 min of CI's run on a loaded machine
 def test_pause_reaches_every_rank_through_a_nested_launcher(det: Any, tmp_path: Path) -> None:
     """`env` wrapping the launcher stands for numactl/dlprof: a nested launcher entrypoint."""
     import time as _time

@@ -143,6 +143,7 @@ def _two_by_two_until_done(det: Any, exp: int, kind: str, ctx: Path, hows: Itera
 
 @pytest.mark.fault
 @pytest.mark.torch
+@pytest.mark.full  # each way of stopping runs once in CI's run (above); this repeats them for minutes
 def test_repeated_preemption_stress(det: Any, tmp_path: Path) -> None:
     """DETSLURM_STRESS_PREEMPTIONS (default 30) consecutive stops, every way Slurm stops a trial
     (high-partition preemption, the time limit's warning signal, scancel --signal=TERM with and
