@@ -126,7 +126,8 @@ class PeerMarks:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Optional[PeerMarks]:
         """None outside a step of more than one node (nothing to tell) or outside a run."""
-        if int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1") < 2:
+        nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or "1"
+        if not nodes.isdigit() or int(nodes) < 2:
             return None
         try:
             run = RunPaths.from_env(env)

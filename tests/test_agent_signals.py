@@ -226,3 +226,4 @@ def test_peer_marks_tell_the_other_nodes_of_the_step_only(tmp_path: Path) -> Non
     node1.tell()
     assert node0.heard() and not node1.heard() and not other_step.heard()
     assert PeerMarks.from_env({**env, "SLURM_STEP_NUM_NODES": "1"}) is None  # nobody to tell
+    assert PeerMarks.from_env({**env, "SLURM_STEP_NUM_NODES": "two"}) is None
