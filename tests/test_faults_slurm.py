@@ -151,7 +151,7 @@ def test_slurmctld_restart_while_daemon_polls(
     # Down until the daemon has seen a poll fail (each takes ~9 s to give up; a loaded machine may
     # take longer to get there); the trials keep running meanwhile.
     deadline = time.time() + 180
-    while "Unable to contact slurm controller" not in log_file.read_text():
+    while not log_file.exists() or "Unable to contact slurm controller" not in log_file.read_text():
         assert time.time() < deadline, "no failed poll was logged while slurmctld was down"
         time.sleep(0.5)
     ctld(slurm_cluster, "start")
