@@ -82,7 +82,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: item.get_closest_marker("late_build") is not None)  # stable
 
 
+# scripts/test sets this under CI (epoch seconds): a test not started by then is skipped, and says
+# why, so that a run on a slow machine reports what it ran instead of being cut off by CI's limit
+# with nothing said. The count is printed at the end (pytest_terminal_summary).
+DEADLINE = float(os.environ.get("DETSLURM_TEST_DEADLINE") or "inf")
+OUT_OF_TIME = "not run: CI's time budget (DETSLURM_TEST_DEADLINE) ran out before it started"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if time.time() > DEADLINE:
+        pytest.skip(OUT_OF_TIME)
     if not LATE_BUILD_DONE or item.get_closest_marker("late_build") is None:
         return
     deadline = time.monotonic() + LATE_BUILD_WAIT_S
@@ -90,6 +99,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"scripts/bootstrap-launchers did not end within {LATE_BUILD_WAIT_S} s")
         time.sleep(2)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    skipped = terminalreporter.stats.get("skipped", [])
+    late = sum(1 for report in skipped if OUT_OF_TIME in str(report.longrepr))
+    if late:
+        terminalreporter.write_line(f"NOT RUN: {late} tests, {OUT_OF_TIME}", red=True, bold=True)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
