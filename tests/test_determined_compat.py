@@ -38,7 +38,9 @@ def py(code: str, *, env: dict[str, str] | None = None, isolated_site: Path | No
         argv = [sys.executable, "-c", code]
     # The cwd is on sys.path for `-c`: run outside the repo so its detslurm/ cannot be picked up.
     cwd = isolated_site.parent if isolated_site is not None else None
-    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, cwd=cwd)
+    r = subprocess.run(
+        argv, capture_output=True, text=True, env=env, timeout=600, cwd=cwd
+    )  # a guard: a loaded machine took over 120 s
     assert r.returncode == 0, r.stderr
     return dict(json.loads(r.stdout.strip().splitlines()[-1]))
 

@@ -150,7 +150,10 @@ def stop_and_check(det: Any, exp: int, how: str, after_run: int = 0) -> bool:
     if not STOPS[how](job):
         return False
     tid = trials(exp)[0].id
-    ended_on_its_own(job, tid)
+    # Not ended_on_its_own: on several nodes Slurm may SIGKILL the batch shell at KillWait after
+    # the ranks checkpointed and acknowledged (no exit record then); the acknowledgement below and
+    # finish_and_check's "nothing lost" are what a stop must keep.
+    wait_for(lambda: job not in squeue_ids(), 180)
     wait_for(lambda: len(runs(tid)) > after_run and runs(tid)[after_run].end_time is not None, 120)
     run = runs(tid)[after_run]
     assert run.preempt_acked, (how, run.exit_reason)
