@@ -68,7 +68,7 @@ LATE_BUILD_WAIT_S = 3600
 
 
 # scripts/test without arguments (CI's run) sets this to "ci": the tests marked `full` are then
-# left out (README, "How ./scripts/test runs the whole suite" says which and why).
+# left out (README, "How ./scripts/test runs the suite" says which and why).
 TIER = os.environ.get("DETSLURM_TEST_TIER", "full")
 
 
