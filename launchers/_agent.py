@@ -65,7 +65,7 @@ TO_WORKERS = STOP_SIGNALS
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # How long the other ranks get, after one failed, to finish on their own (an error of their own
 # from the broken collective, a last log line) before they are killed.
-FAILURE_GRACE_S = 2.0
+FAILURE_GRACE_S = 1.0
 # How long the agent gets, once none of its workers is left, to print its summary and exit.
 AGENT_EXIT_S = 1.0
 
@@ -82,6 +82,10 @@ def _children_map(proc: Path) -> dict[int, list[int]]:
             continue  # exited while we looked
         # The command name (field 2) may hold spaces and parentheses: parse after the last ")".
         fields = stat[stat.rfind(")") + 2 :].split()
+        # A zombie is gone but for its parent's wait, which torchrun makes only on its monitor's
+        # tick (seconds apart): counted as a worker, it held the launcher back that long.
+        if fields and fields[0] in ("Z", "X"):
+            continue
         if len(fields) > 1 and fields[1].isdigit():
             out.setdefault(int(fields[1]), []).append(int(entry.name))
     return out

@@ -113,6 +113,21 @@ def test_without_holding_the_launcher_reports_a_failure(tmp_path: Path, mode: st
     assert proc.wait(30) != 0
 
 
+def test_a_zombie_is_no_longer_a_child() -> None:
+    """A worker killed but not yet reaped (torchrun reaps on its monitor's tick) is gone: the
+    launcher must not wait for the agent's next tick to count its workers out."""
+    child = subprocess.Popen(["true"])
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.02)
+        assert child.pid not in below(os.getpid(), 1)
+        assert child.pid not in tree_below(os.getpid(), 1)
+    finally:
+        child.wait()
+
+
 def test_below_gives_one_generation() -> None:
     code = "import subprocess, sys; subprocess.Popen(['sleep', '30']).wait()"
     child = subprocess.Popen([sys.executable, "-c", code])
