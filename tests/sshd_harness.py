@@ -8,6 +8,7 @@ host key and pid, and is stopped by its pid.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import ROOT
+from security_harness import tree_hash, warm_bytecode
 
 SSHD = Path("/usr/sbin/sshd")
 USER = "detslurm-remote"
@@ -129,34 +131,44 @@ def remote_det() -> tuple[Path, list[str]]:
     state = ROOT / ".state"
     py, venv = state / "remote-python", state / "remote-venv"
     lib = f"LD_LIBRARY_PATH={py / 'lib'}"
-    if not (py / "bin").exists():
-        state.mkdir(exist_ok=True)
-        tar = subprocess.Popen(
-            [
-                "tar",
-                "-C",
-                str(py_src),
-                "--exclude=./lib/python3.11/site-packages",
-                "--exclude=./lib/python3.11/test",
-                "-cf",
-                "-",
-                ".",
-            ],
-            stdout=subprocess.PIPE,
-        )
-        py.mkdir()
-        subprocess.run(["tar", "-C", str(py), "-xf", "-"], stdin=tar.stdout, check=True)
-        tar.wait()
-        (py / "lib/python3.11/site-packages").mkdir(exist_ok=True)
-    pybin = next((py / "bin").glob("python3.*[0-9]"))
-    if not (venv / "bin/pip").exists():
-        subprocess.run(["env", lib, str(pybin), "-m", "venv", str(venv)], check=True)
-        subprocess.run(["env", lib, str(venv / "bin/pip"), "install", "-q", str(ROOT)], check=True)
-    else:
-        subprocess.run(
-            ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)],
-            check=True,
-        )
+    state.mkdir(exist_ok=True)
+    # Both Slurm-less and Slurm sessions of scripts/test may get here at once: one build at a time.
+    with open(state / "remote-venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp, want = venv / ".detslurm-tree", tree_hash(ROOT)
+        if not (py / "bin").exists():
+            tar = subprocess.Popen(
+                [
+                    "tar",
+                    "-C",
+                    str(py_src),
+                    "--exclude=./lib/python3.11/site-packages",
+                    "--exclude=./lib/python3.11/test",
+                    "-cf",
+                    "-",
+                    ".",
+                ],
+                stdout=subprocess.PIPE,
+            )
+            py.mkdir()
+            subprocess.run(["tar", "-C", str(py), "-xf", "-"], stdin=tar.stdout, check=True)
+            tar.wait()
+            (py / "lib/python3.11/site-packages").mkdir(exist_ok=True)
+        pybin = next((py / "bin").glob("python3.*[0-9]"))
+        if not (venv / "bin/pip").exists():
+            subprocess.run(["env", lib, str(pybin), "-m", "venv", str(venv)], check=True)
+            # --no-compile, then warm_bytecode: security_harness.shared_det says why.
+            subprocess.run(["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-compile", str(ROOT)], check=True)
+        elif (stamp.read_text() if stamp.exists() else "") != want:
+            subprocess.run(
+                ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-compile", "--no-deps", "--force-reinstall"]
+                + [str(ROOT)],
+                check=True,
+            )
+        # Reinstalled only when the checkout changed: the other session may be running this det.
+        if not stamp.exists() or stamp.read_text() != want:
+            warm_bytecode(venv / "bin/det", dict(os.environ, LD_LIBRARY_PATH=str(py / "lib")))
+            stamp.write_text(want)
     subprocess.run(["chmod", "-R", "a+rX", str(py), str(venv)], check=True)
     for p in [state, *state.parents]:
         if p == Path("/"):

@@ -29,6 +29,8 @@ except ContextError as e:
     print("refused", e)
 """
 
+pytestmark = pytest.mark.heavy  # minutes of CPU: CI's run starts it after the rest
+
 
 def tarball(path: Path, members: list[tuple[str, int]]) -> Path:
     with tarfile.open(path, "w:gz") as tar:

@@ -189,6 +189,7 @@ def test_logs_follow_from_a_cursor_with_a_rank_filter(tmp_path: Path) -> None:
     assert [x for x in only1.lines if not x.startswith("===")] == ["[rank=1] two", "[rank=1] four"]
 
 
+@pytest.mark.heavy
 def test_a_1000_trial_1m_point_experiment_is_downsampled_in_sql(
     store_1000x1000: tuple[Path, int], tmp_path: Path
 ) -> None:
@@ -265,6 +266,7 @@ def test_curves_of_a_restarted_trial_count_each_step_once(det: Any) -> None:
     assert series.batches == [float(b) for b in range(1, 41)]
 
 
+@pytest.mark.heavy
 def test_the_same_pages_from_postgresql(tmp_path: Path) -> None:
     """The dashboard's SQL has PostgreSQL branches (JSON paths, epoch seconds): the same
     synthetic experiment gives the same JSON from a real PostgreSQL server as from SQLite."""

@@ -50,6 +50,8 @@ POOLS = [
     }
 ]
 
+pytestmark = pytest.mark.heavy  # minutes of CPU: CI's run starts it after the rest
+
 
 @pytest.fixture(autouse=True)
 def _browser() -> None:

@@ -78,6 +78,7 @@ def test_a_finder_added_after_ours_wins_too(tmp_path: Path) -> None:
     assert py(code)["real"] is True
 
 
+@pytest.mark.heavy
 def test_top_level_names_match_determined() -> None:
     code = (
         INSTALL_FINDER + "import json, sys, detslurm, determined\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -81,6 +82,7 @@ def test_dry_run_creates_nothing(det: Any) -> None:
     assert det("e", "list", "--json")[1].strip() == "[]"
 
 
+@pytest.mark.heavy
 def test_adaptive_asha_search_early_stops_and_completes(det: Any) -> None:
     code, out, err = det("e", "create", "--local", CORE / "adaptive.yaml", CORE)
     assert code == 0, err
@@ -139,7 +141,17 @@ def test_max_restarts_exceeded_is_an_error(det: Any, tmp_path: Path) -> None:
 
 
 def test_test_mode_success_and_failure(det: Any, tmp_path: Path) -> None:
-    code, out, err = det("e", "create", "--local", "--test-mode", CORE / "adaptive.yaml", CORE)
+    # The example, waiting after its first checkpoint until it is told to stop (at most 600 s):
+    # the stop must come from test mode, not from a race between its 40 quick batches and the
+    # controller's poll on a loaded machine.
+    ctx = tmp_path / "core"
+    shutil.copytree(CORE, ctx)
+    check = "            if ctx.preempt.should_preempt():\n"
+    wait = "            end = time.time() + 600\n            while not ctx.preempt.should_preempt() and time.time() < end:\n"
+    train = (ctx / "train.py").read_text()
+    assert check in train
+    (ctx / "train.py").write_text(train.replace(check, wait + "                time.sleep(0.1)\n" + check, 1))
+    code, out, err = det("e", "create", "--local", "--test-mode", ctx / "adaptive.yaml", ctx)
     assert code == 0, err + out
     assert "Model definition test succeeded! 🎉" in out
     (t,) = trials(1)
@@ -168,6 +180,7 @@ reproducibility: {experiment_seed: 5}
     assert len(valid) == 4 and len(ts) == 4 + sum(1 for t in ts if t.hparams["x"] % 2)
 
 
+@pytest.mark.heavy
 def test_037_operations_with_promotion(det: Any, tmp_path: Path) -> None:
     write(tmp_path / "ctx/ops_037.py", (FIXTURES / "ops_037.py").read_text())
     cfg = write(
@@ -270,6 +283,7 @@ def test_reads_and_checkpoint_download(det: Any, tmp_path: Path) -> None:
     assert not Path(settings.load().experiments_dir, "exp-1").exists()
 
 
+@pytest.mark.heavy
 def test_killed_driver_resumes_without_loss_or_duplicates(det: Any) -> None:
     """SIGKILL the controller mid-search: a new one adopts the running trials by their job
     ids, reads their exit records, and nothing is lost or duplicated."""

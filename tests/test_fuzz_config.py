@@ -109,6 +109,7 @@ def _check(raw: Any) -> None:
     yaml.safe_dump(cfg.as_dict())  # a valid config round-trips
 
 
+@pytest.mark.heavy
 @pytest.mark.fault
 @settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config)

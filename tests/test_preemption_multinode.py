@@ -24,7 +24,7 @@ from test_slurm_cluster import FIXTURES, squeue_ids, steps, store, trials, wait_
 from detslurm.protocol import exit_record_of
 from detslurm.store import TrialRun
 
-pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.usefixtures("slurm_env")]
+pytestmark = [pytest.mark.slurm, pytest.mark.torch, pytest.mark.heavy, pytest.mark.usefixtures("slurm_env")]
 TOTAL_STEPS = 60
 FIXTURE = {"ddp": "ddp_preempt.py", "core": "core_dist_preempt.py"}
 

@@ -24,6 +24,7 @@ import sshd_harness as sh
 from conftest import EXAMPLES, ROOT, write
 
 pytest.importorskip("paramiko")
+pytestmark = pytest.mark.heavy  # the remote venv's build: CI's run starts these after the rest
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +193,26 @@ def _chatty_context(tmp: Path) -> Path:
     train = ctx / "train.py"
     sleep_line = '        time.sleep(float(hparams.get("sleep", 0.0)))\n'
     assert sleep_line in train.read_text()
-    train.write_text(
-        train.read_text().replace(sleep_line, sleep_line + '        print(f"batch {batch}", flush=True)\n')
+    # hparams.hold: while that file exists the trial waits after batch 3 until it is told to stop,
+    # so a pause reaches it mid-run however long the test's SSH round trips take.
+    hold = (
+        '        print(f"batch {batch}", flush=True)\n'
+        '        while batch == 3 and os.path.exists(hparams.get("hold", "")) and not ctx.preempt.should_preempt():\n'
+        "            time.sleep(0.2)\n"
     )
+    train.write_text(train.read_text().replace(sleep_line, sleep_line + hold))
     return ctx
+
+
+@pytest.fixture
+def hold() -> Iterator[Path]:
+    """A file the ssh user can see (its trials run as that user); removing it releases the trial."""
+    (ROOT / ".state").mkdir(exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix="hold-", dir=ROOT / ".state"))  # remote_det checked others may go there
+    d.chmod(0o755)
+    (d / "hold").touch()
+    yield d / "hold"
+    shutil.rmtree(d)
 
 
 def _wait_for_output(det: Any, url: str, trial: int, needle: str, timeout: float = 120) -> None:
@@ -208,7 +225,7 @@ def _wait_for_output(det: Any, url: str, trial: int, needle: str, timeout: float
     raise AssertionError(f"trial {trial} never printed {needle!r}")
 
 
-def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path: Path) -> None:
+def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path: Path, hold: Path) -> None:
     ctx = _chatty_context(tmp_path)
     url = "ssh://hpc"
     create = _laptop_det(
@@ -222,6 +239,8 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
         str(ctx),
         "--config",
         "hyperparameters.sleep=0.5",
+        "--config",
+        f"hyperparameters.hold={hold}",
     )
     follow: subprocess.Popen[str] | None = None
     try:
@@ -234,6 +253,7 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
         assert code == 0 and "Paused experiment 1" in out, err
         stdout, stderr = create.communicate(timeout=90)
         assert "Experiment 1 PAUSED" in stdout, stderr
+        hold.unlink()
         code, out, err = det("-m", url, "e", "activate", "1")
         assert code == 0 and "Activated experiment 1" in out and "Experiment 1 COMPLETED" in out, err
         rest, _ = follow.communicate(timeout=60)  # follows across the pause until the trial ends
@@ -247,7 +267,7 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
 
 
 @pytest.mark.slurm
-def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path) -> None:
+def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path, hold: Path) -> None:
     """The ssh user drives real Slurm jobs from the laptop: its det, its daemon, its jobs."""
     cfg_path = Path(os.environ["DETSLURM_CONFIG"])
     cfg = json.loads(cfg_path.read_text())
@@ -260,18 +280,31 @@ def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, 
     url = "ssh://hpc"
     follow: subprocess.Popen[str] | None = None
     try:
-        code, out, err = det("-m", url, "e", "create", ctx / "const.yaml", ctx, "--config", "hyperparameters.sleep=0.4")
+        code, out, err = det(
+            "-m",
+            url,
+            "e",
+            "create",
+            ctx / "const.yaml",
+            ctx,
+            "--config",
+            "hyperparameters.sleep=0.4",
+            "--config",
+            f"hyperparameters.hold={hold}",
+        )
         assert code == 0 and "Created experiment 1" in out, err
         _wait_for_output(det, url, 1, "batch 2")
         follow = _laptop_det(laptop, "-m", url, "t", "logs", "-f", "1")
         assert follow.stdout is not None
-        assert follow.stdout.readline().strip()  # streamed while the Slurm job runs
+        first = follow.stdout.readline()  # streamed while the Slurm job runs
+        assert first.strip(), f"`t logs -f` ended with {follow.wait(60)}: {follow.communicate()[1]}"
         code, out, err = det("-m", url, "e", "pause", "1")
         assert code == 0 and "Paused experiment 1" in out, err
         deadline = time.time() + 120
         while json.loads(det("-m", url, "e", "list", "--json")[1])[0]["state"] != "PAUSED":
             assert time.time() < deadline, "the experiment never paused"
             time.sleep(1)
+        hold.unlink()
         code, out, err = det("-m", url, "e", "activate", "1")
         assert code == 0 and "Activated experiment 1" in out, err
         code, out, err = det("-m", url, "e", "wait", "1")

@@ -65,6 +65,7 @@ def test_distributed_stage_locally(det: Any) -> None:
     assert epochs(t.id) == [0, 1]
 
 
+@pytest.mark.heavy
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_env")
 def test_distributed_and_adaptive_stages_on_cluster(det: Any) -> None:
