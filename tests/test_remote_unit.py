@@ -192,3 +192,32 @@ def test_socket_dir_refuses_a_planted_link_or_open_dir(tmp_path: Path) -> None:
     with pytest.raises(RemoteError, match="mode 0700"):
         _private_dir(tmp_path / "open")
     assert _private_dir(mine) == mine
+
+
+def test_a_slow_server_banner_is_waited_for(tmp_path: Path) -> None:
+    """A login node that takes 17 s to answer (sshd forking on a busy machine) still gets its
+    handshake: paramiko alone gives up on the banner after 15 s. This server then hangs up, so
+    the error must come from after the banner, not from waiting for it."""
+    import socket
+    import threading
+    import time
+
+    from detslurm.remote.connect import open_hop
+    from detslurm.remote.sshconf import Hop
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def slow() -> None:
+        conn, _ = server.accept()
+        time.sleep(17)
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        conn.close()
+
+    threading.Thread(target=slow, daemon=True).start()
+    hop = Hop("slow", "127.0.0.1", server.getsockname()[1], "u", (), False, (tmp_path / "kh",), None, None)
+    started = time.monotonic()
+    with pytest.raises(RemoteError) as e:
+        open_hop(socket.create_connection(server.getsockname()), hop, lambda _t, _e: "")
+    server.close()
+    assert time.monotonic() - started >= 17
+    assert "banner" not in str(e.value) and "SSH handshake with slow" in str(e.value)

@@ -20,6 +20,10 @@ from detslurm.remote import sshconf
 from detslurm.remote.target import RemoteError, Target
 
 CONNECT_TIMEOUT_S = 20.0
+# Once the TCP connection is up, how long the server gets for its banner and the key exchange.
+# paramiko's default is 15 s each; a busy login node or bastion (sshd forking under load, slow
+# PAM) can take longer, and OpenSSH's client waits as long as the connection lives.
+HANDSHAKE_TIMEOUT_S = 60.0
 Prompt = Callable[[str, bool], str]
 
 
@@ -134,8 +138,9 @@ def open_hop(sock: Any, hop: sshconf.Hop, prompt: Prompt) -> paramiko.Transport:
     # key signature or a second-factor code.
     opts = t.get_security_options()
     opts.key_types = sshconf.preferred_key_types(hop, tuple(opts.key_types))
+    t.banner_timeout = t.handshake_timeout = HANDSHAKE_TIMEOUT_S
     try:
-        t.start_client(timeout=CONNECT_TIMEOUT_S)
+        t.start_client(timeout=HANDSHAKE_TIMEOUT_S)
     except (paramiko.SSHException, OSError, EOFError) as e:
         t.close()
         raise RemoteError(f"SSH handshake with {hop.alias} ({hop.hostname}:{hop.port}) failed: {e}") from None
