@@ -248,7 +248,14 @@ def claim_poll(store: Store, owner: str, floor_s: float) -> bool:
     return True
 
 
-def start(s: Settings, wait_s: float = 10.0) -> int:
+# How long a starting daemon may take to take its lock and write its pid. While it lives it is
+# either starting or about to give up (another daemon's lock, after 5 s), so this is a bound,
+# not a wait: a loaded login node took over 10 s to import it (CI, 2026-11-27), and `det e
+# create` then failed although its jobs were already queued.
+START_WAIT_S = 300.0
+
+
+def start(s: Settings, wait_s: float = START_WAIT_S) -> int:
     """Start the daemon in the background unless it runs here already; its pid."""
     pid = running_pid(s)
     if pid is not None:

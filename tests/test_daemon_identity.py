@@ -133,3 +133,22 @@ def test_a_started_daemon_is_recognised_and_stopped(s: Settings, monkeypatch: py
         assert daemon.stop(s) == pid
     assert daemon.running_pid(s) is None
     assert not daemon.Paths(s).pid.exists()  # the daemon removed its own record
+
+
+def test_a_slow_starting_daemon_is_waited_for(s: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loaded login node: the daemon's interpreter takes 12 s before it even imports detslurm
+    (a sitecustomize that sleeps). `start` waits for it instead of failing `det e create`
+    (it gave up after 10 s, which this test then failed with)."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    # Only the first interpreter to start (the daemon) sleeps, not the ones it starts in turn.
+    (slow / "first").touch()
+    code = f"import os, time\nif os.path.exists({str(slow / 'first')!r}):\n    os.remove({str(slow / 'first')!r})\n    time.sleep(12)\n"
+    (slow / "sitecustomize.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", str(slow))
+    monkeypatch.setenv("DETSLURM_DAEMON_IDLE_EXIT_S", "30")
+    pid = daemon.start(s)
+    try:
+        assert daemon.running_pid(s) == pid
+    finally:
+        assert daemon.stop(s) == pid

@@ -161,7 +161,8 @@ environment: {{environment_variables: [CKPT_BIG_BYTES=4000000]}}
 max_restarts: 1
 """,
     )
-    assert det("e", "create", cfg, ctx)[0] == 0
+    code, out, err = det("e", "create", cfg, ctx)
+    assert code == 0, out + err
     code, out, err = det("e", "wait", "1")
     assert code == 0, out + err
     with store().tx() as s:
