@@ -28,7 +28,7 @@ from dashboard_load import build_store, open_page
 def get(base: str, path: str, headers: dict[str, str] | None = None, method: str = "GET") -> tuple[int, Any]:
     req = urllib.request.Request(base + path, headers=headers or {}, method=method)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=300) as r:
             body = r.read()
             return r.status, json.loads(body) if r.headers.get_content_type() == "application/json" else body.decode()
     except urllib.error.HTTPError as e:
@@ -65,7 +65,7 @@ def test_every_request_needs_the_token(small: tuple[Store, int]) -> None:
             assert get(base, path)[0] == 403
             assert get(base, path, {"Cookie": cookie.split("=")[0] + "=wrong"})[0] == 403
             assert get(base, path, {"Cookie": cookie})[0] == 200
-        page = urllib.request.urlopen(urllib.request.Request(base + "/", headers={"Cookie": cookie}), timeout=30)
+        page = urllib.request.urlopen(urllib.request.Request(base + "/", headers={"Cookie": cookie}), timeout=300)
         # The page may not be framed (clickjacking of the action buttons) nor run foreign scripts.
         assert "frame-ancestors 'none'" in page.headers["Content-Security-Policy"]
         assert page.headers["X-Frame-Options"] == "DENY" and page.headers["Cache-Control"] == "no-store"

@@ -176,7 +176,7 @@ def test_both_sides_agree_on_names() -> None:
 
 
 def _run_script(script: str, env: Mapping[str, str]) -> int:
-    return subprocess.run(["bash", "-c", script], env=dict(env), cwd="/", timeout=60, check=False).returncode
+    return subprocess.run(["bash", "-c", script], env=dict(env), cwd="/", timeout=600, check=False).returncode
 
 
 def _pool_probe(name: str, dirs: Sequence[probe.ProbeDir], code: int, slot_type: str = "cpu") -> probe.PoolProbe:

@@ -229,7 +229,7 @@ def test_pause_then_activate_resumes_from_checkpoint(det: Any) -> None:
     _wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
     code, out, _ = det("e", "pause", "1")
     assert code == 0 and "Paused experiment 1" in out
-    stdout, _ = proc.communicate(timeout=60)
+    stdout, _ = proc.communicate(timeout=600)
     assert "Experiment 1 PAUSED" in stdout
     (t,) = trials(1)
     assert t.state == "PAUSED" and t.restarts == 0
@@ -250,7 +250,7 @@ def test_kill_and_cancel(det: Any) -> None:
     )
     _wait_for(lambda: bool(trials(1)) and bool(metrics(trials(1)[0].id, "training")))
     assert det("e", "kill", "1")[0] == 0
-    stdout, _ = proc.communicate(timeout=60)
+    stdout, _ = proc.communicate(timeout=600)
     assert "Experiment 1 CANCELED" in stdout
     assert trials(1)[0].state == "CANCELED"
     assert det("e", "pause", "1")[2].strip().endswith("experiment 1 is in incompatible state CANCELED")

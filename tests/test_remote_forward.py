@@ -112,7 +112,7 @@ def test_dashboard_port_is_forwarded_to_the_laptop(login: dict[str, Any], tmp_pa
         assert url[0] == "Open" and url[1].startswith("http://127.0.0.1:") and url[1].endswith("/index.html")
         # A laptop port, not the login node's: the page comes through the SSH connection.
         for _ in range(3):  # several connections, each its own channel
-            with urllib.request.urlopen(url[1], timeout=30) as r:
+            with urllib.request.urlopen(url[1], timeout=300) as r:
                 assert r.read() == b"hello through the tunnel\n"
         assert (remote_home / f"{tag}.args").read_text().split() == ["dashboard", "--allow-actions", "--exit-on-eof"]
     finally:

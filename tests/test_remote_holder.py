@@ -117,7 +117,9 @@ def _det(env: dict[str, str], stdin: str | None, *args: str) -> subprocess.Compl
         capture_output=True,
         text=True,
         env=env,
-        timeout=60,
+        # A guard, not a measure: two interpreters, a key exchange in this process's server thread
+        # and the remote det took over 60 s at a load of 20 on 2 cores (CI, 2026-11-27).
+        timeout=600,
     )
 
 

@@ -256,7 +256,7 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
         hold.unlink()
         code, out, err = det("-m", url, "e", "activate", "1")
         assert code == 0 and "Activated experiment 1" in out and "Experiment 1 COMPLETED" in out, err
-        rest, _ = follow.communicate(timeout=60)  # follows across the pause until the trial ends
+        rest, _ = follow.communicate(timeout=600)  # follows across the pause until the trial ends
         assert first == "batch 1\n" and "batch 40\n" in rest and "done: w=" in rest
     finally:
         for p in (create, follow):

@@ -176,7 +176,7 @@ def test_table_covers_the_installed_sbatch(tmp_path: Path) -> None:
         "ClusterName=x\nSlurmctldHost=localhost\nNodeName=localhost CPUs=1\nPartitionName=p Nodes=localhost\n"
     )
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    out = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, timeout=30, env=env)
+    out = subprocess.run(["sbatch", "--help"], capture_output=True, text=True, timeout=600, env=env)
     assert "--account" in out.stdout, out.stderr
     _check_against(out.stdout)
 
@@ -185,7 +185,7 @@ def test_table_covers_the_installed_sbatch(tmp_path: Path) -> None:
 def test_table_covers_the_installed_man_page() -> None:
     """The man page also lists the options ``--help`` leaves out."""
     out = subprocess.run(
-        ["man", "sbatch"], capture_output=True, text=True, timeout=60, env={**os.environ, "MANWIDTH": "200"}
+        ["man", "sbatch"], capture_output=True, text=True, timeout=600, env={**os.environ, "MANWIDTH": "200"}
     )
     if out.returncode != 0 or "--account" not in out.stdout:
         pytest.skip("the sbatch man page is not installed")

@@ -116,9 +116,9 @@ def test_launcher_kills_a_trial_that_outlives_preemption_timeout(tmp_path: Path)
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=300)
     # _run returns -9 (killed); the harness passes that to sys.exit, which exits 247.
-    assert proc.returncode == -signal.SIGKILL & 0xFF and 2 <= time.monotonic() - t0 < 10
+    assert proc.returncode == -signal.SIGKILL & 0xFF and 2 <= time.monotonic() - t0 < 30  # the trial sleeps 60 s
     assert "told to stop" in out and "did not stop within preemption_timeout (2 s)" in err
 
 
@@ -126,7 +126,7 @@ def test_launcher_without_preemption_timeout_waits_for_the_trial(tmp_path: Path)
     proc = _launcher(tmp_path, None, STUBBORN.replace("time.sleep(60)", "time.sleep(4)"))
     assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "preemption_timeout" not in err
 
 
@@ -136,7 +136,7 @@ def test_control_file_stop_starts_the_preemption_timeout_clock(tmp_path: Path) -
     from detslurm.protocol import ControlRecord
 
     ControlRecord(preempt=True, reason="pause").write(tmp_path / "control.json")
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL & 0xFF and "preemption_timeout (1 s)" in err
 
 
