@@ -55,6 +55,7 @@ from types import FrameType
 from typing import Any, Optional
 
 from detslurm.launch._common import handling
+from detslurm.launch._pidwait import ChildWait
 from detslurm.launch.wrap_rank import FAILED_RANKS_ENV, STOP_SIGNALS
 from detslurm.protocol import NotARunDir, RunPaths
 
@@ -229,14 +230,21 @@ def _wait_failing_fast(
     looked at every 0.4 s). The agent then has AGENT_EXIT_S to report and exit: torchrun's interpreter
     took 10-25 s to tear torch down on a loaded node, after it had printed its failure summary.
     Killed, it counts as failed (1, torchrun's code for a failed worker)."""
+    with ChildWait(proc) as child:
+        return _fail_fast_loop(proc, child, failed, depth, grace, peers)
+
+
+def _fail_fast_loop(
+    proc: subprocess.Popen[Any], child: ChildWait, failed: Path, depth: int, grace: float, peers: Optional[PeerMarks]
+) -> int:
     kill_at: Optional[float] = None
     alone_since: Optional[float] = None
     polls = 0
     while True:
-        try:
-            return proc.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            polls += 1
+        code = child.wait(0.2)
+        if code is not None:
+            return code
+        polls += 1
         now = time.monotonic()
         if kill_at is None:
             if any(failed.iterdir()):

@@ -128,7 +128,7 @@ def test_preemption_checkpoints_through_the_container_and_resumes(det: Any, imag
         CORE / "const.yaml",
         CORE,
         "--config",
-        "hyperparameters.sleep=0.2",
+        "hyperparameters.sleep=1.0",
         "--config",
         "slurm.sbatch_args=[--nodelist=c1]",
         "--config",
@@ -161,7 +161,7 @@ def test_time_limit_warning_reaches_the_container(det: Any, image: str) -> None:
     # The site's warning signal (USR2, signal_lead_s before the time limit) goes to the batch
     # shell, which passes it to `podman run` (and into the container) and records it.
     code, _, err = det(
-        "e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15",
+        "e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0",
         "--config", f"environment.image={image}",
     )  # fmt: skip
     assert code == 0, err

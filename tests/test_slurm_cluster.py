@@ -119,7 +119,7 @@ def test_two_node_trial(det: Any, tmp_path: Path) -> None:
 
 
 def test_pause_activate_on_slurm(det: Any) -> None:
-    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15")[0] == 0
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0")[0] == 0
     wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
     assert det("e", "pause", "1")[0] == 0
     wait_for(lambda: trials(1)[0].state == "PAUSED")
@@ -143,7 +143,7 @@ def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
         CORE / "const.yaml",
         CORE,
         "--config",
-        "hyperparameters.sleep=0.2",
+        "hyperparameters.sleep=1.0",
         "--config",
         "slurm.sbatch_args=[--nodelist=c1]",
     )
@@ -202,7 +202,7 @@ def _job_of(trial_id: int) -> str:
 def test_time_limit_warning_signal_checkpoints_and_resubmits(det: Any) -> None:
     """The site's warning signal (USR2 before the time limit) reaches the trial through the batch
     shell and srun; it checkpoints, exits, and is resubmitted with nothing lost."""
-    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.15")[0] == 0
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0")[0] == 0
     wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None and _job_of(trials(1)[0].id) != "")
     job = _job_of(trials(1)[0].id)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True)
@@ -218,7 +218,7 @@ def test_time_limit_warning_signal_checkpoints_and_resubmits(det: Any) -> None:
 
 
 def test_external_scancel_is_a_user_cancel(det: Any) -> None:
-    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.2")[0] == 0
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0")[0] == 0
     wait_for(lambda: bool(trials(1)) and _job_of(trials(1)[0].id) != "" and bool(steps(trials(1)[0].id)))
     subprocess.run(["scancel", _job_of(trials(1)[0].id)], check=True)
     code, out, _ = det("e", "wait", "1")

@@ -51,7 +51,7 @@ def use_store(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
 
 
 def test_pool_move_of_own_and_foreign_experiment(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.3")[0] == 0
+    assert det("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=2.0")[0] == 0
     # Running in Slurm and in the store: a move preempts the runs the store knows to be running.
     wait_for(lambda: len(running_jobs()) == 1 and run_states(1) == ["RUNNING"])
     ((job, partition),) = running_jobs().items()

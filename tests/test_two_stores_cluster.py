@@ -52,7 +52,7 @@ def wait_for(pred: Any, timeout: float = 60) -> None:
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_env")
 def test_two_stores_share_an_experiments_dir(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = ("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0.25")
+    cfg = ("e", "create", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=1.0")
     try:
         use_store(monkeypatch, tmp_path, "a")
         assert det(*cfg)[0] == 0

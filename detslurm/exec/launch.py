@@ -29,6 +29,7 @@ from detslurm.errors import ContextError
 from detslurm.exec import forked
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
+from detslurm.launch._pidwait import ChildWait
 from detslurm.protocol import (
     IN_CONTAINER_ENV,
     BadRecord,
@@ -205,22 +206,24 @@ def _wait(
         # Nothing to time: block in waitpid instead of waking every few ms (Popen.wait with a
         # timeout polls) beside ranks that are importing their framework.
         return proc.wait()
-    while True:
-        try:
-            return proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
-        if clock.at is None and control is not None and _control_says_stop(control):
-            clock.start()  # pause, kill, early stop from the controller: the same clock
-        if clock.at is not None and time.monotonic() - clock.at > timeout_s:
-            print(
-                f"detslurm: the trial did not stop within preemption_timeout ({timeout_s:.0f} s); killing it",
-                file=sys.stderr,
-                flush=True,
-            )
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            return proc.wait()
+    with ChildWait(proc) as child:
+        while (code := child.wait(0.5)) is None:
+            if _stop_clock_ran_out(clock, timeout_s, control):
+                print(
+                    f"detslurm: the trial did not stop within preemption_timeout ({timeout_s:.0f} s); killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                return proc.wait()
+        return code
+
+
+def _stop_clock_ran_out(clock: _StopClock, timeout_s: float, control: Optional[Path]) -> bool:
+    if clock.at is None and control is not None and _control_says_stop(control):
+        clock.start()  # pause, kill, early stop from the controller: the same clock
+    return clock.at is not None and time.monotonic() - clock.at > timeout_s
 
 
 def _control_says_stop(control: Path) -> bool:
