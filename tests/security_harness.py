@@ -128,9 +128,10 @@ def shared_det(root: Path) -> Path:
     # The system python3 may be older than requires-python's floor (3.11.2 here), which exists
     # only for tarfile's extraction filters: extracting a context happens inside trials, never
     # in the CLI commands a second user runs in these tests.
-    # --no-compile: pip's bytecode pass over every dependency was 40% of a fresh venv's build
-    # (233 s against 135 s on a loaded 2-core machine); warm_bytecode compiles what det imports.
-    pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-compile", "--ignore-requires-python"]
+    # pip byte-compiles what it installs, as root: the other users cannot write __pycache__ here,
+    # and without it each of their commands compiled SQLAlchemy and the rest again (24 s of CPU
+    # for one `det e describe` with --no-compile, 2026-11-27).
+    pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
     (root / ".state").mkdir(exist_ok=True)
     # scripts/test runs several pytest sessions at once: one pip at a time in this venv.
     with open(root / ".state" / f"shared-venv-py{version}.lock", "w") as lock:
@@ -151,23 +152,7 @@ def _install_shared(python: str, venv: Path, pip: list[str], root: Path) -> None
         subprocess.run([*pip, "--no-deps", "--force-reinstall", str(root)], check=True)
         if subprocess.run([str(venv / "bin/python"), "-c", "import psycopg"], capture_output=True).returncode:
             subprocess.run([*pip, "psycopg[binary]>=3.1"], check=True)
-    warm_bytecode(venv / "bin/det")
     stamp.write_text(want)
-
-
-def warm_bytecode(det: Path, env: dict[str, str] | None = None) -> None:
-    """Writes the bytecode of what ``det`` imports into its venv (as root, before the venv is made
-    world-readable): other users cannot write there, and without it each of their commands would
-    compile SQLAlchemy and the rest from source again. What a throwaway `det e list` imports (the
-    CLI, the store, its migrations), plus the PostgreSQL driver."""
-    python = det.parent / "python"
-    run_env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONDONTWRITEBYTECODE"}
-    with tempfile.TemporaryDirectory(prefix="detslurm-warm-") as d:
-        run_env.update(HOME=d, DETSLURM_CONFIG=f"{d}/none.json", DETSLURM_DATA_DIR=f"{d}/data")
-        run_env.update(DETSLURM_EXPERIMENTS_DIR=f"{d}/exps", DETSLURM_CHECKPOINT_DIR=f"{d}/ckpts")
-        subprocess.run([str(det), "e", "list"], env=run_env, capture_output=True, check=False)
-        code = "import detslurm.cli.main, detslurm.daemon, sqlalchemy.dialects.postgresql.psycopg"
-        subprocess.run([str(python), "-c", code], env=run_env, capture_output=True, check=False)
 
 
 def tree_hash(root: Path) -> str:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import ROOT
-from security_harness import tree_hash, warm_bytecode
+from security_harness import tree_hash
 
 SSHD = Path("/usr/sbin/sshd")
 USER = "detslurm-remote"
@@ -157,18 +157,15 @@ def remote_det() -> tuple[Path, list[str]]:
         pybin = next((py / "bin").glob("python3.*[0-9]"))
         if not (venv / "bin/pip").exists():
             subprocess.run(["env", lib, str(pybin), "-m", "venv", str(venv)], check=True)
-            # --no-compile, then warm_bytecode: security_harness.shared_det says why.
-            subprocess.run(["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-compile", str(ROOT)], check=True)
+            # Byte-compiled by pip, as root: security_harness.shared_det says why.
+            subprocess.run(["env", lib, str(venv / "bin/pip"), "install", "-q", str(ROOT)], check=True)
         elif (stamp.read_text() if stamp.exists() else "") != want:
             subprocess.run(
-                ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-compile", "--no-deps", "--force-reinstall"]
-                + [str(ROOT)],
+                ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall"] + [str(ROOT)],
                 check=True,
             )
         # Reinstalled only when the checkout changed: the other session may be running this det.
-        if not stamp.exists() or stamp.read_text() != want:
-            warm_bytecode(venv / "bin/det", dict(os.environ, LD_LIBRARY_PATH=str(py / "lib")))
-            stamp.write_text(want)
+        stamp.write_text(want)
     subprocess.run(["chmod", "-R", "a+rX", str(py), str(venv)], check=True)
     for p in [state, *state.parents]:
         if p == Path("/"):

@@ -2,8 +2,7 @@
 
 A tick: one batched status query, event ingest (exactly once), exit decisions, experiment
 transitions, control/ops files, submissions. All truth is in the store, the experiment dirs
-and the executor, so a controller killed at any point resumes where it was.
-"""
+and the executor, so a controller killed at any point resumes where it was."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from detslurm.controller.executor import (
 from detslurm.controller.files import sync_files
 from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
-from detslurm.errors import StateError
+from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import os_user
 from detslurm.protocol import RunPaths, read_lines
 from detslurm.protocol.secret import ensure_run_secrets
@@ -53,6 +52,7 @@ from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, 
 __all__ = ["ACTIVE_RUN", "Controller", "current_user", "load_searcher"]
 
 log = logging.getLogger("detslurm.controller")
+_EXPECTED = (DetSlurmError, SchedulerUnavailable)  # a failed tick that needs no traceback
 
 # An sbatch whose reply was lost may still be in slurmctld's hands: before concluding that it
 # never created the job, give a slow controller this long to show it in the queue.
@@ -140,8 +140,8 @@ class Controller:
             try:
                 self.tick_experiment(exp_id, runs[exp_id], statuses)
                 done.append(exp_id)
-            except Exception:
-                log.exception("experiment %d: tick failed", exp_id)
+            except Exception as e:  # expected failures in one line (a read prints it), bugs' tracebacks
+                log.error("experiment %d: tick failed: %s", exp_id, e, exc_info=not isinstance(e, _EXPECTED))
         # Only where the runs' ends were recorded: elsewhere the next tick decides them first.
         self._cancel_replaced([job for exp_id in done for _, job, _ in runs[exp_id] if job], statuses or {})
 
