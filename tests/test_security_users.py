@@ -131,6 +131,7 @@ def _alice_experiments(det: Any, url: str, tmp_path: Path) -> tuple[int, int, in
     return 1, slurm_exp, trial
 
 
+@pytest.mark.heavy  # about 25 commands as the second user: 11 min on a loaded 2-core machine
 def test_other_users_experiments_are_not_found_and_never_ticked(
     det: Any, shared_url: str, as_mallory: Mallory, tmp_path: Path
 ) -> None:
