@@ -129,8 +129,8 @@ def shared_det(root: Path) -> Path:
     # only for tarfile's extraction filters: extracting a context happens inside trials, never
     # in the CLI commands a second user runs in these tests.
     # pip byte-compiles what it installs, as root: the other users cannot write __pycache__ here,
-    # and without it each of their commands compiled SQLAlchemy and the rest again (24 s of CPU
-    # for one `det e describe` with --no-compile, 2026-11-27).
+    # and without bytecode each of their commands compiles its imports again (24 s of CPU for
+    # one `det e describe` on a loaded machine, 2026-11-27). Hence no --no-compile.
     pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
     (root / ".state").mkdir(exist_ok=True)
     # scripts/test runs several pytest sessions at once: one pip at a time in this venv.

@@ -161,7 +161,7 @@ def remote_det() -> tuple[Path, list[str]]:
             subprocess.run(["env", lib, str(venv / "bin/pip"), "install", "-q", str(ROOT)], check=True)
         elif (stamp.read_text() if stamp.exists() else "") != want:
             subprocess.run(
-                ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall"] + [str(ROOT)],
+                ["env", lib, str(venv / "bin/pip"), "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)],
                 check=True,
             )
         # Reinstalled only when the checkout changed: the other session may be running this det.
