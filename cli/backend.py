@@ -118,6 +118,9 @@ class SlurmBackend:
         refusals = executor.refusals(executor.plan_many(specs))
         if refusals:
             raise RequestRefused(refusals)
+        if executor.nodes_away:
+            names = ", ".join(executor.nodes_away)
+            click.echo(f"Note: nodes {names} take no jobs now (down or drained); the jobs may wait for them", err=True)
         if executor.unchecked:
             click.echo(f"Warning: not checked against the cluster's limits ({executor.unchecked})", err=True)
 

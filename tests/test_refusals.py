@@ -5,6 +5,7 @@ and their trial ends)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -17,10 +18,18 @@ from detslurm.controller.executor import ExitCause, JobState, RunSpec
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.expconf import ExperimentConfig, validate
 from detslurm.slurm.client import Result, SlurmClient
-from detslurm.slurm.parse import parse_sinfo_json
+from detslurm.slurm.parse import NodeInfo, parse_sinfo_json
 from detslurm.slurm.partitions import PartitionInfo, parse_partitions
 from detslurm.slurm.reasons import REASONS, describe_reason, pending_reason
-from detslurm.slurm.refusals import Refusal, RefusalKind, RequestRefused, check_shape, fmt_duration, job_shape
+from detslurm.slurm.refusals import (
+    Refusal,
+    RefusalKind,
+    RequestRefused,
+    check_shape,
+    fmt_duration,
+    job_shape,
+    nodes_away,
+)
 from detslurm.slurm.site import SiteConfig, load_site_config
 from detslurm.views import pending_words
 
@@ -173,6 +182,11 @@ def test_durations_in_slurm_notation() -> None:
             "waiting for nodes that are down, drained or reserved (ReqNodeNotAvail)",
             False,
         ),
+        (
+            "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions",
+            "waiting for nodes that are down, drained or reserved (Nodes required for job are DOWN)",
+            False,
+        ),
         ("PartitionNodeLimit", "never runs: more nodes than the partition allows per job (PartitionNodeLimit)", True),
         ("PartitionConfig", "never runs: the request does not fit the partition's nodes (PartitionConfig)", True),
         (
@@ -322,6 +336,68 @@ def test_without_sinfo_json_the_size_is_left_to_sbatch(tmp_path: Path) -> None:
     ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
     (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 100}), 1)))
     assert refusal.kind is RefusalKind.SBATCH and "Requested node configuration is not available" in refusal.message
+
+
+NOT_AVAILABLE = Result(1, "", "allocation failure: Requested node configuration is not available")
+
+
+def drained(*names: str) -> str:
+    """The captured ``sinfo --json`` with ``names`` drained, as 22.05 prints it."""
+    data = json.loads((DATA / "sinfo.json").read_text())
+    for node in data["nodes"]:
+        if node["name"] in names:
+            node["state_flags"] = ["DRAIN"]
+    return json.dumps(data)
+
+
+class DrainedSlurm(FakeSlurm):
+    def __init__(self, sinfo: str) -> None:
+        super().__init__(test_only=NOT_AVAILABLE)
+        self.sinfo = sinfo
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        return Result(0, self.sinfo, "") if argv[:2] == ["sinfo", "--json"] else super().answer(argv, input)
+
+
+def test_sbatch_tests_no_while_a_partition_node_is_drained_is_no_refusal(tmp_path: Path) -> None:
+    # sbatch --test-only answers "not available" for a job that needs a drained node (c1 by
+    # name, or both cpu nodes), though sbatch queues it (ReqNodeNotAvail) until c1 is back.
+    ex = SlurmExecutor(SlurmClient(DrainedSlurm(drained("c1")), user="alice"), SITE)
+    cfg = config(resources={"slots_per_trial": 4})
+    assert ex.refusals(ex.plan_many(specs(tmp_path, cfg, 1))) == [] and ex.nodes_away == ["c1"]
+
+
+def test_a_drained_node_of_another_partition_leaves_the_refusal_standing(tmp_path: Path) -> None:
+    ex = SlurmExecutor(SlurmClient(DrainedSlurm(drained("g1", "g2")), user="alice"), SITE)
+    (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(resources={"slots_per_trial": 4}), 1)))
+    assert refusal.kind is RefusalKind.SBATCH and ex.nodes_away == []
+
+
+def test_another_sbatch_refusal_stands_while_a_node_is_drained(tmp_path: Path) -> None:
+    fake = DrainedSlurm(drained("c1"))
+    fake.test_only = Result(1, "", "allocation failure: Invalid feature specification")
+    ex = SlurmExecutor(SlurmClient(fake, user="alice"), SITE)
+    (refusal,) = ex.refusals(ex.plan_many(specs(tmp_path, config(slurm={"sbatch_args": ["-C", "x"]}), 1)))
+    assert "Invalid feature specification" in refusal.message
+
+
+@pytest.mark.parametrize(
+    ("state", "away"),
+    [
+        ("idle", False),
+        ("mixed", False),
+        ("allocated", False),
+        ("idle+drain", True),
+        ("down", True),
+        ("down+not_responding", True),
+        ("mixed+draining", True),
+        ("idle+power_down", True),
+    ],
+)
+def test_which_node_states_take_no_new_jobs(state: str, away: bool) -> None:
+    nodes = [NodeInfo("c1", ("cpu",), state, 2, 0, 0, 0), NodeInfo("g1", ("gpu",), "down", 2, 0, 2, 0)]
+    shape = job_shape(config(), SITE)
+    assert nodes_away(shape, partitions(), nodes) == (["c1"] if away else [])
 
 
 def test_an_offline_dry_run_checks_nothing_when_slurm_is_away(tmp_path: Path) -> None:

@@ -165,6 +165,27 @@ def test_a_job_made_impossible_while_queued_ends_its_trial(det: Any, tmp_path: P
     assert "PartitionNodeLimit" in det("e", "describe", "1")[1]
 
 
+def test_a_job_that_needs_a_drained_node_is_queued_to_wait_for_it(det: Any, tmp_path: Path) -> None:
+    # sbatch --test-only answers "Requested node configuration is not available" for a job that
+    # needs a drained node, though sbatch queues that job (ReqNodeNotAvail): the create goes on,
+    # names the node, and the trial runs once the node is back.
+    subprocess.run(["scontrol", "update", "NodeName=c1", "State=DRAIN", "Reason=detslurm-test"], check=True)
+    try:
+        only_c1 = ["--config", "slurm.sbatch_args=[--nodelist=c1]", "--config", "hyperparameters.sleep=0"]
+        code, out, err = det("e", "create", CORE / "const.yaml", CORE, *only_c1)
+        assert code == 0 and "Created experiment 1" in out, err
+        assert "Note: nodes c1 take no jobs now (down or drained); the jobs may wait for them" in err
+        words = "waiting for nodes that are down, drained or reserved ("
+        reason = until("a reason", lambda: trial_view(det)["trial"]["pending_reason"] or None)
+        assert reason.startswith(words), reason
+    finally:
+        subprocess.run(["scontrol", "update", "NodeName=c1", "State=RESUME"], check=True)
+    done = until(
+        "the trial to end", lambda: trial_view(det) if trial_view(det)["trial"]["state"] != "ACTIVE" else None, 300
+    )
+    assert done["trial"]["state"] == "COMPLETED", done
+
+
 def ended(view: dict[str, Any]) -> dict[str, Any] | None:
     return view if view["trial"]["state"] == "ERROR" else None
 

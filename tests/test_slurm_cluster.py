@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -229,19 +231,47 @@ def test_external_scancel_is_a_user_cancel(det: Any) -> None:
     assert "canceled" in out
 
 
-def test_test_mode_and_follow_on_slurm(det: Any) -> None:
+def test_test_mode_and_follow_on_slurm(det: Any, tmp_path: Path) -> None:
     code, out, err = det("e", "create", "--test-mode", CORE / "adaptive.yaml", CORE)
     assert code == 0 and "Model definition test succeeded! 🎉" in out, out + err
+    # A job on both cpu nodes holds the trial's job in the queue until the follow has said why
+    # it waits. (A blocker of a fixed `sleep 4` had ended before the submission on a loaded
+    # machine: the job ran at once, and there was no waiting to report.)
+    go = tmp_path / "go"
+    hold = f"for i in $(seq 1500); do [ -e {shlex.quote(str(go))} ] && exit 0; sleep 0.2; done"
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-p", "cpu", "-N2", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 4"],
+        ["sbatch", "--parsable", "-p", "cpu", "-N2", "-c", "2", "-o", "/dev/null", "--wrap", hold],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    code, out, err = det("e", "create", "-f", CORE / "const.yaml", CORE, "--config", "hyperparameters.sleep=0")
+    wait_for(lambda: _squeue_state(blocker) == "RUNNING")
+    argv = [str(Path(sys.executable).parent / "det"), "e", "create", "-f", str(CORE / "const.yaml"), str(CORE)]
+    with (tmp_path / "stderr").open("w+") as err_file:
+        follow = subprocess.Popen(
+            [*argv, "--config", "hyperparameters.sleep=0"], stdout=subprocess.PIPE, stderr=err_file, text=True
+        )
+        lines = []
+        try:
+            assert follow.stdout is not None
+            for line in follow.stdout:
+                lines.append(line)
+                if line.startswith("HPC job waiting to be scheduled: "):
+                    go.touch()
+            code = follow.wait(timeout=60)
+        finally:
+            go.touch()
+            follow.kill()
+        err_file.seek(0)
+        err = err_file.read()
+    out = "".join(lines)
     assert code == 0, out + err
-    assert "HPC job waiting to be scheduled: " in out and "done: w=" in out
-    del blocker
+    assert "HPC job waiting to be scheduled: waiting" in out, out
+    assert "done: w=" in out, out
+
+
+def _squeue_state(job: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
 
 
 def test_crash_between_sbatch_and_commit_is_adopted_by_comment(det: Any) -> None:

@@ -34,7 +34,15 @@ from detslurm.slurm.containers import Runtime
 from detslurm.slurm.limits import SubmitLimits, Throttle, count_queue, headroom, is_limit_refusal, submit_limits
 from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
 from detslurm.slurm.reasons import pending_reason
-from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind, check_shape, job_shape
+from detslurm.slurm.refusals import (
+    CONFIG,
+    NODES_NOT_AVAILABLE,
+    Refusal,
+    RefusalKind,
+    check_shape,
+    job_shape,
+    nodes_away,
+)
 from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
@@ -91,6 +99,9 @@ class SlurmExecutor:
         self.last_queue: dict[str, QueuedJob] = {}
         # Why refusals() checked nothing (offline, Slurm out of reach), for the dry run to say.
         self.unchecked: Optional[str] = None
+        # Nodes that were down or drained when sbatch --test-only could not place a job: its
+        # "no" was set aside, since sbatch queues such a job until they come back.
+        self.nodes_away: list[str] = []
         self._recover_queue: Optional[tuple[float, list[QueuedJob]]] = None
         self._clock = clock  # a seam: tests age the cached limits and queue without sleeping
         self._throttle = Throttle()
@@ -270,8 +281,10 @@ class SlurmExecutor:
             if key in tested:
                 continue
             tested.add(key)
-            found = check_shape(job_shape(sub.specs[0].config, self.site), partitions, nodes)
-            out += [r for r in self._ask_sbatch(sub, found) if r not in out]  # shapes may share one
+            shape = job_shape(sub.specs[0].config, self.site)
+            found = check_shape(shape, partitions, nodes)
+            away = nodes_away(shape, partitions, nodes)
+            out += [r for r in self._ask_sbatch(sub, found, away) if r not in out]  # shapes may share one
         return out
 
     def _nodes(self) -> list[NodeInfo]:
@@ -286,15 +299,20 @@ class SlurmExecutor:
                 raise
             return []
 
-    def _ask_sbatch(self, sub: Submission, found: list[Refusal]) -> list[Refusal]:
+    def _ask_sbatch(self, sub: Submission, found: list[Refusal], away: list[str]) -> list[Refusal]:
         """sbatch's verdict where our own check found nothing (its message for a request that
         is too big, "Requested node configuration is not available", says less than ours), or
         only a partition we could not see: scontrol hides Hidden partitions, which sbatch
-        still takes, so our "no such partition" stands only if sbatch refuses too."""
+        still takes, so our "no such partition" stands only if sbatch refuses too. That same
+        message, while nodes of the partition are down or drained (``away``), is no refusal:
+        our size check passed, and the job only waits for them."""
         if any(r.kind is not RefusalKind.NO_PARTITION for r in found):
             return found
         message = self.client.sbatch_test_only(sub.request.args, sub.request.script)
         if message is None:
+            return []
+        if away and not found and NODES_NOT_AVAILABLE in message:
+            self.nodes_away = sorted(set(self.nodes_away) | set(away))
             return []
         if found:
             return found  # our message names the site config's pool; sbatch's would not

@@ -48,6 +48,9 @@ REASONS: dict[str, PendingReason] = dict(
         _r("JobHeldUser", "held (det e pause or scontrol hold); release to run"),
         _r("JobHeldAdmin", "held by an administrator"),
         _r("ReqNodeNotAvail", "waiting for nodes that are down, drained or reserved"),
+        # What 22.05 says of a job that needs (every node of its partition, or by name) a drained
+        # node: squeue prints the whole sentence, of which only the part before the comma counts.
+        _r("Nodes required for job are DOWN", "waiting for nodes that are down, drained or reserved"),
         _r("NodeDown", "waiting for a node that is down"),
         _r("PartitionDown", "waiting: the partition is down"),
         _r("PartitionInactive", "waiting: the partition is inactive"),

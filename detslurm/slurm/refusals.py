@@ -238,3 +238,23 @@ def check_shape(shape: JobShape, partitions: Sequence[PartitionInfo], nodes: Seq
         msg = f"partition {shape.partition!r} does not exist on this cluster (partitions: {names})"
         return [Refusal(RefusalKind.NO_PARTITION, shape.partition_path, msg)]
     return [*_node_refusals(shape, part, nodes), *_limit_refusals(shape, part)]
+
+
+# What sbatch --test-only answers (22.05 and 24.11) when the job needs a node that is down or
+# drained right now, although sbatch itself queues that job (PENDING, ReqNodeNotAvail). It is
+# also its answer for a request that is too big, which check_shape judges first.
+NODES_NOT_AVAILABLE = "Requested node configuration is not available"
+
+# Node state words (sinfo's spelling, parse._node_state) that keep new jobs off a node.
+_AWAY = frozenset(
+    "down drain drained draining fail failing future inval maint not_responding "
+    "power_down powered_down powering_down reboot_issued reboot_requested reserved".split()
+)
+
+
+def nodes_away(shape: JobShape, partitions: Sequence[PartitionInfo], nodes: Sequence[NodeInfo]) -> list[str]:
+    """The nodes of the job's partition (every node, where it is not known) that take no new
+    jobs now: while any is away, sbatch --test-only's "not available" may mean only "not now"."""
+    part = find_partition(shape, partitions)
+    ours = [n for n in nodes if part is None or part.name in n.partitions]
+    return [n.name for n in ours if _AWAY.intersection(n.state.split("+"))]
