@@ -247,8 +247,24 @@ NODES_NOT_AVAILABLE = "Requested node configuration is not available"
 
 # Node state words (sinfo's spelling, parse._node_state) that keep new jobs off a node.
 _AWAY = frozenset(
-    "down drain drained draining fail failing future inval maint not_responding "
-    "power_down powered_down powering_down reboot_issued reboot_requested reserved".split()
+    [
+        "down",
+        "drain",
+        "drained",
+        "draining",
+        "fail",
+        "failing",
+        "future",
+        "inval",
+        "maint",
+        "not_responding",
+        "power_down",
+        "powered_down",
+        "powering_down",
+        "reboot_issued",
+        "reboot_requested",
+        "reserved",
+    ]
 )
 
 
