@@ -5,10 +5,11 @@ import logging
 
 import determined as det
 import torch
-from mnist_synthetic import Net, datasets
-from model_def_checkpoints import load_state, test, train
 from torch import optim
 from torch.utils.data import DataLoader
+
+from mnist_synthetic import Net, datasets
+from model_def_checkpoints import load_state, test, train
 
 
 def main(core_context):

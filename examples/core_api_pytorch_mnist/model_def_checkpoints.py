@@ -6,9 +6,10 @@ import pathlib
 import determined as det
 import torch
 import torch.nn.functional as F
-from mnist_synthetic import Net, datasets
 from torch import optim
 from torch.utils.data import DataLoader
+
+from mnist_synthetic import Net, datasets
 
 
 def train(model, device, train_loader, optimizer, core_context, epoch_idx, op_length=None):

@@ -7,11 +7,12 @@ import determined as det
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from mnist_synthetic import Net, datasets
 from torch import optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
+
+from mnist_synthetic import Net, datasets
 
 
 def main(core_context):
