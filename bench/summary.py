@@ -111,6 +111,18 @@ TABLE: list[tuple[str, Callable[[dict[str, Any]], list[Row]]]] = [
         ],
     ),
     (
+        "fail_fast",
+        lambda d: [
+            (
+                "fail-fast, 2 nodes x 2 ranks, one rank exits 3",
+                f"{d['detslurm_median_s']:.1f} s from the failure to the job's end vs {d['plain_median_s']:.1f} s for "
+                f"srun --kill-on-bad-exit torchrun ({d['ratio']:.2f}x, medians of {len(d['detslurm_s'])})",
+                "< 1.0x",
+                d["ratio"] < 1.0,
+            )
+        ],
+    ),
+    (
         "trainer_overhead",
         lambda d: [
             (

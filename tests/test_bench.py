@@ -68,6 +68,8 @@ def test_launch_and_trainer_and_checkpoint_benchmarks(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     d = run(tmp_path, "launch_overhead.py", "--repeats", "1", "--warmup", "0")
     assert finite(d["ratio"])
+    d = run(tmp_path, "fail_fast.py", "--repeats", "1")
+    assert finite(d["ratio"], d["plain_median_s"])
     d = run(tmp_path, "trainer_overhead.py", "--batches", "200", "--repeats", "1")
     assert finite(d["ratio"], d["report_training_metrics_us_per_call"])
     d = run(tmp_path, "checkpoint_io.py", "--mb", "8", "--repeats", "2")
