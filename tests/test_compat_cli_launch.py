@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import write
 
 CHECK = (
@@ -85,6 +86,8 @@ def _autohorovod(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess
     )
 
 
+# Three torch start-ups (torchrun and two ranks): 166 s in CI's local line (2026-11-27).
+@pytest.mark.heavy
 def test_autohorovod_without_horovod(tmp_path: Path) -> None:
     r = _autohorovod(["python3", "-c", "pass"], tmp_path)
     assert r.returncode == 2 and "several slots and Horovod is not installed" in r.stderr

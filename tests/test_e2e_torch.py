@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.e2e, pytest.mark.torch]
 
 
+# 234 s in CI's local line (2026-11-27): after the tests of seconds.
+@pytest.mark.heavy
 def test_torch_example_trains_and_learns(det: Any) -> None:
     code, out, err = det(
         "e", "create", "--local", EXAMPLES / "torch_synthetic/const.yaml", EXAMPLES / "torch_synthetic"
