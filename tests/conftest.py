@@ -199,7 +199,8 @@ def slurm_env(det_env: Path, slurm_cluster: Path, monkeypatch: pytest.MonkeyPatc
         pytest.fail(f"the test left nodes out of service (resumed for the next tests): {left}")
 
 
-# sinfo's short node states (%t) of a node that takes jobs; a suffix (*, ~, #, ...) is a flag.
+# sinfo's short node states (%t) of a node that takes jobs. With a suffix (idle* = not responding,
+# idle~ = powered off, ...) a node takes none: such a state counts as out of service.
 IN_SERVICE = ("idle", "mix", "alloc", "comp")
 
 

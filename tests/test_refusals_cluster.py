@@ -180,14 +180,16 @@ def test_a_job_that_needs_a_drained_node_is_queued_to_wait_for_it(det: Any, tmp_
         assert reason.startswith(words), reason
     finally:
         subprocess.run(["scontrol", "update", "NodeName=c1", "State=RESUME"], check=True)
-    done = until(
-        "the trial to end", lambda: trial_view(det) if trial_view(det)["trial"]["state"] != "ACTIVE" else None, 300
-    )
+    done = until("the trial to end", lambda: settled(trial_view(det)), 300)
     assert done["trial"]["state"] == "COMPLETED", done
 
 
 def ended(view: dict[str, Any]) -> dict[str, Any] | None:
     return view if view["trial"]["state"] == "ERROR" else None
+
+
+def settled(view: dict[str, Any]) -> dict[str, Any] | None:
+    return view if view["trial"]["state"] != "ACTIVE" else None
 
 
 def _state(job: str) -> str:
