@@ -117,15 +117,29 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(f"NOT RUN: {late} tests, {OUT_OF_TIME}", red=True, bold=True)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A failed test that ran experiments gets their story (tests/diagnose.py) as a section of
+    its report, taken while its fixtures (the store, the cluster) are still there."""
+    report: pytest.TestReport = yield
+    if report.failed and call.when == "call" and "det_env" in getattr(item, "fixturenames", ()):
+        from diagnose import story
+
+        report.sections.append(("detslurm", "\n".join(story())))
+    return report
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Under CI, a failure is printed the moment it happens, not only in the final summary.
 
     CI shows the tail of a run cut off at its time limit, and pytest prints the tracebacks only at
-    the end; the tail of each traceback here names the assertion that failed."""
+    the end; the tail of each traceback here names the assertion that failed, and the story of
+    the test's experiments (runs, their ends, their logs' last lines) says what led there."""
     if not os.environ.get("CI") or not report.failed:
         return
     tail = report.longreprtext.strip().splitlines()[-12:]
-    lines = [f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", *("  " + t for t in tail)]
+    story = [line for name, text in report.sections if name == "detslurm" for line in text.splitlines()]
+    lines = [f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s)", *("  " + t for t in tail + story)]
     sys.stderr.write("\n" + "\n".join(lines) + "\n")
 
 

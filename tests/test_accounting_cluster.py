@@ -131,6 +131,21 @@ def wait_accounted(jobs: list[str], timeout: float = 45) -> None:
     raise AssertionError(f"sacct never showed every job ended: {out}")
 
 
+def wait_completed(jobs: list[str], timeout: float = 120) -> None:
+    """Until no job is COMPLETING any more. slurmdbd records a job's end (TIMEOUT, NODE_FAIL)
+    while its processes are still being killed; squeue shows it COMPLETING until they are gone,
+    and the executor rightly reports such a job as still running."""
+    deadline = time.time() + timeout
+    while True:
+        out = subprocess.run(
+            ["squeue", "-h", "-t", "CG", "-j", ",".join(jobs), "-o", "%i %T"], capture_output=True, text=True
+        ).stdout
+        if not out.strip():
+            return
+        assert time.time() < deadline, f"jobs still completing after {timeout} s: {out}"
+        time.sleep(0.5)
+
+
 def test_array_tasks_that_left_the_queue_get_their_real_end(dbd_env: Path, tmp_path: Path) -> None:
     arr = sbatch("--array=0-2", "--wrap=case $SLURM_ARRAY_TASK_ID in 0) exit 0;; 1) exit 3;; *) sleep 600;; esac")
     # Preemption by the high partition; --no-requeue makes it end as PREEMPTED (not requeued).
@@ -203,6 +218,7 @@ def test_time_limit_preemption_node_failure_and_cancel_told_apart(dbd_env: Path,
     finally:
         # ReturnToService=2 may already have brought c2 back; then RESUME is refused, harmlessly.
         subprocess.run(["scontrol", "update", "NodeName=c2", "State=RESUME"], capture_output=True)
+    wait_completed(jobs)
     expect = {
         timeout: ExitCause.TIME_LIMIT,
         preempted: ExitCause.PREEMPTED,

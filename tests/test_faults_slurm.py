@@ -159,7 +159,16 @@ def test_slurmctld_restart_while_daemon_polls(
     assert code == 0, out + err
     assert daemon.running_pid(settings.load()) == pid  # the daemon rode it out
     ts = check_exactly_once(1, submitted)
-    assert all(t.run_count == 1 for t in ts)
+    # A second run is no loss, but only for a reason the outage explains (and never a restart,
+    # which check_exactly_once rules out): a submission whose reply slurmctld's stop swallowed
+    # and whose job never existed, or a node that slurmctld, back, found not responding within
+    # the test cluster's SlurmdTimeout (10 s) on a loaded machine, so that Slurm ended its job.
+    for t in ts:
+        ends = [(r.run_id, r.job_id, r.exit_reason) for r in t.runs]
+        assert all(reason in OUTAGE_ENDS for _, _, reason in ends[:-1]), (t.id, ends)
+
+
+OUTAGE_ENDS = ("never started", "node failure")
 
 
 def test_submission_during_outage_spends_no_restart(
