@@ -44,8 +44,10 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     # The optional keys (numpy, GPU) depend on what was installed and visible when the
-    # checkpoint was written; the CPU and Python RNGs are always there.
-    torch.set_rng_state(state["cpu_rng_state"])
+    # checkpoint was written; the CPU and Python RNGs are always there. The states go back to the
+    # CPU first: torch only takes a CPU ByteTensor, and a checkpoint loaded with
+    # map_location=<the GPU> (as the Trainer resumes on one) has moved them there.
+    torch.set_rng_state(state["cpu_rng_state"].cpu())
     random.setstate(state["random_rng_state"])
     if "np_rng_state" in state:
         import numpy as np
@@ -53,7 +55,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state(state["np_rng_state"])
     # A checkpoint saved on a GPU node may be loaded on a CPU one; its GPU RNG is then unused.
     if "gpu_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["gpu_rng_state"])
+        torch.cuda.set_rng_state(state["gpu_rng_state"].cpu())
 
 
 def trial_state_dict(ctx: PyTorchTrialContext, callbacks: dict[str, Any]) -> dict[str, Any]:
