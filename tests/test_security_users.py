@@ -86,7 +86,9 @@ class Mallory:
             "DETSLURM_CONFIG": str(self.home / "no-config.yaml"),
         }
         argv = [str(self.det_bin), *map(str, args)]
-        return run_as(self.attacker.user, argv, env={**base, **(env or {})}, cwd=str(self.home))
+        # A guard against a hang, not a timing: one `det e create` as this user took over 120 s on
+        # CI's loaded 2-core machine (load 22, 2026-11-27).
+        return run_as(self.attacker.user, argv, env={**base, **(env or {})}, cwd=str(self.home), timeout=600)
 
 
 @pytest.fixture
