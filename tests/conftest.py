@@ -221,16 +221,13 @@ IN_SERVICE = ("idle", "mix", "alloc", "comp")
 def nodes_out_of_service(wait_s: float) -> dict[str, str]:
     """The cluster's nodes (SLURM_CONF) that take no jobs, with Slurm's state and reason, after
     giving them ``wait_s`` to come back: a DOWN node returns once its slurmd registers again."""
-    import subprocess
+    from diagnose import node_states
 
     deadline = time.time() + wait_s
     while True:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t %E"], capture_output=True, text=True).stdout
-        left = {}
-        for line in out.splitlines():
-            name, state, reason = (line.split(" ", 2) + ["", ""])[:3]
-            if state not in IN_SERVICE:
-                left[name] = f"{state}: {reason}"
+        left = {
+            name: f"{state}: {reason}" for name, (state, reason) in node_states().items() if state not in IN_SERVICE
+        }
         if not left or time.time() > deadline:
             return left
         time.sleep(1)

@@ -26,14 +26,15 @@ def story() -> list[str]:
 
 
 def _runs() -> list[str]:
-    from sqlalchemy import select
+    from sqlalchemy import make_url, select
 
     from detslurm import settings
     from detslurm.store import Trial, open_store
 
     s = settings.load()
-    if s.db_url.startswith("sqlite") and not (s.data_dir / "detslurm.db").exists():
-        return []
+    url = make_url(s.db_url)
+    if url.get_backend_name() == "sqlite" and not Path(url.database or "").exists():
+        return []  # the test failed before anything made the store: opening it would make one
     out: list[str] = []
     with open_store(s.db_url).tx() as ses:
         trials = list(ses.scalars(select(Trial).order_by(Trial.id)))
@@ -62,12 +63,22 @@ def _nodes() -> list[str]:
     if not os.environ.get("SLURM_CONF"):
         return []
     try:
-        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t %E"], capture_output=True, text=True, timeout=10)
+        nodes = node_states()
     except (OSError, subprocess.TimeoutExpired):
         return []
-    # sinfo -N lists a node once per partition it is in: once here.
-    nodes: dict[str, str] = {}
+    shown = (
+        f"{name} {state} ({reason})" if reason and reason != "none" else f"{name} {state}"
+        for name, (state, reason) in nodes.items()
+    )
+    return [f"nodes: {', '.join(shown)}"] if nodes else []
+
+
+def node_states() -> dict[str, tuple[str, str]]:
+    """Every node of the cluster (SLURM_CONF): its short state (sinfo's %t) and Slurm's reason.
+    sinfo -N lists a node once per partition it is in: once here."""
+    res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t %E"], capture_output=True, text=True, timeout=10)
+    out: dict[str, tuple[str, str]] = {}
     for line in res.stdout.splitlines():
         name, state, reason = (line.split(" ", 2) + ["", ""])[:3]
-        nodes[name] = f"{state} ({reason})" if reason.strip() and reason.strip() != "none" else state
-    return [f"nodes: {', '.join(f'{k} {v}' for k, v in nodes.items())}"] if nodes else []
+        out[name] = (state, reason.strip())
+    return out

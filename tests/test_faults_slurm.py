@@ -17,6 +17,7 @@ from conftest import EXAMPLES, ROOT, write
 from sqlalchemy import select
 
 from detslurm import daemon, settings
+from detslurm.controller.executor import ExitCause
 from detslurm.store import Metric, Trial, TrialRun, open_store
 
 pytestmark = [pytest.mark.slurm, pytest.mark.fault, pytest.mark.usefixtures("slurm_env")]
@@ -168,7 +169,7 @@ def test_slurmctld_restart_while_daemon_polls(
         assert all(reason in OUTAGE_ENDS for _, _, reason in ends[:-1]), (t.id, ends)
 
 
-OUTAGE_ENDS = ("never started", "node failure")
+OUTAGE_ENDS = (ExitCause.NEVER_STARTED.value, ExitCause.NODE_FAILURE.value)
 
 
 def test_submission_during_outage_spends_no_restart(
