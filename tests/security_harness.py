@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import os
 import pwd
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import textwrap
 from collections.abc import Sequence
@@ -132,14 +135,56 @@ def shared_det(root: Path) -> Path:
     # and without bytecode each of their commands compiles its imports again (24 s of CPU for
     # one `det e describe` on a loaded machine, 2026-11-27). Hence no --no-compile.
     pip = [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--ignore-requires-python"]
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    linkable = version == here and sys.prefix != sys.base_prefix and importlib.util.find_spec("psycopg") is not None
+    if linkable:
+        venv = venv.with_name(f"shared-link-py{version}")
     (root / ".state").mkdir(exist_ok=True)
     # scripts/test runs several pytest sessions at once: one pip at a time in this venv.
-    with open(root / ".state" / f"shared-venv-py{version}.lock", "w") as lock:
+    with open(root / ".state" / f"{venv.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _install_shared(python, venv, pip, root)
+        if linkable:
+            _link_shared(python, venv, Path(sysconfig.get_paths()["purelib"]))
+        else:
+            _install_shared(python, venv, pip, root)
     for d in (root / ".state", venv):
         os.chmod(d, 0o755)
     return venv / "bin" / "det"
+
+
+# What a second user's `det` imports: byte-compiled by root once, since that user cannot write
+# __pycache__ in the project's venv (see shared_det).
+_DET_IMPORTS = ("detslurm", "sqlalchemy", "alembic", "mako", "psycopg", "pydantic", "click", "yaml", "jinja2")
+
+
+def _link_shared(python: str, venv: Path, purelib: Path) -> None:
+    """The shared venv as the system python3 over the project's own venv's packages, where
+    both are the same Python version (a .pth adds that site dir, whose editable finder maps
+    ``detslurm`` onto this checkout): what it runs is the code under test, with nothing to
+    install. A pip install of the checkout and its dependencies took 5 min on CI's machine."""
+    if not (venv / "bin/python").exists():
+        subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next((venv / "lib").glob("python3.*/site-packages"))
+    (site / "detslurm-project-venv.pth").write_text(f"import site; site.addsitedir({str(purelib)!r})\n")
+    det = venv / "bin/det"
+    det.write_text(f"#!{venv}/bin/python\nimport sys\nfrom detslurm.cli.main import main\nsys.exit(main())\n")
+    det.chmod(0o755)
+    dirs = subprocess.run(
+        [str(venv / "bin/python"), "-c", _PACKAGE_DIRS, *_DET_IMPORTS], capture_output=True, text=True, check=True
+    ).stdout.split()
+    subprocess.run([str(venv / "bin/python"), "-m", "compileall", "-q", "-j0", *dirs], check=False, capture_output=True)
+
+
+# Prints the directory of each package named on the command line, as that interpreter finds it.
+_PACKAGE_DIRS = textwrap.dedent(
+    """
+    import importlib.util, sys
+    for name in sys.argv[1:]:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            print(list(spec.submodule_search_locations)[0])
+    """
+)
 
 
 def _install_shared(python: str, venv: Path, pip: list[str], root: Path) -> None:
