@@ -24,7 +24,7 @@ from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials,
 from detslurm.store import Experiment, Metric, TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
-KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
+KILL_WAIT_S = 15  # scripts/test-cluster's KillWait
 BAD_IMAGE = "localhost/detslurm-no-such-image:1"
 # Where the trial looks to learn it runs in a container: podman writes this file into every one.
 PROBE = """\

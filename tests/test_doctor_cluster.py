@@ -81,11 +81,11 @@ def hidden_on(state: Path, nodes: Sequence[str], paths: Sequence[Path]) -> Itera
 
 def test_doctor_on_a_healthy_cluster(slurm_env: Path, det: Det) -> None:
     code, found, doc = _doctor(det)
-    # The test cluster has warnings (KillWait 5 s, no accounting, a 1 s poll floor), no problem.
+    # The test cluster has warnings (KillWait 15 s, no accounting, a 1 s poll floor), no problem.
     assert code == 0, [f for f in found.values() if f["status"] == "problem"]
     version = subprocess.run(["sinfo", "--version"], capture_output=True, text=True, check=True).stdout.split()[-1]
     assert doc["schema"] == 1 and doc["slurm_version"] == version and doc["status"] == "warning"
-    assert "KillWait 5 s" in found["preemption"]["detail"] and found["preemption"]["status"] == "warning"
+    assert "KillWait 15 s" in found["preemption"]["detail"] and found["preemption"]["status"] == "warning"
     for pool in ("cpu", "gpu", "high"):
         for what in ("experiments dir", "checkpoints dir", "python", "detslurm"):
             assert found[f"pool {pool}: {what}"]["status"] == "ok", found[f"pool {pool}: {what}"]

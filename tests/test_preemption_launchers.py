@@ -50,6 +50,6 @@ def test_launcher_stops_checkpoint_and_resume(det: Any, tmp_path: Path, launcher
     assert stop_and_check(det, 1, how)
     # Never a failure code that the daemon forgives only because the batch shell saw a stop
     # signal (DeepSpeed's launcher gave 241 or 244): 0, or none where Slurm's SIGKILL at KillWait
-    # (5 s here) ended the job after the acknowledged checkpoint, before the shell wrote a code.
+    # (15 s here) ended the job after the acknowledged checkpoint, before the shell wrote a code.
     assert runs(trials(1)[0].id)[0].exit_code in (0, None)
     finish_and_check(det, 1, total=40)

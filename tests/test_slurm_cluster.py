@@ -74,7 +74,7 @@ def test_partitions_and_site_timing_probed() -> None:
     parts = {p.name: p for p in client.partitions()}
     assert parts["cpu"].default and parts["cpu"].total_nodes == 2 and parts["high"].priority_tier == 10
     caps = client.capabilities()
-    assert caps.kill_wait_s == 5 and caps.preempt_mode == "REQUEUE" and caps.preemption
+    assert caps.kill_wait_s == 15 and caps.preempt_mode == "REQUEUE" and caps.preemption
 
 
 def test_dry_run_and_bad_input_submit_nothing(det: Any, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from test_slurm_cluster import CORE, squeue_ids, steps, trials, wait_for
 from detslurm.store import TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
-KILL_WAIT_S = 5  # scripts/test-cluster's KillWait
+KILL_WAIT_S = 15  # scripts/test-cluster's KillWait
 LIMIT_S = 60  # --time=1
 CHECK_S = 30  # slurmctld's periodic time-limit check: the limit is enforced up to this late
 # 200 batches take 100 s, more than one job's time limit; the example checkpoints every 5 (2.5 s),
