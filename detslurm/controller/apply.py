@@ -22,6 +22,7 @@ from detslurm import tbevents
 from detslurm.controller.bulk_metrics import PendingMetrics, point_rows
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
+from detslurm.controller.fastjson import decode_line
 from detslurm.protocol import (
     Alert,
     BadEvent,
@@ -38,7 +39,6 @@ from detslurm.protocol import (
     RunMetadata,
     RunPaths,
     Status,
-    decode,
     read_lines,
 )
 from detslurm.protocol.reader import Batch, preview
@@ -344,9 +344,10 @@ def ingest_run(
         # The reports' TensorBoard records are written by the pending rows' flushes (bulk_metrics.py).
         pending = PendingMetrics(trial.id, run.run_id, ExpPaths(Path(exp.exp_dir)).trial_tensorboard(trial.id))
         at = _Ingest(session, exp, trial, run, searcher, off, pending, _refusals(bad))
+        # The offset moves once per pass (below); an event that errors the experiment moves it
+        # past itself before it raises (SearcherError), and a failing store rolls back the tick.
         for line in batch.lines:
             count += at.line(line)
-            off.offset = line.end
         count -= at.pending.flush(session, at.refused)
         # Past skipped blank lines (and the rest of a too-long line) as well.
         off.offset = batch.offset
@@ -446,7 +447,7 @@ def _decoded(line: Line) -> Event | str:
     if line.problem is not None:
         return line.problem
     try:
-        return decode(line.data)
+        return decode_line(line.data)
     except BadEvent as e:
         return e.reason
 

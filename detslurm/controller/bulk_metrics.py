@@ -18,7 +18,6 @@ are written at the same points, in one write per flush.
 
 from __future__ import annotations
 
-import json
 import logging
 import sqlite3
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from detslurm import tbevents
+from detslurm.controller import fastjson
 from detslurm.protocol import Line, Metrics
 from detslurm.store.models import Metric, MetricPoint
 from detslurm.store.sanitize import JSON_STR_MAX, json_safe
@@ -42,9 +42,6 @@ POINT_NAME_MAX = 256  # MetricPoint.name's length
 # the report's JSON, never as a point (float() of it would raise).
 _FLOAT_MAX = 1.7976931348623157e308
 
-# json.dumps's output (SQLAlchemy's JSON columns use it), without the cycle check: decoded JSON
-# and json_safe's copies have no cycles.
-_encode = json.JSONEncoder(check_circular=False).encode
 _SQLITE_METRICS = (
     'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, batch_metrics, report_time, '
     "archived) VALUES (?, ?, ?, ?, ?, ?, ?, 0)"
@@ -198,7 +195,7 @@ class PendingMetrics:
             session.execute(insert(MetricPoint.metadata.tables[MetricPoint.__tablename__]), points)
 
     def _insert_sqlite(self, raw: sqlite3.Connection, queued: list[Queued]) -> None:
-        tid, dumps = self.trial_id, _encode
+        tid, dumps = self.trial_id, fastjson.encode
         rows, points = [], []
         for q in queued:
             # SQLAlchemy's format for SQLite DATETIME: UTC wall clock, always 6 decimals, no offset.

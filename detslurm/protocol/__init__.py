@@ -42,6 +42,7 @@ from detslurm.protocol.events import (
     Status,
     UnknownEvent,
     decode,
+    decode_value,
     encode,
 )
 
@@ -102,6 +103,7 @@ __all__ = [
     "TrialInfo",
     "UnknownEvent",
     "decode",
+    "decode_value",
     "encode",
     "entrypoint_from_env",
     "exit_outcome",

@@ -291,6 +291,12 @@ def decode(line: bytes | str) -> Event:
         obj = json.loads(line)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None
+    return decode_value(obj)
+
+
+def decode_value(obj: Any) -> Event:
+    """A parsed event line -> its record: :func:`decode` after its JSON parse (for a parser that
+    reads the same JSON values). Raises :class:`BadEvent` (or :class:`UnknownEvent`) and nothing else."""
     if not isinstance(obj, dict):
         raise BadEvent(f"an event must be a JSON object, got {type(obj).__name__}")
     # A line from a newer writer could mean something else for the same field names: refuse it
