@@ -22,6 +22,10 @@ from detslurm.protocol import Event, decode, decode_value
 # of them: a sixth of the cost of a regular expression's search.)
 _DIGITS_AS_NINES = bytes.maketrans(b"0123456789", b"9" * 10)
 _LONG_DIGITS = b"9" * 19
+# Nesting: orjson reads up to 1023 levels, the standard library until the interpreter's stack
+# runs out (from about 800 levels, depending on the caller's depth). A line that could nest that
+# deep (more than this many brackets) is parsed by the standard library, as before orjson.
+_MAX_BRACKETS = 256
 _stdlib_encode = json.JSONEncoder(check_circular=False).encode
 
 
@@ -30,7 +34,7 @@ def decode_line(data: bytes) -> Event:
     what the standard library reads differently or names better (NaN and Infinity, which a
     Python writer emits; numbers beyond a double; a byte order mark; lone surrogates; any
     malformed line), and those lines take ``decode``."""
-    if _LONG_DIGITS in data.translate(_DIGITS_AS_NINES):
+    if _LONG_DIGITS in data.translate(_DIGITS_AS_NINES) or data.count(b"[") + data.count(b"{") > _MAX_BRACKETS:
         return decode(data)
     try:
         obj = orjson.loads(data)
