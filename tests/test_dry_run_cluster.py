@@ -77,7 +77,9 @@ def test_dry_run_equals_what_slurm_received(det: Any, tmp_path: Path, trials: in
         tmp_path / "c.yaml",
         "name: same\nentrypoint: python3 train.py\n"
         "searcher: {name: grid, metric: validation_loss, max_length: 4}\n"
-        f"hyperparameters: {{x: {{type: categorical, vals: {vals}}}, sleep: 5}}\n"
+        # The example's own hparams too: without them its first batch raised KeyError, and on a
+        # quick machine the daemon had resubmitted the trial (run 2) before its job was compared.
+        f"hyperparameters: {{x: {{type: categorical, vals: {vals}}}, sleep: 5, lr: 0.05, noise: 0.1}}\n"
         "reproducibility: {experiment_seed: 7}\n"
         "environment: {environment_variables: [WANDB_MODE=offline, FOO=bar baz]}\n",
     )
