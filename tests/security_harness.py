@@ -154,7 +154,19 @@ def shared_det(root: Path) -> Path:
 
 # What a second user's `det` imports: byte-compiled by root once, since that user cannot write
 # __pycache__ in the project's venv (see shared_det).
-_DET_IMPORTS = ("detslurm", "sqlalchemy", "alembic", "mako", "psycopg", "pydantic", "click", "yaml", "jinja2")
+_DET_IMPORTS = (
+    "detslurm",
+    "sqlalchemy",
+    "alembic",
+    "mako",
+    "psycopg",
+    "pydantic",
+    "click",
+    "yaml",
+    "jinja2",
+    "orjson",
+    "google_crc32c",
+)
 
 
 def _link_shared(python: str, venv: Path, purelib: Path) -> None:
