@@ -12,7 +12,8 @@ its mode (a group project dir set up on purpose). To share checkpoints with the 
 may then read them (0750/0640), never write them, since a writable pickle runs as the owner.
 
 Before the rename every file and directory is fsynced (L8), so the rename cannot reach the disk
-before the data on a node crash. Partial dirs left by a killed writer are swept by the next
+before the data on a node crash; large files start going to disk while they are written
+(``_writeback``), so that fsync waits only for their tail. Partial dirs left by a killed writer are swept by the next
 writer on the same base once they are :data:`STALE_PARTIAL_AFTER_S` old and ours (L5).
 """
 
@@ -34,10 +35,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 from detslurm.core._distributed import DistributedContext
+from detslurm.core._writeback import EarlyWriteback
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
 
 SHARE_ENV = "DETSLURM_CHECKPOINT_SHARE"
+# "0" turns the early writeback off (a filesystem where an fsync per 20 ms of writing costs more
+# than it overlaps); "1" or unset: on.
+WRITEBACK_ENV = "DETSLURM_CHECKPOINT_WRITEBACK"
 STALE_PARTIAL_AFTER_S = 6 * 3600
 _PARTIAL = re.compile(r"^\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.partial$")
 
@@ -59,6 +64,14 @@ def checkpoint_modes(env: Mapping[str, str]) -> Modes:
     if share not in ("", "none", "private"):
         raise ValueError(f"{SHARE_ENV}={share!r}: expected 'group' or nothing")
     return Modes()
+
+
+def early_writeback(env: Mapping[str, str]) -> bool:
+    """Whether store_path starts writing large files to disk while they are written (_writeback)."""
+    value = env.get(WRITEBACK_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{WRITEBACK_ENV}={value!r}: expected 0 or 1")
+    return value != "0"
 
 
 def ensure_base(base: Path, modes: Modes) -> None:
@@ -172,6 +185,7 @@ class CheckpointContext:
         self._report = report
         self._require_steps = require_steps
         self._modes = checkpoint_modes(os.environ)
+        self._writeback = early_writeback(os.environ)
         self._swept = False
 
     # -- writing ---------------------------------------------------------------------------
@@ -223,8 +237,12 @@ class CheckpointContext:
             os.chmod(partial, self._modes.dir)
         if shard:
             self._dist.allgather(None)  # the directory exists before any rank writes
+        # The ranks whose page cache the final fsync pass flushes start that early (_writeback).
+        flushes = self._dist.rank == 0 or (shard and self._dist.get_local_rank() == 0)
+        flushes = flushes and self._writeback
         try:
-            yield partial, storage_id
+            with EarlyWriteback(partial) if flushes else contextlib.nullcontext():
+                yield partial, storage_id
         except BaseException:
             # A failed write (a full filesystem, a crash in user code) leaves no half checkpoint
             # behind to fill the disk: the latest complete one stays the one we resume from.

@@ -1,0 +1,123 @@
+"""Early writeback of checkpoints (core/_writeback.py): large files are flushed while they are
+written, small ones and links are left to store_path's final fsync pass, and nothing of the
+checkpoint's contract changes (it is complete and renamed only at the end)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from detslurm.core import _checkpoint
+from detslurm.core._checkpoint import WRITEBACK_ENV, CheckpointContext
+from detslurm.core._distributed import DummyDistributedContext
+from detslurm.core._writeback import EarlyWriteback
+from detslurm.protocol.events import CheckpointSaved, Event
+
+MIB = 1 << 20
+
+
+def test_a_pass_flushes_files_that_grew_enough_and_nothing_else(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub/big.pt").write_bytes(b"x" * (2 * MIB))
+    (tmp_path / "small.json").write_text("{}")
+    os.symlink(tmp_path / "sub/big.pt", tmp_path / "link.pt")
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    wb.flush_grown()
+    assert wb.flushes == 1  # big.pt; not the small file, not the link to big.pt
+    wb.flush_grown()
+    assert wb.flushes == 1, "an unchanged file is not flushed again"
+    with open(tmp_path / "sub/big.pt", "ab") as f:
+        f.write(b"y" * (MIB // 2))
+    wb.flush_grown()
+    assert wb.flushes == 1, "half of min_bytes of growth waits for the final pass"
+    with open(tmp_path / "sub/big.pt", "ab") as f:
+        f.write(b"y" * (MIB // 2))
+    wb.flush_grown()
+    assert wb.flushes == 2
+
+
+def test_a_file_removed_mid_pass_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    (tmp_path / "b.pt").write_bytes(b"x" * MIB)
+    real_lstat = os.lstat
+
+    def lstat_after_removal(path: str) -> os.stat_result:
+        if path.endswith("a.pt"):
+            os.unlink(path)  # the writer renames or removes it between the listing and the stat
+        return real_lstat(path)
+
+    monkeypatch.setattr(os, "lstat", lstat_after_removal)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    wb.flush_grown()
+    assert wb.flushes == 1
+
+
+def test_the_thread_flushes_while_the_body_writes_and_stops_at_exit(tmp_path: Path) -> None:
+    with EarlyWriteback(tmp_path, period_s=0.01, min_bytes=MIB) as wb:
+        with open(tmp_path / "weights.pt", "wb") as f:
+            for _ in range(8):
+                f.write(b"w" * MIB)
+                f.flush()
+                want = wb.flushes + 1
+                for _ in range(500):  # up to 5 s for the thread to see this MiB
+                    if wb.flushes >= want:
+                        break
+                    threading.Event().wait(0.01)
+        assert wb.flushes >= 8
+    assert not any(t.name == "detslurm-ckpt-writeback" for t in threading.enumerate())
+
+
+class Recording(EarlyWriteback):
+    made: list[Recording] = []
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, period_s=0.01, min_bytes=MIB)
+        Recording.made.append(self)
+
+
+def test_store_path_flushes_a_large_checkpoint_before_its_final_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_checkpoint, "EarlyWriteback", Recording)
+    Recording.made.clear()
+    events: list[Event] = []
+    ctx = CheckpointContext(DummyDistributedContext(), tmp_path / "ckpts", events.append, require_steps=False)
+    with ctx.store_path({"steps_completed": 3}) as (path, uuid):
+        with open(path / "state.pt", "wb") as f:
+            for _ in range(4):
+                f.write(b"s" * (2 * MIB))
+                f.flush()
+                os.fsync(f.fileno())  # not needed for the thread; makes the size visible at once
+                threading.Event().wait(0.05)
+        assert not (tmp_path / "ckpts" / uuid).exists(), "still partial while the body runs"
+    (wb,) = Recording.made
+    assert wb.flushes >= 1
+    assert (tmp_path / "ckpts" / uuid / "state.pt").stat().st_size == 8 * MIB
+    (saved,) = events
+    assert isinstance(saved, CheckpointSaved) and saved.uuid == uuid and saved.size > 8 * MIB
+
+
+def test_a_failed_write_stops_the_thread_and_leaves_no_partial(tmp_path: Path) -> None:
+    ctx = CheckpointContext(DummyDistributedContext(), tmp_path, [].append, require_steps=False)
+    with pytest.raises(RuntimeError, match="disk full"):
+        with ctx.store_path({"steps_completed": 1}) as (path, _):
+            (path / "state.pt").write_bytes(b"x" * MIB)
+            raise RuntimeError("disk full")
+    assert list(tmp_path.iterdir()) == []
+    assert not any(t.name == "detslurm-ckpt-writeback" for t in threading.enumerate())
+
+
+def test_the_setting_turns_it_off_and_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_checkpoint, "EarlyWriteback", Recording)
+    Recording.made.clear()
+    monkeypatch.setenv(WRITEBACK_ENV, "0")
+    ctx = CheckpointContext(DummyDistributedContext(), tmp_path, [].append, require_steps=False)
+    with ctx.store_path({"steps_completed": 1}) as (path, _):
+        (path / "state.pt").write_bytes(b"x" * (2 * MIB))
+    assert Recording.made == []
+    monkeypatch.setenv(WRITEBACK_ENV, "off")
+    with pytest.raises(ValueError, match=f"{WRITEBACK_ENV}='off': expected 0 or 1"):
+        CheckpointContext(DummyDistributedContext(), tmp_path, [].append, require_steps=False)
