@@ -50,14 +50,19 @@ class EarlyWriteback:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
+        flushed = 0
+        # A pass that flushed goes again at once: what was written during its fdatasync is waiting.
+        while not self._stop.wait(0 if flushed else self._period_s):
             try:
-                self.flush_grown()
+                flushed = self.flush_grown()
             except OSError as e:  # the final pass in store_path is the one that reports
                 log.debug("early writeback of %s: %s", self._root, e)
+                flushed = 0
 
-    def flush_grown(self) -> None:
-        """One pass: fdatasync each file that grew by at least ``min_bytes`` since its last flush."""
+    def flush_grown(self) -> int:
+        """One pass: fdatasync each file that grew by at least ``min_bytes`` since its last flush;
+        returns how many it flushed."""
+        before = self.flushes
         for dirpath, _dirnames, filenames in os.walk(self._root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
@@ -74,3 +79,4 @@ class EarlyWriteback:
                     os.close(fd)
                 self._flushed[path] = st.st_size
                 self.flushes += 1
+        return self.flushes - before
