@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 from types import TracebackType
 
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 PERIOD_S = 0.02
 # Below this, a flush costs more (a journal commit) than it saves.
 MIN_BYTES = 16 << 20
+# Idle time after a pass, per second of CPU it used: 4 keeps the thread under a fifth of a core.
+CPU_SHARE_WAIT = 4.0
 # macOS (a laptop running a trial off-cluster) has no fdatasync.
 _fdatasync = getattr(os, "fdatasync", os.fsync)
 
@@ -40,6 +43,7 @@ class EarlyWriteback:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="detslurm-ckpt-writeback", daemon=True)
         self.flushes = 0  # for tests and benchmarks: how many fdatasyncs ran early
+        self.passes = 0
 
     def __enter__(self) -> EarlyWriteback:
         self._thread.start()
@@ -50,19 +54,24 @@ class EarlyWriteback:
         self._thread.join()
 
     def _run(self) -> None:
-        flushed = 0
-        # A pass that flushed goes again at once: what was written during its fdatasync is waiting.
-        while not self._stop.wait(0 if flushed else self._period_s):
+        wait = self._period_s
+        while not self._stop.wait(wait):
+            cpu = time.thread_time()
             try:
                 flushed = self.flush_grown()
             except OSError as e:  # the final pass in store_path is the one that reports
                 log.debug("early writeback of %s: %s", self._root, e)
                 flushed = 0
+            # A pass that flushed goes again at once: what was written during its fdatasync is
+            # waiting. But the walk itself (a Trainer checkpoint copies the trial's code: thousands
+            # of small files) never takes more than a fifth of a core from the writer.
+            wait = max(0.0 if flushed else self._period_s, CPU_SHARE_WAIT * (time.thread_time() - cpu))
 
     def flush_grown(self) -> int:
         """One pass: fdatasync each file that grew by at least ``min_bytes`` since its last flush;
         returns how many it flushed."""
         before = self.flushes
+        self.passes += 1
         for dirpath, _dirnames, filenames in os.walk(self._root):
             for name in filenames:
                 path = os.path.join(dirpath, name)
