@@ -5,6 +5,7 @@ checkpoint's contract changes (it is complete and renamed only at the end)."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -140,3 +141,35 @@ def test_a_walk_that_costs_cpu_is_followed_by_four_times_as_long_idle(
             threading.Event().wait(0.01)
         threading.Event().wait(0.2)  # well inside the 0.4 s the rule asks after that pass
     assert (wb.passes, wb.flushes) == (1, 1)
+
+
+def test_sharded_checkpoints_keep_only_the_final_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node writes into one shared dir: a walk would stat the other nodes' files."""
+    monkeypatch.setattr(_checkpoint, "EarlyWriteback", Recording)
+    Recording.made.clear()
+    events: list[Event] = []
+    ctx = CheckpointContext(DummyDistributedContext(), tmp_path, events.append, require_steps=False)
+    with ctx.store_path({"steps_completed": 1}, shard=True) as (path, uuid):
+        (path / "shard-0.pt").write_bytes(b"x" * (2 * MIB))
+    assert Recording.made == []
+    assert (tmp_path / uuid / "shard-0.pt").stat().st_size == 2 * MIB
+
+
+def test_linux_starts_writeback_without_waiting_and_others_fall_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from detslurm.core import _writeback
+
+    start = _writeback._start_writeback_fn()
+    if sys.platform.startswith("linux"):
+        assert start not in (getattr(os, "fdatasync", None), os.fsync)  # sync_file_range
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * MIB)
+        start(fd)
+        with pytest.raises(OSError):
+            start(-1)  # errors surface as OSError, which the thread logs and skips
+    finally:
+        os.close(fd)
+    monkeypatch.setattr(_writeback.sys, "platform", "darwin")
+    assert _writeback._start_writeback_fn() in (getattr(os, "fdatasync", None), os.fsync)

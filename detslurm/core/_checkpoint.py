@@ -237,9 +237,10 @@ class CheckpointContext:
             os.chmod(partial, self._modes.dir)
         if shard:
             self._dist.allgather(None)  # the directory exists before any rank writes
-        # The ranks whose page cache the final fsync pass flushes start that early (_writeback).
-        flushes = self._dist.rank == 0 or (shard and self._dist.get_local_rank() == 0)
-        flushes = flushes and self._writeback
+        # One writer (rank 0) starts its files' writeback early (_writeback). Not sharded ones: a
+        # node's walk would stat the files other nodes are writing, a lock round trip each on a
+        # parallel filesystem such as Lustre, so they keep only the final pass.
+        flushes = self._writeback and not shard and self._dist.rank == 0
         try:
             with EarlyWriteback(partial) if flushes else contextlib.nullcontext():
                 yield partial, storage_id
