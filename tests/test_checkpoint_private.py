@@ -15,15 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from detslurm.core._checkpoint import (
-    SHARE_ENV,
-    STALE_PARTIAL_AFTER_S,
-    CheckpointContext,
-    Modes,
-    checkpoint_modes,
-    sweep_partials,
-    sync_tree,
-)
+from detslurm.ckpt_settings import SHARE_ENV, Modes, checkpoint_modes
+from detslurm.core._checkpoint import STALE_PARTIAL_AFTER_S, CheckpointContext, sweep_partials, sync_tree
 from detslurm.core._distributed import DummyDistributedContext
 from detslurm.protocol.events import Event
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from detslurm.ckpt_settings import WRITEBACK_ENV
 from detslurm.core import _checkpoint
-from detslurm.core._checkpoint import WRITEBACK_ENV, CheckpointContext
+from detslurm.core._checkpoint import CheckpointContext
 from detslurm.core._distributed import DummyDistributedContext
 from detslurm.core._writeback import EarlyWriteback
 from detslurm.protocol.events import CheckpointSaved, Event

@@ -242,3 +242,15 @@ def test_env_vars_checked() -> None:
         "<config>.environment.environment_variables[1]: expected NAME=VALUE with a valid variable name, got 'bad name=2'",
         "<config>.environment.environment_variables[2]: expected NAME=VALUE with a valid variable name, got 'NOEQ'",
     ]
+
+
+def test_checkpoint_settings_in_env_vars_are_checked_at_create() -> None:
+    """A typo in detslurm's own checkpoint settings fails the create, not the queued trial."""
+    ok = ["DETSLURM_CHECKPOINT_SHARE=group", "DETSLURM_CHECKPOINT_WRITEBACK=0"]
+    cfg = validate({**BASE, "environment": {"environment_variables": ok}}, STORAGE)
+    assert cfg.environment.variables()["DETSLURM_CHECKPOINT_WRITEBACK"] == "0"
+    bad = {"cpu": ["DETSLURM_CHECKPOINT_WRITEBACK=off"], "cuda": ["X=1", "DETSLURM_CHECKPOINT_SHARE=world"]}
+    assert errors_of({**BASE, "environment": {"environment_variables": bad}}) == [
+        "<config>.environment.environment_variables.cpu[0]: DETSLURM_CHECKPOINT_WRITEBACK='off': expected 0 or 1",
+        "<config>.environment.environment_variables.cuda[1]: DETSLURM_CHECKPOINT_SHARE='world': expected 'group' or nothing",
+    ]

@@ -13,8 +13,9 @@ may then read them (0750/0640), never write them, since a writable pickle runs a
 
 Before the rename every file and directory is fsynced (L8), so the rename cannot reach the disk
 before the data on a node crash; large files start going to disk while they are written
-(``_writeback``), so that fsync waits only for their tail. Partial dirs left by a killed writer are swept by the next
-writer on the same base once they are :data:`STALE_PARTIAL_AFTER_S` old and ours (L5).
+(``_writeback``), so that fsync waits only for their tail. Partial dirs left by a killed writer
+are swept by the next writer on the same base once they are :data:`STALE_PARTIAL_AFTER_S` old
+and ours (L5).
 """
 
 from __future__ import annotations
@@ -29,49 +30,18 @@ import shutil
 import stat
 import time
 import uuid as uuidlib
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from detslurm.ckpt_settings import Modes, checkpoint_modes, early_writeback
 from detslurm.core._distributed import DistributedContext
 from detslurm.core._writeback import EarlyWriteback
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
 
-SHARE_ENV = "DETSLURM_CHECKPOINT_SHARE"
-# "0" turns the early writeback off (a filesystem where an fsync per 20 ms of writing costs more
-# than it overlaps); "1" or unset: on.
-WRITEBACK_ENV = "DETSLURM_CHECKPOINT_WRITEBACK"
 STALE_PARTIAL_AFTER_S = 6 * 3600
 _PARTIAL = re.compile(r"^\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.partial$")
-
-
-@dataclass(frozen=True)
-class Modes:
-    """The modes a checkpoint's dirs, files and owner-executable files get."""
-
-    dir: int = 0o700
-    file: int = 0o600
-    exe: int = 0o700
-
-
-def checkpoint_modes(env: Mapping[str, str]) -> Modes:
-    """Owner-only, or group-readable with ``DETSLURM_CHECKPOINT_SHARE=group``."""
-    share = env.get(SHARE_ENV, "").strip().lower()
-    if share == "group":
-        return Modes(0o750, 0o640, 0o750)
-    if share not in ("", "none", "private"):
-        raise ValueError(f"{SHARE_ENV}={share!r}: expected 'group' or nothing")
-    return Modes()
-
-
-def early_writeback(env: Mapping[str, str]) -> bool:
-    """Whether store_path starts writing large files to disk while they are written (_writeback)."""
-    value = env.get(WRITEBACK_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{WRITEBACK_ENV}={value!r}: expected 0 or 1")
-    return value != "0"
 
 
 def ensure_base(base: Path, modes: Modes) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import platformdirs
 
-from detslurm.core._checkpoint import CheckpointContext, checkpoint_modes, ensure_base
+from detslurm.ckpt_settings import checkpoint_modes
+from detslurm.core._checkpoint import CheckpointContext, ensure_base
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
 from detslurm.core._events import EventWriter, NullWriter
 from detslurm.core._info import ClusterInfo, get_cluster_info

@@ -18,6 +18,7 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from detslurm import ckpt_settings
 from detslurm.errors import ConfigError
 from detslurm.expconf import schema as s
 from detslurm.expconf.hparams import check_hyperparameters, normalize_hyperparameters
@@ -325,11 +326,17 @@ def _check_top(top: s.TopLevel, errors: list[str]) -> None:
     for kind, items in kinds.items():
         base = f"{ROOT}.environment.environment_variables" + (f".{kind}" if kind else "")
         for i, item in enumerate(items):
-            key, sep, _ = item.partition("=")
+            key, sep, value = item.partition("=")
             # The name is exported in the sbatch script, so it must be a shell identifier; anything else
             # would be rejected by the shell only after the job has waited in the queue.
             if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 errors.append(f"{base}[{i}]: expected NAME=VALUE with a valid variable name, got {item!r}")
+            elif key in ckpt_settings.CHECKS:
+                # detslurm's own checkpoint settings, checked now rather than by the queued trial.
+                try:
+                    ckpt_settings.CHECKS[key]({key: value})
+                except ValueError as e:
+                    errors.append(f"{base}[{i}]: {e}")
 
 
 # Determined names an unnamed experiment "Experiment (<petname>)"; two small word lists give the
