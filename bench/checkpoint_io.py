@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from _common import median, save
 
-from detslurm.core._checkpoint import WRITEBACK_ENV, CheckpointContext
+from detslurm.ckpt_settings import WRITEBACK_ENV
+from detslurm.core._checkpoint import CheckpointContext
 from detslurm.core._context import _durable
 from detslurm.core._distributed import DummyDistributedContext
 from detslurm.core._events import EventWriter
@@ -54,60 +55,72 @@ def no_writeback() -> Iterator[None]:
         del os.environ[WRITEBACK_ENV]
 
 
+def saves(sd: dict[str, torch.Tensor], work: Path, writer: EventWriter) -> dict[str, Callable[[int], str]]:
+    """The four saves of repeat ``i``, by name; each returns what it saved (a path or a uuid)."""
+    ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
+    with no_writeback():
+        ckpt_nowb = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
+
+    def raw(path: Path, fsync: bool) -> str:
+        torch.save(sd, path)
+        if fsync:  # made durable by hand, as store_path does since review L8: file, then dir
+            durable(path)
+        return str(path)
+
+    def det(ctx: CheckpointContext) -> str:
+        with ctx.store_path({"steps_completed": 1}) as (path, uuid):
+            torch.save(sd, path / "state.pt")
+        return uuid
+
+    return {
+        # New names each repeat: ext4 flushes a file rewritten over a truncated one at close.
+        "raw_save": lambda i: raw(work / f"raw-{i}.pt", fsync=False),
+        "raw_save_fsync": lambda i: raw(work / f"rawf-{i}.pt", fsync=True),
+        "det_save": lambda i: det(ckpt),
+        "det_save_no_writeback": lambda i: det(ckpt_nowb),
+    }
+
+
+def measure(sd: dict[str, torch.Tensor], repeats: int, device: str) -> dict[str, list[float]]:
+    """Seconds per save and per load, each save first in turn, repeat after repeat."""
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    writer = EventWriter(work / "events.jsonl")
+    ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
+    by_name = saves(sd, work, writer)
+    t: dict[str, list[float]] = {k: [] for k in [*by_name, "raw_load", "det_load"]}
+    try:
+        for i in range(repeats):
+            out: dict[str, str] = {}
+            names = list(by_name)
+            for name in names[i % len(names) :] + names[: i % len(names)]:
+                os.sync()  # every save starts with no other dirty data for the disk to write
+                t0 = time.perf_counter()
+                out[name] = by_name[name](i)
+                t[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            torch.load(out["raw_save"], map_location=device)
+            t["raw_load"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with ckpt.restore_path(out["det_save"]) as path:
+                torch.load(path / "state.pt", map_location=device)
+            t["det_load"].append(time.perf_counter() - t0)
+            for name in ("det_save", "det_save_no_writeback"):
+                ckpt.delete(out[name])  # one base: either context deletes
+            for name in ("raw_save", "raw_save_fsync"):
+                os.unlink(out[name])
+    finally:
+        writer.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return t
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
-    sd = state(args.mb, args.device)
-    writer = EventWriter(work / "events.jsonl")
-    ckpt = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
-    with no_writeback():
-        ckpt_nowb = CheckpointContext(DummyDistributedContext(), work, _durable(writer), require_steps=True)
-
-    def durable_save(path: Path) -> None:
-        """The save made durable by hand (what store_path does since review L8): file, then dir."""
-        torch.save(sd, path)
-        durable(path)
-
-    def det_save(ctx: CheckpointContext) -> str:
-        with ctx.store_path({"steps_completed": 1}) as (path, uuid):
-            torch.save(sd, path / "state.pt")
-        return uuid
-
-    saves: dict[str, Callable[[], object]] = {
-        # New names each repeat: ext4 flushes a file rewritten over a truncated one at close.
-        "raw_save": lambda: torch.save(sd, work / f"raw-{i}.pt"),
-        "raw_save_fsync": lambda: durable_save(work / f"rawf-{i}.pt"),
-        "det_save": lambda: det_save(ckpt),
-        "det_save_no_writeback": lambda: det_save(ckpt_nowb),
-    }
-    t: dict[str, list[float]] = {k: [] for k in [*saves, "raw_load", "det_load"]}
-    try:
-        for i in range(args.repeats):
-            uuids: dict[str, object] = {}
-            names = list(saves)
-            for name in names[i % len(names) :] + names[: i % len(names)]:  # each goes first in turn
-                os.sync()  # every save starts with no other dirty data for the disk to write
-                t0 = time.perf_counter()
-                uuids[name] = saves[name]()
-                t[name].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.load(work / f"raw-{i}.pt", map_location=args.device)
-            t["raw_load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            with ckpt.restore_path(str(uuids["det_save"])) as path:
-                torch.load(path / "state.pt", map_location=args.device)
-            t["det_load"].append(time.perf_counter() - t0)
-            for name in ("det_save", "det_save_no_writeback"):
-                ckpt.delete(str(uuids[name]))  # one base: either context deletes
-            for raw in (f"raw-{i}.pt", f"rawf-{i}.pt"):
-                (work / raw).unlink()
-    finally:
-        writer.close()
-        shutil.rmtree(work, ignore_errors=True)
+    t = measure(state(args.mb, args.device), args.repeats, args.device)
     med = {k: median(v) for k, v in t.items()}
     save(
         "checkpoint_io",

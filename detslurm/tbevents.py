@@ -74,15 +74,16 @@ def crc32c_tables(data: bytes) -> int:
     return crc ^ 0xFFFFFFFF
 
 
+# google-crc32c without a wheel for the platform falls back to its own, slower, Python code.
+_C_CRC = google_crc32c.implementation == "c"
+
+
 def crc32c(data: bytes) -> int:
     """CRC-32C (Castagnoli), as TFRecord framing uses it (not zlib's CRC-32): google-crc32c's C
     code where it has it (0.2 us a record), else :func:`crc32c_tables`."""
     if _C_CRC:
         return google_crc32c.value(data)  # type: ignore[no-any-return]
     return crc32c_tables(data)
-
-
-_C_CRC = google_crc32c.implementation == "c"
 
 
 def _masked(data: bytes) -> bytes:
