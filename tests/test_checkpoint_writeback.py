@@ -4,7 +4,9 @@ checkpoint's contract changes (it is complete and renamed only at the end)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -42,13 +44,16 @@ def test_a_pass_flushes_files_that_grew_enough_and_nothing_else(tmp_path: Path) 
 
 
 def test_a_file_removed_mid_pass_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    target = str(tmp_path / "a.pt")
+    Path(target).write_bytes(b"x" * MIB)
     (tmp_path / "b.pt").write_bytes(b"x" * MIB)
     real_lstat = os.lstat
 
     def lstat_after_removal(path: str) -> os.stat_result:
-        if path.endswith("a.pt"):
-            os.unlink(path)  # the writer renames or removes it between the listing and the stat
+        # Only this one path: a patched os.lstat also serves pytest and everything else meanwhile.
+        if path == target:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # the writer renames or removes it between the listing and the stat
         return real_lstat(path)
 
     monkeypatch.setattr(os, "lstat", lstat_after_removal)
@@ -174,3 +179,33 @@ def test_linux_starts_writeback_without_waiting_and_others_fall_back(
         os.close(fd)
     monkeypatch.setattr(_writeback.sys, "platform", "darwin")
     assert _writeback._start_writeback_fn() in (getattr(os, "fdatasync", None), os.fsync)
+
+
+def test_a_file_swapped_for_a_fifo_after_the_stat_does_not_hang_the_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = str(tmp_path / "a.pt")
+    Path(target).write_bytes(b"x" * MIB)
+    real_lstat = os.lstat
+
+    def lstat_then_swap(path: str) -> os.stat_result:
+        st = real_lstat(path)
+        if path == target and stat.S_ISREG(st.st_mode):  # this one file, once; nothing else
+            os.unlink(path)
+            os.mkfifo(path)  # no writer: a blocking open for reading would wait forever
+        return st
+
+    monkeypatch.setattr(os, "lstat", lstat_then_swap)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    errors: list[OSError] = []
+
+    def one_pass() -> None:
+        try:
+            wb.flush_grown()
+        except OSError as e:  # sync_file_range on a FIFO: the thread logs it and goes on
+            errors.append(e)
+
+    t = threading.Thread(target=one_pass, daemon=True)  # daemon: a hang must not keep pytest alive
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive(), "the pass hung opening a FIFO"

@@ -113,7 +113,9 @@ class EarlyWriteback:
                     continue
                 if not stat.S_ISREG(st.st_mode) or st.st_size - self._flushed.get(path, 0) < self._min_bytes:
                     continue
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+                # O_NONBLOCK: a file swapped for a FIFO after the lstat must not hang the checkpoint.
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+                fd = os.open(path, flags)
                 try:
                     self._start(fd)
                 finally:
