@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"detslurm": "detslurm", "cli": "detslurm.cli", "launchers": "detslurm.launch"}
 
 IN_JOB = ("detslurm.core", "detslurm.pytorch", "detslurm.exec", "detslurm.launch")
-LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context")
+# ckpt_settings: the checkpoint settings that the trial and the login side's config check share.
+LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context", "detslurm.ckpt_settings")
 PROTOCOL = "detslurm.protocol"
 LOGIN = (
     "detslurm.controller",
