@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -96,6 +97,53 @@ def test_sync_tree_does_not_follow_or_change_links(tmp_path: Path) -> None:
     assert mode(tree / "d") == 0o700 and mode(tree / "d/f") == 0o600 and mode(outside) == 0o644
     sync_tree(tree, None)  # fsync only: modes stay
     assert mode(tree / "d/f") == 0o600
+
+
+def test_sync_tree_skips_a_fifo_without_blocking(tmp_path: Path) -> None:
+    """A FIFO the trial left in its checkpoint (or swapped in for a file) is neither opened for
+    good nor changed: a blocking open of a FIFO without a writer would hang the checkpoint."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "w.pt").write_bytes(b"w" * 10)
+    os.mkfifo(tree / "pipe", 0o644)
+    done = threading.Event()
+
+    def walk() -> None:
+        sync_tree(tree, Modes())
+        done.set()
+
+    threading.Thread(target=walk, daemon=True).start()
+    assert done.wait(10), "sync_tree blocked on the FIFO"
+    assert mode(tree / "pipe") == 0o644 and stat.S_ISFIFO(os.lstat(tree / "pipe").st_mode)
+    assert mode(tree / "w.pt") == 0o600
+
+
+def test_sync_tree_makes_files_private_whatever_they_were(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "unreadable").write_bytes(b"u")
+    (tree / "unreadable").chmod(0o200)  # the owner cannot read it (root still can)
+    (tree / "sub/tool.sh").write_text("#!/bin/sh\n")
+    (tree / "sub/tool.sh").chmod(0o777)
+    (tree / "sub").chmod(0o777)
+    tree.chmod(0o755)
+    if os.geteuid() == 0:
+        # Root reads a 0200 file anyway: refuse the first open of that one path as the kernel
+        # refuses its owner (every other path goes to the real os.open).
+        real_open, target, refused = os.open, str(tree / "unreadable"), []
+
+        def owner_open(path: str, flags: int, *args: int) -> int:
+            if path == target and not refused and stat.S_IMODE(os.lstat(path).st_mode) == 0o200:
+                refused.append(path)
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", owner_open)
+    sync_tree(tree, Modes())
+    monkeypatch.undo()
+    assert mode(tree / "unreadable") == 0o600 and (tree / "unreadable").read_bytes() == b"u"
+    assert mode(tree / "sub/tool.sh") == 0o700 and mode(tree / "sub") == 0o700
+    assert mode(tree) == 0o755  # the root's mode is its creator's (store_path sets it)
 
 
 def partial(base: Path, age_s: float, inner_age_s: float | None = None) -> Path:

@@ -66,23 +66,54 @@ def _fsync_path(path: str, flags: int) -> None:
         os.close(fd)
 
 
+def _sync_entry(path: str, modes: Optional[Modes], chmod: bool) -> None:
+    """fsync one file or directory through one descriptor, setting its mode on the way.
+
+    The type and the mode come from that descriptor, not from a path looked up again: an entry
+    swapped for a symlink meanwhile is refused by O_NOFOLLOW (ELOOP), and one swapped for a FIFO
+    neither blocks the open (O_NONBLOCK) nor gets fsynced. Anything but a regular file or a
+    directory is skipped.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink: neither followed nor changed
+            return
+        st = os.lstat(path)
+        if e.errno != errno.EACCES or modes is None or not chmod or not stat.S_ISREG(st.st_mode):
+            raise
+        # A file the trial left unreadable to itself (mode 0200): made readable by its path
+        # first, as it would be below anyway.
+        os.chmod(path, modes.exe if st.st_mode & 0o100 else modes.file)
+        fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if not (is_dir or stat.S_ISREG(st.st_mode)):
+            return
+        if modes is not None and chmod:
+            os.fchmod(fd, modes.dir if is_dir else modes.exe if st.st_mode & 0o100 else modes.file)
+        try:
+            os.fsync(fd)
+        except OSError as e:  # some filesystems cannot fsync a directory (or anything)
+            if e.errno not in (errno.EINVAL, errno.EROFS):
+                raise
+    finally:
+        os.close(fd)
+
+
 def sync_tree(root: Path, modes: Optional[Modes]) -> None:
-    """fsync every file and directory below ``root`` (and ``root``), setting ``modes`` on the
-    way when given. Symlinks are neither followed nor changed."""
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+    """fsync every file and directory below ``root`` (and ``root``), setting ``modes`` on those
+    below it when given (``root``'s own mode is its creator's). Symlinks are neither followed
+    nor changed."""
+    top = str(root)
+    # Bottom-up: a directory is fsynced after its entries. os.walk does not descend into a
+    # symlinked directory; every real subdirectory comes up as a dirpath of its own.
+    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
         for name in filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode):
-                continue
-            if modes is not None:
-                os.chmod(path, modes.exe if st.st_mode & 0o100 else modes.file)
-            _fsync_path(path, os.O_RDONLY)
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            if modes is not None and not os.path.islink(path):
-                os.chmod(path, modes.dir)
-        _fsync_path(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+            _sync_entry(os.path.join(dirpath, name), modes, chmod=True)
+        _sync_entry(dirpath, modes, chmod=dirpath != top)
 
 
 def sweep_partials(base: Path, now: Optional[float] = None) -> list[Path]:
