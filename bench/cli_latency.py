@@ -1,7 +1,9 @@
 """CLI latency: ``det e list`` with 10k experiments in the store, ``det job list`` with 2k
 queued jobs, and ``det --help`` start-up, each side by side with the floor it cannot beat:
 a bare Python reading the same rows with sqlite3, a raw ``squeue -r`` of the same jobs, and a
-Python that only imports click. Medians of interleaved repeats.
+Python that only imports click. For ``det job list`` the floor of any Python command is shown
+too: the same interpreter doing nothing (``-c pass``), with ``site`` as every console script
+starts it and without (``-S``). Medians of interleaved repeats.
 
     python bench/cli_latency.py [--experiments N] [--jobs N] [--repeats R]   (jobs need the cluster)
 """
@@ -138,7 +140,8 @@ def main() -> int:
     db = fill_store(ws, args.experiments)
     tid, log = fill_log(ws, args.log_mib)
     keys = ("det_help", "python_click", "det_e_list", "raw_sqlite_list", "det_t_logs_tail", "raw_tail")
-    t: dict[str, list[float]] = {k: [] for k in (*keys, "det_job_list", "raw_squeue")}
+    jobs_keys = ("det_job_list", "raw_squeue", "python_pass", "python_S_pass")
+    t: dict[str, list[float]] = {k: [] for k in (*keys, *jobs_keys)}
     tail_det = [DET, "t", "logs", str(tid), "--tail", "100"]
     tail_raw = ["tail", "-n", "100", str(log)]
     for argv in ([DET, "--help"], [DET, "e", "list"], tail_det):
@@ -158,6 +161,8 @@ def main() -> int:
             if with_jobs:
                 t["det_job_list"].append(timed([DET, "job", "list"], ws.env))
                 t["raw_squeue"].append(timed(["squeue", "-r"], ws.env))
+                t["python_pass"].append(timed([sys.executable, "-c", "pass"], ws.env))
+                t["python_S_pass"].append(timed([sys.executable, "-S", "-c", "pass"], ws.env))
     finally:
         if with_jobs:
             scancel_mine()
@@ -181,6 +186,9 @@ def main() -> int:
     }
     if with_jobs:
         result["job_list_ratio_vs_squeue"] = med["det_job_list"] / med["raw_squeue"]
+        # The floor: what `det`'s interpreter costs before running a line of detslurm.
+        result["python_pass_ratio_vs_squeue"] = med["python_pass"] / med["raw_squeue"]
+        result["python_S_pass_ratio_vs_squeue"] = med["python_S_pass"] / med["raw_squeue"]
     save("cli_latency", result)
     return 0
 

@@ -3,6 +3,9 @@ trial is in Slurm's queue, side by side with a loop of N sbatch calls and with s
 submission (``map_array``) of N equivalent no-op tasks. Counts sbatch calls (a counting sbatch on
 PATH) and wall time; all jobs are submitted held and canceled after each repeat, so only
 submission is measured. Goals: at most 2 sbatch calls; wall time no worse than submitit's.
+The floor of a create made in the CLI's own process is shown beside them: a Python that only
+imports what that process must (click; pydantic for the config's models; SQLAlchemy's ORM,
+the store's one owner) and does nothing else.
 
     python bench/submission.py [--trials N] [--repeats R]      (needs the test cluster)
 """
@@ -92,6 +95,15 @@ def submitit_once(ws: Workspace, n: int) -> float:
     return time.perf_counter() - t0
 
 
+IMPORTS_FLOOR = "import click, pydantic, sqlalchemy.orm"
+
+
+def imports_floor_once(ws: Workspace) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", IMPORTS_FLOOR], check=True, env=ws.env)
+    return time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=256)
@@ -99,7 +111,7 @@ def main() -> int:
     args = ap.parse_args()
     require_cluster()
     ws = Workspace("submission")
-    res: dict[str, list[float]] = {"detslurm": [], "sbatch_loop": [], "submitit": []}
+    res: dict[str, list[float]] = {"detslurm": [], "sbatch_loop": [], "submitit": [], "imports_floor": []}
     det_calls: list[int] = []
     try:
         for _ in range(args.repeats):  # interleaved, so drift on a shared machine hits all alike
@@ -110,6 +122,8 @@ def main() -> int:
                     ws = Workspace("submission")  # a fresh store: nothing of the last repeat to reconcile
                     t, c = detslurm_once(ws, args.trials, ws.counting_sbatch())
                     det_calls.append(c)
+                elif name == "imports_floor":
+                    t = imports_floor_once(ws)
                 else:
                     t = loop_once(ws, args.trials) if name == "sbatch_loop" else submitit_once(ws, args.trials)
                 res[name].append(t)
@@ -131,6 +145,7 @@ def main() -> int:
             "ratio_vs_submitit": med["detslurm"] / med["submitit"],
             "ratio_vs_sbatch_loop": med["detslurm"] / med["sbatch_loop"],
             "goal_ratio_vs_submitit_max": 1.0,
+            "imports_floor_ratio_vs_submitit": med["imports_floor"] / med["submitit"],
         },
     )
     return 0
