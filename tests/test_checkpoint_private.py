@@ -7,19 +7,22 @@ check the modes, the opt-in group share, the fsync walk and the sweep of killed 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from detslurm.ckpt_settings import SHARE_ENV, Modes, checkpoint_modes
 from detslurm.core._checkpoint import STALE_PARTIAL_AFTER_S, CheckpointContext, sweep_partials, sync_tree
 from detslurm.core._distributed import DummyDistributedContext
-from detslurm.protocol.events import Event
+from detslurm.protocol.events import CheckpointSaved, Event
 
 
 def mode(path: Path) -> int:
@@ -105,7 +108,8 @@ def test_sync_tree_skips_a_fifo_without_blocking(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "w.pt").write_bytes(b"w" * 10)
-    os.mkfifo(tree / "pipe", 0o644)
+    os.mkfifo(tree / "pipe")
+    os.chmod(tree / "pipe", 0o644)  # whatever the umask made of it
     done = threading.Event()
 
     def walk() -> None:
@@ -118,32 +122,156 @@ def test_sync_tree_skips_a_fifo_without_blocking(tmp_path: Path) -> None:
     assert mode(tree / "w.pt") == 0o600
 
 
-def test_sync_tree_makes_files_private_whatever_they_were(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tree = tmp_path / "tree"
-    (tree / "sub").mkdir(parents=True)
-    (tree / "unreadable").write_bytes(b"u")
-    (tree / "unreadable").chmod(0o200)  # the owner cannot read it (root still can)
-    (tree / "sub/tool.sh").write_text("#!/bin/sh\n")
-    (tree / "sub/tool.sh").chmod(0o777)
-    (tree / "sub").chmod(0o777)
-    tree.chmod(0o755)
+@pytest.fixture
+def owned_dir() -> Iterator[Path]:
+    """A directory that an unprivileged owner (:func:`as_owner`) can reach and owns: root reads
+    and writes whatever the modes say, so what an owner meets is tried as one."""
+    d = Path(tempfile.mkdtemp(prefix="detslurm-ckpt-"))
+    d.chmod(0o711)
     if os.geteuid() == 0:
-        # Root reads a 0200 file anyway: refuse the first open of that one path as the kernel
-        # refuses its owner (every other path goes to the real os.open).
-        real_open, target, refused = os.open, str(tree / "unreadable"), []
+        os.chown(d, NOBODY, NOBODY)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
-        def owner_open(path: str, flags: int, *args: int) -> int:
-            if path == target and not refused and stat.S_IMODE(os.lstat(path).st_mode) == 0o200:
-                refused.append(path)
-                raise PermissionError(13, "Permission denied", path)
-            return real_open(path, flags, *args)
 
-        monkeypatch.setattr(os, "open", owner_open)
-    sync_tree(tree, Modes())
-    monkeypatch.undo()
+NOBODY = 65534
+
+
+def as_owner(fn: Callable[[], object]) -> str:
+    """Run ``fn`` as the owner of :func:`owned_dir` (a forked child as uid 65534 when we are
+    root, else in this process); the repr of its exception, or "" when it returned."""
+    if os.geteuid() != 0:
+        try:
+            fn()
+        except Exception as e:
+            return repr(e)
+        return ""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the owner, run, report, never return into pytest
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn()
+        except BaseException as e:
+            os.write(w, repr(e).encode()[:4000])
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_sync_tree_makes_files_private_whatever_they_were(owned_dir: Path) -> None:
+    tree = owned_dir / "tree"
+
+    def make_and_sync() -> None:
+        (tree / "sub").mkdir(parents=True)
+        (tree / "unreadable").write_bytes(b"u")
+        (tree / "unreadable").chmod(0o200)  # its owner cannot read it
+        (tree / "sub/tool.sh").write_text("#!/bin/sh\n")
+        (tree / "sub/tool.sh").chmod(0o777)
+        (tree / "sub").chmod(0o777)
+        tree.chmod(0o755)
+        sync_tree(tree, Modes())
+
+    assert as_owner(make_and_sync) == ""
     assert mode(tree / "unreadable") == 0o600 and (tree / "unreadable").read_bytes() == b"u"
     assert mode(tree / "sub/tool.sh") == 0o700 and mode(tree / "sub") == 0o700
     assert mode(tree) == 0o755  # the root's mode is its creator's (store_path sets it)
+
+
+def test_sync_tree_fails_on_a_directory_it_cannot_read(owned_dir: Path) -> None:
+    """A subtree the walk cannot list would stay unsynced (and world-readable by name) inside a
+    checkpoint that looks complete: the pass fails instead of skipping it."""
+    tree = owned_dir / "tree"
+
+    def make_and_sync() -> None:
+        (tree / "sub").mkdir(parents=True)
+        (tree / "sub/w.pt").write_bytes(b"w")
+        (tree / "sub/w.pt").chmod(0o644)
+        (tree / "sub").chmod(0o311)
+        sync_tree(tree, Modes())
+
+    assert "PermissionError" in as_owner(make_and_sync)
+
+
+def test_sync_tree_never_leaves_the_tree_through_a_swapped_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries are opened relative to their directory's descriptor: a directory renamed away
+    and replaced by a symlink after the walk opened it still leads to its own files only."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f").write_text("o")
+    (outside / "f").chmod(0o644)
+    tree = tmp_path / "tree"
+    (tree / "d").mkdir(parents=True)
+    (tree / "d/f").write_text("t")
+    (tree / "d/f").chmod(0o644)
+    real_fwalk = os.fwalk
+
+    def swapping_fwalk(top: str, **kw: Any) -> Any:
+        # The real walk; the swap lands after it opened "d" and before the pass acts on "d"'s
+        # entries. Only this test's tree is touched.
+        for item in real_fwalk(top, **kw):
+            if item[0] == str(tree / "d"):
+                (tree / "d").rename(tree / "moved")
+                (tree / "d").symlink_to(outside)
+            yield item
+
+    monkeypatch.setattr(os, "fwalk", swapping_fwalk)
+    sync_tree(tree, Modes())
+    monkeypatch.undo()
+    assert (tree / "d").is_symlink()  # the swap happened
+    assert mode(outside / "f") == 0o644  # never reached through the link
+    assert mode(tree / "moved/f") == 0o600  # the real file, made private
+
+
+def test_a_symlinked_base_is_a_base(tmp_path: Path) -> None:
+    """`~/ckpts -> /lustre/...` is a common checkpoint base on clusters: saved and reported."""
+    real = tmp_path / "lustre"
+    real.mkdir()
+    (tmp_path / "ckpts").symlink_to(real)
+    events: list[Event] = []
+    with ctx(tmp_path / "ckpts", events).store_path({}) as (path, uuid):
+        (path / "w.pt").write_bytes(b"w")
+    assert (real / uuid / "w.pt").read_bytes() == b"w"
+    assert [e.uuid for e in events if isinstance(e, CheckpointSaved)] == [uuid] and len(events) == 1
+
+
+def test_a_dangling_link_in_a_checkpoint_is_listed_not_followed(tmp_path: Path) -> None:
+    events: list[Event] = []
+    with ctx(tmp_path, events).store_path({}) as (path, uuid):
+        (path / "w.pt").write_bytes(b"w")
+        (path / "latest.pt").symlink_to("gone.pt")
+    saved = events[0]
+    assert isinstance(saved, CheckpointSaved)
+    resources = saved.resources
+    assert resources["w.pt"] == 1 and resources["latest.pt"] == len("gone.pt")
+
+
+def test_a_checkpoint_that_cannot_be_made_durable_leaves_nothing(owned_dir: Path) -> None:
+    """A failure in the final pass (here a directory its owner made unreadable) fails the save
+    and removes the partial dir, as a failure in the body does."""
+    base = owned_dir / "ck"
+
+    def save() -> None:
+        with ctx(base, []).store_path({}) as (path, _uuid):
+            (path / "sub").mkdir()
+            (path / "sub/w.pt").write_bytes(b"w")
+            (path / "sub").chmod(0o311)
+
+    assert "PermissionError" in as_owner(save)
+    assert os.listdir(base) == []
 
 
 def partial(base: Path, age_s: float, inner_age_s: float | None = None) -> Path:

@@ -5,10 +5,12 @@ checkpoint's contract changes (it is complete and renamed only at the end)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -166,9 +168,9 @@ def test_linux_starts_writeback_without_waiting_and_others_fall_back(
 ) -> None:
     from detslurm.core import _writeback
 
-    start = _writeback._start_writeback_fn()
+    start, waits = _writeback._start_writeback_fn()
     if sys.platform.startswith("linux"):
-        assert start not in (getattr(os, "fdatasync", None), os.fsync)  # sync_file_range
+        assert start not in (getattr(os, "fdatasync", None), os.fsync) and not waits  # sync_file_range
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     try:
         os.write(fd, b"x" * MIB)
@@ -178,7 +180,55 @@ def test_linux_starts_writeback_without_waiting_and_others_fall_back(
     finally:
         os.close(fd)
     monkeypatch.setattr(_writeback.sys, "platform", "darwin")
-    assert _writeback._start_writeback_fn() in (getattr(os, "fdatasync", None), os.fsync)
+    fallback, waits = _writeback._start_writeback_fn()
+    assert fallback in (getattr(os, "fdatasync", None), os.fsync) and waits
+
+
+def _failing(err: int, first_only: bool = False) -> tuple[list[int], Callable[[int], None]]:
+    """A flush that fails with ``err`` (the first call only, with ``first_only``), and the
+    list of the calls it got."""
+    calls: list[int] = []
+
+    def start(fd: int) -> None:
+        calls.append(fd)
+        if not first_only or len(calls) == 1:
+            raise OSError(err, os.strerror(err))
+
+    return calls, start
+
+
+def test_a_file_that_cannot_be_flushed_does_not_stop_the_pass(tmp_path: Path) -> None:
+    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    (tmp_path / "b.pt").write_bytes(b"x" * MIB)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    calls, wb._start = _failing(errno.EIO, first_only=True)
+    wb._waits = False  # sync_file_range: it only starts writes, the final fsync reports errors
+    assert wb.flush_grown() == 1 and len(calls) == 2  # the second file is still flushed
+    assert wb.flush_grown() == 0 and len(calls) == 2  # the failed one waits until it grows again
+    assert wb.error is None  # the error is the final pass's to report
+
+
+def test_a_write_error_a_waiting_flush_saw_fails_the_save(tmp_path: Path) -> None:
+    """fdatasync marks a write error as reported (Linux), so the final fsync might not see it
+    again: the writeback raises it when the body ends, and store_path removes the partial."""
+    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    _calls, wb._start = _failing(errno.EIO)
+    wb._waits = True
+    with pytest.raises(OSError, match="Input/output error"), wb:
+        wb.flush_grown()
+
+
+def test_writeback_stops_where_the_system_cannot_do_it(tmp_path: Path) -> None:
+    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    (tmp_path / "b.pt").write_bytes(b"x" * MIB)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    calls, wb._start = _failing(errno.ENOSYS)  # a sandbox without sync_file_range
+    wb._waits = False
+    assert wb.flush_grown() == 0 and len(calls) == 1 and wb._start is None
+    (tmp_path / "c.pt").write_bytes(b"x" * MIB)
+    assert wb.flush_grown() == 0 and len(calls) == 1  # no more tries for this checkpoint
+    assert wb.error is None  # not an error: the final pass makes it durable
 
 
 def test_a_file_swapped_for_a_fifo_after_the_stat_does_not_hang_the_pass(

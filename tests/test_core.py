@@ -164,6 +164,36 @@ def test_sharded_checkpoint_across_ranks(tmp_path: Path) -> None:
     assert merge_metadata([{"a": {"b": 1}}, {"a": {"c": 2}}, {"a": {"b": 1}}]) == {"a": {"b": 1, "c": 2}}
 
 
+def test_sharded_checkpoint_node_pass_waits_for_the_nodes_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's one fsync pass runs once every rank of that node has written: their data sits
+    in that node's page cache, which the chief's pass on another node cannot flush."""
+    from detslurm.core import _checkpoint
+
+    seen: dict[str, list[str]] = {}
+    real_sync = _checkpoint.sync_tree
+
+    def recording_sync(root: Path, modes: Any) -> None:
+        seen["node" if modes is None else "final"] = sorted(os.listdir(root))
+        real_sync(root, modes)
+
+    monkeypatch.setattr(_checkpoint, "sync_tree", recording_sync)
+
+    def body(d: DistributedContext) -> str:
+        ck = CheckpointContext(d, tmp_path, lambda e: None, require_steps=True)
+        with ck.store_path({"steps_completed": 1}, shard=True) as (path, uuid):
+            if d.rank == 3:  # node 1's second rank finishes last
+                time.sleep(0.5)
+            (path / f"shard-{d.rank}.bin").write_text(str(d.rank))
+        return uuid
+
+    run_ranks(4, 2, body)
+    # Node 1 (ranks 2 and 3) made one pass, after both of its shards were written.
+    assert {"shard-2.bin", "shard-3.bin"} <= set(seen["node"])
+    assert {f"shard-{r}.bin" for r in range(4)} <= set(seen["final"])
+
+
 def test_non_chief_store_path_refused() -> None:
     def body(d: DistributedContext) -> str:
         ck = CheckpointContext(d, Path("/nonexistent"), lambda e: None, require_steps=False)

@@ -53,10 +53,15 @@ def ensure_base(base: Path, modes: Modes) -> None:
         with contextlib.suppress(FileExistsError):  # another rank or trial made it meanwhile
             p.mkdir(mode=modes.dir)
             os.chmod(p, modes.dir)  # the umask may have cleared bits the share mode wants
+            # The new name is durable too: after a node crash the base and the checkpoints
+            # renamed into it must not vanish with an unsynced parent entry.
+            _fsync_dir(str(p.parent))
 
 
-def _fsync_path(path: str, flags: int) -> None:
-    fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+def _fsync_dir(path: str) -> None:
+    """fsync a directory named by the user or made by us (the base and its parents). Symlinks
+    are followed: a base such as ``~/ckpts -> /lustre/...`` is a common choice on clusters."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
     except OSError as e:  # some filesystems cannot fsync a directory; the data is what matters
@@ -66,54 +71,90 @@ def _fsync_path(path: str, flags: int) -> None:
         os.close(fd)
 
 
-def _sync_entry(path: str, modes: Optional[Modes], chmod: bool) -> None:
-    """fsync one file or directory through one descriptor, setting its mode on the way.
+_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
-    The type and the mode come from that descriptor, not from a path looked up again: an entry
-    swapped for a symlink meanwhile is refused by O_NOFOLLOW (ELOOP), and one swapped for a FIFO
-    neither blocks the open (O_NONBLOCK) nor gets fsynced. Anything but a regular file or a
-    directory is skipped.
-    """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+def _fsync(fd: int) -> None:
     try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink: neither followed nor changed
-            return
-        st = os.lstat(path)
-        if e.errno != errno.EACCES or modes is None or not chmod or not stat.S_ISREG(st.st_mode):
+        os.fsync(fd)
+    except OSError as e:  # some filesystems cannot fsync a directory (or anything)
+        if e.errno not in (errno.EINVAL, errno.EROFS):
             raise
-        # A file the trial left unreadable to itself (mode 0200): made readable by its path
-        # first, as it would be below anyway.
-        os.chmod(path, modes.exe if st.st_mode & 0o100 else modes.file)
-        fd = os.open(path, flags)
+
+
+def _open_entry(name: str, dir_fd: int, modes: Optional[Modes]) -> Optional[int]:
+    """A descriptor for the entry ``name`` of ``dir_fd``; None for a symlink or a vanished entry."""
+    try:
+        return os.open(name, _OPEN_ENTRY, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOENT):  # a symlink (never followed), or gone meanwhile
+            return None
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if e.errno != errno.EACCES or modes is None or not stat.S_ISREG(st.st_mode):
+            raise
+    # A file the trial left unreadable to itself (mode 0200): made readable first, as it would
+    # be below anyway. Not through a symlink swapped in meanwhile, where the platform can say so.
+    mode = modes.exe if st.st_mode & 0o100 else modes.file
+    try:
+        os.chmod(name, mode, dir_fd=dir_fd, follow_symlinks=False)
+    except NotImplementedError:  # a C library without fchmodat(AT_SYMLINK_NOFOLLOW)
+        os.chmod(name, mode, dir_fd=dir_fd)
+    return os.open(name, _OPEN_ENTRY, dir_fd=dir_fd)
+
+
+def _sync_file(name: str, dir_fd: int, modes: Optional[Modes]) -> None:
+    """fsync one entry through one descriptor, setting its mode on the way. Type and mode come
+    from that descriptor, never from a path looked up again: a FIFO swapped in neither blocks
+    the open (O_NONBLOCK) nor gets synced; anything but a regular file is left alone."""
+    fd = _open_entry(name, dir_fd, modes)
+    if fd is None:
+        return
     try:
         st = os.fstat(fd)
-        is_dir = stat.S_ISDIR(st.st_mode)
-        if not (is_dir or stat.S_ISREG(st.st_mode)):
+        if not stat.S_ISREG(st.st_mode):
             return
-        if modes is not None and chmod:
-            os.fchmod(fd, modes.dir if is_dir else modes.exe if st.st_mode & 0o100 else modes.file)
-        try:
-            os.fsync(fd)
-        except OSError as e:  # some filesystems cannot fsync a directory (or anything)
-            if e.errno not in (errno.EINVAL, errno.EROFS):
-                raise
+        if modes is not None:
+            os.fchmod(fd, modes.exe if st.st_mode & 0o100 else modes.file)
+        _fsync(fd)
     finally:
         os.close(fd)
+
+
+def _walk_error(e: OSError) -> None:
+    # A directory the walk cannot read would be left unsynced (and not private) below a
+    # checkpoint that looks complete: fail the save instead. One removed meanwhile is not ours.
+    if e.errno != errno.ENOENT:
+        raise e
 
 
 def sync_tree(root: Path, modes: Optional[Modes]) -> None:
     """fsync every file and directory below ``root`` (and ``root``), setting ``modes`` on those
     below it when given (``root``'s own mode is its creator's). Symlinks are neither followed
-    nor changed."""
+    nor changed.
+
+    Every entry is opened relative to its directory's descriptor (``os.fwalk``), so a directory
+    swapped for a symlink after the walk listed it cannot lead the pass outside the tree.
+    """
     top = str(root)
-    # Bottom-up: a directory is fsynced after its entries. os.walk does not descend into a
-    # symlinked directory; every real subdirectory comes up as a dirpath of its own.
-    for dirpath, _dirnames, filenames in os.walk(top, topdown=False):
+    # Bottom-up: a directory is synced after its entries.
+    for dirpath, _dirnames, filenames, dir_fd in os.fwalk(top, topdown=False, onerror=_walk_error):
         for name in filenames:
-            _sync_entry(os.path.join(dirpath, name), modes, chmod=True)
-        _sync_entry(dirpath, modes, chmod=dirpath != top)
+            _sync_file(name, dir_fd, modes)
+        if modes is not None and dirpath != top:
+            os.fchmod(dir_fd, modes.dir)
+        _fsync(dir_fd)
+
+
+def remove_partial(path: Path) -> None:
+    """Remove a partial checkpoint dir, including subdirs the trial left unlistable (0311):
+    each is made ours to list (0700) before the walk enters it. Never raises."""
+    for dirpath, dirnames, _files in os.walk(path):  # top-down: a child is fixed before it is entered
+        for name in dirnames:
+            child = os.path.join(dirpath, name)
+            with contextlib.suppress(OSError):
+                if not os.path.islink(child):
+                    os.chmod(child, stat.S_IRWXU)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def sweep_partials(base: Path, now: Optional[float] = None) -> list[Path]:
@@ -136,7 +177,7 @@ def sweep_partials(base: Path, now: Optional[float] = None) -> list[Path]:
         except OSError:
             continue
         if now - newest >= STALE_PARTIAL_AFTER_S:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_partial(path)
             removed.append(path)
     return removed
 
@@ -153,8 +194,8 @@ def list_resources(root: Path) -> dict[str, int]:
         for d in dirnames:
             out[(d if rel == "." else f"{rel}/{d}") + "/"] = 0
         for f in filenames:
-            p = os.path.join(dirpath, f)
-            out[f if rel == "." else f"{rel}/{f}"] = os.path.getsize(p)
+            # lstat: a link (even a dangling one) is listed with its own size, never followed.
+            out[f if rel == "." else f"{rel}/{f}"] = os.lstat(os.path.join(dirpath, f)).st_size
     return out
 
 
@@ -197,13 +238,18 @@ class CheckpointContext:
         return md
 
     def _finish(self, partial: Path, storage_id: str, md: dict[str, Any]) -> None:
-        (partial / "metadata.json").write_text(json.dumps(md, sort_keys=True, indent=2))
-        # Private modes and fsync of everything before the rename, then of the base (the rename).
-        sync_tree(partial, self._modes)
-        resources = list_resources(partial)
         final = self.base / storage_id
-        os.replace(partial, final)
-        _fsync_path(str(self.base), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            (partial / "metadata.json").write_text(json.dumps(md, sort_keys=True, indent=2))
+            # Private modes and fsync of everything before the rename, then of the base (the rename).
+            sync_tree(partial, self._modes)
+            resources = list_resources(partial)
+            os.replace(partial, final)
+        except BaseException:
+            # Not durable, so not a checkpoint: nothing half-made is left to fill the disk.
+            remove_partial(partial)
+            raise
+        _fsync_dir(str(self.base))
         self._report(
             CheckpointSaved(
                 uuid=storage_id,
@@ -249,11 +295,13 @@ class CheckpointContext:
             # A failed write (a full filesystem, a crash in user code) leaves no half checkpoint
             # behind to fill the disk: the latest complete one stays the one we resume from.
             if self._dist.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
+                remove_partial(partial)
             raise
         if shard:
+            # One fsync pass per node, once all of its ranks are done writing: their writes
+            # share this node's page cache, which no other node's fsync can flush (Lustre).
+            self._dist.allgather_local(None)
             if self._dist.rank != 0 and self._dist.get_local_rank() == 0:
-                # One fsync pass per node: its ranks' writes share this node's page cache.
                 sync_tree(partial, None)
             parts = self._dist.allgather(md)
             if self._dist.rank == 0:
