@@ -11,6 +11,7 @@ event reader.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -244,11 +245,26 @@ def append_records(directory: Path, data: bytes, wall_time: float) -> None:
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(path, flags, 0o600)
     try:
-        if os.fstat(fd).st_size == 0:
+        size = os.fstat(fd).st_size
+        if size == 0:
             # A new file starts with the version record TensorBoard expects first.
             data = record(event(wall_time, 0, version=True)) + data
-        # One write() of whole records, in append mode: a reader never sees half a record
-        # followed by another writer's bytes.
-        os.write(fd, data)
+        _write_whole(fd, data, size)
     finally:
         os.close(fd)
+
+
+def _write_whole(fd: int, data: bytes, size: int) -> None:
+    """Write ``data`` at the end of ``fd`` (``size`` bytes long before): whole, or not at all.
+    A record cut short (a full disk, a quota) would make every later record unreadable, so on
+    an error the file goes back to ``size`` bytes and the error is raised."""
+    # One write() of whole records, in append mode: a reader never sees half a record followed
+    # by another writer's bytes. A short count (the disk filling up) is followed by another.
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise

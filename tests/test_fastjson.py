@@ -78,10 +78,30 @@ def test_every_edge_decodes_as_the_standard_library_decodes_it() -> None:
         assert outcome(fastjson.decode_line, data) == outcome(decode, data), data[:80]
 
 
-def test_an_ordinary_report_takes_orjson_and_a_64_bit_overflow_does_not() -> None:
+def test_an_ordinary_report_takes_orjson_and_a_64_bit_overflow_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    fallbacks: list[bytes] = []
+
+    def standard_library(data: bytes) -> Any:
+        fallbacks.append(data)
+        return decode(data)
+
+    monkeypatch.setattr(fastjson, "decode", standard_library)  # this module's name only
+    ev = fastjson.decode_line(line('{"loss": 0.25, "acc": 1}'))
+    assert isinstance(ev, Metrics) and ev.metrics == {"loss": 0.25, "acc": 1}
+    assert fallbacks == [], "an ordinary report is parsed by orjson"
     ev = fastjson.decode_line(line('{"n": 123456789012345678901234567890}'))
     assert isinstance(ev, Metrics) and ev.metrics["n"] == 123456789012345678901234567890
     assert type(ev.metrics["n"]) is int
+    assert len(fallbacks) == 1, "an integer beyond 64 bits is parsed by the standard library"
+
+
+def test_lone_surrogates_are_refused_by_both_parsers_and_pairs_are_text() -> None:
+    cesu = line('{"X": 1.0}').replace(b"X", b"\xed\xa0\x80")  # a surrogate as UTF-8-like bytes
+    for bad in (line('{"\\ud800": 1.0}'), line('{"a\\uDC00b": 1.0}'), cesu):
+        assert outcome(fastjson.decode_line, bad) == outcome(decode, bad)
+        assert outcome(decode, bad)[0] == "refused" and "lone surrogate" in outcome(decode, bad)[1]
+    ev = fastjson.decode_line(line('{"\\ud83d\\ude00": 1.0}'))  # an emoji as two escapes
+    assert isinstance(ev, Metrics) and list(ev.metrics) == ["\U0001f600"]
 
 
 def json_values(finite: bool) -> st.SearchStrategy[Any]:

@@ -3,7 +3,9 @@ quarantined with a note on their trial, and every other run and experiment keeps
 
 from __future__ import annotations
 
+import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,11 @@ HOSTILE = [
     b'{"type": "checkpoint", "uuid": "../../x", "steps_completed": 1}',
     b'{"type": "telemetry", "cpu": 1}',
     b"\xff\xfe not even text",
+    # Lone surrogates: no UTF-8 holds them (a TensorBoard tag, PostgreSQL text), escaped or as
+    # CESU-8 bytes; in a metric's name, a status and a group.
+    b'{"type": "metrics", "group": "training", "steps_completed": 2, "metrics": {"\\ud800": 0.5}}',
+    b'{"type": "status", "state": "\\udfff"}',
+    b'{"type": "metrics", "group": "\xed\xa0\x80", "steps_completed": 3, "metrics": {"loss": 0.5}}',
     b"x" * (2 << 20),  # longer than the reader's line limit
 ]
 
@@ -147,6 +154,52 @@ def test_one_failing_event_costs_only_itself(det_env: Path, tmp_path: Path) -> N
         (note,) = s.scalars(select(LogEntry.message).where(LogEntry.level == "WARNING"))
         assert "could not apply metrics: RuntimeError: searcher bug" in note
         assert all(o.offset > 0 for o in s.scalars(select(IngestOffset)))
+
+
+def test_event_files_the_writer_never_makes_are_refused_with_a_note(det_env: Path, tmp_path: Path) -> None:
+    """A FIFO, a directory or a symlink in place of an event file is noted once and never read
+    (a FIFO would hang the daemon's open); a file that shrank below what was read is read again
+    from its start, with a note. The run's other files are ingested all along."""
+    st = settings.load()
+    store = open_store(st.db_url)
+    cfg = write(tmp_path / "c.yaml", "entrypoint: x\nsearcher: {name: single, metric: loss}")
+    exp_id = execute_create(store, st, plan_create(st, cfg, tmp_path), "local")
+    line = lambda n: encode(Metrics(group="training", steps_completed=n, metrics={"loss": 1.0}))  # noqa: E731
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        t = exp.trials[0]
+        paths = ExpPaths(Path(exp.exp_dir)).run(t.id, 1)
+        s.add(TrialRun(trial_id=t.id, run_id=1, executor="local", run_dir=str(paths.dir), log_path="-"))
+    write(paths.event_file(0), line(1) + line(2))
+    os.mkfifo(paths.event_file(1))
+    paths.event_file(2).mkdir()
+    paths.event_file(3).symlink_to(paths.event_file(0))
+
+    def tick() -> None:
+        with store.tx() as s:
+            exp = s.get(Experiment, exp_id)
+            assert exp is not None
+            t = exp.trials[0]
+            ingest_run(s, exp, t, t.runs[0], ExplodingSearcher("none"))  # type: ignore[arg-type]
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (tick(), done.set()), daemon=True).start()
+    assert done.wait(30), "the tick hung on the FIFO"
+    tick()  # refused files stay refused, without a second note
+    write(paths.event_file(0), line(3))  # rewritten shorter than what was read
+    tick()
+    with store.tx() as s:
+        steps = sorted(s.scalars(select(Metric.steps_completed)))
+        notes = list(s.scalars(select(LogEntry.message).where(LogEntry.level == "WARNING")))
+    assert steps == [1, 2, 3]
+    assert sorted(n.split(" of run")[0] for n in notes if "is not read" in n) == [
+        "event file rank-1.jsonl",
+        "event file rank-2.jsonl",
+        "event file rank-3.jsonl",
+    ]
+    assert any("is a FIFO" in n for n in notes) and any("is a directory" in n for n in notes)
+    assert any("rank-0.jsonl of run 1 shrank below the" in n and "read again from its start" in n for n in notes)
 
 
 def _metric_rows() -> Any:

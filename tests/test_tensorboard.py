@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +66,32 @@ def test_event_files_read_back_with_tensorboard(tmp_path: Path) -> None:
     assert got["val_loss"] == [(20, pytest.approx(0.3))] and got["val_acc"] == [(20, pytest.approx(0.9))]
     assert got["inference/latency"] == [(20, 7.0)]
     assert set(got) == {"loss", "lr", "val_loss", "val_acc", "inference/latency"}
+
+
+def test_a_write_the_disk_cuts_short_leaves_only_whole_records(tmp_path: Path) -> None:
+    """A record cut short by a full disk or a quota would make every later record unreadable:
+    the append fails and the file keeps its whole records; later appends read back."""
+    d = tmp_path / "tb"
+    tbevents.append(d, "training", 1, 1000.0, {"loss": 1.0})
+    size = tbevents.event_file(d).stat().st_size
+    records = b"".join(tbevents.report_record("training", s, 1000.0, {"loss": 0.5, "acc": 0.9}) for s in (2, 3))
+    pid = os.fork()
+    if pid == 0:  # the child: a file size limit (what a nearly full disk does to the write)
+        code = 3
+        try:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size + 20, resource.RLIM_INFINITY))
+            tbevents.append_records(d, records, 1000.0)
+            code = 0
+        except OSError:
+            code = 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 1  # the append failed, as it should
+    assert tbevents.event_file(d).stat().st_size == size  # and left no half record
+    tbevents.append(d, "training", 4, 1000.0, {"loss": 0.25})
+    assert scalars(d)["loss"] == [(1, 1.0), (4, 0.25)]
 
 
 def test_core_api_uploads_selected_files_where_det_tensorboard_looks(tmp_path: Path) -> None:

@@ -334,7 +334,13 @@ def ingest_run(
         if off is None:
             off = IngestOffset(trial_run_pk=run.id, file=path.name, offset=0)
             session.add(off)
+        if off.offset < 0:  # refused before (not a regular file): never read again
+            continue
         batch = reader(path, off.offset)
+        if batch.refused is not None or batch.shrunk_from is not None:
+            _odd_file(session, trial, run, path.name, off, batch)
+            if batch.refused is not None:
+                continue
         if (batch.more or batch.waiting) and unfinished is not None:
             unfinished.add(run.id)
         # Bad lines are collected and noted once per file and pass: a trial writing millions of
@@ -346,8 +352,15 @@ def ingest_run(
         at = _Ingest(session, exp, trial, run, searcher, off, pending, _refusals(bad))
         # The offset moves once per pass (below); an event that errors the experiment moves it
         # past itself before it raises (SearcherError), and a failing store rolls back the tick.
-        for line in batch.lines:
-            count += at.line(line)
+        try:
+            for line in batch.lines:
+                count += at.line(line)
+        except SearcherError:
+            # The experiment errors, and the offset is past the lines refused before the
+            # event that failed it: they still get their note.
+            if bad:
+                _quarantined(session, trial, run, path.name, bad)
+            raise
         count -= at.pending.flush(session, at.refused)
         # Past skipped blank lines (and the rest of a too-long line) as well.
         off.offset = batch.offset
@@ -478,6 +491,25 @@ def _apply_one(
         log.warning("trial %s: could not apply a %s event", trial.id, ev.TYPE.value, exc_info=True)
         return f"could not apply {ev.TYPE.value}: {type(e).__name__}: {str(e)[:200]}"
     return None
+
+
+# The offset of an event file that is refused for good (see _odd_file).
+REFUSED_FILE = -1
+
+
+def _odd_file(session: Session, trial: Trial, run: TrialRun, file: str, off: IngestOffset, batch: Batch) -> None:
+    """A note for an event file the trial's writer would never make: refused for good (its
+    offset becomes REFUSED_FILE), or shorter than what was read (read again from its start)."""
+    if batch.refused is not None:
+        off.offset = REFUSED_FILE
+        message = f"event file {file} of run {run.run_id} {batch.refused}: it is not read"
+    else:
+        message = (
+            f"event file {file} of run {run.run_id} shrank below the {batch.shrunk_from} bytes already "
+            "read (truncated or replaced by the trial): it is read again from its start"
+        )
+    note(session, trial.id, _bounded(message), "WARNING")
+    log.warning("trial %s: %s", trial.id, message)
 
 
 def _quarantined(session: Session, trial: Trial, run: TrialRun, file: str, bad: list[str]) -> None:

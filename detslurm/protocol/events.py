@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import time as _time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -280,18 +281,45 @@ def _opt_time(d: dict[str, Any], key: str) -> float | None:
     return value
 
 
+# What may put a lone surrogate into a parsed line: a surrogate itself (bytes read with
+# "surrogatepass", as json.loads reads them) or a \uD800-\uDFFF escape. A pair of them (an
+# emoji written as two escapes) is one character and fine: only a match is checked further.
+_SURROGATE_HINT = re.compile(r"[\ud800-\udfff]|\\u[dD][89abcdefABCDEF]")
+
+
 def decode(line: bytes | str) -> Event:
     """One event line -> its record. Raises :class:`BadEvent` (or :class:`UnknownEvent`) and
     nothing else, whatever the line holds."""
     try:
-        # json.loads on bytes detects UTF-8/16/32; RecursionError comes from "[[[[..." lines. A
-        # line opening with "{" is UTF-8 by that detection: decoded here, its probe is skipped.
-        if isinstance(line, bytes) and line[:1] == b"{":
-            line = line.decode("utf-8", "surrogatepass")
-        obj = json.loads(line)
+        # Decoded here as json.loads decodes bytes (UTF-8, -16 or -32 by detection), so that
+        # the text can be checked below.
+        if isinstance(line, bytes):
+            line = line.decode(json.detect_encoding(line), "surrogatepass")
+        obj = json.loads(line)  # RecursionError comes from "[[[[..." lines
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None
+    if _SURROGATE_HINT.search(line) and _has_lone_surrogate(obj):
+        # No UTF-8 (so neither a TensorBoard tag nor PostgreSQL text) can hold one: the store
+        # would fail on it later, outside any single event's reach.
+        raise BadEvent("a string holds a lone surrogate (not valid Unicode text)")
     return decode_value(obj)
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    todo = [obj]  # a stack, not recursion: json.loads allows deeper nesting than the stack
+    while todo:
+        v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            todo.extend(v.keys())
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            todo.extend(v)
+    return False
 
 
 def decode_value(obj: Any) -> Event:

@@ -17,7 +17,9 @@ inside a line already reported; drop bytes up to its newline".
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +62,12 @@ class Batch:
     # Complete lines may remain past ``offset`` (the chunk bound stopped the read): the next
     # read must not wait for the file to grow.
     more: bool = False
+    # The path is no event file the trial's writer makes (a FIFO, a directory, a symlink): why.
+    # Nothing was read, and nothing should be read from it again.
+    refused: str | None = None
+    # The file was shorter than the offset (truncated, or replaced by a shorter one): the offset
+    # it had. The lines are then read from the file's start.
+    shrunk_from: int | None = None
 
 
 def preview(raw: bytes) -> str:
@@ -79,11 +87,27 @@ def read_lines(
 ) -> Batch:
     """The complete lines after ``offset`` in ``path`` (see the module doc for the bounds)."""
     assert max_chunk > max_line, "a chunk must be able to hold the longest allowed line"
+    # O_NONBLOCK: a FIFO put in place of the file must not hang the daemon in its open (for a
+    # regular file the flag changes nothing). O_NOFOLLOW: the writer makes no symlinks.
     try:
-        with open(path, "rb") as f:
-            return _read(f, offset, max_chunk, max_line, clock() - quiet_s)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return Batch(offset=offset)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return Batch(offset=offset, refused="is a symbolic link")
+        # EACCES, or EIO/ESTALE on a network filesystem: maybe not for long; the next tick retries.
+        return Batch(offset=offset, waiting=f"cannot open it: {e.strerror}")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "no file"
+        return Batch(offset=offset, refused=f"is {kind}")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size < offset:
+            batch = _read(f, 0, max_chunk, max_line, clock() - quiet_s)
+            return Batch(batch.lines, batch.offset, batch.waiting, batch.more, shrunk_from=offset)
+        return _read(f, offset, max_chunk, max_line, clock() - quiet_s)
 
 
 def _read(f: BinaryIO, offset: int, max_chunk: int, max_line: int, quiet_since: float) -> Batch:
