@@ -98,7 +98,11 @@ def read_lines(
             return Batch(offset=offset, refused="is a symbolic link")
         # EACCES, or EIO/ESTALE on a network filesystem: maybe not for long; the next tick retries.
         return Batch(offset=offset, waiting=f"cannot open it: {e.strerror}")
-    st = os.fstat(fd)
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        return Batch(offset=offset, waiting=f"cannot read it: {e.strerror}")
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "no file"
