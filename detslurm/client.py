@@ -50,7 +50,8 @@ class Checkpoint:
             raise StateError(f"checkpoint {self.uuid} is {self.state}; only COMPLETED checkpoints can be downloaded")
         dst = Path(path) if path is not None else _default_destination(self.uuid)
         src = self._source
-        if src is None or not src.is_dir():
+        # is_symlink: a link in the checkpoint's place (to another experiment's, say) is not it.
+        if src is None or src.is_symlink() or not src.is_dir():
             raise NotFoundError("checkpoint files for", self.uuid)
         # symlinks=True: a link the trial left in its checkpoint is copied as a link, never followed
         # to read (and copy out) whatever file it names.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from detslurm.controller.gc import checkpoint_dir, collect_garbage
+from detslurm.controller.gc import checkpoint_dir, collect_garbage, remove_dirs
 from detslurm.expconf import validate
 from detslurm.store import Checkpoint, Experiment, Store, Trial, open_store
 
@@ -102,3 +102,28 @@ def test_paths_outside_the_base_are_never_collected(tmp_path: Path) -> None:
         doomed = collect_garbage(s, exp)
         assert checkpoint_dir(exp, "../precious") is None
     assert all(p.is_relative_to(base.resolve()) for p in doomed) and precious.resolve() not in doomed
+
+
+def test_a_checkpoint_replaced_by_a_link_is_not_followed_when_removed(tmp_path: Path) -> None:
+    """A trial can put a symlink where its checkpoint dir was (to another experiment's
+    checkpoint, which may share the base): GC removes real checkpoint dirs only."""
+    store, exp_id, base = setup(tmp_path)
+    base.mkdir()
+    victim = base / "another-experiments"
+    victim.mkdir()
+    (victim / "w.pt").write_bytes(b"w")
+    real = base / ("r" * 8)
+    real.mkdir()
+    (base / ("l" * 8)).symlink_to(victim)
+    now = datetime.now(timezone.utc)
+    add_checkpoint(store, "r" * 8, 1, now, str(real))
+    add_checkpoint(store, "l" * 8, 2, now, str(base / ("l" * 8)))
+    add_checkpoint(store, "k" * 8, 3, now, str(base / ("k" * 8)))  # the one GC keeps
+    with store.tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        assert checkpoint_dir(exp, "l" * 8) == base.resolve() / ("l" * 8)  # the link itself
+        doomed = collect_garbage(s, exp)
+    remove_dirs(doomed)
+    assert (victim / "w.pt").read_bytes() == b"w"  # not reached through the link
+    assert not real.exists()  # the real one is gone

@@ -268,3 +268,22 @@ def test_reader_nul_line_quarantined_once_quiet(tmp_path: Path) -> None:
     os.utime(path, None)
     later = read_lines(path, 0, clock=lambda: time.time() + 31)
     assert [ln.problem for ln in later.lines] == ["NUL bytes in the line", None]
+
+
+def test_a_record_that_is_no_file_is_refused_without_a_leak(tmp_path: Path) -> None:
+    """A directory, a FIFO or a symlink where a record belongs is a BadRecord, and every
+    descriptor opened on the way is closed (the daemon reads records on every tick)."""
+    from detslurm.protocol.records import BadRecord, read_record
+
+    (tmp_path / "dir").mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "real.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "real.json")
+    fds = "/proc/self/fd"
+    before = len(os.listdir(fds)) if os.path.isdir(fds) else 0
+    for _ in range(20):
+        for name, why in (("dir", "not a regular file"), ("fifo", "not a regular file"), ("link", "symbolic link")):
+            with pytest.raises(BadRecord, match=why):
+                read_record(tmp_path / name)
+    assert (len(os.listdir(fds)) if before else 0) == before
+    assert read_record(tmp_path / "real.json") == {}

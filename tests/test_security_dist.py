@@ -304,6 +304,12 @@ def test_run_secret_file_checks(tmp_path: Path) -> None:
     os.mkfifo(fifo, 0o600)
     with pytest.raises(RunSecretError, match="not a regular file"):
         read_run_secret(fifo)
+    (tmp_path / "dir").mkdir()
+    open_before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    for _ in range(20):  # a directory in the secret's place: refused, and no descriptor left open
+        with pytest.raises(RunSecretError, match="not a regular file"):
+            read_run_secret(tmp_path / "dir")
+    assert (len(os.listdir("/proc/self/fd")) if open_before else 0) == open_before
     short = tmp_path / "short"
     short.write_text("abcd")
     short.chmod(0o600)

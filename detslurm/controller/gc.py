@@ -7,8 +7,11 @@ storage and marked DELETED (the rows stay, so history still shows them).
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import shutil
+import stat
 from pathlib import Path
 
 from sqlalchemy import select
@@ -17,6 +20,8 @@ from sqlalchemy.orm import Session
 from detslurm.controller.config import stored_config
 from detslurm.store.models import Checkpoint, Experiment, Trial
 from detslurm.views import validation_metric
+
+log = logging.getLogger(__name__)
 
 
 def keep_set(session: Session, exp: Experiment) -> set[str]:
@@ -61,14 +66,14 @@ def valid_checkpoint_uuid(uuid: str) -> bool:
 
 
 def checkpoint_dir(exp: Experiment, uuid: str) -> Path | None:
-    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``, resolved
-    and checked to lie under the base. The path a trial reported is never trusted for deletes
-    or copies (it could name any directory of the user's)."""
+    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``. The path a
+    trial reported is never trusted for deletes or copies (it could name any directory of the
+    user's). The base is resolved (a link the user chose, such as ``~/ckpts -> /lustre/...``);
+    the uuid, one checked path component, is not: a symlink the trial put in its place is not
+    a checkpoint (:func:`remove_own_dir` leaves it alone, a download refuses it)."""
     if not valid_checkpoint_uuid(uuid):
         return None
-    base = Path(stored_config(exp).storage_base).resolve()
-    path = (base / uuid).resolve()
-    return path if path.parent == base else None
+    return Path(stored_config(exp).storage_base).resolve() / uuid
 
 
 def collect_garbage(session: Session, exp: Experiment) -> list[Path]:
@@ -92,4 +97,21 @@ def collect_garbage(session: Session, exp: Experiment) -> list[Path]:
 def remove_dirs(paths: list[Path]) -> None:
     """Remove the doomed checkpoint dirs; errors are ignored, as the rows are already marked DELETED."""
     for path in paths:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_own_dir(path)
+
+
+def remove_own_dir(path: Path) -> None:
+    """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
+    which other users of a shared database can write (review C3), and below a checkpoint base a
+    trial writes: a symlink (to another experiment's checkpoint, say), or a directory someone
+    else owns, is left alone."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        log.warning("not removing %s: not a directory of this user's", path)
+        return
+    # ignore_errors: the rows are already gone, so a half-removed tree must not turn into a
+    # failed delete the user cannot repeat; leftovers are only disk space.
+    shutil.rmtree(path, ignore_errors=True)

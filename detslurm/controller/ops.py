@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -21,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.executor import ExitCause
-from detslurm.controller.gc import checkpoint_dir
+from detslurm.controller.gc import checkpoint_dir, remove_own_dir
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
@@ -201,22 +198,6 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         s.delete(exp)
     for path in [*doomed, exp_dir]:
         remove_own_dir(path)
-
-
-def remove_own_dir(path: Path) -> None:
-    """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
-    which other users of a shared database can write (review C3): a symlink, or a directory
-    someone else owns, is left alone."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        log.warning("not removing %s: not a directory of this user's", path)
-        return
-    # ignore_errors: the rows are already gone, so a half-removed tree must not turn into a
-    # failed delete the user cannot repeat; leftovers are only disk space.
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope | None = None) -> None:

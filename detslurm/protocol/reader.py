@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
+
+from detslurm.protocol._files import kind, open_regular
 
 MAX_CHUNK = 8 << 20
 MAX_LINE = 1 << 20
@@ -90,7 +91,7 @@ def read_lines(
     # O_NONBLOCK: a FIFO put in place of the file must not hang the daemon in its open (for a
     # regular file the flag changes nothing). O_NOFOLLOW: the writer makes no symlinks.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        opened = open_regular(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
         return Batch(offset=offset)
     except OSError as e:
@@ -98,16 +99,13 @@ def read_lines(
             return Batch(offset=offset, refused="is a symbolic link")
         # EACCES, or EIO/ESTALE on a network filesystem: maybe not for long; the next tick retries.
         return Batch(offset=offset, waiting=f"cannot open it: {e.strerror}")
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        return Batch(offset=offset, waiting=f"cannot read it: {e.strerror}")
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "no file"
-        return Batch(offset=offset, refused=f"is {kind}")
-    with os.fdopen(fd, "rb") as f:
+    if opened is None:
+        try:
+            return Batch(offset=offset, refused=f"is {kind(os.lstat(path).st_mode)}")
+        except OSError:
+            return Batch(offset=offset, refused="is not a regular file")
+    f, st = opened
+    with f:
         if st.st_size < offset:
             batch = _read(f, 0, max_chunk, max_line, clock() - quiet_s)
             return Batch(batch.lines, batch.offset, batch.waiting, batch.more, shrunk_from=offset)

@@ -8,15 +8,16 @@ most ``MAX_RECORD_BYTES`` and turn anything malformed into :class:`BadRecord`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from detslurm.protocol import _check as c
 from detslurm.protocol._check import BadRecord
+from detslurm.protocol._files import open_regular
 from detslurm.util import atomic_write_json
 
 # Every record here is a few hundred bytes; anything larger was not written by us.
@@ -37,16 +38,19 @@ def read_record(path: Path) -> Any:
     try:
         # O_NONBLOCK: a FIFO put where a record belongs (by a trial, or a link to one) must not
         # block the reader, which is the daemon serving every experiment; only files are read.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise BadRecord(f"{path.name} is not a regular file")
+        # O_NOFOLLOW: the writers make no symlinks, and one would let a trial point us at any
+        # file of the user's.
+        opened = open_regular(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        if opened is None:
+            raise BadRecord(f"{path.name} is not a regular file")
+        with opened[0] as f:
             # One byte over the limit is enough to know the file is too large, without reading it.
             data = f.read(MAX_RECORD_BYTES + 1)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise BadRecord(f"cannot read {path.name}: {e.strerror}") from None
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise BadRecord(f"cannot read {path.name}: {why}") from None
     if len(data) > MAX_RECORD_BYTES:
         raise BadRecord(f"{path.name} is larger than {MAX_RECORD_BYTES} bytes")
     try:

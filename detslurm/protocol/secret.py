@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from detslurm.protocol._files import open_regular
+
 SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
 # The name starts with DETSLURM_DIST so the local controller's env filter drops it from the
 # daemon's own environment before a trial starts (a trial must get a fresh one).
@@ -179,14 +181,14 @@ def read_run_secret(path: os.PathLike[str] | str) -> bytes:
     """
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        opened = open_regular(path, flags)
     except OSError as e:
         why = "is a symlink" if e.errno == errno.ELOOP else e.strerror
         raise RunSecretError(f"cannot open the run secret {path}: {why}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise RunSecretError(f"the run secret {path} is not a regular file")
+    if opened is None:
+        raise RunSecretError(f"the run secret {path} is not a regular file")
+    f, st = opened
+    with f:
         # Another user's file could hold a secret they know; a group- or world-readable one could have been
         # read by them. Either would let them join or impersonate our ranks.
         if st.st_uid != os.geteuid():
