@@ -158,8 +158,9 @@ def test_one_failing_event_costs_only_itself(det_env: Path, tmp_path: Path) -> N
 
 def test_event_files_the_writer_never_makes_are_refused_with_a_note(det_env: Path, tmp_path: Path) -> None:
     """A FIFO, a directory or a symlink in place of an event file is noted once and never read
-    (a FIFO would hang the daemon's open); a file that shrank below what was read is read again
-    from its start, with a note. The run's other files are ingested all along."""
+    (a FIFO would hang the daemon's open); a file that shrank below what was read is read
+    on from the end of its last whole line, with a note. The run's other files are ingested all
+    along."""
     st = settings.load()
     store = open_store(st.db_url)
     cfg = write(tmp_path / "c.yaml", "entrypoint: x\nsearcher: {name: single, metric: loss}")
@@ -171,7 +172,8 @@ def test_event_files_the_writer_never_makes_are_refused_with_a_note(det_env: Pat
         t = exp.trials[0]
         paths = ExpPaths(Path(exp.exp_dir)).run(t.id, 1)
         s.add(TrialRun(trial_id=t.id, run_id=1, executor="local", run_dir=str(paths.dir), log_path="-"))
-    write(paths.event_file(0), line(1) + line(2))
+    first = line(1)  # once: each encode stamps its own time, and the length with it
+    write(paths.event_file(0), first + line(2))
     os.mkfifo(paths.event_file(1))
     paths.event_file(2).mkdir()
     paths.event_file(3).symlink_to(paths.event_file(0))
@@ -187,7 +189,10 @@ def test_event_files_the_writer_never_makes_are_refused_with_a_note(det_env: Pat
     threading.Thread(target=lambda: (tick(), done.set()), daemon=True).start()
     assert done.wait(30), "the tick hung on the FIFO"
     tick()  # refused files stay refused, without a second note
-    write(paths.event_file(0), line(3))  # rewritten shorter than what was read
+    os.truncate(paths.event_file(0), len(first.encode()))  # it lost its tail (a crashed NFS server)
+    tick()
+    with open(paths.event_file(0), "a") as f:  # and the writer appends after what is left
+        f.write(line(3))
     tick()
     with store.tx() as s:
         steps = sorted(s.scalars(select(Metric.steps_completed)))
@@ -199,7 +204,8 @@ def test_event_files_the_writer_never_makes_are_refused_with_a_note(det_env: Pat
         "event file rank-3.jsonl",
     ]
     assert any("is a FIFO" in n for n in notes) and any("is a directory" in n for n in notes)
-    assert any("rank-0.jsonl of run 1 shrank below the" in n and "read again from its start" in n for n in notes)
+    assert steps == [1, 2, 3]  # nothing read twice
+    assert any("rank-0.jsonl of run 1 shrank below the" in n and "end of its last whole line" in n for n in notes)
 
 
 def _metric_rows() -> Any:

@@ -506,7 +506,7 @@ def _odd_file(session: Session, trial: Trial, run: TrialRun, file: str, off: Ing
     else:
         message = (
             f"event file {file} of run {run.run_id} shrank below the {batch.shrunk_from} bytes already "
-            "read (truncated or replaced by the trial): it is read again from its start"
+            "read (it lost its tail, or the trial truncated it): it is read on from the end of its last whole line"
         )
     note(session, trial.id, _bounded(message), "WARNING")
     log.warning("trial %s: %s", trial.id, message)

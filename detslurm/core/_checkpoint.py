@@ -54,8 +54,10 @@ def ensure_base(base: Path, modes: Modes) -> None:
             p.mkdir(mode=modes.dir)
             os.chmod(p, modes.dir)  # the umask may have cleared bits the share mode wants
             # The new name is durable too: after a node crash the base and the checkpoints
-            # renamed into it must not vanish with an unsynced parent entry.
-            _fsync_dir(str(p.parent))
+            # renamed into it must not vanish with an unsynced parent entry. Best effort: a
+            # parent we may enter but not read (0711) cannot be opened to sync.
+            with contextlib.suppress(PermissionError):
+                _fsync_dir(str(p.parent))
 
 
 def _fsync_dir(path: str) -> None:
@@ -71,7 +73,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW
+# What an entry's open may answer when the trial swapped it meanwhile (a symlink, a socket, a
+# FIFO's or device's no-reader, gone, a dir): it is then not a file of the checkpoint's.
+_SWAPPED = {errno.ELOOP, errno.ENXIO, errno.ENOENT, errno.EISDIR, errno.ENOTDIR}
 
 
 def _fsync(fd: int) -> None:
@@ -82,31 +88,26 @@ def _fsync(fd: int) -> None:
             raise
 
 
-def _open_entry(name: str, dir_fd: int, modes: Optional[Modes]) -> Optional[int]:
-    """A descriptor for the entry ``name`` of ``dir_fd``; None for a symlink or a vanished entry."""
-    try:
-        return os.open(name, _OPEN_ENTRY, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOENT):  # a symlink (never followed), or gone meanwhile
-            return None
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if e.errno != errno.EACCES or modes is None or not stat.S_ISREG(st.st_mode):
-            raise
-    # A file the trial left unreadable to itself (mode 0200): made readable first, as it would
-    # be below anyway. Not through a symlink swapped in meanwhile, where the platform can say so.
-    mode = modes.exe if st.st_mode & 0o100 else modes.file
-    try:
-        os.chmod(name, mode, dir_fd=dir_fd, follow_symlinks=False)
-    except NotImplementedError:  # a C library without fchmodat(AT_SYMLINK_NOFOLLOW)
-        os.chmod(name, mode, dir_fd=dir_fd)
-    return os.open(name, _OPEN_ENTRY, dir_fd=dir_fd)
+def _open_entry(name: str, dir_fd: int) -> Optional[int]:
+    """A descriptor for the file ``name`` of ``dir_fd``; None for one swapped for something else.
+    A file the trial left unreadable to itself (mode 0200) is opened for writing instead: its
+    mode is then set through that descriptor, never by a path."""
+    for access in (os.O_RDONLY, os.O_WRONLY):
+        try:
+            return os.open(name, access | _NOFOLLOW, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno in _SWAPPED:
+                return None
+            if e.errno != errno.EACCES or access == os.O_WRONLY:
+                raise
+    return None  # not reached: the second try returns or raises
 
 
 def _sync_file(name: str, dir_fd: int, modes: Optional[Modes]) -> None:
     """fsync one entry through one descriptor, setting its mode on the way. Type and mode come
     from that descriptor, never from a path looked up again: a FIFO swapped in neither blocks
     the open (O_NONBLOCK) nor gets synced; anything but a regular file is left alone."""
-    fd = _open_entry(name, dir_fd, modes)
+    fd = _open_entry(name, dir_fd)
     if fd is None:
         return
     try:
@@ -120,34 +121,59 @@ def _sync_file(name: str, dir_fd: int, modes: Optional[Modes]) -> None:
         os.close(fd)
 
 
-def _walk_error(e: OSError) -> None:
-    # A directory the walk cannot read would be left unsynced (and not private) below a
-    # checkpoint that looks complete: fail the save instead. One removed meanwhile is not ours.
-    if e.errno != errno.ENOENT:
-        raise e
+def _named(e: OSError, where: str, name: str) -> OSError:
+    # An open relative to a descriptor names no path: the save's error should say which entry.
+    return type(e)(e.errno, e.strerror, os.path.join(where, name))
+
+
+def _sync_dir(dir_fd: int, where: str, modes: Optional[Modes], chmod: bool) -> None:
+    """fsync the files and directories below ``dir_fd``, then ``dir_fd`` itself (bottom-up: a
+    directory after its entries). Each entry is opened relative to its directory's descriptor,
+    without following a link and without waiting (a directory swapped for a symlink or a FIFO
+    after the listing leads nowhere); only real files and directories are synced."""
+    with os.scandir(dir_fd) as entries:
+        listed = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False)) for e in entries]
+    for name, is_dir, is_file in listed:
+        if is_file:
+            try:
+                _sync_file(name, dir_fd, modes)
+            except OSError as e:
+                raise _named(e, where, name) from None
+        elif is_dir:
+            try:
+                sub = os.open(name, _OPEN_DIR, dir_fd=dir_fd)
+            except OSError as e:
+                # Swapped or gone meanwhile: not ours. Unreadable (0311): fail the save rather
+                # than leave a subtree unsynced, and not private, below a complete checkpoint.
+                if e.errno in _SWAPPED:
+                    continue
+                raise _named(e, where, name) from None
+            try:
+                _sync_dir(sub, os.path.join(where, name), modes, chmod=True)
+            finally:
+                os.close(sub)
+    if modes is not None and chmod:
+        os.fchmod(dir_fd, modes.dir)
+    _fsync(dir_fd)
 
 
 def sync_tree(root: Path, modes: Optional[Modes]) -> None:
     """fsync every file and directory below ``root`` (and ``root``), setting ``modes`` on those
-    below it when given (``root``'s own mode is its creator's). Symlinks are neither followed
-    nor changed.
-
-    Every entry is opened relative to its directory's descriptor (``os.fwalk``), so a directory
-    swapped for a symlink after the walk listed it cannot lead the pass outside the tree.
-    """
-    top = str(root)
-    # Bottom-up: a directory is synced after its entries.
-    for dirpath, _dirnames, filenames, dir_fd in os.fwalk(top, topdown=False, onerror=_walk_error):
-        for name in filenames:
-            _sync_file(name, dir_fd, modes)
-        if modes is not None and dirpath != top:
-            os.fchmod(dir_fd, modes.dir)
-        _fsync(dir_fd)
+    below it when given (``root``'s own mode is its creator's). Symlinks, FIFOs, sockets and
+    devices are neither followed, opened for good, nor changed."""
+    fd = os.open(root, _OPEN_DIR)
+    try:
+        _sync_dir(fd, str(root), modes, chmod=False)
+    finally:
+        os.close(fd)
 
 
 def remove_partial(path: Path) -> None:
     """Remove a partial checkpoint dir, including subdirs the trial left unlistable (0311):
     each is made ours to list (0700) before the walk enters it. Never raises."""
+    with contextlib.suppress(OSError):
+        if not os.path.islink(path):
+            os.chmod(path, stat.S_IRWXU)
     for dirpath, dirnames, _files in os.walk(path):  # top-down: a child is fixed before it is entered
         for name in dirnames:
             child = os.path.join(dirpath, name)
@@ -298,17 +324,25 @@ class CheckpointContext:
                 remove_partial(partial)
             raise
         if shard:
-            # One fsync pass per node, once all of its ranks are done writing: their writes
-            # share this node's page cache, which no other node's fsync can flush (Lustre).
-            self._dist.allgather_local(None)
-            if self._dist.rank != 0 and self._dist.get_local_rank() == 0:
-                sync_tree(partial, None)
-            parts = self._dist.allgather(md)
-            if self._dist.rank == 0:
-                self._finish(partial, storage_id, merge_metadata(parts))
-            self._dist.allgather(None)  # nobody returns before the rename
+            try:
+                self._seal_shards(partial, storage_id, md)
+            except BaseException:
+                if self._dist.rank == 0:  # a node's pass or a collective failed: nothing half-made stays
+                    remove_partial(partial)
+                raise
         else:
             self._finish(partial, storage_id, md)
+
+    def _seal_shards(self, partial: Path, storage_id: str, md: dict[str, Any]) -> None:
+        # One fsync pass per node, once all of its ranks are done writing: their writes share
+        # this node's page cache, which no other node's fsync can flush (Lustre).
+        self._dist.allgather_local(None)
+        if self._dist.rank != 0 and self._dist.get_local_rank() == 0:
+            sync_tree(partial, None)
+        parts = self._dist.allgather(md)
+        if self._dist.rank == 0:
+            self._finish(partial, storage_id, merge_metadata(parts))
+        self._dist.allgather(None)  # nobody returns before the rename
 
     def upload(
         self,

@@ -148,7 +148,7 @@ class EarlyWriteback:
             self._start(fd)
             return True
         except OSError as e:
-            if self._waits:
+            if self._waits and e.errno not in (errno.EINVAL, errno.EROFS):  # as the final pass tolerates
                 self.error = self.error or e
             elif e.errno in _UNSUPPORTED:
                 self._start = None

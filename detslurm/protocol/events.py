@@ -298,7 +298,8 @@ def decode(line: bytes | str) -> Event:
         obj = json.loads(line)  # RecursionError comes from "[[[[..." lines
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise BadEvent(f"not JSON: {str(e)[:120]}") from None
-    if _SURROGATE_HINT.search(line) and _has_lone_surrogate(obj):
+    # The regex only where a surrogate can be at all: an escape, or a character beyond ASCII.
+    if ("\\u" in line or not line.isascii()) and _SURROGATE_HINT.search(line) and _has_lone_surrogate(obj):
         # No UTF-8 (so neither a TensorBoard tag nor PostgreSQL text) can hold one: the store
         # would fail on it later, outside any single event's reach.
         raise BadEvent("a string holds a lone surrogate (not valid Unicode text)")

@@ -66,8 +66,8 @@ class Batch:
     # The path is no event file the trial's writer makes (a FIFO, a directory, a symlink): why.
     # Nothing was read, and nothing should be read from it again.
     refused: str | None = None
-    # The file was shorter than the offset (truncated, or replaced by a shorter one): the offset
-    # it had. The lines are then read from the file's start.
+    # The file was shorter than the offset (it lost its tail): the offset it had. The lines are
+    # then read on from the end of its last whole line.
     shrunk_from: int | None = None
 
 
@@ -107,9 +107,21 @@ def read_lines(
     f, st = opened
     with f:
         if st.st_size < offset:
-            batch = _read(f, 0, max_chunk, max_line, clock() - quiet_s)
+            # Lost its tail (an NFS server that crashed with unsynced writes, a restore): what is
+            # left is what was read, and the writer appends after it. Reading on from the end of
+            # its last whole line consumes nothing twice.
+            batch = _read(f, _end_of_last_line(f, st.st_size, max_line), max_chunk, max_line, clock() - quiet_s)
             return Batch(batch.lines, batch.offset, batch.waiting, batch.more, shrunk_from=offset)
         return _read(f, offset, max_chunk, max_line, clock() - quiet_s)
+
+
+def _end_of_last_line(f: BinaryIO, size: int, max_line: int) -> int:
+    """Just past the last newline in the file's first ``size`` bytes (0 when none is within
+    ``max_line`` of the end, which then reads as a line too long, skipped)."""
+    start = max(0, size - max_line - 1)
+    f.seek(start)
+    nl = f.read(size - start).rfind(b"\n")
+    return start + nl + 1 if nl >= 0 else (0 if start == 0 else size)
 
 
 def _read(f: BinaryIO, offset: int, max_chunk: int, max_line: int, quiet_since: float) -> Batch:
