@@ -8,6 +8,7 @@ saying how much was dropped), and ``--tail`` reads backwards from the end of the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,6 +22,7 @@ from detslurm.cli.app import App
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.log_filter import LEVELS, LogFilter, parse_time
 from detslurm.errors import NotFoundError
+from detslurm.util import open_regular
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic when their fast path needs none of them.
@@ -83,10 +85,22 @@ class LineCutter:
         return out
 
 
+def _open(path: Path) -> BinaryIO | None:
+    """``path`` for reading, or None when it is gone or not a regular file: the run dir is the
+    trial's, and a FIFO it put at the log's name must not block this command (O_NONBLOCK)."""
+    try:
+        opened = open_regular(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    return None if opened is None else opened[0]
+
+
 def file_lines(path: Path) -> Iterator[str]:
     """The lines of ``path``, first to last, in bounded memory."""
     cutter = LineCutter()
-    with open(path, "rb") as f:
+    if (f := _open(path)) is None:
+        return
+    with f:
         while chunk := f.read(CHUNK):
             yield from cutter.feed(chunk)
     yield from cutter.flush()
@@ -108,7 +122,9 @@ def _newlines_backwards(f: BinaryIO, end: int) -> Iterator[int]:
 def file_lines_reversed(path: Path) -> Iterator[str]:
     """The lines of ``path``, last to first, reading backwards from the end: the cost follows
     how many lines the caller takes, not the size of the file."""
-    with open(path, "rb") as f:
+    if (f := _open(path)) is None:
+        return
+    with f:
         size = f.seek(0, 2)
         if size == 0:
             return
@@ -249,7 +265,9 @@ class Follower:
                 continue
             # One cutter per file, kept across pumps, so a line split over two pumps is printed whole.
             cutter = self.cutters.setdefault(path, LineCutter())
-            with open(p, "rb") as f:
+            if (f := _open(p)) is None:
+                continue
+            with f:
                 f.seek(self.offsets.get(path, 0))
                 while chunk := f.read(CHUNK):
                     self.offsets[path] = self.offsets.get(path, 0) + len(chunk)

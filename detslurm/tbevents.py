@@ -12,8 +12,10 @@ event reader.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import stat
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -236,22 +238,38 @@ def append(directory: Path, group: str, step: int, wall_time: float, metrics: Ma
 def append_records(directory: Path, data: bytes, wall_time: float) -> None:
     """Append framed records (:func:`report_record`, concatenated) to ``directory``'s event
     file in one write; ``wall_time`` dates the version record a new file starts with."""
-    path = event_file(directory)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    fd = _open_event_file(directory)
     try:
-        fd = os.open(path, flags, 0o600)
-    except FileNotFoundError:
-        # The first report of the trial: its dir is made here (private, as the experiment dir).
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, flags, 0o600)
-    try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(event_file(directory)))
+        size = st.st_size
         if size == 0:
             # A new file starts with the version record TensorBoard expects first.
             data = record(event(wall_time, 0, version=True)) + data
         _write_whole(fd, data, size)
     finally:
         os.close(fd)
+
+
+# The trial's own run could put a symlink or a FIFO where the daemon appends (the trial's
+# tensorboard dir, or the file in it): neither is followed, and a FIFO fails (ENXIO) instead
+# of blocking the daemon's open.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_event_file(directory: Path) -> int:
+    try:
+        dir_fd = os.open(directory, _DIR_FLAGS)
+    except FileNotFoundError:
+        # The first report of the trial: its dir is made here (private, as the experiment dir).
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        dir_fd = os.open(directory, _DIR_FLAGS)
+    try:
+        return os.open(event_file(directory).name, _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _write_whole(fd: int, data: bytes, size: int) -> None:

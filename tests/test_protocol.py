@@ -287,3 +287,36 @@ def test_a_record_that_is_no_file_is_refused_without_a_leak(tmp_path: Path) -> N
                 read_record(tmp_path / name)
     assert (len(os.listdir(fds)) if before else 0) == before
     assert read_record(tmp_path / "real.json") == {}
+
+
+def test_record_text_with_a_lone_surrogate_is_refused_and_other_unicode_kept() -> None:
+    """Detached-run records and metadata are checked field by field (protocol/_check.py): a lone
+    surrogate would fail the store's flush later, for every run in that transaction."""
+    from detslurm.protocol import _check
+
+    assert _check.text("naïve ✓", "name") == "naïve ✓"
+    assert _check.mapping({"é": 1.0, "note": "ü"}, "metrics") == {"é": 1.0, "note": "ü"}
+    for bad in (lambda: _check.text("a\ud800", "name"), lambda: _check.mapping({"x": ["\udfff"]}, "metadata")):
+        with pytest.raises(_check.BadRecord, match="lone surrogate"):
+            bad()
+    with pytest.raises(_check.BadRecord, match="lone surrogate"):
+        _check.mapping({"\ud83d": 1.0}, "metrics")  # a key: half of a pair
+
+
+def test_an_events_dir_that_is_a_link_or_a_loop_lists_no_event_files(tmp_path: Path) -> None:
+    """Another run's events reached through a link would be counted twice; a link loop or an
+    unreadable dir must not fail the tick: no event files, for now."""
+    from detslurm.protocol import RunPaths
+
+    real = RunPaths(tmp_path / "exp", 1, 1)
+    real.events_dir.mkdir(parents=True)
+    real.event_file(0).write_text("")
+    assert real.event_files() == [real.event_file(0)]
+    linked = RunPaths(tmp_path / "exp", 2, 1)
+    linked.dir.mkdir(parents=True)
+    linked.events_dir.symlink_to(real.events_dir)
+    assert linked.event_files() == []
+    loop = RunPaths(tmp_path / "exp", 3, 1)
+    loop.dir.mkdir(parents=True)
+    loop.events_dir.symlink_to(loop.events_dir)
+    assert loop.event_files() == []

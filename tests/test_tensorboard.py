@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -92,6 +93,38 @@ def test_a_write_the_disk_cuts_short_leaves_only_whole_records(tmp_path: Path) -
     assert tbevents.event_file(d).stat().st_size == size  # and left no half record
     tbevents.append(d, "training", 4, 1000.0, {"loss": 0.25})
     assert scalars(d)["loss"] == [(1, 1.0), (4, 0.25)]
+
+
+@pytest.mark.parametrize("planted", ["fifo", "file-link", "dir-link"])
+def test_appends_never_block_on_or_follow_what_a_trial_planted(tmp_path: Path, planted: str) -> None:
+    """The trial owns its run's files: a FIFO at the event file's name fails the append (the
+    daemon would wait for a reader), and a symlink, at the file or at its dir, is not followed."""
+    d = tmp_path / "tb"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_bytes(b"precious")
+    if planted == "dir-link":
+        d.symlink_to(victim)
+    else:
+        d.mkdir()
+        if planted == "fifo":
+            os.mkfifo(tbevents.event_file(d))
+        else:
+            tbevents.event_file(d).symlink_to(victim / "precious")
+    done: list[BaseException | None] = []
+
+    def append() -> None:
+        try:
+            tbevents.append(d, "training", 1, 1000.0, {"loss": 1.0})
+            done.append(None)
+        except OSError as e:
+            done.append(e)
+
+    t = threading.Thread(target=append, daemon=True)
+    t.start()
+    t.join(10)
+    assert done and isinstance(done[0], OSError), "the append must fail, not block or succeed"
+    assert (victim / "precious").read_bytes() == b"precious" and os.listdir(victim) == ["precious"]
 
 
 def test_core_api_uploads_selected_files_where_det_tensorboard_looks(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ controller runs the real SlurmClient and SlurmExecutor over bench/tick_cost.py's
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -277,3 +278,54 @@ def test_load_searcher_is_what_a_kept_one_replaces(held: tuple) -> None:
     with ctl.store.read() as s:
         exp = s.get(Experiment, exp_id)
         assert kept.searcher.state_dict() == load_searcher(exp).state_dict() == exp.searcher_state
+
+
+def four_trial_grid(tmp_path: Path) -> tuple[Any, Any, list[int]]:
+    """A grid of four trials, created and not yet submitted: (store, its ExpPaths, trial ids)."""
+    from detslurm import settings
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.protocol import ExpPaths
+    from detslurm.store import open_store
+
+    s = settings.load()
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "c.yaml").write_text(
+        "name: four\nentrypoint: python3 x.py\nhyperparameters: {x: {type: int, minval: 0, maxval: 3, count: 4}}\n"
+        "searcher: {name: grid, metric: loss, max_length: {batches: 1}, max_concurrent_trials: 4}\n"
+    )
+    store = open_store(s.db_url)
+    exp_id = execute_create(store, s, plan_create(s, ctx / "c.yaml", ctx), "slurm")
+    with store.read() as sess:
+        exp = sess.get(Experiment, exp_id)
+        assert exp is not None
+        return store, ExpPaths(Path(exp.exp_dir)), sorted(t.id for t in exp.trials)
+
+
+def test_a_link_planted_where_an_arrays_links_go_is_replaced_not_followed(det_env: Path, tmp_path: Path) -> None:
+    """The experiment dir is the trials' to write: a symlink at a job array's links dir (its
+    name is predictable) is removed, not followed or rmtree'd, and the array is submitted."""
+    store, layout, trials = four_trial_grid(tmp_path)
+    links = layout.array_links(trials[0], 1)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("p")
+    links.parent.mkdir(parents=True, exist_ok=True)
+    links.symlink_to(victim, target_is_directory=True)
+    fake = tick_cost.FakeSlurm()
+    Controller(store, SlurmExecutor(SlurmClient(fake, user="bench"), SiteConfig())).tick()
+    assert fake.calls.get("sbatch") == 1  # the array went out
+    assert os.listdir(victim) == ["precious"] and not links.is_symlink() and links.is_dir()
+
+
+def test_a_run_dir_a_trial_spoiled_fails_that_run_only(det_env: Path, tmp_path: Path) -> None:
+    """A directory where one run's secret goes (a trial can write into its next run's place)
+    fails that run's submission, as a refused sbatch would; the other trials go out."""
+    store, layout, trials = four_trial_grid(tmp_path)
+    (layout.run_dir(trials[1], 1) / "run-secret").mkdir(parents=True)
+    fake = tick_cost.FakeSlurm()
+    Controller(store, SlurmExecutor(SlurmClient(fake, user="bench"), SiteConfig())).tick()
+    with store.read() as s:
+        jobs = {r.trial_id: r.job_id for r in s.scalars(select(TrialRun))}
+    assert fake.calls.get("sbatch") == 1
+    assert jobs[trials[1]] is None and all(jobs[t] for t in trials if t != trials[1])

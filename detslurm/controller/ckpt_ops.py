@@ -17,8 +17,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from detslurm.controller.gc import checkpoint_dir
-from detslurm.controller.ops import remove_own_dir
+from detslurm.controller.gc import checkpoint_dir, remove_own_dir
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
 from detslurm.store import Store

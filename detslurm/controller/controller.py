@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import re
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -38,13 +37,12 @@ from detslurm.controller.executor import (
     SubmitLater,
     SubmitUnknown,
 )
-from detslurm.controller.files import sync_files
+from detslurm.controller.files import prepare_runs, read_marker, sync_files, write_marker
 from detslurm.controller.gc import collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
 from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import os_user
 from detslurm.protocol import RunPaths, read_lines
-from detslurm.protocol.secret import ensure_run_secrets
 from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
@@ -249,7 +247,7 @@ class Controller:
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
-            job_id = _read_marker(RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker)
+            job_id = read_marker(RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker)
             if not job_id:
                 identity = (run.trial.experiment_id, run.trial_id, run.run_id)
                 try:
@@ -424,13 +422,10 @@ class Controller:
         self._note_outage(exp_id, first, capacity)
         if not specs:
             return
-        for _, spec in specs:
-            spec.run_dir.mkdir(parents=True, exist_ok=True)
-        # Durable before sbatch; a resubmitted run keeps its (checked) secret.
-        ensure_run_secrets([spec.run_dir for _, spec in specs])
+        ready, failed = prepare_runs(specs)
         # Runs that share resources go as job arrays: one sbatch for many trials.
-        results = self.executor.submit_many([sp for _, sp in specs])
-        self._record([(pk, sp, r) for (pk, sp), r in zip(specs, results, strict=True)])
+        results = self.executor.submit_many([sp for _, sp in ready]) if ready else []
+        self._record([(pk, sp, r) for (pk, sp), r in zip(ready, results, strict=True)] + failed)
 
     def _first_needing_run(self, exp_id: int, among: Among | None) -> int | None:
         """The first trial that may need a new run (``needs_run`` without its ops test), if
@@ -462,7 +457,7 @@ class Controller:
             elif isinstance(result, Exception):
                 self._submit_failed(run_pk, result)
             else:
-                _write_marker(RunPaths.from_run_dir(spec.run_dir).job_id_marker, result)
+                write_marker(RunPaths.from_run_dir(spec.run_dir).job_id_marker, result)
                 done[run_pk] = result
         with self.store.tx() as s:
             for run in s.scalars(select(TrialRun).where(TrialRun.id.in_(list(done)))):
@@ -527,27 +522,6 @@ def _as_path(run_dir: str) -> Path:
 def _aware(t: datetime) -> datetime:
     # SQLite hands back naive datetimes for timezone-aware columns.
     return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-
-
-def _write_marker(path: Path, job_id: str) -> None:
-    """The job id, in the run dir first: a controller killed before the store commit finds it
-    there. A failed write (quota, full disk) must not fail the submission: the job exists, the
-    store records it below, and a crash before that is recovered by the job's identity."""
-    try:
-        path.write_text(job_id)
-    except OSError as e:
-        log.warning("could not write %s (%s); the store records job %s", path, e, job_id)
-
-
-def _read_marker(path: Path) -> str | None:
-    """The job id a submission noted in its run dir, if it could (see ``_write_marker``). An
-    unreadable marker (the write failed half-way, a directory in its place) is no job id: the
-    run is then found by its identity in the queue, never by guessing."""
-    try:
-        text = path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return text if re.fullmatch(r"\d+(_\d+)?", text) else None
 
 
 def _tested_everything(s: Session, trial: Trial) -> bool:

@@ -1,5 +1,8 @@
-"""Files the trials read, written by the controller's step: searcher ops, the experiment's best
-validation, and the control file that asks a run to stop (pause, cancel, kill, early stop).
+"""The controller's files in the trials' dirs: what the trials read, written by the step
+(searcher ops, the experiment's best validation, the control file that asks a run to stop:
+pause, cancel, kill, early stop), each run's dir and secret before its submission, and the
+job-id marker. The trials own those dirs: whatever one put at these names (a symlink, a FIFO,
+a directory) fails that one file or run, and is never followed or waited on.
 
 A step writes them only for the trials it walks (those whose rows changed, see changes.py):
 what a trial reads depends only on its own row, its runs and the experiment's state.
@@ -7,6 +10,9 @@ what a trial reads depends only on its own row, its runs and the experiment's st
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,9 +22,14 @@ from sqlalchemy.orm import Session
 
 from detslurm.controller.changes import TickMemory, trials_to_step
 from detslurm.controller.config import stored_config
+from detslurm.controller.executor import RunSpec
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.protocol import BadRecord, BestValidation, ControlRecord, ExpPaths, RunPaths, SearcherOps
+from detslurm.protocol.secret import RunSecretError, ensure_run_secrets
 from detslurm.store.models import Experiment, ExperimentState, Trial, TrialState
+from detslurm.util import atomic_write_text, open_regular
+
+log = logging.getLogger("detslurm.controller")
 
 
 def sync_files(s: Session, exp: Experiment, only: frozenset[int] | None, memory: TickMemory) -> None:
@@ -37,12 +48,25 @@ def sync_files(s: Session, exp: Experiment, only: frozenset[int] | None, memory:
                 continue
             control = RunPaths.from_run_dir(Path(r.run_dir)).control
             if not control.exists():
-                ControlRecord(preempt=True, reason=reason).write(control)
+                _written(ControlRecord(preempt=True, reason=reason), control)
     best = best_metric(s, exp)
     if best is not None and memory.best_files.get(exp.id) != best:
-        if _read_or_none(BestValidation.read, layout.best_validation) != BestValidation(best):
-            BestValidation(best).write(layout.best_validation)
+        current = _read_or_none(BestValidation.read, layout.best_validation)
+        if current != BestValidation(best) and not _written(BestValidation(best), layout.best_validation):
+            return
         memory.best_files[exp.id] = best
+
+
+def _written(record: ControlRecord | BestValidation | SearcherOps, path: Path) -> bool:
+    """Write ``record`` to ``path``; False, logged, when that failed. The run dirs are the trials' own: a
+    directory a trial put at the name, or a dir it made unwritable, fails this one file (retried
+    at the next step that needs it), never the experiment's step."""
+    try:
+        record.write(path)
+    except OSError as e:
+        log.warning("could not write %s: %s", path, e)
+        return False
+    return True
 
 
 def _sync_ops(layout: ExpPaths, t: Trial, memory: TickMemory) -> None:
@@ -55,8 +79,9 @@ def _sync_ops(layout: ExpPaths, t: Trial, memory: TickMemory) -> None:
     # Read back only when this controller has not written it as wanted: at 10,000 trials
     # reading every ops file would be most of a full step.
     if memory.ops_files.get(t.id) != want:
-        if _read_or_none(SearcherOps.read, layout.ops_file(t.id)) != want:
-            want.write(layout.ops_file(t.id))
+        path = layout.ops_file(t.id)
+        if _read_or_none(SearcherOps.read, path) != want and not _written(want, path):
+            return
         memory.ops_files[t.id] = want
 
 
@@ -88,3 +113,59 @@ def _read_or_none(read: Callable[[Path], Any], path: Path) -> Any:
         return read(path)
     except BadRecord:
         return None
+
+
+def write_marker(path: Path, job_id: str) -> None:
+    """The job id, in the run dir first: a controller killed before the store commit finds it
+    there. A failed write (quota, full disk) must not fail the submission: the job exists, the
+    store records it below, and a crash before that is recovered by the job's identity."""
+    try:
+        # Replaced by a rename, never written through: the trial owns the run dir, and a symlink
+        # or a FIFO it put at this name must neither redirect nor block the write.
+        atomic_write_text(path, job_id, mode=0o600, durable=False)
+    except OSError as e:
+        log.warning("could not write %s (%s); the store records job %s", path, e, job_id)
+
+
+def read_marker(path: Path) -> str | None:
+    """The job id a submission noted in its run dir, if it could (see ``write_marker``). An
+    unreadable marker (the write failed half-way, a directory in its place) is no job id: the
+    run is then found by its identity in the queue, never by guessing."""
+    try:
+        opened = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if opened is None:
+            return None
+        with opened[0] as f:
+            raw = f.read(65)  # a job id is short: a longer file is no marker of ours
+        if len(raw) > 64:
+            return None
+        text = raw.decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if re.fullmatch(r"\d+(_\d+)?", text) else None
+
+
+def prepare_runs(
+    specs: list[tuple[int, RunSpec]],
+) -> tuple[list[tuple[int, RunSpec]], list[tuple[int, RunSpec, str | Exception]]]:
+    """Each run's dir and secret, durable before sbatch (a resubmitted run keeps its checked
+    secret): the runs ready to submit, and those that could not be made ready, with why. The
+    run dirs are the trials' to write: what one trial left in its next run's place fails that
+    run only, never the experiment's submission."""
+    try:
+        for _, spec in specs:
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
+        ensure_run_secrets([spec.run_dir for _, spec in specs])  # all at once: one batch of fsyncs
+        return specs, []
+    except (OSError, RunSecretError):
+        pass
+    ready: list[tuple[int, RunSpec]] = []
+    failed: list[tuple[int, RunSpec, str | Exception]] = []
+    for pk, spec in specs:
+        try:
+            spec.run_dir.mkdir(parents=True, exist_ok=True)
+            ensure_run_secrets([spec.run_dir])
+            ready.append((pk, spec))
+        except (OSError, RunSecretError) as e:
+            failed.append((pk, spec, e))
+    return ready, failed

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 
@@ -48,7 +51,7 @@ class LocalExecutor:
         # trial, and DETSLURM_DIST_SECRET must be fresh per run (protocol/secret.py).
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
         env.update(spec.env)
-        with open(spec.log_path, "ab") as log:
+        with _open_log(spec.log_path) as log:
             proc = subprocess.Popen(
                 spec.argv,
                 env=env,
@@ -139,3 +142,18 @@ class LocalExecutor:
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
+
+
+def _open_log(path: Path) -> BinaryIO:
+    """The run's log, for appending. The run dir may already hold what an earlier run of the
+    trial put there: a symlink at the log's name is not followed, and a FIFO fails the open
+    (ENXIO) instead of blocking the controller, as anything but a regular file does."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)  # the trial writes its output through it
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise

@@ -360,7 +360,11 @@ class SlurmExecutor:
             # creates is private, as the Core API would have made it.
             Path(sub.specs[0].config.storage_base).mkdir(mode=0o700, parents=True, exist_ok=True)
         if sub.links_dir is not None:
-            if sub.links_dir.exists():  # left by a controller that died before this submission
+            # Left by a controller that died before this submission; or anything else at the
+            # name (the experiment dir is the trials' to write): a link is removed, not followed.
+            if sub.links_dir.is_symlink() or sub.links_dir.is_file():
+                sub.links_dir.unlink()
+            elif sub.links_dir.exists():
                 shutil.rmtree(sub.links_dir)
             sub.links_dir.mkdir(parents=True)
             base = sub.specs[0].identity[1]

@@ -8,9 +8,12 @@ returned (a line longer than MAX_LINE is cut, as `det trial logs` cuts it).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from detslurm.util import open_regular
 
 # launchers/wrap_rank.py's prefix, the one `det trial logs --rank-id` filters on.
 RANK = re.compile(r"\[rank=(\d+)\]")
@@ -98,8 +101,13 @@ def read(paths: list[str], cursor: Cursor, rank: int | None = None) -> LogChunk:
 
 
 def _read(path: str, start: int, budget: int) -> bytes:
+    # O_NONBLOCK and a regular file only: the run dir is the trial's, and a FIFO at the log's
+    # name would hold a server thread on every poll of the page.
     try:
-        with open(path, "rb") as f:
+        opened = open_regular(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        if opened is None:
+            return b""
+        with opened[0] as f:
             f.seek(start)
             return f.read(budget)
     except OSError:

@@ -59,7 +59,18 @@ def text(value: Any, key: str, max_len: int = MAX_TEXT) -> str:
     if "\x00" in value:
         # PostgreSQL text cannot hold NUL, and no legitimate writer produces one.
         raise BadRecord(f"{key!r} contains a NUL character")
+    _unicode(value, key)
     return value
+
+
+def _unicode(value: str, key: str) -> None:
+    # A lone surrogate ("\ud800" in JSON) is no text UTF-8 can hold: the store (and PostgreSQL)
+    # would fail on it later, outside this one record's reach.
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRecord(f"{key!r} holds a lone surrogate (not valid Unicode text)") from None
 
 
 def uuid(value: Any, key: str = "uuid") -> str:
@@ -84,6 +95,7 @@ def json_tree(value: Any, key: str, depth: int = 0) -> Any:
     elif isinstance(value, str):
         if "\x00" in value:
             raise BadRecord(f"{key!r} contains a NUL character")
+        _unicode(value, key)
     elif value is not None and not isinstance(value, (bool, int, float)):
         raise BadRecord(f"{key!r} holds a {_kind(value)}")
     return value
@@ -103,11 +115,11 @@ def flat_ok(value: dict[Any, Any]) -> bool:
     string keys and no NUL (a metrics report). One loop instead of a call per key and value;
     anything else takes ``json_tree``'s walk, which names the problem."""
     for k, v in value.items():
-        if type(k) is not str or len(k) > MAX_KEY or "\x00" in k:
+        if type(k) is not str or len(k) > MAX_KEY or "\x00" in k or not k.isascii():
             return False
         t = type(v)
         if t is str:
-            if "\x00" in v:
+            if "\x00" in v or not v.isascii():  # json_tree checks such text whole
                 return False
         elif t is not float and t is not int and t is not bool and v is not None:
             return False

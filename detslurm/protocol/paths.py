@@ -7,7 +7,9 @@ here does I/O except :meth:`RunPaths.event_files` (a directory listing).
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,8 +163,12 @@ class RunPaths:
     def event_files(self) -> list[Path]:
         """The event files present now, by rank (anything else in the dir is not ours)."""
         try:
-            names = [p.name for p in self.events_dir.iterdir()]
-        except (FileNotFoundError, NotADirectoryError):
+            # A symlink in the events dir's place (to another run's, say) is not this run's
+            # events: read, it would count that run's reports twice.
+            if stat.S_ISLNK(os.lstat(self.events_dir).st_mode):
+                return []
+            names = os.listdir(self.events_dir)
+        except OSError:  # none yet, or one the trial made unreadable: nothing to read now
             return []
         # Numeric order: rank-10 after rank-9 (a plain sort would not).
         ranks = sorted(int(m.group(1)) for n in names if (m := _EVENT_FILE.match(n)))

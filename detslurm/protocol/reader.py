@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
-from detslurm.protocol._files import kind, open_regular
+from detslurm.util import file_kind, open_regular
 
 MAX_CHUNK = 8 << 20
 MAX_LINE = 1 << 20
@@ -101,7 +101,7 @@ def read_lines(
         return Batch(offset=offset, waiting=f"cannot open it: {e.strerror}")
     if opened is None:
         try:
-            return Batch(offset=offset, refused=f"is {kind(os.lstat(path).st_mode)}")
+            return Batch(offset=offset, refused=f"is {file_kind(os.lstat(path).st_mode)}")
         except OSError:
             return Batch(offset=offset, refused="is not a regular file")
     f, st = opened

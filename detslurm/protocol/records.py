@@ -17,8 +17,7 @@ from typing import Any
 
 from detslurm.protocol import _check as c
 from detslurm.protocol._check import BadRecord
-from detslurm.protocol._files import open_regular
-from detslurm.util import atomic_write_json
+from detslurm.util import atomic_write_json, open_regular
 
 # Every record here is a few hundred bytes; anything larger was not written by us.
 MAX_RECORD_BYTES = 64 * 1024

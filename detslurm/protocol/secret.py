@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from detslurm.protocol._files import open_regular
+from detslurm.util import open_regular
 
 SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
 # The name starts with DETSLURM_DIST so the local controller's env filter drops it from the
