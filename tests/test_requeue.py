@@ -4,6 +4,7 @@ executor's decision (the run ended as Slurm's stop, the job is cancelled in one 
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -239,3 +240,57 @@ def test_node_failures_in_a_row_end_up_spending_restarts(det_env: Path, tmp_path
     with store.read() as s:
         reasons = [r.exit_reason for r in s.scalars(select(TrialRun).order_by(TrialRun.run_id))]
     assert reasons == ["node failure"] * (NODE_FAILURES_FREE + 1)
+
+
+@pytest.mark.parametrize("checkpoints", [False, True])
+def test_preemptions_without_a_checkpoint_end_up_spending_restarts(
+    det_env: Path, tmp_path: Path, checkpoints: bool
+) -> None:
+    """A trial stopped every time before it saves a checkpoint (its save always fails at the
+    time limit's warning, or it writes its own signals file) makes no progress: it goes again
+    for free only PREEMPTIONS_WITHOUT_CHECKPOINT_FREE times in a row, then spends restarts. A
+    trial that saves a checkpoint in each run is resumed for free however often it is stopped."""
+    from detslurm import settings as settings_mod
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.controller.decide import PREEMPTIONS_WITHOUT_CHECKPOINT_FREE as FREE
+    from detslurm.store.models import Checkpoint
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text("pass\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 0\nsearcher: {name: single, metric: m}\n")
+    settings = settings_mod.load()
+    store = open_store(settings.db_url)
+    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
+    fake = Cluster(store)
+    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    ctl.tick([exp_id])  # run 1: job 77
+    for n in range(1, FREE + 2):
+        with store.tx() as s:
+            run = s.scalars(select(TrialRun).where(TrialRun.run_id == n)).one()
+            # Its batch shell recorded a stop signal; Slurm requeued the job.
+            (Path(run.run_dir) / "signals").write_text("TERM\n")
+            if checkpoints:
+                s.add(
+                    Checkpoint(
+                        uuid=f"ck-{n}",
+                        trial_id=run.trial_id,
+                        run_id=n,
+                        steps_completed=n,
+                        storage_path="-",
+                        metadata_={},
+                        resources={},
+                        size=0,
+                        report_time=datetime.now(timezone.utc),
+                    )
+                )
+        fake.queue = _record(str(76 + n), "PENDING", 1, f"detslurm:exp={exp_id},trial=1,run={n}")
+        ctl.tick([exp_id])
+        with store.read() as s:
+            (trial,) = s.scalars(select(Trial)).all()
+            if n <= FREE or checkpoints:
+                assert (trial.state, trial.restarts, trial.run_count) == ("ACTIVE", 0, n + 1), n
+            else:  # one more without a checkpoint spends a restart, and max_restarts 0 allows none
+                assert (trial.state, trial.restarts, trial.run_count) == ("ERROR", 1, n), n

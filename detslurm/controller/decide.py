@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import apply_actions, note
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause, JobState, JobStatus
 from detslurm.searcher import EXIT_ERRORED, EXIT_INVALID_HP, EXIT_USER_CANCELED, Action, SearchMethod
-from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
+from detslurm.store.models import Checkpoint, Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
 
 # Ends that spend none of the trial's restarts: the cluster's doing (a preemption, a dead node), or
 # ours (a controller that died between creating a run and submitting it). Everything else that
@@ -33,6 +34,39 @@ def _node_failures_in_a_row(trial: Trial) -> int:
             break
         n += 1
     return n
+
+
+# Preemptions in a row, none of whose runs saved a checkpoint, that spend no restart; from the
+# next one on each spends one. A trial stopped every time before it can checkpoint makes no
+# progress however often it is resubmitted: a checkpoint that always fails at the time limit's
+# warning, say. And the stop is known from the run's signals file, which the trial can write.
+PREEMPTIONS_WITHOUT_CHECKPOINT_FREE = 3
+
+
+def _preemptions_without_checkpoint(session: Session, trial: Trial) -> int:
+    """How many of the trial's last ended runs, this one included, were preempted (or stopped)
+    without saving a checkpoint."""
+    saved = set(session.scalars(select(Checkpoint.run_id).where(Checkpoint.trial_id == trial.id)))
+    n = 0
+    for r in sorted(trial.runs, key=lambda r: r.run_id, reverse=True):
+        if r.end_time is None:
+            continue
+        if r.exit_reason != ExitCause.PREEMPTED.value or r.run_id in saved:
+            break
+        n += 1
+    return n
+
+
+def _free_streak_over(session: Session, trial: Trial, cause: ExitCause) -> str | None:
+    """Why this end, otherwise free, spends a restart: it is one of too many in a row that
+    would resubmit the trial forever at no cost. A trial that takes its node down every time
+    (an OOM that kills the node, a bad driver); one stopped every time before it checkpoints."""
+    if cause == ExitCause.NODE_FAILURE and _node_failures_in_a_row(trial) > NODE_FAILURES_FREE:
+        return f"more than {NODE_FAILURES_FREE} node failures in a row: this one spends a restart"
+    free = PREEMPTIONS_WITHOUT_CHECKPOINT_FREE
+    if cause == ExitCause.PREEMPTED and _preemptions_without_checkpoint(session, trial) > free:
+        return f"more than {free} preemptions in a row without a checkpoint saved: this one spends a restart"
+    return None
 
 
 def _now() -> datetime:
@@ -188,10 +222,8 @@ def decide_exit(
     elif trial.early_stopped:
         why = f"trial exited with code {status.exit_code} after the searcher stopped it"
         finish_trial(session, exp, trial, TrialState.COMPLETED, searcher, None, why)
-    elif cause == ExitCause.NODE_FAILURE and _node_failures_in_a_row(trial) > NODE_FAILURES_FREE:
-        # A trial that takes its node down every time (an OOM that kills the node, a bad driver)
-        # would otherwise be resubmitted forever without spending anything.
-        msg = f"more than {NODE_FAILURES_FREE} node failures in a row: this one spends a restart"
+    elif (msg := _free_streak_over(session, trial, cause)) is not None:
+        # Free ends that would repeat forever without spending anything (see _free_streak_over).
         note(session, trial.id, msg, "WARNING")
         _after_failure(session, exp, trial, run, searcher)
     elif cause in SPENDS_NO_RESTART:
