@@ -56,3 +56,19 @@ def test_a_file_the_step_cannot_write_fails_only_that_file(tmp_path: Path) -> No
     assert files._written(BestValidation(0.5), tmp_path / "best_validation.json") is False
     assert files._written(ControlRecord(preempt=True, reason="pause"), tmp_path / "control.json") is True
     assert ControlRecord.read(tmp_path / "control.json") == ControlRecord(preempt=True, reason="pause")
+
+
+def test_log_readers_skip_a_fifo_at_the_logs_name(tmp_path: Path) -> None:
+    """`det t logs` and the dashboard read logs in the trial's run dir: a FIFO there (no writer)
+    is no log, and must not hold the command or a server thread."""
+    from detslurm.cli import logs as cli_logs
+    from detslurm.dashboard import logs as dash_logs
+
+    fifo = tmp_path / "output.log"
+    os.mkfifo(fifo)
+    assert finishes(lambda: list(cli_logs.file_lines(fifo))) == [[]]
+    assert finishes(lambda: list(cli_logs.file_lines_reversed(fifo))) == [[]]
+    assert finishes(lambda: dash_logs._read(str(fifo), 0, 1 << 16)) == [b""]
+    real = tmp_path / "real.log"
+    real.write_text("a\nb\n")
+    assert list(cli_logs.file_lines(real)) == ["a", "b"] and dash_logs._read(str(real), 2, 10) == b"b\n"
