@@ -21,7 +21,14 @@ from typing import Any
 import pytest
 
 from detslurm.ckpt_settings import SHARE_ENV, Modes, checkpoint_modes
-from detslurm.core._checkpoint import STALE_PARTIAL_AFTER_S, CheckpointContext, sweep_partials, sync_tree
+from detslurm.core._checkpoint import (
+    STALE_PARTIAL_AFTER_S,
+    CheckpointContext,
+    ensure_base,
+    remove_partial,
+    sweep_partials,
+    sync_tree,
+)
 from detslurm.core._distributed import DummyDistributedContext
 from detslurm.protocol.events import CheckpointSaved, Event
 
@@ -330,3 +337,34 @@ def test_sweep_leaves_another_users_partial_alone(tmp_path: Path) -> None:
     theirs = partial(tmp_path, STALE_PARTIAL_AFTER_S + 60)
     os.chown(theirs, 65534, 65534)
     assert sweep_partials(tmp_path) == [] and theirs.exists()
+
+
+def test_a_partial_dir_its_owner_cannot_write_is_still_removed(owned_dir: Path) -> None:
+    """A failed save removes its partial even where the trial left the partial itself
+    read-only (0500): its mode is fixed first."""
+    partial = owned_dir / ".p.partial"
+
+    def make_and_remove() -> None:
+        (partial / "sub").mkdir(parents=True)
+        (partial / "sub/w.pt").write_bytes(b"w")
+        (partial / "sub").chmod(0o500)
+        partial.chmod(0o500)
+        remove_partial(partial)
+
+    assert as_owner(make_and_remove) == ""
+    assert not partial.exists()
+
+
+def test_a_new_base_under_a_parent_its_owner_cannot_read_is_made(owned_dir: Path) -> None:
+    """The new base's parent is fsynced best effort: a parent its owner may write and enter but
+    not read (0300) cannot be opened to sync, and the first save must not fail for it."""
+    parent = owned_dir / "wx"
+    base = parent / "ckpts"
+
+    def make() -> None:
+        parent.mkdir()
+        parent.chmod(0o300)
+        ensure_base(base, Modes())
+
+    assert as_owner(make) == ""
+    assert base.is_dir() and mode(base) == 0o700

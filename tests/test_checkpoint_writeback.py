@@ -259,3 +259,14 @@ def test_a_file_swapped_for_a_fifo_after_the_stat_does_not_hang_the_pass(
     t.start()
     t.join(timeout=10)
     assert not t.is_alive(), "the pass hung opening a FIFO"
+
+
+def test_a_fallback_flush_the_filesystem_cannot_do_is_no_error(tmp_path: Path) -> None:
+    """fdatasync's EINVAL (a filesystem that cannot sync) is what the final pass tolerates too:
+    it must not fail the save."""
+    (tmp_path / "a.pt").write_bytes(b"x" * MIB)
+    wb = EarlyWriteback(tmp_path, min_bytes=MIB)
+    calls, wb._start = _failing(errno.EINVAL)
+    wb._waits = True
+    wb.flush_grown()
+    assert len(calls) == 1 and wb.error is None
