@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 from fake_runner import FakeRunner
@@ -170,7 +170,9 @@ class Cluster(RefusalsFake):
         return super().answer(argv, input)
 
 
-def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: Path, tmp_path: Path) -> None:
+def one_trial(tmp_path: Path) -> tuple[Store, int, Cluster, Any]:
+    """An experiment of one trial (max_restarts 0) on the fake cluster, not yet submitted:
+    (store, experiment id, the fake cluster, its controller)."""
     from detslurm import settings as settings_mod
     from detslurm.controller.controller import Controller
     from detslurm.controller.create import execute_create, plan_create
@@ -185,6 +187,12 @@ def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: 
     exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
     fake = Cluster(store)
     ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    return store, exp_id, fake, ctl
+
+
+def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: Path, tmp_path: Path) -> None:
+
+    store, exp_id, fake, ctl = one_trial(tmp_path)
     ctl.tick([exp_id])  # submits job 77
     fake.queue = _record("77", "COMPLETING", 1, f"detslurm:exp={exp_id},trial=1,run=1")
     ctl.tick([exp_id])  # the stopped start is still finishing: nothing decided
@@ -211,21 +219,9 @@ def test_the_controller_records_the_stop_cancels_the_job_and_resubmits(det_env: 
 def test_node_failures_in_a_row_end_up_spending_restarts(det_env: Path, tmp_path: Path) -> None:
     """A trial that loses its node every time (it brings the node down itself) is resubmitted
     for free only NODE_FAILURES_FREE times in a row; the next one spends a restart, as a crash."""
-    from detslurm import settings as settings_mod
-    from detslurm.controller.controller import Controller
-    from detslurm.controller.create import execute_create, plan_create
     from detslurm.controller.decide import NODE_FAILURES_FREE
 
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "train.py").write_text("pass\n")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 0\nsearcher: {name: single, metric: m}\n")
-    settings = settings_mod.load()
-    store = open_store(settings.db_url)
-    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
-    fake = Cluster(store)
-    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    store, exp_id, fake, ctl = one_trial(tmp_path)
     ctl.tick([exp_id])  # run 1: job 77
     for n in range(1, NODE_FAILURES_FREE + 2):
         # Requeued by Slurm after its node failed: no stop signal, no exit record.
@@ -250,22 +246,10 @@ def test_preemptions_without_a_checkpoint_end_up_spending_restarts(
     time limit's warning, or it writes its own signals file) makes no progress: it goes again
     for free only PREEMPTIONS_WITHOUT_CHECKPOINT_FREE times in a row, then spends restarts. A
     trial that saves a checkpoint in each run is resumed for free however often it is stopped."""
-    from detslurm import settings as settings_mod
-    from detslurm.controller.controller import Controller
-    from detslurm.controller.create import execute_create, plan_create
     from detslurm.controller.decide import PREEMPTIONS_WITHOUT_CHECKPOINT_FREE as FREE
     from detslurm.store.models import Checkpoint
 
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "train.py").write_text("pass\n")
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text("name: u\nentrypoint: python3 train.py\nmax_restarts: 0\nsearcher: {name: single, metric: m}\n")
-    settings = settings_mod.load()
-    store = open_store(settings.db_url)
-    exp_id = execute_create(store, settings, plan_create(settings, cfg, ctx), "slurm")
-    fake = Cluster(store)
-    ctl = Controller(store, SlurmExecutor(SlurmClient(fake, user="alice"), SITE))
+    store, exp_id, fake, ctl = one_trial(tmp_path)
     ctl.tick([exp_id])  # run 1: job 77
     for n in range(1, FREE + 2):
         with store.tx() as s:
