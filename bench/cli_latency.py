@@ -126,6 +126,33 @@ def fill_queue(n: int) -> None:
         )
 
 
+def report(args: argparse.Namespace, with_jobs: bool, t: dict[str, list[float]]) -> dict[str, Any]:
+    """The result: medians, samples, each command's ratio to its floor, and the goals."""
+    med = {k: median(v) for k, v in t.items() if v}
+    result: dict[str, Any] = {
+        "benchmark": "cli_latency",
+        "experiments": args.experiments,
+        "jobs": args.jobs if with_jobs else 0,
+        "repeats": args.repeats,
+        "median_s": med,
+        "samples_s": t,
+        "help_ratio_vs_import_click": med["det_help"] / med["python_click"],
+        "e_list_ratio_vs_raw_sqlite": med["det_e_list"] / med["raw_sqlite_list"],
+        "log_mib": args.log_mib,
+        "t_logs_tail_ratio_vs_tail": med["det_t_logs_tail"] / med["raw_tail"],
+        "goal_help_s_max": 0.15,
+        "goal_e_list_s_max": 0.3,
+        "goal_t_logs_tail_s_max": 0.1,
+        "goal_job_list_ratio_vs_squeue_max": 3.0,
+    }
+    if with_jobs:
+        result["job_list_ratio_vs_squeue"] = med["det_job_list"] / med["raw_squeue"]
+        # The floor: what `det`'s interpreter costs before running a line of detslurm.
+        result["python_pass_ratio_vs_squeue"] = med["python_pass"] / med["raw_squeue"]
+        result["python_S_pass_ratio_vs_squeue"] = med["python_S_pass"] / med["raw_squeue"]
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--experiments", type=int, default=10_000)
@@ -167,29 +194,7 @@ def main() -> int:
         if with_jobs:
             scancel_mine()
         ws.close()
-    med = {k: median(v) for k, v in t.items() if v}
-    result: dict[str, Any] = {
-        "benchmark": "cli_latency",
-        "experiments": args.experiments,
-        "jobs": args.jobs if with_jobs else 0,
-        "repeats": args.repeats,
-        "median_s": med,
-        "samples_s": t,
-        "help_ratio_vs_import_click": med["det_help"] / med["python_click"],
-        "e_list_ratio_vs_raw_sqlite": med["det_e_list"] / med["raw_sqlite_list"],
-        "log_mib": args.log_mib,
-        "t_logs_tail_ratio_vs_tail": med["det_t_logs_tail"] / med["raw_tail"],
-        "goal_help_s_max": 0.15,
-        "goal_e_list_s_max": 0.3,
-        "goal_t_logs_tail_s_max": 0.1,
-        "goal_job_list_ratio_vs_squeue_max": 3.0,
-    }
-    if with_jobs:
-        result["job_list_ratio_vs_squeue"] = med["det_job_list"] / med["raw_squeue"]
-        # The floor: what `det`'s interpreter costs before running a line of detslurm.
-        result["python_pass_ratio_vs_squeue"] = med["python_pass"] / med["raw_squeue"]
-        result["python_S_pass_ratio_vs_squeue"] = med["python_S_pass"] / med["raw_squeue"]
-    save("cli_latency", result)
+    save("cli_latency", report(args, with_jobs, t))
     return 0
 
 

@@ -65,10 +65,7 @@ def _fsync_dir(path: str) -> None:
     are followed: a base such as ``~/ckpts -> /lustre/...`` is a common choice on clusters."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     try:
-        os.fsync(fd)
-    except OSError as e:  # some filesystems cannot fsync a directory; the data is what matters
-        if e.errno not in (errno.EINVAL, errno.EROFS):
-            raise
+        _fsync(fd)
     finally:
         os.close(fd)
 
