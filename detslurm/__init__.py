@@ -13,9 +13,13 @@ stay cheap for ``det --help``, and a ``.pth`` file imports it at every interpret
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
 from detslurm.errors import DetSlurmError, InvalidHP
+
+# Not `from typing import ...`: this module runs at every interpreter start (the .pth above), and
+# importing typing there (with re, collections and contextlib behind it) cost about 5 ms each
+# time. mypy treats any name TYPE_CHECKING as true.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -27,6 +31,8 @@ _SUBMODULES = frozenset({"core", "pytorch", "experimental", "launch"})
 _FUNCTIONS = {"get_cluster_info": "detslurm.core._info", "import_from_path": "detslurm.util"}
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from detslurm import core, experimental, launch, pytorch
     from detslurm.core._info import get_cluster_info
     from detslurm.util import import_from_path

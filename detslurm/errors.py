@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+TYPE_CHECKING = False  # not typing's: detslurm/__init__ imports this module at every interpreter start
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 class DetSlurmError(Exception):

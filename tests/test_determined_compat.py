@@ -27,6 +27,15 @@ PROBE = (
     " 'torch': 'torch' in sys.modules}))\n"
 )
 
+# What the .pth line has imported by the time it is done (before json, which imports re).
+STARTUP_PROBE = (
+    "import sys\n"
+    "heavy = sorted(m for m in ('typing', 're', 'collections', 'contextlib', 'pathlib', 'enum') if m in sys.modules)\n"
+    "finder = 'detslurm._compat.finder' in sys.modules\n"
+    "import json\n"
+    "print(json.dumps({'heavy': heavy, 'finder': finder}))\n"
+)
+
 
 def py(code: str, *, env: dict[str, str] | None = None, isolated_site: Path | None = None) -> dict[str, object]:
     """Run ``code`` in a fresh interpreter; the JSON line it prints."""
@@ -145,6 +154,10 @@ def test_installed_pth_makes_determined_importable_and_steps_aside(tmp_path: Pat
     got = py(PROBE, isolated_site=site)
     pkg = (site if hook == "build_wheel" else src) / "detslurm/_compat/determined/__init__.py"
     assert got == {"file": str(pkg), "real": False, "torch": False}
+    if hook == "build_wheel":
+        # The .pth runs at every interpreter start (each trial's ranks too): it must not pull in
+        # typing, re and the like, which once cost 5 ms a start.
+        assert py(STARTUP_PROBE, isolated_site=site) == {"heavy": [], "finder": True}
     # A real determined installed later into the same site-packages wins at once.
     fake_determined(site)
     assert py(PROBE, isolated_site=site)["file"] == str(site / "determined/__init__.py")

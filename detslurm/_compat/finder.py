@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Optional
 
+# Not typing's TYPE_CHECKING: typing, collections.abc and types would be imported at every
+# interpreter start for annotations alone (strings here, under `from __future__ import annotations`).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import importlib.machinery
+    from collections.abc import Sequence
+    from types import ModuleType
+    from typing import Optional
 
 NAME = "determined"
 # os.path, not pathlib, and no importlib.abc base class: this module is imported at every
