@@ -10,6 +10,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,34 @@ class Workspace:
     def close(self) -> None:
         self.det("daemon", "stop", check=False)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def installed_det(where: Path) -> Path:
+    """The bin dir of a fresh venv at ``where`` holding detslurm as the README's ``pip install .``
+    installs it, its dependencies shared with this venv (a path in a .pth). The checkout's own
+    venv has an editable install, whose import finder costs every Python start about 10 ms that a
+    user's install does not: start-up timings are taken from this one."""
+    src = where / "src"
+    src.mkdir(parents=True)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for name in ("detslurm", "cli", "launchers", "templates"):  # a copy: no build/ left in the checkout
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    venv = where / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin/python")
+    purelib = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # A path line only: this venv's own .pth files (its editable finder among them) are not run there.
+    (Path(purelib) / "_bench_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = [sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*pip, str(src)], check=True, capture_output=True)
+    return venv / "bin"
 
 
 def scancel_mine() -> None:

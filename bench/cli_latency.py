@@ -3,7 +3,10 @@ queued jobs, and ``det --help`` start-up, each side by side with the floor it ca
 a bare Python reading the same rows with sqlite3, a raw ``squeue -r`` of the same jobs, and a
 Python that only imports click. For ``det job list`` the floor of any Python command is shown
 too: the same interpreter doing nothing (``-c pass``), with ``site`` as every console script
-starts it and without (``-S``). Medians of interleaved repeats.
+starts it and without (``-S``), and the least a Python ``det job list`` must do
+(``_job_list_floor.py``: squeue in the daemon's format, the store's names, one line per job).
+``det`` is timed as ``pip install .`` installs it (``installed_det``), not the checkout's editable
+install. Medians of interleaved repeats.
 
     python bench/cli_latency.py [--experiments N] [--jobs N] [--repeats R]   (jobs need the cluster)
 """
@@ -19,7 +22,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import DET, Workspace, median, save, scancel_mine
+from _common import HERE, Workspace, installed_det, median, save, scancel_mine
+
+from detslurm.slurm.parse import SQUEUE_FORMAT
 
 RAW_LIST = """
 import sqlite3, sys
@@ -134,6 +139,7 @@ def report(args: argparse.Namespace, with_jobs: bool, t: dict[str, list[float]])
         "experiments": args.experiments,
         "jobs": args.jobs if with_jobs else 0,
         "repeats": args.repeats,
+        "det": "pip install . (plain, not editable), dependencies shared with the bench's venv",
         "median_s": med,
         "samples_s": t,
         "help_ratio_vs_import_click": med["det_help"] / med["python_click"],
@@ -150,7 +156,26 @@ def report(args: argparse.Namespace, with_jobs: bool, t: dict[str, list[float]])
         # The floor: what `det`'s interpreter costs before running a line of detslurm.
         result["python_pass_ratio_vs_squeue"] = med["python_pass"] / med["raw_squeue"]
         result["python_S_pass_ratio_vs_squeue"] = med["python_S_pass"] / med["raw_squeue"]
+        result["python_floor_job_list_ratio_vs_squeue"] = med["python_floor_job_list"] / med["raw_squeue"]
     return result
+
+
+def sample(t: dict[str, list[float]], env: dict[str, str], bin_dir: Path, db: str, tail: list[str], jobs: bool) -> None:
+    """One interleaved repeat of every command and its floor."""
+    det, py = str(bin_dir / "det"), str(bin_dir / "python")
+    t["det_help"].append(timed([det, "--help"], env))
+    t["python_click"].append(timed([py, "-c", "import click"], env))
+    t["det_e_list"].append(timed([det, "e", "list"], env))
+    t["raw_sqlite_list"].append(timed([py, "-c", RAW_LIST, db], env))
+    t["det_t_logs_tail"].append(timed([det, *tail], env))
+    t["raw_tail"].append(timed(["tail", "-n", "100", env["BENCH_LOG"]], env))
+    if jobs:
+        t["det_job_list"].append(timed([det, "job", "list"], env))
+        t["raw_squeue"].append(timed(["squeue", "-r"], env))
+        t["python_pass"].append(timed([py, "-c", "pass"], env))
+        t["python_S_pass"].append(timed([py, "-S", "-c", "pass"], env))
+        floor = [py, str(HERE / "_job_list_floor.py"), SQUEUE_FORMAT, db]
+        t["python_floor_job_list"].append(timed(floor, env))
 
 
 def main() -> int:
@@ -164,32 +189,23 @@ def main() -> int:
     # Bytecode caches as an installed detslurm has them (some shells set PYTHONDONTWRITEBYTECODE,
     # which would make every timed start-up compile the modules again).
     ws.env.pop("PYTHONDONTWRITEBYTECODE", None)
+    bin_dir = installed_det(ws.dir / "installed")
     db = fill_store(ws, args.experiments)
     tid, log = fill_log(ws, args.log_mib)
+    ws.env["BENCH_LOG"] = str(log)
     keys = ("det_help", "python_click", "det_e_list", "raw_sqlite_list", "det_t_logs_tail", "raw_tail")
-    jobs_keys = ("det_job_list", "raw_squeue", "python_pass", "python_S_pass")
+    jobs_keys = ("det_job_list", "raw_squeue", "python_pass", "python_S_pass", "python_floor_job_list")
     t: dict[str, list[float]] = {k: [] for k in (*keys, *jobs_keys)}
-    tail_det = [DET, "t", "logs", str(tid), "--tail", "100"]
-    tail_raw = ["tail", "-n", "100", str(log)]
-    for argv in ([DET, "--help"], [DET, "e", "list"], tail_det):
-        subprocess.run(argv, env=ws.env, capture_output=True, check=True)  # warm caches, untimed
+    tail = ["t", "logs", str(tid), "--tail", "100"]
+    for argv in (["--help"], ["e", "list"], tail):
+        subprocess.run([str(bin_dir / "det"), *argv], env=ws.env, capture_output=True, check=True)  # warm caches
     with_jobs = args.jobs > 0 and bool(os.environ.get("SLURM_CONF"))
     try:
         if with_jobs:
             scancel_mine()
             fill_queue(args.jobs)
         for _ in range(args.repeats):
-            t["det_help"].append(timed([DET, "--help"], ws.env))
-            t["python_click"].append(timed([sys.executable, "-c", "import click"], ws.env))
-            t["det_e_list"].append(timed([DET, "e", "list"], ws.env))
-            t["raw_sqlite_list"].append(timed([sys.executable, "-c", RAW_LIST, db], ws.env))
-            t["det_t_logs_tail"].append(timed(tail_det, ws.env))
-            t["raw_tail"].append(timed(tail_raw, ws.env))
-            if with_jobs:
-                t["det_job_list"].append(timed([DET, "job", "list"], ws.env))
-                t["raw_squeue"].append(timed(["squeue", "-r"], ws.env))
-                t["python_pass"].append(timed([sys.executable, "-c", "pass"], ws.env))
-                t["python_S_pass"].append(timed([sys.executable, "-S", "-c", "pass"], ws.env))
+            sample(t, ws.env, bin_dir, db, tail, with_jobs)
     finally:
         if with_jobs:
             scancel_mine()

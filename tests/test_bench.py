@@ -85,6 +85,7 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
         d["help_ratio_vs_import_click"],
         d["e_list_ratio_vs_raw_sqlite"],
         d["job_list_ratio_vs_squeue"],
+        d["python_floor_job_list_ratio_vs_squeue"],
         d["t_logs_tail_ratio_vs_tail"],
     )
     summary = _summary(tmp_path)
