@@ -7,7 +7,6 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -27,26 +26,53 @@ def detached_root(experiments: Path) -> Path:
 def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = True) -> None:
     """Write to a temp file in the same dir, fsync, then rename: readers on other nodes see
     the old file or the new one, never half of one. ``durable=False`` skips the fsync, for
-    files the controller rewrites from the store whenever they differ."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Same directory: rename is atomic only within one filesystem. A unique name, so two writers
-    # never share a temp file.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    files the controller rewrites from the store whenever they differ. The dir is made if
+    missing."""
+    # Few metadata operations: a submission writes a few of these per trial, and each create,
+    # mkdir, chmod or rename is a server round trip on NFS or Lustre. So the parent is made only
+    # when the create says it is missing, and the mode is set at the create (chmod only where the
+    # umask took bits off).
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
+        fd, tmp = _create_temp(path, mode)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = _create_temp(path, mode)
+    try:
+        try:
+            data = memoryview(text.encode())
+            while data:
+                data = data[os.write(fd, data) :]
             if durable:
-                os.fsync(f.fileno())
-        # mkstemp creates 0600; the mode is set before the rename so the file is never visible
-        # with the wrong permissions.
-        os.chmod(tmp, mode)
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     # BaseException: a KeyboardInterrupt mid-write must not leave a stray temp file either.
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _create_temp(path: Path, mode: int) -> tuple[int, str]:
+    """A new file beside ``path`` under a random name (two writers never share one; nobody can
+    guess it to put a link there first), with exactly ``mode``: its descriptor and name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = os.path.join(path.parent, f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            continue  # 48 random bits taken: try another name
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)  # the umask took bits off: never visible with other bits at the final name
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    return fd, tmp
 
 
 def atomic_write_json(path: Path, obj: Any, durable: bool = True) -> None:

@@ -352,7 +352,10 @@ class SlurmExecutor:
     def execute(self, sub: Submission) -> str:
         """Make the dirs the job writes to, then one sbatch; returns Slurm's job id."""
         for spec in sub.specs:
-            spec.run_dir.mkdir(parents=True, exist_ok=True)
+            # Made by the controller's prepare_runs already: a stat, not an mkdir that fails
+            # (each a round trip to the server on NFS).
+            if not spec.run_dir.is_dir():
+                spec.run_dir.mkdir(parents=True, exist_ok=True)
         paths = self._container_paths(sub.specs[0])
         if paths is not None:
             container_lib.ensure_lib(Path(paths.lib_dir))
