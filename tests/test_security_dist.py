@@ -315,6 +315,13 @@ def test_run_secret_file_checks(tmp_path: Path) -> None:
     short.chmod(0o600)
     with pytest.raises(RunSecretError, match="has 2 bytes; at least 32"):
         read_run_secret(short)
+    masked = tmp_path / "masked"
+    masked.mkdir()
+    umask = os.umask(0o277)  # creates files 0400: the secret still ends up exactly 0600
+    try:
+        assert oct(write_run_secret(masked).stat().st_mode & 0o777) == "0o600"
+    finally:
+        os.umask(umask)
 
 
 def test_run_secrets_in_a_batch_are_private_distinct_and_never_reused(tmp_path: Path) -> None:

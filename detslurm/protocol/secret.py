@@ -123,7 +123,8 @@ def _write_temp(run_dir: Path, name: str, temps: list[tuple[Path, Path]]) -> int
         raise RunSecretError(f"cannot create the run secret in {run_dir}: {e.strerror}") from None
     temps.append((tmp, final))
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask: owner read/write only
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+            os.fchmod(fd, 0o600)  # the umask took bits off: owner read/write, whatever it is
         data = (new_secret().hex() + "\n").encode()
         if os.write(fd, data) != len(data):  # 65 bytes to a new regular file: short only on a full disk
             raise RunSecretError(f"cannot write the run secret {final}: short write")
