@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import stat
@@ -32,11 +33,7 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = 
     # mkdir, chmod or rename is a server round trip on NFS or Lustre. So the parent is made only
     # when the create says it is missing, and the mode is set at the create (chmod only where the
     # umask took bits off).
-    try:
-        fd, tmp = _create_temp(path, mode)
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = _create_temp(path, mode)
+    fd, tmp = _create_temp(path, mode)
     try:
         try:
             data = memoryview(text.encode())
@@ -54,23 +51,39 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o644, durable: bool = 
         raise
 
 
+# Temp names tried before giving up: a filesystem that answers EEXIST to every name (a broken
+# FUSE or NFS server) must fail the write, not hang the controller.
+_TEMP_TRIES = 100
+
+
 def _create_temp(path: Path, mode: int) -> tuple[int, str]:
     """A new file beside ``path`` under a random name (two writers never share one; nobody can
-    guess it to put a link there first), with exactly ``mode``: its descriptor and name."""
+    guess it to put a link there first), with exactly ``mode``: its descriptor and name. The
+    parent is made when the create finds it missing."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = os.path.join(path.parent, f".{path.name}.{os.urandom(6).hex()}.tmp")
+    made_parent = False
+    for _ in range(_TEMP_TRIES):
+        # 8 random hex digits: as long as mkstemp's, so a name that fitted before still does.
+        tmp = os.path.join(path.parent, f".{path.name}.{os.urandom(4).hex()}.tmp")
         try:
             fd = os.open(tmp, flags, mode)
             break
         except FileExistsError:
-            continue  # 48 random bits taken: try another name
+            continue  # taken: try another name
+        except FileNotFoundError:
+            if made_parent:
+                raise
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made_parent = True
+    else:
+        raise FileExistsError(errno.EEXIST, "no usable temporary file name", str(path.parent))
     try:
         if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
             os.fchmod(fd, mode)  # the umask took bits off: never visible with other bits at the final name
     except BaseException:
         os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
     return fd, tmp
 

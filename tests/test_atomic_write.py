@@ -73,15 +73,15 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path: Path, monkeypa
 
 def test_a_taken_temp_name_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The temp name is random: one that exists (a collision, or planted) is never opened."""
-    names = [b"\x00" * 6, b"\x01" * 6]
+    names = [b"\x00" * 4, b"\x01" * 4]
     real_urandom = os.urandom
 
     def urandom(n: int) -> bytes:
-        # The temp names' 6 bytes come from the list; any other caller gets real randomness.
-        return names.pop(0) if n == 6 and names else real_urandom(n)
+        # The temp names' 4 bytes come from the list; any other caller gets real randomness.
+        return names.pop(0) if n == 4 and names else real_urandom(n)
 
     monkeypatch.setattr(util.os, "urandom", urandom)
-    planted = tmp_path / ".f.000000000000.tmp"
+    planted = tmp_path / ".f.00000000.tmp"
     planted.symlink_to(tmp_path / "elsewhere")
     atomic_write_text(tmp_path / "f", "x")
     assert (tmp_path / "f").read_text() == "x"
@@ -124,3 +124,38 @@ def test_only_missing_levels_are_made_and_no_chmod_by_name(
     ready, failed = prepare_runs([(1, spec)])
     assert failed == [] and len(ready) == 1 and (run_dir / "run-secret").is_file()
     assert calls == [("mkdir", str(tmp_path / "trials/7/runs")), ("mkdir", str(run_dir))]
+
+
+def test_a_filesystem_that_refuses_every_name_fails_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EEXIST for every temp name (a broken FUSE or NFS server): an error, never a hang."""
+    real_open = os.open
+    tries: list[str] = []
+
+    def open_(path: str, flags: int, mode: int = 0o777, **kw: object) -> int:
+        if str(path).startswith(str(tmp_path / ".f.")):
+            tries.append(str(path))
+            raise FileExistsError(17, "File exists", path)
+        return real_open(path, flags, mode, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(util.os, "open", open_)
+    with pytest.raises(FileExistsError, match="no usable temporary file name"):
+        atomic_write_text(tmp_path / "f", "x")
+    assert len(tries) == util._TEMP_TRIES and os.listdir(tmp_path) == []
+
+
+def test_an_interrupt_while_the_temp_is_made_is_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C at the mode check, with the temp already gone (removed by someone else), stays
+    a Ctrl-C: it is not taken for a missing dir and the write retried."""
+    real_fstat = os.fstat
+
+    def fstat(fd: int) -> os.stat_result:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.startswith(str(tmp_path / ".f.")):
+            os.unlink(name)
+            raise KeyboardInterrupt
+        return real_fstat(fd)
+
+    monkeypatch.setattr(util.os, "fstat", fstat)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_text(tmp_path / "f", "x")
+    assert os.listdir(tmp_path) == []
