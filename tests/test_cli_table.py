@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import random
+from datetime import datetime, timedelta, timezone
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tabulate import tabulate
 
-from detslurm.cli.render import presto
+from detslurm.cli.render import fmt_time, presto
 
 CELLS = [
     None,
@@ -46,3 +49,17 @@ def test_presto_matches_tabulate_on_random_tables() -> None:
 def test_array_task_ids_stay_text() -> None:
     out = presto(["ID", "N"], [["388_998", 1], ["12", 22]])
     assert out.splitlines()[2] == " 388_998 |   1" and out.splitlines()[3] == " 12      |  22"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.datetimes(min_value=datetime(1000, 1, 1), max_value=datetime(9999, 12, 30)),
+    st.one_of(st.none(), st.integers(-23 * 60, 23 * 60).map(lambda m: timezone(timedelta(minutes=m)))),
+)
+def test_times_print_as_determined_prints_them_in_utc(when: datetime, tz: timezone | None) -> None:
+    """fmt_time: UTC, to the second, with a literal +0000 (naive datetimes are the store's UTC);
+    the same text strftime gives, which it replaced for speed."""
+    t = when if tz is None else when.replace(tzinfo=tz)
+    utc = t.replace(tzinfo=timezone.utc) if tz is None else t.astimezone(timezone.utc)
+    assert fmt_time(t) == utc.strftime("%Y-%m-%d %H:%M:%S+0000")
+    assert fmt_time(None) == ""
