@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -343,48 +344,72 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         if not got:
             log.error("another detslurm daemon holds %s", Paths(s).lock)
             return 1
+        # Taken now, while the file is surely the one locked: compared before every tick.
+        lock_id = _file_id(Paths(s).lock)
         me = PidRecord.of_this_process()
         # Written only while the lock is held, so the pid file names the daemon that drives.
         # durable=False: a pid file lost in a crash is harmless (the lock is the truth).
         atomic_write_text(Paths(s).pid, me.to_json(), mode=0o600, durable=False)
-        from detslurm.slurm.site import load_site_config
-
-        site = load_site_config()
-        from detslurm.slurm.client import client_from_env
-
-        client = client_from_env()
-        ctl = make_controller(s, site, client=client)
-        detached = detached_ingest(s, ctl, client)
-        settle_heap()
-        # The site's floor wins over a user's faster setting: many daemons polling squeue quickly
-        # would load slurmctld for everyone.
-        interval = max(site.poll_interval_s, s.poll_interval_s)
-        log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
-        idle_since = time.monotonic()
-        while not stopping["flag"]:
-            try:
-                ids = ctl.active_experiment_ids()
-                if ids:
-                    cpu, wall, calls = time.process_time(), time.perf_counter(), client.calls
-                    ctl.tick(ids)
-                    _tick_stats(cpu, wall, client.calls - calls)
-                # Detached runs keep the daemon from idling out while they run.
-                if _detached_step(detached) or ids:
-                    idle_since = time.monotonic()
-                elif time.monotonic() - idle_since > idle_exit_s:
-                    log.info("nothing to do for %.0f s: exiting", idle_exit_s)
-                    break
-            # Any failure (slurmctld down, store locked, a bug on one experiment) is logged and the
-            # next tick retries: the daemon must not die and leave every experiment undriven.
-            except Exception:
-                log.exception("tick failed; retrying in %.1f s", interval)
-            end = time.monotonic() + interval
-            while not stopping["flag"] and time.monotonic() < end:
-                # Short sleeps so SIGTERM stops the daemon within 0.2 s, not after a whole interval.
-                time.sleep(min(0.2, interval))
+        _serve(
+            s, idle_exit_s, lambda: stopping["flag"], lambda: lock_id is not None and _file_id(Paths(s).lock) == lock_id
+        )
         _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
     return 0
+
+
+def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], still_locked: Callable[[], bool]) -> None:
+    """Tick every poll interval until told to stop, idle for ``idle_exit_s``, or the lock file
+    is no longer the one this daemon took."""
+    from detslurm.slurm.client import client_from_env
+    from detslurm.slurm.site import load_site_config
+
+    site = load_site_config()
+    client = client_from_env()
+    ctl = make_controller(s, site, client=client)
+    detached = detached_ingest(s, ctl, client)
+    settle_heap()
+    # The site's floor wins over a user's faster setting: many daemons polling squeue quickly
+    # would load slurmctld for everyone.
+    interval = max(site.poll_interval_s, s.poll_interval_s)
+    log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
+    idle_since = time.monotonic()
+    while not stopping():
+        if not still_locked():
+            # Its data dir was deleted or replaced (a user "resetting" detslurm): a daemon left
+            # running would poll Slurm for good, unseen by `det daemon stop`, beside the next one
+            # started on the new store.
+            log.warning("%s was removed or replaced: this daemon no longer drives that store; exiting", Paths(s).lock)
+            return
+        try:
+            ids = ctl.active_experiment_ids()
+            if ids:
+                cpu, wall, calls = time.process_time(), time.perf_counter(), client.calls
+                ctl.tick(ids)
+                _tick_stats(cpu, wall, client.calls - calls)
+            # Detached runs keep the daemon from idling out while they run.
+            if _detached_step(detached) or ids:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > idle_exit_s:
+                log.info("nothing to do for %.0f s: exiting", idle_exit_s)
+                return
+        # Any failure (slurmctld down, store locked, a bug on one experiment) is logged and the
+        # next tick retries: the daemon must not die and leave every experiment undriven.
+        except Exception:
+            log.exception("tick failed; retrying in %.1f s", interval)
+        end = time.monotonic() + interval
+        while not stopping() and time.monotonic() < end:
+            # Short sleeps so SIGTERM stops the daemon within 0.2 s, not after a whole interval.
+            time.sleep(min(0.2, interval))
+
+
+def _file_id(path: Path) -> Optional[tuple[int, int]]:
+    """The file at ``path`` (device and inode), or None where nothing is there."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _tick_stats(cpu_start: float, wall_start: float, slurm_calls: int) -> None:

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -152,3 +154,23 @@ def test_a_slow_starting_daemon_is_waited_for(s: Settings, tmp_path: Path, monke
         assert daemon.running_pid(s) == pid
     finally:
         assert daemon.stop(s) == pid
+
+
+def test_a_daemon_whose_data_dir_is_deleted_exits(s: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user deletes the data dir (to start afresh) while the daemon runs: that daemon lost its
+    pid file, so `det daemon stop` cannot find it, and would poll Slurm for good beside the next
+    daemon. It exits at its next tick instead."""
+    monkeypatch.setenv("DETSLURM_DAEMON_IDLE_EXIT_S", "300")
+    monkeypatch.setenv("DETSLURM_POLL_INTERVAL_S", "0.2")
+    pid = daemon.start(s)
+    proc = psutil.Process(pid)
+    try:
+        shutil.rmtree(s.data_dir)
+        deadline = time.monotonic() + 60  # a guard: it exits within one poll interval
+        while time.monotonic() < deadline and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.1)
+        assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE, "the daemon kept running"
+    finally:
+        if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            proc.kill()
+        os.waitpid(pid, 0)  # our child (daemon.start's Popen): reaped here
