@@ -149,10 +149,36 @@ def run_secret_env(env: Mapping[str, str], nodes: Nodes, timeout_s: float = 120)
     return {SECRET_FILE_ENV: str(path)}
 
 
-def free_port(host: str = "") -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+# The ports this launcher chose for a listener that binds with SO_REUSEADDR (the Core API's
+# DistributedContext), held bound but not listening until the launcher exits. A chosen port
+# closed at once is free again: before rank 0 binds it, seconds or minutes later (after its
+# framework's imports), another process's bind(0) or outgoing connection on the node can take it
+# (seen in CI: "cannot listen on ('c1', 39545): Address already in use"). The kernel hands a port
+# with a bound socket to neither, and lets a second SO_REUSEADDR socket bind and listen there.
+_HELD: list[socket.socket] = []
+
+
+def free_port(host: str = "", hold: bool = False) -> int:
+    """A port free now on ``host``; ``hold``: kept from everyone but an SO_REUSEADDR listener
+    until this process exits (see _HELD). Not for torch's own store, which may bind without it."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if hold:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    except BaseException:
+        s.close()
+        raise
+    if hold:
+        _HELD.append(s)
+    else:
+        s.close()
+    return port
+
+
+# Rendezvous ports whose listener is ours (core._distributed._listen sets SO_REUSEADDR): held.
+HELD_PORTS = frozenset({"dist"})
 
 
 def rendezvous_ports(
@@ -172,10 +198,10 @@ def rendezvous_ports(
         if len(ports) >= len(names):
             return dict(zip(names, ports[: len(names)], strict=True))
     if nodes.nnodes == 1:
-        return {n: free_port("127.0.0.1") for n in names}
+        return {n: free_port("127.0.0.1", hold=n in HELD_PORTS) for n in names}
     path = run_paths(env).rendezvous(env.get("SLURM_JOB_ID", "local"), env.get("SLURM_STEP_ID", "0"))
     if nodes.is_chief:
-        chosen = {n: free_port(nodes.chief) for n in names}
+        chosen = {n: free_port(nodes.chief, hold=n in HELD_PORTS) for n in names}
         publish(path, chosen)
         return chosen
     return {k: int(v) for k, v in wait_published(path, timeout_s).items()}

@@ -112,7 +112,7 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
     if nodes.is_chief:
         server, port = _start_rendezvous(nodes)
         # dist: the Core API's DistributedContext; torch: a legacy --trial's torch.distributed.
-        dist_port, torch_port = free_port(local), free_port(local)
+        dist_port, torch_port = free_port(local, hold=True), free_port(local)
         if nodes.nnodes > 1:
             # The run dir is on the shared filesystem and unique per run: the other nodes read the
             # chief's choice there, with no fixed port two jobs on a node could both want.
@@ -203,7 +203,7 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
     if not nodes.is_chief:
         return 0  # the chief's mpirun starts this node's ranks
     local = nodes.chief if nodes.nnodes > 1 else "127.0.0.1"
-    dist_port, torch_port = free_port(local), free_port(local)
+    dist_port, torch_port = free_port(local, hold=True), free_port(local)
     try:
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:

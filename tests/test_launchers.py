@@ -100,6 +100,36 @@ def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
         rendezvous_ports(Nodes(["a", "b"], 1, 1), {**env, "SLURM_JOB_ID": "8"}, ["m"], timeout_s=0.2)
 
 
+@pytest.mark.parametrize("hosts", [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]])
+def test_the_dist_port_stays_ours_until_rank_0_listens_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: list[str]
+) -> None:
+    """The Core API's port is held bound by the launcher: nobody else can take it in the
+    seconds before rank 0 binds it (CI once saw "Address already in use" there), and rank 0's
+    own listener still binds and serves it. torch's master port is not held (its store may bind
+    without SO_REUSEADDR)."""
+    import socket
+
+    from detslurm.core._distributed import _listen
+    from detslurm.launch import _common
+
+    monkeypatch.setattr(_common, "_HELD", [], raising=False)
+    RunPaths(tmp_path, 1, 1).dir.mkdir(parents=True)
+    env = {"DETSLURM_EXP_DIR": str(tmp_path), "DET_TRIAL_ID": "1", "DET_TRIAL_RUN_ID": "1", "SLURM_JOB_ID": "9"}
+    ports = rendezvous_ports(Nodes(hosts, 0, 1), env, ["master", "dist"])
+    other = socket.socket()
+    with pytest.raises(OSError, match="Address already in use"):
+        other.bind(("127.0.0.1", ports["dist"]))  # a plain bind, as another program's
+    other.close()
+    with socket.create_server(("127.0.0.1", ports["master"])):
+        pass  # not held: free for torch's store
+    listener = _listen(("127.0.0.1", ports["dist"]), socket.AF_INET, 4)
+    with listener, socket.create_connection(("127.0.0.1", ports["dist"])):
+        listener.accept()[0].close()
+    for held in _common._HELD:
+        held.close()
+
+
 def test_split_lines_cr_and_long() -> None:
     lines, rest = split_lines(b"line with lf\nline with cr\rpartial")
     assert lines == [b"line with lf\n", b"line with cr\n"] and rest == b"partial"
