@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from detslurm.launch import wrap_rank
+from detslurm.launch import _common, wrap_rank
 from detslurm.launch._common import LaunchError, Nodes, nodes_from_env, parse_args, rendezvous_ports
 from detslurm.launch.torch_distributed import build_torchrun_cmd
 from detslurm.launch.wrap_rank import resolve_rank, split_lines
@@ -86,6 +88,17 @@ def test_nodes_from_slurm_env() -> None:
         nodes_from_env({"SLURM_JOB_NODELIST": "c1", "SLURM_NODEID": "3"})
 
 
+@pytest.fixture(autouse=True)
+def held_ports(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """The ports a test's launcher code holds (launch._common._HELD), closed after the test, as
+    a launcher's are when it exits."""
+    held: list[socket.socket] = []
+    monkeypatch.setattr(_common, "_HELD", held, raising=False)
+    yield held
+    for s in held:
+        s.close()
+
+
 def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
     RunPaths(tmp_path, 1, 1).dir.mkdir(parents=True)
     env = {"DETSLURM_EXP_DIR": str(tmp_path), "DET_TRIAL_ID": "1", "DET_TRIAL_RUN_ID": "1"}
@@ -101,19 +114,13 @@ def test_rendezvous_ports_published_by_chief(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("hosts", [["127.0.0.1"], ["127.0.0.1", "127.0.0.2"]])
-def test_the_dist_port_stays_ours_until_rank_0_listens_on_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosts: list[str]
-) -> None:
+def test_the_dist_port_stays_ours_until_rank_0_listens_on_it(tmp_path: Path, hosts: list[str]) -> None:
     """The Core API's port is held bound by the launcher: nobody else can take it in the
     seconds before rank 0 binds it (CI once saw "Address already in use" there), and rank 0's
     own listener still binds and serves it. torch's master port is not held (its store may bind
     without SO_REUSEADDR)."""
-    import socket
-
     from detslurm.core._distributed import _listen
-    from detslurm.launch import _common
 
-    monkeypatch.setattr(_common, "_HELD", [], raising=False)
     RunPaths(tmp_path, 1, 1).dir.mkdir(parents=True)
     env = {"DETSLURM_EXP_DIR": str(tmp_path), "DET_TRIAL_ID": "1", "DET_TRIAL_RUN_ID": "1", "SLURM_JOB_ID": "9"}
     ports = rendezvous_ports(Nodes(hosts, 0, 1), env, ["master", "dist"])
@@ -126,8 +133,6 @@ def test_the_dist_port_stays_ours_until_rank_0_listens_on_it(
     listener = _listen(("127.0.0.1", ports["dist"]), socket.AF_INET, 4)
     with listener, socket.create_connection(("127.0.0.1", ports["dist"])):
         listener.accept()[0].close()
-    for held in _common._HELD:
-        held.close()
 
 
 def test_split_lines_cr_and_long() -> None:
