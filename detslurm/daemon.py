@@ -350,17 +350,15 @@ def run_forever(s: Settings, idle_exit_s: float) -> int:
         # Written only while the lock is held, so the pid file names the daemon that drives.
         # durable=False: a pid file lost in a crash is harmless (the lock is the truth).
         atomic_write_text(Paths(s).pid, me.to_json(), mode=0o600, durable=False)
-        _serve(
-            s, idle_exit_s, lambda: stopping["flag"], lambda: lock_id is not None and _file_id(Paths(s).lock) == lock_id
-        )
+        _serve(s, idle_exit_s, lambda: stopping["flag"], lock_id)
         _remove_pid_file(Paths(s).pid, me)
     log.info("daemon %d stopped", os.getpid())
     return 0
 
 
-def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], still_locked: Callable[[], bool]) -> None:
+def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], lock_id: Optional[tuple[int, int]]) -> None:
     """Tick every poll interval until told to stop, idle for ``idle_exit_s``, or the lock file
-    is no longer the one this daemon took."""
+    is no longer ``lock_id``, the one this daemon took."""
     from detslurm.slurm.client import client_from_env
     from detslurm.slurm.site import load_site_config
 
@@ -375,7 +373,7 @@ def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], still_
     log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
     idle_since = time.monotonic()
     while not stopping():
-        if not still_locked():
+        if lock_id is None or _file_id(Paths(s).lock) != lock_id:
             # Its data dir was deleted or replaced (a user "resetting" detslurm): a daemon left
             # running would poll Slurm for good, unseen by `det daemon stop`, beside the next one
             # started on the new store.

@@ -110,6 +110,19 @@ def test_sync_tree_does_not_follow_or_change_links(tmp_path: Path) -> None:
     assert mode(tree / "d/f") == 0o600
 
 
+def finishes(fn: Callable[[], object], timeout_s: float = 10) -> bool:
+    """Whether ``fn`` returns within ``timeout_s`` (run in a daemon thread: a hung call cannot
+    hang the test run too)."""
+    done = threading.Event()
+
+    def run() -> None:
+        fn()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(timeout_s)
+
+
 def test_sync_tree_skips_a_fifo_without_blocking(tmp_path: Path) -> None:
     """A FIFO the trial left in its checkpoint (or swapped in for a file) is neither opened for
     good nor changed: a blocking open of a FIFO without a writer would hang the checkpoint."""
@@ -118,14 +131,7 @@ def test_sync_tree_skips_a_fifo_without_blocking(tmp_path: Path) -> None:
     (tree / "w.pt").write_bytes(b"w" * 10)
     os.mkfifo(tree / "pipe")
     os.chmod(tree / "pipe", 0o644)  # whatever the umask made of it
-    done = threading.Event()
-
-    def walk() -> None:
-        sync_tree(tree, Modes())
-        done.set()
-
-    threading.Thread(target=walk, daemon=True).start()
-    assert done.wait(10), "sync_tree blocked on the FIFO"
+    assert finishes(lambda: sync_tree(tree, Modes())), "sync_tree blocked on the FIFO"
     assert mode(tree / "pipe") == 0o644 and stat.S_ISFIFO(os.lstat(tree / "pipe").st_mode)
     assert mode(tree / "w.pt") == 0o600
 
@@ -255,14 +261,7 @@ def test_a_directory_swapped_after_the_listing_is_neither_followed_nor_waited_on
         return contextlib.nullcontext(entries)
 
     monkeypatch.setattr(os, "scandir", listing_then_swap)
-    done = threading.Event()
-
-    def walk() -> None:
-        sync_tree(tree, Modes())
-        done.set()
-
-    threading.Thread(target=walk, daemon=True).start()
-    assert done.wait(10), "the pass hung on the swapped directory"
+    assert finishes(lambda: sync_tree(tree, Modes())), "the pass hung on the swapped directory"
     monkeypatch.undo()
     assert stat.S_ISLNK(os.lstat(tree / "d").st_mode) or stat.S_ISFIFO(os.lstat(tree / "d").st_mode)  # swapped
     assert mode(outside / "f") == 0o644  # never reached through a link
