@@ -467,3 +467,45 @@ def test_bulk_metrics_sqlite(tmp_path: Path) -> None:
 
 def test_bulk_metrics_postgres(postgres: str) -> None:
     _bulk_metrics_store_the_same(postgres)
+
+
+def _revisions() -> list[tuple[str, str]]:
+    """(file name, revision id) of every migration, oldest first (the down_revision chain)."""
+    from alembic.script import ScriptDirectory
+
+    from detslurm.store import db
+
+    scripts = ScriptDirectory.from_config(db._alembic_config())
+    return [(Path(str(sc.path)).name, sc.revision) for sc in reversed(list(scripts.walk_revisions()))]
+
+
+def test_migration_files_are_named_after_their_revisions() -> None:
+    revs = _revisions()
+    assert [r for _, r in revs][:2] == ["0001", "0002"] and len(revs) >= 6
+    for name, rev in revs:
+        assert name.startswith(f"{rev}_") or name == f"{rev}.py", (name, rev)
+
+
+@pytest.mark.parametrize("old", ["0001", "0002", "0003_verbs", "0003_dashboard", "0004_cli15"])
+def test_a_store_at_any_applied_revision_upgrades_to_head(tmp_path: Path, old: str) -> None:
+    """The ids existing stores are stamped with: each one is still a revision alembic upgrades."""
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from detslurm.store import db
+
+    assert old in [r for _, r in _revisions()]
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = db._alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, old)
+    engine.dispose()
+    exp_id = _make_experiment(url)  # open_store upgrades it first
+    store = open_store(url)
+    with store.engine.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == db.HEAD_REVISION
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    with store.read() as s:
+        assert s.get(Experiment, exp_id) is not None
