@@ -2,7 +2,9 @@
 
 Everything here runs in one transaction per run: the metric rows, the new byte offsets, the
 searcher's new state and the trials it creates commit together or not at all (contract 2).
-Each event is applied in its own SAVEPOINT, so one event the store refuses costs only itself.
+Each event is applied in its own SAVEPOINT, so one event the store refuses costs only itself;
+metric reports, the bulk of every file, are written by ``bulk_metrics.PendingMetrics`` alone
+(many rows per statement, a refused row costing only itself there too).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from sqlalchemy import inspect, select
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
-from detslurm import tbevents
-from detslurm.controller.bulk_metrics import PendingMetrics, point_rows
+from detslurm.controller.bulk_metrics import PendingMetrics
 from detslurm.controller.config import stored_config
 from detslurm.controller.executor import ExitCause
 from detslurm.controller.fastjson import decode_line
@@ -59,8 +60,6 @@ from detslurm.store.models import (
     ExperimentState,
     IngestOffset,
     LogEntry,
-    Metric,
-    MetricPoint,
     Trial,
     TrialRun,
     TrialState,
@@ -176,28 +175,6 @@ def _warm_start(session: Session, exp: Experiment, trial: Trial) -> None:
     trial.warm_start_checkpoint = uuid
 
 
-def _on_metrics(
-    session: Session, exp: Experiment, trial: Trial, run: TrialRun, ev: Metrics, searcher: SearchMethod
-) -> list[Action]:
-    metrics = json_safe(ev.metrics)
-    when = _ts(ev.time)
-    session.add(
-        Metric(
-            trial_id=trial.id,
-            run_id=run.run_id,
-            group=ev.group,
-            steps_completed=ev.steps_completed,
-            metrics=metrics,
-            batch_metrics=json_safe(ev.batch_metrics),
-            report_time=when,
-            archived=False,
-        )
-    )
-    session.add_all(MetricPoint(**row) for row in point_rows(trial.id, ev, metrics, when))
-    _tensorboard(exp, trial, ev)
-    return _searcher_sees(exp, trial, ev, searcher)
-
-
 def _searcher_sees(exp: Experiment, trial: Trial, ev: Metrics, searcher: SearchMethod) -> list[Action]:
     """What a metrics report means beyond its row: the trial's best searcher metric, and the
     searcher's reaction to a validation (its actions, not applied yet)."""
@@ -225,21 +202,6 @@ def _stopped_at(run: TrialRun, signalled: float, when: float) -> None:
     # Both times are the compute node's clock; a negative difference is a clock step, not speed.
     took = max(0.0, when - signalled)
     run.preempt_stop_s = max(run.preempt_stop_s or 0.0, took)
-
-
-def _tensorboard(exp: Experiment, trial: Trial, ev: Metrics) -> None:
-    """The report also goes to the trial's TensorBoard event file. Written here, on the login
-    side, rather than in the job: the trial then needs no TensorBoard install and writes nothing
-    more, and every way of reporting (Core API, Trainer, legacy harness) gets the same files."""
-    # Written before the tick's commit: a tick that rolls back re-ingests the event and the
-    # point is written twice, which TensorBoard shows as one point (same step, same value).
-    try:
-        tbevents.append(
-            ExpPaths(Path(exp.exp_dir)).trial_tensorboard(trial.id), ev.group, ev.steps_completed, ev.time, ev.metrics
-        )
-    except OSError as e:
-        # A full or read-only disk must not stop ingest: the metrics are in the store.
-        log.warning("trial %s: could not write its TensorBoard events: %s", trial.id, e)
 
 
 def _on_checkpoint(session: Session, trial: Trial, run: TrialRun, ev: CheckpointSaved) -> None:
@@ -274,7 +236,9 @@ def apply_event(
     """Apply one decoded event of ``run`` to the store; returns the searcher's reactions."""
     match ev:
         case Metrics():
-            return _on_metrics(session, exp, trial, run, ev, searcher)
+            # Ingest's one writer of metric rows, points and TensorBoard records is
+            # bulk_metrics.PendingMetrics (_Ingest.line); a second path here would drift from it.
+            raise TypeError("metric reports are written by bulk_metrics.PendingMetrics, not apply_event")
         case CheckpointSaved():
             _on_checkpoint(session, trial, run, ev)
         case CheckpointDeleted():

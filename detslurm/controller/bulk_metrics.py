@@ -26,7 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sqlalchemy import insert
+from sqlalchemy import Table, bindparam, insert
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -42,31 +43,31 @@ POINT_NAME_MAX = 256  # MetricPoint.name's length
 # the report's JSON, never as a point (float() of it would raise).
 _FLOAT_MAX = 1.7976931348623157e308
 
-_SQLITE_METRICS = (
-    'INSERT INTO metrics (trial_id, run_id, "group", steps_completed, metrics, batch_metrics, report_time, '
-    "archived) VALUES (?, ?, ?, ?, ?, ?, ?, 0)"
+# Raw inserts for SQLite's executemany, compiled from the models' tables: a column the models
+# rename or drop fails here, at import, not as a wrong row at ingest.
+_METRIC_COLUMNS = (
+    "trial_id",
+    "run_id",
+    "group",
+    "steps_completed",
+    "metrics",
+    "batch_metrics",
+    "report_time",
+    "archived",
 )
-_SQLITE_POINTS = (
-    'INSERT INTO metric_points (trial_id, "group", name, steps_completed, report_time, value, archived) '
-    "VALUES (?, ?, ?, ?, ?, ?, 0)"
-)
+_POINT_COLUMNS = ("trial_id", "group", "name", "steps_completed", "report_time", "value", "archived")
 
 
-def point_rows(trial_id: int, ev: Metrics, metrics: Any, when: datetime) -> list[dict[str, Any]]:
-    """The report's numeric values as ``metric_points`` rows: the dashboard's curves read them
-    without parsing each report's JSON. ``metrics`` is the report already made JSON-safe."""
-    return [
-        {
-            "trial_id": trial_id,
-            "group": ev.group,
-            "name": name,
-            "steps_completed": ev.steps_completed,
-            "report_time": when,
-            "value": value,
-            "archived": False,
-        }
-        for name, value in _points(metrics)
-    ]
+def _qmark_insert(table: Table, columns: tuple[str, ...]) -> str:
+    """``INSERT INTO table (columns) VALUES (?, ...)`` for sqlite3, parameters in ``columns``' order."""
+    compiled = insert(table).values({c: bindparam(c) for c in columns}).compile(dialect=sqlite.dialect())
+    if tuple(compiled.positiontup or ()) != columns:
+        raise RuntimeError(f"{table.name}: compiled parameters {compiled.positiontup} are not {columns}")
+    return str(compiled)
+
+
+_SQLITE_METRICS = _qmark_insert(Metric.metadata.tables[Metric.__tablename__], _METRIC_COLUMNS)
+_SQLITE_POINTS = _qmark_insert(MetricPoint.metadata.tables[MetricPoint.__tablename__], _POINT_COLUMNS)
 
 
 def _points(metrics: Any) -> list[tuple[str, float]]:
@@ -135,7 +136,7 @@ class PendingMetrics:
     first_time: float = 0.0
 
     def add(self, line: Line, ev: Metrics, when: datetime) -> None:
-        """Queue the rows of ``ev`` (the same columns ``apply._on_metrics`` writes)."""
+        """Queue the rows of ``ev``: its ``metrics`` row and its numeric values' ``metric_points`` rows."""
         metrics, points = safe_report(ev.metrics)
         batch = None if ev.batch_metrics is None else json_safe(ev.batch_metrics)
         self.rows.append(Queued(line, ev.group, ev.steps_completed, metrics, batch, when, points))
@@ -201,8 +202,8 @@ class PendingMetrics:
             # SQLAlchemy's format for SQLite DATETIME: UTC wall clock, always 6 decimals, no offset.
             when = q.report_time.isoformat(" ", "microseconds")[:26]
             batch = "null" if q.batch_metrics is None else dumps(q.batch_metrics)
-            rows.append((tid, self.run_id, q.group, q.steps_completed, dumps(q.metrics), batch, when))
-            points += [(tid, q.group, name, q.steps_completed, when, value) for name, value in q.points]
+            rows.append((tid, self.run_id, q.group, q.steps_completed, dumps(q.metrics), batch, when, 0))
+            points += [(tid, q.group, name, q.steps_completed, when, value, 0) for name, value in q.points]
         try:
             raw.executemany(_SQLITE_METRICS, rows)
             if points:
