@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import click
 
 from detslurm import __version__
+from detslurm.cli.remote.target import split_master
 from detslurm.errors import DetSlurmError
 
 # name -> (module, group, short help). Subcommand modules import the store, Slurm and the
@@ -72,7 +73,7 @@ class LazyGroup(click.Group):
     is_flag=True,
     help="Root only: see and change every user's experiments in a shared store (they are never run here).",
 )
-# Taken off argv by main() before click sees it (detslurm.remote.split_master); declared here
+# Taken off argv by main() before click sees it (detslurm.cli.remote.split_master); declared here
 # only so that `det --help` shows it.
 @click.option(
     "-m",
@@ -89,17 +90,29 @@ def cli(ctx: click.Context, all_users: bool) -> None:
     ctx.obj = App(all_users=all_users)
 
 
+def local_command(path: Sequence[str]) -> click.Command:
+    """The command `det PATH...` names here (``["e", "create"]``): remote mode reads the
+    arguments of the commands it handles itself with their own declarations."""
+    ctx = click.Context(cli, info_name="det")
+    cmd: click.Command | None = cli
+    for name in path:
+        cmd = cmd.get_command(ctx, name) if isinstance(cmd, click.Group) else None
+        if cmd is None:
+            raise click.UsageError(f"no such command: det {' '.join(path)}")
+    assert cmd is not None
+    return cmd
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         args = list(argv) if argv is not None else sys.argv[1:]
-        from detslurm.remote.target import split_master
-
         master, args = split_master(args, os.environ)
         if master is not None:
-            from detslurm.remote.dispatch import run_remote
+            # Only remote mode loads the transport (SFTP uploads, port forwards, the holder).
+            from detslurm.cli.remote.dispatch import run_remote
 
-            return run_remote(master, args)
+            return run_remote(master, args, local_command)
         # With standalone_mode=False click returns the code of a raised Exit instead of exiting.
         rv = cli.main(args=args, prog_name="det", standalone_mode=False)
         return rv if isinstance(rv, int) else 0

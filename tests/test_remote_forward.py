@@ -131,7 +131,7 @@ def test_dashboard_port_is_forwarded_to_the_laptop(login: dict[str, Any], tmp_pa
 
 
 def test_forward_only_for_server_commands() -> None:
-    from detslurm.remote.forward import wants_forward
+    from detslurm.cli.remote.forward import wants_forward
 
     assert wants_forward(["dashboard"]) and wants_forward(["tensorboard", "start", "1"])
     assert not wants_forward(["dashboard", "--help"]) and not wants_forward(["e", "list"])
@@ -139,8 +139,8 @@ def test_forward_only_for_server_commands() -> None:
 
 
 def test_forwards_go_to_the_login_nodes_loopback_only() -> None:
-    from detslurm.remote.connect import Connection
-    from detslurm.remote.target import RemoteError
+    from detslurm.cli.remote.connect import Connection
+    from detslurm.cli.remote.target import RemoteError
 
     # No transport is touched: the destination is refused before any channel is asked for.
     conn = Connection([], "user@login")

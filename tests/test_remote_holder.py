@@ -125,8 +125,8 @@ def _det(env: dict[str, str], stdin: str | None, *args: str) -> subprocess.Compl
 
 def _held_socket(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Path:
     """Where det put the holder's socket (under a long pytest temp dir, the /tmp fallback)."""
-    from detslurm.remote.holder import socket_path
-    from detslurm.remote.target import parse_url
+    from detslurm.cli.remote.holder import socket_path
+    from detslurm.cli.remote.target import parse_url
 
     monkeypatch.setenv("HOME", env["HOME"])
     monkeypatch.setenv("XDG_RUNTIME_DIR", env["XDG_RUNTIME_DIR"])

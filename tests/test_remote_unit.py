@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from detslurm.errors import ConfigError
-from detslurm.remote.dispatch import remote_command
-from detslurm.remote.target import RemoteError, RemoteSettings, Target, parse_url, remote_settings, split_master
+from detslurm.cli.remote.command import remote_command
+from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, parse_url, remote_settings, split_master
 
 
 @pytest.mark.parametrize(
@@ -127,7 +127,7 @@ def test_remote_det_under_the_remote_home(tmp_path: Path) -> None:
 
 def test_ssh_config_aliases_and_proxyjump_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("paramiko")
-    from detslurm.remote import sshconf
+    from detslurm.cli.remote import sshconf
 
     home = tmp_path / "home"
     monkeypatch.setenv("HOME", str(home))
@@ -156,8 +156,8 @@ def test_socket_path_fits_sun_path_under_a_long_runtime_dir(tmp_path: Path, monk
     import os
     import socket
 
-    from detslurm.remote.holder import socket_path
-    from detslurm.remote.target import SUN_PATH_MAX
+    from detslurm.cli.remote.holder import socket_path
+    from detslurm.cli.remote.target import SUN_PATH_MAX
 
     long_run = tmp_path / ("r" * (SUN_PATH_MAX - len(str(tmp_path)) - 12))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(long_run))
@@ -180,7 +180,7 @@ def test_socket_path_fits_sun_path_under_a_long_runtime_dir(tmp_path: Path, monk
 
 
 def test_socket_dir_refuses_a_planted_link_or_open_dir(tmp_path: Path) -> None:
-    from detslurm.remote.target import _private_dir
+    from detslurm.cli.remote.target import _private_dir
 
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
@@ -202,8 +202,8 @@ def test_a_slow_server_banner_is_waited_for(tmp_path: Path) -> None:
     import threading
     import time
 
-    from detslurm.remote.connect import open_hop
-    from detslurm.remote.sshconf import Hop
+    from detslurm.cli.remote.connect import open_hop
+    from detslurm.cli.remote.sshconf import Hop
 
     server = socket.create_server(("127.0.0.1", 0))
 

@@ -14,7 +14,7 @@ from detslurm.errors import DetSlurmError
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Remote mode reads this line from the login node's output to learn which port to forward
-# (detslurm.remote.forward); keep it as is.
+# (detslurm.cli.remote.forward); keep it as is.
 URL_PREFIX = "Open "
 
 

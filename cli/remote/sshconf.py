@@ -17,7 +17,7 @@ from typing import Any
 
 import paramiko
 
-from detslurm.remote.target import RemoteError, Target
+from detslurm.cli.remote.target import RemoteError, Target
 
 _DEFAULT_IDENTITIES = ("id_ed25519", "id_ecdsa", "id_rsa")
 

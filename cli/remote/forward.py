@@ -14,7 +14,10 @@ from typing import Any
 
 import click
 
-from detslurm.remote.target import RemoteSettings, Target
+from detslurm.cli.remote.channel import drain, relay
+from detslurm.cli.remote.command import remote_command
+from detslurm.cli.remote.target import RemoteSettings, Target
+from detslurm.dashboard.serve import URL_PREFIX, bind, url_of
 
 # What `det dashboard` / `det tensorboard start` print (detslurm.dashboard.serve.URL_PREFIX).
 _URL = re.compile(r"^Open http://(127\.0\.0\.1|\[::1\]):(\d+)(/\S*)?\s*$")
@@ -27,23 +30,6 @@ def wants_forward(args: Sequence[str]) -> bool:
     if "-h" in args or "--help" in args:
         return False
     return bool(args) and (args[0] == "dashboard" or list(args[:2]) == ["tensorboard", "start"])
-
-
-def relay(a: Any, b: Any) -> None:
-    """Copy bytes both ways between two socket-like objects until either side closes."""
-    try:
-        while True:
-            ready, _, _ = select.select([a, b], [], [], 30.0)
-            for src in ready:
-                data = src.recv(65536)
-                if not data:
-                    return
-                (b if src is a else a).sendall(data)
-    except OSError:
-        pass  # a browser tab closed mid-transfer: that connection ends, the others go on
-    finally:
-        a.close()
-        b.close()
 
 
 def _accept_loop(listener: socket.socket, conn: Any, host: str, port: int) -> None:
@@ -89,9 +75,6 @@ def _read_url(chan: Any) -> tuple[str, int, str] | int:
 
 def run_forwarded(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
     """Run the server command remotely with a local port forwarded to it; returns its exit code."""
-    from detslurm.dashboard.serve import URL_PREFIX, bind, url_of
-    from detslurm.remote.dispatch import remote_command
-
     # --exit-on-eof: when this side goes (Ctrl-C, a dropped connection), the server's stdin
     # closes and it stops, instead of running on, orphaned, on the login node.
     chan = conn.open_exec(remote_command(target, rs, [*args, "--exit-on-eof"]))
@@ -117,11 +100,9 @@ def run_forwarded(conn: Any, target: Target, rs: RemoteSettings, args: list[str]
 
 def _wait(chan: Any) -> int:
     """Show the server's output until it exits. Its stdin is left open (not shut down as
-    connect.pump does without a stdin): the end of it is what stops the server."""
-    from detslurm.remote.connect import _drain
-
+    channel.pump does without a stdin): the end of it is what stops the server."""
     while True:
         select.select([chan], [], [], 1.0)
-        drained = _drain(chan)
+        drained = drain(chan)
         if chan.exit_status_ready() and not drained and not chan.recv_ready() and not chan.recv_stderr_ready():
             return int(chan.recv_exit_status())

@@ -7,6 +7,6 @@ pay for it. ``split_master`` (pure argv/env parsing) is all that cli.main needs 
 
 from __future__ import annotations
 
-from detslurm.remote.target import Target, split_master
+from detslurm.cli.remote.target import Target, split_master
 
 __all__ = ["Target", "split_master"]

@@ -1,4 +1,4 @@
-"""The holder process itself (see detslurm.remote.holder): log in once, then serve channels
+"""The holder process itself (see holder.py, its client side): log in once, then serve channels
 over the unix socket until idle for persist_s or the SSH connection drops."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from detslurm.cli.remote.channel import relay
+from detslurm.cli.remote.connect import connect
+from detslurm.cli.remote.holder import EOF, ERR, EXIT, IN, OUT, REQ, recv_frame, send_frame
+from detslurm.cli.remote.target import parse_url
 from detslurm.errors import DetSlurmError
-from detslurm.remote.holder import EOF, ERR, EXIT, IN, OUT, REQ, recv_frame, send_frame
-from detslurm.remote.target import parse_url
 
 
 class Holder:
@@ -79,15 +81,11 @@ class Holder:
             send_frame(client, EXIT, struct.pack("!i", chan.recv_exit_status()))
 
     def _tcp(self, client: socket.socket, port: int, host: str) -> None:
-        from detslurm.remote.forward import relay
-
         # A port forward of `det -m ... dashboard`: bytes both ways, as for SFTP below. The
         # connection refuses any host but the login node's loopback (RemoteError, caught above).
         relay(client, self.conn.open_tcp(port, host))
 
     def _sftp(self, client: socket.socket) -> None:
-        from detslurm.remote.forward import relay
-
         chan = self.conn.transport.open_session()
         chan.invoke_subsystem("sftp")
         relay(client, chan)  # closes both when either side ends
@@ -123,8 +121,6 @@ def _detach() -> None:
 
 def main(argv: Sequence[str]) -> int:
     """argv: URL PERSIST_S SOCKET. Writes "ready" or "error MESSAGE" to stdout, then detaches."""
-    from detslurm.remote.connect import connect
-
     url, persist_s, path = argv[0], float(argv[1]), Path(argv[2])
     try:
         conn = connect(parse_url(url))

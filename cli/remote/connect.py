@@ -1,12 +1,10 @@
 """SSH connections: a chain of hops (bastions, then the login node), strict host keys,
-authentication by agent, identity files and keyboard-interactive, and running one command
-with its output streamed back."""
+authentication by agent, identity files and keyboard-interactive. What runs over a connection
+is streamed by channel.py."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import select
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -16,8 +14,8 @@ from typing import Any
 import click
 import paramiko
 
-from detslurm.remote import sshconf
-from detslurm.remote.target import RemoteError, Target
+from detslurm.cli.remote import sshconf
+from detslurm.cli.remote.target import RemoteError, Target
 
 CONNECT_TIMEOUT_S = 20.0
 # Once the TCP connection is up, how long the server gets for its banner and the key exchange.
@@ -203,49 +201,3 @@ def connect(target: Target, prompt: Prompt = tty_prompt) -> Connection:
             t.close()
         raise
     return Connection(transports, f"{hops[-1].user}@{hops[-1].alias}")
-
-
-def pump(chan: Any, stdin_fd: int | None) -> int:
-    """Stream a running command's stdout/stderr to ours (and our stdin to it) until it exits;
-    returns its exit code (255 when it ended without one, as ssh does)."""
-    stdin_open = stdin_fd is not None
-    if not stdin_open:
-        chan.shutdown_write()
-    while True:
-        waits: list[Any] = [chan] + ([stdin_fd] if stdin_open else [])
-        ready, _, _ = select.select(waits, [], [], 1.0)
-        if stdin_open and stdin_fd in ready:
-            data = os.read(stdin_fd, 65536)  # type: ignore[arg-type]
-            if data:
-                chan.sendall(data)
-            else:
-                chan.shutdown_write()
-                stdin_open = False
-        drained = _drain(chan)
-        # The exit status can arrive before the last output does: stop only once both are in.
-        if chan.exit_status_ready() and not drained and not chan.recv_ready() and not chan.recv_stderr_ready():
-            break
-    code = int(chan.recv_exit_status())
-    return 255 if code < 0 else code
-
-
-def _drain(chan: Any) -> bool:
-    got = False
-    while chan.recv_stderr_ready():
-        click.echo(chan.recv_stderr(65536), nl=False, err=True)
-        got = True
-    while chan.recv_ready():
-        data = chan.recv(65536)
-        if not data:
-            break
-        click.echo(data, nl=False)
-        got = True
-    return got
-
-
-def stdin_fd() -> int | None:
-    """Our stdin's fd when it is a real file a remote prompt (e delete's confirmation) can read."""
-    try:
-        return sys.stdin.fileno() if sys.stdin is not None else None
-    except (OSError, ValueError, AttributeError):
-        return None

@@ -2,8 +2,8 @@
 node keeps an authenticated SSH connection for ``remote.persist_s`` seconds after its last use,
 so that a site's two-factor prompt is answered once, not at every `det` command.
 
-The first command starts it (`python -m detslurm.remote.holder`); it inherits the terminal only
-to ask for the login, then detaches. Later commands talk to it over a unix socket in a 0700
+The first command starts it (`python -m detslurm.cli.remote.holder_server`); it inherits the
+terminal only to ask for the login, then detaches. Later commands talk to it over a unix socket in a 0700
 per-user directory, the socket itself 0600 and owned by the user; the holder also checks each
 peer's uid (SO_PEERCRED). Per request it opens one SSH channel: an exec (framed stdout, stderr
 and exit code back, stdin forth) or the SFTP subsystem (raw bytes both ways).
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from detslurm.remote.target import RemoteError, RemoteSettings, Target, runtime_dir
+from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, runtime_dir
 
 # A frame is one type byte and a 4-byte big-endian length, then the payload. Exec needs framing
 # to keep stdout, stderr and the exit code apart on one stream; SFTP is already a framed byte
@@ -190,7 +190,7 @@ def connection(target: Target, rs: RemoteSettings) -> Any:
     """A held connection when ``remote.persist_s`` > 0 (starting the holder, which logs in, if
     none is running), else a fresh direct one."""
     if rs.persist_s <= 0:
-        from detslurm.remote.connect import connect
+        from detslurm.cli.remote.connect import connect
 
         return connect(target)
     path = socket_path(target)
@@ -202,7 +202,7 @@ def connection(target: Target, rs: RemoteSettings) -> Any:
 
 
 def _start(target: Target, rs: RemoteSettings, path: Path) -> None:
-    args = [sys.executable, "-m", "detslurm.remote.holder", target.url, str(rs.persist_s), str(path)]
+    args = [sys.executable, "-m", "detslurm.cli.remote.holder_server", target.url, str(rs.persist_s), str(path)]
     # stdin and stderr are the user's terminal: the holder asks for the login there.
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -214,9 +214,3 @@ def _start(target: Target, rs: RemoteSettings, path: Path) -> None:
     if line.startswith("error "):
         raise RemoteError(str(json.loads(line[len("error ") :])))
     raise RemoteError(f"the SSH connection holder for {target.url} exited without logging in")
-
-
-if __name__ == "__main__":
-    from detslurm.remote.holder_server import main
-
-    sys.exit(main(sys.argv[1:]))

@@ -22,8 +22,9 @@ from typing import Any
 import click
 
 from detslurm import context
-from detslurm.remote.dispatch import capture_argv, collect, note, run_argv
-from detslurm.remote.target import RemoteError, RemoteSettings, Target
+from detslurm.cli.remote.channel import collect
+from detslurm.cli.remote.command import capture_argv, note, run_argv
+from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
 
 CACHE = ".cache/detslurm/contexts"
 
@@ -152,10 +153,9 @@ def _upload_config(conn: Any, config: Path) -> str:
         sftp.close()
 
 
-def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
-    """`det e create CONFIG [CONTEXT]` remotely: upload what changed, then create there."""
-    from detslurm.cli.experiment import create as create_cmd
-
+def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], create_cmd: click.Command) -> int:
+    """`det e create CONFIG [CONTEXT]` remotely: upload what changed, then create there.
+    ``create_cmd`` is the local `det e create`, whose declaration parses ``args``."""
     with create_cmd.make_context("create", args[2:]) as ctx:  # click's own usage errors, as locally
         config, ctx_dir = Path(ctx.params["config_file"]), Path(ctx.params["context_dir"])
     _, options = _positionals(create_cmd, args[2:])
@@ -187,11 +187,12 @@ def _walk(sftp: Any, remote: str, local: Path) -> list[tuple[str, Path, int]]:
     return out
 
 
-def download_checkpoint(conn: Any, target: Target, rs: RemoteSettings, args: list[str]) -> int:
+def download_checkpoint(
+    conn: Any, target: Target, rs: RemoteSettings, args: list[str], download_cmd: click.Command
+) -> int:
     """`det checkpoint download UUID [-o DIR] [-q]`: ask the login node where the checkpoint
-    is, then copy its files here over SFTP with a progress line."""
-    from detslurm.cli.checkpoint import download as download_cmd
-
+    is, then copy its files here over SFTP with a progress line. ``download_cmd`` is the local
+    `det checkpoint download`, whose declaration parses ``args``."""
     with download_cmd.make_context("download", args[2:]) as ctx:
         uuid, out_dir, quiet = ctx.params["uuid"], ctx.params["output_dir"], ctx.params["quiet"]
     code, out, err = capture_argv(conn, target, rs, ["checkpoint", "describe", uuid, "--json"])
