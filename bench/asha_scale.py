@@ -1,4 +1,4 @@
-"""A large adaptive ASHA search on the real test cluster, run by the real daemon (issue 15 item 2):
+"""A large adaptive ASHA search on the real test cluster, run by the real daemon:
 up to --trials trials (10,000 with --full) of a trivial entrypoint that reports one validation per
 step, submitted as job arrays and throttled by max_concurrent_trials, for --budget-s seconds or
 until the search ends. Reported: slurmctld RPCs per minute (sdiag, as slurmctld_load.py reads it,

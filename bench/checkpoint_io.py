@@ -63,7 +63,7 @@ def saves(sd: dict[str, torch.Tensor], work: Path, writer: EventWriter) -> dict[
 
     def raw(path: Path, fsync: bool) -> str:
         torch.save(sd, path)
-        if fsync:  # made durable by hand, as store_path does since review L8: file, then dir
+        if fsync:  # made durable by hand, as store_path does: file, then dir
             durable(path)
         return str(path)
 

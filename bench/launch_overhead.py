@@ -4,7 +4,7 @@ Side by side on the same cluster in one run: detslurm (torch_distributed launche
 run, through exec.launch: context extraction, env contract, rendezvous ports) against a raw
 ``srun torchrun`` of the same script. Each job writes its start time as the first line of its
 batch script (for detslurm, through the site config's setup lines), and rank 0 writes the time
-its first step finished. Reported: medians and their ratio (goal <= 1.05x, issue 15).
+its first step finished. Reported: medians and their ratio (goal <= 1.05x).
 
 How the sides are kept comparable on a small shared machine:
 - the order of the sides rotates every repeat, and the load average is recorded per repeat;

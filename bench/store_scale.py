@@ -1,4 +1,4 @@
-"""Ingest and storage (issue 15, goal 4), no cluster needed:
+"""Ingest and storage, no cluster needed:
 
 - metrics ingest: rows/s through the daemon's own path (``controller.apply.ingest_run``: event
   file -> decoded, validated events -> metric rows, offsets committed with them) into SQLite

@@ -4,7 +4,7 @@ metric rows, and the daemon's memory, with no cluster (pure CPU of the controlle
 Slurm is a stateful fake behind the real ``SlurmClient`` and ``SlurmExecutor``: sbatch hands out
 array ids, squeue answers every task held (PENDING, JobHeldUser) in the format the parser reads
 (``tests/data/slurm-22.05/squeue-array.txt``), so the tick parses a real-size squeue answer. The
-store is SQLite on local disk. Goals (issue 15): <= 50 ms of CPU per idle tick at 1000 trials,
+store is SQLite on local disk. Goals: <= 50 ms of CPU per idle tick at 1000 trials,
 <= 200 ms at 10,000; a tick ingesting N rows costs O(N); RSS at 10k trials <= 300 MB.
 
     python bench/tick_cost.py [--trials 1000,10000] [--ticks 5] [--rows 100,1000]

@@ -245,7 +245,7 @@ def download(
             f"experiment {exp_id} has no completed checkpoint with a validation metric {metric!r}"
         )
     # Through the client, as `det c download`: its copy refuses odd uuids, partial checkpoints and
-    # links out of the checkpoint (security review H2).
+    # links out of the checkpoint (docs/design/security.md).
     cl = client.Client(app.store, app.scope)
     for uuid in best:
         path = cl.get_checkpoint(uuid).download(output_dir / uuid if output_dir else None)

@@ -1,6 +1,6 @@
 """Modules loaded on first use, for the CLI's read paths.
 
-`det e list` must answer 10k experiments in 0.3 s (issue 15), and importing the store's ORM,
+`det e list` must answer 10k experiments in 0.3 s (bench/README.md), and importing the store's ORM,
 the controller and pydantic costs more than that. The command modules name their heavy
 dependencies through :func:`lazy_module` (under ``if not TYPE_CHECKING``, so mypy still sees
 the real module), and a command that never touches one never loads it.

@@ -1,7 +1,7 @@
 """Trial logs: each run's output file, controller notes, rank filters, following.
 
-A trial writes its output file, so its size and line lengths are untrusted (security review
-M2): nothing here reads a whole file or a whole line into memory. Files are read in chunks of
+A trial writes its output file, so its size and line lengths are untrusted
+(docs/design/security.md): nothing here reads a whole file or a whole line into memory. Files are read in chunks of
 CHUNK bytes, a line longer than MAX_LINE bytes is cut (its first MAX_LINE bytes and a marker
 saying how much was dropped), and ``--tail`` reads backwards from the end of the file.
 """

@@ -1,5 +1,5 @@
 """`det e describe` / `det t describe`: a warning when a trial's stop took longer than the site
-allows (issue 16). The budget itself is detslurm/slurm/budget.py; this only probes Slurm."""
+allows (docs/design/preemption.md). The budget itself is detslurm/slurm/budget.py; this only probes Slurm."""
 
 from __future__ import annotations
 

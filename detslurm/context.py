@@ -179,7 +179,7 @@ def _safe_member(m: tarfile.TarInfo, dest: Path) -> None:
 
 
 def _private_mode(m: tarfile.TarInfo) -> int:
-    """Owner-only modes for the extracted code (security review C2): 0700 dirs, 0600 files,
+    """Owner-only modes for the extracted code (docs/design/security.md): 0700 dirs, 0600 files,
     0700 files the owner could execute. Nobody else on the node needs to read a trial's code."""
     if m.isdir() or (m.isfile() and m.mode & 0o100):
         return 0o700

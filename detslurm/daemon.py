@@ -63,7 +63,7 @@ _CREATE_TIME_SLACK_S = 0.05
 class PidRecord:
     """Who the daemon is. A pid alone is not an identity: it is reused after the daemon dies,
     means nothing on another login node that shares the home, and may be another user's
-    process (security review M1). All four fields must match before we trust or signal it."""
+    process (docs/design/security.md). All four fields must match before we trust or signal it."""
 
     host: str
     uid: int
@@ -125,7 +125,7 @@ def daemon_status(s: Settings) -> DaemonStatus:
 def _live_pid(rec: PidRecord) -> Optional[int]:
     """rec.pid while it is still the process that wrote the record (ours, alive, same start)."""
     # Imported here: a read command with no pid file (no daemon) never needs it (det t logs'
-    # start-up, issue 15).
+    # start-up).
     import psutil
 
     try:
@@ -264,7 +264,7 @@ def start(s: Settings, wait_s: float = START_WAIT_S) -> int:
     p = Paths(s)
     s.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Jobs inherit the daemon's environment (sbatch --export=ALL): start it without what must
-    # not reach them (security review S5; detslurm/jobenv.py).
+    # not reach them (detslurm/jobenv.py).
     scrubbed = daemon_env(os.environ)
     warn_once(scrubbed)
     with open(p.log, "ab") as out:
@@ -318,7 +318,7 @@ def stop(s: Settings, wait_s: float = 30.0) -> Optional[int]:
 
 
 def _safe_url(url: str) -> str:
-    """The store URL for logs, password masked (security review L9)."""
+    """The store URL for logs, password masked."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 

@@ -32,7 +32,7 @@ class Scope:
 
     A shared PostgreSQL store holds every user's experiments. Each query and each operation is
     limited to one owner; another user's experiment is reported "not found", exactly like one
-    that does not exist, so a user cannot even learn which ids are taken (security review C3).
+    that does not exist, so a user cannot even learn which ids are taken (docs/design/security.md).
     Only root, asking explicitly (``det --all-users``), gets a scope of every user, and even then
     nothing of another user's is ever run or ticked (that stays with its owner's daemon)."""
 

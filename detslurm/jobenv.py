@@ -1,7 +1,7 @@
 """The environment the daemon starts with, and so the one every job it submits inherits.
 
 sbatch exports the submitting process's whole environment to the job (``--export=ALL``), and the
-daemon submits with the environment it was started with (security review S5). What a user wants
+daemon submits with the environment it was started with. What a user wants
 there stays: PATH, LD_LIBRARY_PATH, loaded modules, their own variables, DETSLURM_*. What must not
 reach a job is dropped here, once, when the daemon starts:
 

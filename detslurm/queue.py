@@ -76,7 +76,7 @@ class PoolMove:
     experiment_id: int
     pool: str
     # The job comment's experiment-dir tag: the id alone may be another store's experiment
-    # (security review L4), so ops.move_to_pool moves only the experiment whose dir has this tag.
+    # so ops.move_to_pool moves only the experiment whose dir has this tag.
     tag: str = ""
 
     def describe(self) -> str:

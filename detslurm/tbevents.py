@@ -44,7 +44,7 @@ _TABLE = _crc32c_table()
 
 
 # CRC-32C four bytes at a time: ingest frames one record per metric report, and the byte loop
-# was a third of the daemon's ingest time (issue 15). Two 64k-entry tables, built on first use
+# was a third of the daemon's ingest time. Two 64k-entry tables, built on first use
 # (~60 ms): _TABLE16 advances the CRC over one 16-bit word, _TABLE16X over a word followed by
 # 16 zero bits, so a 32-bit step is the XOR of its low half through one and its high half
 # through the other (the CRC is linear).

@@ -2,8 +2,8 @@
 client). Every query the CLI needs lives here, so the CLI holds no SQL.
 
 Every entry point takes the caller's :class:`~detslurm.identity.Scope`: in a store shared by
-several users, another user's experiment, trial or checkpoint is "not found" (security review
-C3). Helpers that take a trial id (metrics, runs, notes) come after ``get_trial``/``get_experiment``
+several users, another user's experiment, trial or checkpoint is "not found"
+(docs/design/security.md). Helpers that take a trial id (metrics, runs, notes) come after ``get_trial``/``get_experiment``
 has checked it. Call them inside ``Store.read()``: nothing here writes."""
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def prepare(argv: Sequence[str], env: Mapping[str, str]) -> tuple[list[str], lis
 
 
 def run_secret_env(env: Mapping[str, str], nodes: Nodes, timeout_s: float = 120) -> dict[str, str]:
-    """The variables that give every rank of this step the run's secret (security review C1).
+    """The variables that give every rank of this step the run's secret (docs/design/security.md).
 
     The login node normally creates the secret per run and names it in DETSLURM_RUN_SECRET_FILE;
     then we only check here that it is usable, so a bad file fails the launch in one clear line.

@@ -27,7 +27,7 @@ def hostfile_text(nodes: Nodes) -> str:
 
 def write_hostfile(directory: Path, nodes: Nodes) -> Path:
     """The hostfile, 0600 under a fresh random name in ``directory`` (the trial's private
-    working dir): a predictable name there could have been a planted symlink (review C2)."""
+    working dir): a predictable name there could have been a planted symlink."""
     fd, name = tempfile.mkstemp(prefix="hostfile-", suffix=".txt", dir=directory)
     with os.fdopen(fd, "w") as f:
         f.write(hostfile_text(nodes))

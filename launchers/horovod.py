@@ -136,7 +136,7 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
         subprocess.Popen(worker_cmd(script), env=worker_env(base, nodes, i, addr, port, iface), start_new_session=True)
         for i in range(nodes.slots)
     ]
-    # Stops (issue 16): no horovodrun driver stands between Slurm and the ranks here, so nothing
+    # Stops (docs/design/preemption.md): no horovodrun driver stands between Slurm and the ranks here, so nothing
     # kills them on SIGTERM. Slurm signals every process of the step itself, and supervise()
     # passes each stop signal on to every worker's process group as well (the warning signal
     # reaches only this launcher on one node); each rank checkpoints, exits 0, and so does this
@@ -224,7 +224,7 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
         env.setdefault("NCCL_SOCKET_IFNAME", settings.network_interface)
         extra += ["--mca", "btl_tcp_if_include", settings.network_interface]
     names = [n for n in (SECRET_FILE_ENV, SECRET_ENV, "DETSLURM_TORCH_PORT", "NCCL_SOCKET_IFNAME") if env.get(n)]
-    # Stops (issue 16): mpirun forwards the warning signal (USR1/USR2) to every rank, which then
+    # Stops (docs/design/preemption.md): mpirun forwards the warning signal (USR1/USR2) to every rank, which then
     # checkpoints as under gloo. SIGTERM is not solved here: mpirun aborts the job on it, and the
     # srun that starts its daemons on the other nodes runs inside this step, where Slurm's SIGTERM
     # reaches it and srun then kills the daemons' step. When the batch shell got the SIGTERM too

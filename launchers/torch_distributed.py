@@ -70,7 +70,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     try:
         overrides, script, nodes, ports = prepare(argv, os.environ)
-        # The run's secret for DistributedContext's sockets (security review C1): normally the
+        # The run's secret for DistributedContext's sockets (docs/design/security.md): normally the
         # login node's per-run file, checked here so a bad one fails the launch in one line.
         secret = run_secret_env(os.environ, nodes)
     except LaunchError as e:

@@ -98,7 +98,7 @@ for family, addr in targets():
 print(json.dumps(results))
 """
 
-# Bad clients during group formation (review C1b): garbage, an oversized frame, a stall that
+# Bad clients during group formation: garbage, an oversized frame, a stall that
 # never answers the challenge. Prints how long the server kept the stalled connection open.
 C1B_BAD_CLIENTS = r"""
 import json, socket, struct, sys, time

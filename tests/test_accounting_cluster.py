@@ -1,4 +1,4 @@
-"""Security review M6 on a real cluster with accounting (MariaDB + slurmdbd): an array task
+"""Accounting on a real cluster with accounting (MariaDB + slurmdbd): an array task
 that has left squeue gets its real end (completed, failed, canceled, preempted) from sacct,
 looked up by its ARRAY_TASK id, instead of "lost"; a failing sacct costs only that detail.
 Time limit, preemption, node failure and cancel are told apart through one batched sacct once

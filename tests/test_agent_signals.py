@@ -1,4 +1,4 @@
-"""Issue 16: how the stop signals reach ranks under a launcher agent that would act on them
+"""Preemption (docs/design/preemption.md): how the stop signals reach ranks under a launcher agent that would act on them
 itself (DeepSpeed's), without a cluster. A stand-in agent behaves as DeepSpeed's two processes
 do (launchers/_agent.py): the outer one dies of SIGTERM and of the warning signal, the inner one
 kills its workers on SIGTERM and exits 1. Slurm is played by signalling every process of the

@@ -1,4 +1,4 @@
-"""Checkpoints are private, durable and do not pile up (security review M5, L8, L5).
+"""Checkpoints are private, durable and do not pile up (docs/design/security.md).
 
 The cross-user read attempt is tests/test_security_read.py::test_checkpoints_are_private; these
 check the modes, the opt-in group share, the fsync walk and the sweep of killed writers' dirs.

@@ -1,6 +1,6 @@
 """Read commands stay cheap whatever a trial wrote and whoever holds the store.
 
-- Logs (security review M2): a trial's output file is untrusted; `--tail` reads backwards from
+- Logs: a trial's output file is untrusted; `--tail` reads backwards from
   the end, `-f` and full listings read in chunks and cut over-long lines.
 - The store's write lock (M4): read commands never wait for another process's write transaction.
 """

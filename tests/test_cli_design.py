@@ -1,5 +1,5 @@
 """The CLI stays thin: no SQL (queries live in detslurm/views.py), and no branching on executor
-names outside cli/backend.py (design review §4 problems 5 and 7)."""
+names outside cli/backend.py (docs/design/architecture.md: the Backend is chosen once, at the CLI's edge)."""
 
 from __future__ import annotations
 

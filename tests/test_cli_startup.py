@@ -1,4 +1,4 @@
-"""What the quickest commands import (issue 15, `det t logs --tail 100` <= 0.1 s): with no daemon
+"""What the quickest commands import (goal: `det t logs --tail 100` <= 0.1 s): with no daemon
 running and no user config file, a read loads neither the protocol package, nor yaml, nor psutil,
 nor the ORM; those load where they are needed, and then still work."""
 

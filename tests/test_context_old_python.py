@@ -1,4 +1,4 @@
-"""Context extraction on a Python without tarfile's extraction filters (review L7).
+"""Context extraction on a Python without tarfile's extraction filters.
 
 Debian 12's system python3 is 3.11.2, which predates ``filter="data"``; trials on such nodes must
 still extract their code safely instead of failing. Run with the venv built from the system

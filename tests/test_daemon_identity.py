@@ -1,5 +1,5 @@
 """The daemon's pid file proves who the daemon is: host, uid, pid and the process's create time
-(security review M1). Anything else is "not running here", and is never signalled."""
+(docs/design/security.md). Anything else is "not running here", and is never signalled."""
 
 from __future__ import annotations
 

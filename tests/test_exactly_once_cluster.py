@@ -1,4 +1,4 @@
-"""Exactly-once submission on the real cluster (security review H3): a reply of sbatch that
+"""Exactly-once submission on the real cluster: a reply of sbatch that
 never comes back, a job id that cannot be noted in the run dir, and a disk that fills up under
 the checkpoints each end with one Slurm job per run, no resubmission and no restart charged."""
 

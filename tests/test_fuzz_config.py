@@ -1,5 +1,5 @@
 """Fuzzed experiment configs: every outcome is a valid config or a clean ConfigError, never a
-traceback (issue 6's fault-injection list). Values are drawn around the real schema so that the
+traceback. Values are drawn around the real schema so that the
 validator's deeper paths (searchers, hyperparameters, storage, sbatch args) are reached."""
 
 from __future__ import annotations

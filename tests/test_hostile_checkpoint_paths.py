@@ -1,5 +1,5 @@
 """Checkpoint rows are written from what a trial reported, so their paths are untrusted
-(security review H2): `det e delete` and `det checkpoint download` touch only
+(docs/design/security.md): `det e delete` and `det checkpoint download` touch only
 ``<storage base>/<uuid>`` and ``./checkpoints/<uuid>``, whatever a row says."""
 
 from __future__ import annotations

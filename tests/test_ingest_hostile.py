@@ -1,4 +1,4 @@
-"""Trial-written input cannot hurt the controller (review H1): hostile event lines are
+"""Trial-written input cannot hurt the controller: hostile event lines are
 quarantined with a note on their trial, and every other run and experiment keeps going."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from detslurm.protocol import ExpPaths, Metrics, encode
 from detslurm.store import Metric, Trial, open_store
 from detslurm.store.models import Experiment, ExperimentState, IngestOffset, LogEntry, TrialRun
 
-# Review H1's lines, plus an unknown type, a path-like checkpoint id and non-UTF-8 bytes.
+# Malformed fields of each event type, plus an unknown type, a path-like checkpoint id and non-UTF-8 bytes.
 HOSTILE = [
     b'{"type": "metrics", "group": "training", "steps_completed": "ten", "metrics": {}}',
     b'{"type": "metrics", "group": "training", "steps_completed": 1, "metrics": [1, 2]}',
@@ -221,7 +221,7 @@ path.parent.mkdir(parents=True, exist_ok=True)
 with open(path, "ab") as f:
     for line in {HOSTILE[:-1]!r}:
         f.write(line + b"\\n")
-    for _ in range(100):  # 100 MiB without a newline (review M2), then the good report
+    for _ in range(100):  # 100 MiB without a newline, then the good report
         f.write(b"x" * (1 << 20))
     f.write(b"\\n")
     f.write(encode(Metrics(group="validation", steps_completed=1, metrics={{"loss": 0.5}})).encode())

@@ -1,4 +1,4 @@
-"""What the daemon's jobs inherit (security review S5): Slurm's input and allocation variables
+"""What the daemon's jobs inherit: Slurm's input and allocation variables
 are dropped when the daemon starts; the user's own environment reaches jobs unchanged."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def test_sbatch_from_the_cli_does_not_carry_an_allocations_settings(
     slurm_env: Path, det: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A CLI doing the tick itself (no daemon) inside an allocation: sbatch reads SBATCH_* as
-    option defaults and hands the rest to the job; neither may leak (review S5)."""
+    option defaults and hands the rest to the job; neither may leak."""
     import subprocess
 
     from conftest import EXAMPLES

@@ -1,4 +1,4 @@
-"""Security review S1 on the real cluster: sbatch accepts a newline (and any control
+"""Odd job names on the real cluster: sbatch accepts a newline (and any control
 character) in a job's name or comment. Such a job of the same user must neither stop the
 daemon's tick nor `det job list`."""
 

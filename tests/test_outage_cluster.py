@@ -1,4 +1,4 @@
-"""Security review M7 on the real cluster: while slurmctld is down, pause and kill still reach
+"""A slurmctld outage on the real cluster: while slurmctld is down, pause and kill still reach
 running trials (their control files are written by the daemon's tick, which only logs that the
 scheduler is unreachable); the trials checkpoint and exit, and after slurmctld is back
 everything settles with no restart charged."""

@@ -1,4 +1,4 @@
-"""The trial's preemption signal handler (issue 16): it never hangs and never loses the checkpoint.
+"""The trial's preemption signal handler (docs/design/preemption.md): it never hangs and never loses the checkpoint.
 
 Each case runs in a fresh interpreter, so the handlers it installs and the signals it sends
 cannot touch pytest's own process.
@@ -95,7 +95,7 @@ def test_warning_signal_and_duplicates_ack_once(tmp_path: Path) -> None:
 
 
 def test_the_first_signal_s_arrival_is_kept_for_the_stop_time(tmp_path: Path) -> None:
-    # Issue 16 item 3: the acknowledgement reports when the first signal arrived (wall clock),
+    # Stop time: the acknowledgement reports when the first signal arrived (wall clock),
     # not when the trial got round to looking, and a repeat does not move it.
     res = _run(
         tmp_path,

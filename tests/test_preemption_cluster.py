@@ -1,4 +1,4 @@
-"""Issue 16 on the real test cluster: every way Slurm stops a trial ends with its checkpoint
+"""Preemption (docs/design/preemption.md) on the real test cluster: every way Slurm stops a trial ends with its checkpoint
 written and acknowledged, the job gone within KillWait, and the next run resuming from it."""
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_scontrol_requeue_checkpoints_and_resumes(det: Any) -> None:
 
 
 def test_slow_stop_is_measured_and_describe_warns(det: Any, tmp_path: Path) -> None:
-    """Item 3 of issue 16: the trial's time from the signal to its checkpoint is measured, and
+    """Stop time: the trial's time from the signal to its checkpoint is measured, and
     `det e describe` / `det t describe` warn when it is over the site's budget (here KillWait 15 s,
     no GraceTime). The warning signal is used because Slurm itself then kills nothing."""
     write(tmp_path / "ctx/slow_stop.py", (FIXTURES / "slow_stop.py").read_text())

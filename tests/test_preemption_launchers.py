@@ -1,4 +1,4 @@
-"""Issue 16 for the Horovod and DeepSpeed launchers, on two nodes x two ranks: a preemption
+"""Preemption (docs/design/preemption.md) for the Horovod and DeepSpeed launchers, on two nodes x two ranks: a preemption
 and the time limit's warning signal reach every rank, the Core API trial checkpoints and
 acknowledges, the job is gone within KillWait, and the next run resumes with no step lost or
 repeated and no restart charged. The stops and checks are test_preemption_multinode's."""

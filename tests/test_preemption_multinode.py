@@ -1,4 +1,4 @@
-"""Issue 16 on two nodes x two ranks (torch_distributed with DDP, and the Core API under the
+"""Preemption (docs/design/preemption.md) on two nodes x two ranks (torch_distributed with DDP, and the Core API under the
 torch_distributed launcher): every way Slurm stops a multi-node trial ends with its checkpoint
 written and acknowledged, the job gone within KillWait, and the next run resuming from it with
 no step lost or repeated.

@@ -73,7 +73,7 @@ def test_nan_metrics_survive_and_lines_without_version_are_v1() -> None:
     assert old == Progress(progress=0.5, time=1700000000.0)
 
 
-# Review H1's poison lines, and more of the same kind: each is a BadEvent with a reason.
+# Poison lines (malformed fields of each event type), and more of the same kind: each is a BadEvent with a reason.
 POISON = [
     ('{"type": "metrics", "group": "g", "steps_completed": "ten", "metrics": {}}', "'steps_completed' must be an int"),
     ('{"type": "metrics", "group": "g", "steps_completed": 1.5, "metrics": {}}', "'steps_completed' must be an int"),

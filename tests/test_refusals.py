@@ -1,4 +1,4 @@
-"""Refusing what can never run (issue 12 B), without a cluster: the pure check over a job's
+"""Refusing what can never run (docs/user/refusals.md), without a cluster: the pure check over a job's
 shape and Slurm's partitions/nodes, the pending-reason table, and the executor's use of both
 (one ``sbatch --test-only`` per job shape; jobs pending for a permanent reason are cancelled
 and their trial ends)."""

@@ -1,4 +1,4 @@
-"""Refuse what can never run, on the real test cluster (issue 12 B).
+"""Refuse what can never run, on the real test cluster (docs/user/refusals.md).
 
 ``det e create`` refuses, with the numbers and before anything exists, a request bigger than
 its pool, a time limit over the partition's MaxTime and an option sbatch rejects; a job made

@@ -238,7 +238,7 @@ def test_array_golden(tmp_path: Path) -> None:
 
 
 def test_env_names_are_checked_again_at_render() -> None:
-    """A stored config edited after validation (review L2/C3): a variable name that is shell code
+    """A stored config edited after validation: a variable name that is shell code
     never reaches the script, where names are written unquoted."""
     site = load_site_config(ROOT / "site-configs/test-cluster.yaml")
     for evil in ("X;touch PWNED;Y", "A B", "1X", "$(id)"):

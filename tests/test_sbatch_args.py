@@ -1,4 +1,4 @@
-"""sbatch argument validation parses like sbatch's getopt_long (security review M3)."""
+"""sbatch argument validation parses like sbatch's getopt_long (docs/design/security.md)."""
 
 from __future__ import annotations
 

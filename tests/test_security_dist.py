@@ -1,4 +1,4 @@
-"""Nobody but the trial's own ranks can join or kill its collectives (security review C1, C1b).
+"""Nobody but the trial's own ranks can join or kill its collectives (docs/design/security.md).
 
 The `security` tests run the attacks as a second Unix user (tests/security_harness.py) against
 real rank processes started with the environment a launcher gives them; the others check the
@@ -401,7 +401,7 @@ def chief_dist_port(timeout_s: float = 120) -> int:
 @pytest.mark.security
 @pytest.mark.usefixtures("slurm_env")
 def test_c1_on_the_cluster_two_nodes_two_ranks(det: Any, mallory: Attacker, marker: Path, tmp_path: Path) -> None:
-    """Review C1's reproduction, replayed: a neighbour attacks the chief of a 2x2 trial on c1
+    """The attack that derived the key from public ids, replayed: a neighbour attacks the chief of a 2x2 trial on c1
     with every key it can derive while the other ranks are still joining. The trial completes."""
     from conftest import write
 

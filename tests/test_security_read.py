@@ -48,7 +48,7 @@ def test_experiment_dir_data_dir_and_store_are_private(mallory: Attacker, finish
 
 
 def test_checkpoints_are_private(mallory: Attacker, finished_experiment: Path) -> None:
-    """Review M5: the checkpoint base and every checkpoint are the owner's alone."""
+    """The checkpoint base and every checkpoint are the owner's alone."""
     ckpts = finished_experiment / "ckpts"
     files = sorted(ckpts.rglob("metadata.json"))
     assert files
@@ -57,7 +57,7 @@ def test_checkpoints_are_private(mallory: Attacker, finished_experiment: Path) -
 
 
 def test_run_secret_file_is_private(mallory: Attacker) -> None:
-    """The collectives' key (review C1): even in a directory others may enter, only its owner reads it."""
+    """The collectives' key: even in a directory others may enter, only its owner reads it."""
     from detslurm.protocol.secret import write_run_secret
 
     base = victim_base()

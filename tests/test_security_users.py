@@ -1,4 +1,4 @@
-"""Two Unix users share one PostgreSQL store (security review C3): neither sees, changes nor
+"""Two Unix users share one PostgreSQL store (docs/design/security.md): neither sees, changes nor
 ticks the other's experiments.
 
 The victim ("alice") is this test process (root), running the CLI in-process; the attacker is

@@ -1,4 +1,4 @@
-"""A neighbour on the node cannot plant code in, or read, a trial's node-local files (review C2, M5).
+"""A neighbour on the node cannot plant code in, or read, a trial's node-local files (docs/design/security.md).
 
 Replays the review's reproduction on the real test cluster: the second user pre-creates the
 old predictable working dirs for the next job ids (mode 777, with a ``startup-hook.sh``, a
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.security, pytest.mark.slurm]
 SECRET = "topsecret-4c1d"
 PLANTED = 20
 
-# The attacker's planting, for each job id on argv: what review C2 step 1 does, plus symlinks
+# The attacker's planting, for each job id on argv: a dir per predictable old name, plus symlinks
 # at the old fixed names, all aimed at a file only the victim may write.
 PLANT = r"""
 import json, os, sys

@@ -1,7 +1,7 @@
 """Every command line the seed documents print, as written, parses; the launcher ones also run.
 
 The lines are listed here with the seed file and line they come from (the seeds are not part of
-this repository). Where the seeds' own checkout is next to the repo (``../shared/seeds``),
+this repository). Where the seeds' own checkout is next to the repo (a ``shared/seeds`` dir beside it),
 ``test_the_list_covers_every_seed_command`` re-extracts them and checks that none is missing.
 Placeholders (``<configuration file>``, ``$CUSTOM_RDZV_ADDR``, ``$RANK CMD [ARGS...]``) get
 stand-ins; ``dlprof`` (NVIDIA's profiler, not installable here) is a stand-in script that drops

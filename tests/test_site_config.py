@@ -1,4 +1,4 @@
-"""Site config values that reach the batch script are validated (security review L1)."""
+"""Site config values that reach the batch script are validated."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`det job update --resource-pool` on a running trial, on the real cluster: its own experiment
 moves (checkpoint, resubmit in the new partition); another store's experiment with the same id
-is left alone (security review L4)."""
+is left alone."""
 
 from __future__ import annotations
 

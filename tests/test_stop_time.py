@@ -1,4 +1,4 @@
-"""Issue 16, item 3: the time from Slurm's signal to the acknowledged checkpoint is measured,
+"""Stop time (docs/design/preemption.md): the time from Slurm's signal to the acknowledged checkpoint is measured,
 compared with the site's budget (GraceTime, KillWait, the warning lead), and preemption_timeout
 is honoured by the launcher."""
 

@@ -1,4 +1,4 @@
-"""Ingest and reads at scale (issue 15, goal 4): metric rows go in bulk yet a refused row still
+"""Ingest and reads at scale: metric rows go in bulk yet a refused row still
 costs only itself; the curve query downsamples; `det e describe` shows a bounded table."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A database URL's password never reaches a message (security review L9, C3): whatever is
+"""A database URL's password never reaches a message: whatever is
 wrong with the URL, `det` names it with the password masked, and no traceback."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Slurm's submit limits respected by throttling (issue 15 item 2): ``SlurmExecutor.capacity()``
+"""Slurm's submit limits respected by throttling: ``SlurmExecutor.capacity()``
 from MaxJobCount and the associations' MaxSubmitJobs minus this user's jobs in the tick's squeue
 answer, and a submission refused for such a limit taken back as ``SubmitLater``."""
 

@@ -1,4 +1,4 @@
-"""Slurm's submit limits on the real cluster (issue 15 item 2): an association's MaxSubmitJobs
+"""Slurm's submit limits on the real cluster: an association's MaxSubmitJobs
 set low with sacctmgr and enforced (a private cluster with accounting), an experiment with more
 trials than the limit, run by the real daemon. Every trial completes with one run, none errors
 or spends a restart, and this user's queue never holds more jobs than the limit."""

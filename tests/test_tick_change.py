@@ -1,4 +1,4 @@
-"""A tick whose change is one event walks only the trial it changed (issue 15): counts of the
+"""A tick whose change is one event walks only the trial it changed: counts of the
 Trial rows the ORM loads (a SQLAlchemy ``load`` event) and of SELECTs, never times. The
 controller runs the real SlurmClient and SlurmExecutor over bench/tick_cost.py's held-queue fake.
 """

@@ -1,4 +1,4 @@
-"""A daemon tick costs what changed (issue 15): counts, never times. The controller runs the
+"""A daemon tick costs what changed: counts, never times. The controller runs the
 real SlurmClient and SlurmExecutor over bench/tick_cost.py's held-queue fake, with an event
 reader that counts what it opens."""
 

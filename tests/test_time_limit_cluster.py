@@ -1,4 +1,4 @@
-"""Issue 16: a trial whose job really reaches its Slurm time limit (``--time=1`` through
+"""Preemption (docs/design/preemption.md): a trial whose job really reaches its Slurm time limit (``--time=1`` through
 ``slurm.sbatch_args``), not a warning signal sent by hand. Slurm's own warning signal (the
 site's ``signal_lead_s`` before the limit), or where the site gives no lead the SIGTERM at the
 limit, must end in an acknowledged checkpoint, the job gone within KillWait of the limit, and

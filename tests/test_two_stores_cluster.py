@@ -1,4 +1,4 @@
-"""Security review H4 on the real cluster: two stores (two databases, one experiments dir)
+"""Two stores on the real cluster: two stores (two databases, one experiments dir)
 each create experiment 1. Their dirs and job tags differ, they run side by side, neither
 adopts or kills the other's jobs, and a failing create removes only the dir it made."""
 

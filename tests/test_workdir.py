@@ -1,4 +1,4 @@
-"""The node-local working dir (security review C2, L5): fresh, private, verified, swept.
+"""The node-local working dir (docs/design/security.md): fresh, private, verified, swept.
 
 In-process checks of detslurm/exec/workdir.py and the launcher's use of it; the attack by a
 second user on the real cluster is in tests/test_security_workdir.py.

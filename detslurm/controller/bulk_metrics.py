@@ -1,7 +1,7 @@
-"""Metric rows inserted in bulk during ingest (issue 15: >= 100k rows/s).
+"""Metric rows inserted in bulk during ingest (goal: >= 100k rows/s, bench/README.md).
 
 Each event used to be applied in its own SAVEPOINT, so that a row the store refuses costs only
-itself (review H1): an ORM flush, a SAVEPOINT and its RELEASE per metric row, about 2,000
+itself: an ORM flush, a SAVEPOINT and its RELEASE per metric row, about 2,000
 rows/s on SQLite. Metric rows are now collected while a file's lines are read and written by
 one executemany in one SAVEPOINT; only when that fails are they retried one at a time, so a
 refused row is still quarantined alone and every other row is kept. (A validation's searcher

@@ -2,7 +2,7 @@
 
 As with GC (controller/gc.py) the rows stay, marked DELETED (or PARTIALLY_DELETED when only
 some files went), so history still shows them; the files are removed after the commit. Only
-``<storage base>/<uuid>`` is ever touched, never the path a trial reported (review H2), and only
+``<storage base>/<uuid>`` is ever touched, never the path a trial reported, and only
 by the checkpoint's owner.
 """
 

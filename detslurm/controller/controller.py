@@ -223,7 +223,7 @@ class Controller:
 
     def _check_owner(self, exp_id: int) -> None:
         """Driving another user's experiment would submit their code as this user (and their
-        jobs look lost to our squeue): refused even for root (review C3)."""
+        jobs look lost to our squeue): refused even for root (docs/design/security.md)."""
         with self.store.read() as s:
             owner = s.scalar(select(Experiment.owner).where(Experiment.id == exp_id))
         if owner is not None and owner != self.owner:

@@ -1,4 +1,4 @@
-"""Trial-run exit -> trial decision (Determined's lifecycle rules, reference §6)."""
+"""Trial-run exit -> trial decision (Determined's trial lifecycle rules)."""
 
 from __future__ import annotations
 

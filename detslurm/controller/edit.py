@@ -109,7 +109,7 @@ def save_priority(store: Store, exp_id: int, priority: int, *, tag: str, scope: 
     next submission (a restart, a resume after pause or preemption) gets the same nice.
 
     ``tag`` comes from the job's comment, as for pool moves: the id alone may be another store's
-    experiment (security review L4). Returns whether an experiment of this store was changed."""
+    experiment. Returns whether an experiment of this store was changed."""
     with store.tx() as s:
         exp = s.get(Experiment, exp_id)
         if exp is None or not (scope or Scope.mine()).sees(exp.owner) or tag != experiment_tag(exp.exp_dir):

@@ -1,6 +1,6 @@
 """JSON at ingest through orjson, where it reads and writes what the standard library would.
 
-Ingest parses every event line a trial writes and encodes every metric report it stores (issue 15:
+Ingest parses every event line a trial writes and encodes every metric report it stores (goal:
 >= 100k rows/s); the standard library's json was a fifth of that work. orjson (a C library) is
 used only where its result is the standard library's: anything else takes ``json``, which stays
 the reference (``protocol.decode``) and names what is wrong with a line. orjson is a login-node

@@ -102,7 +102,7 @@ def remove_dirs(paths: list[Path]) -> None:
 
 def remove_own_dir(path: Path) -> None:
     """Remove ``path`` if it is a real directory of this user's. Paths come from the store,
-    which other users of a shared database can write (review C3), and below a checkpoint base a
+    which other users of a shared database can write (docs/design/security.md), and below a checkpoint base a
     trial writes: a symlink (to another experiment's checkpoint, say), or a directory someone
     else owns, is left alone."""
     try:

@@ -175,10 +175,10 @@ def kill_trial(store: Store, trial_id: int, scope: Scope | None = None) -> None:
 
 def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
     """Delete an ended experiment: its rows in one transaction, then (after the commit, so a big
-    tree on NFS never holds the store's write lock: review M4) its checkpoints and its dir.
+    tree on NFS never holds the store's write lock) its checkpoints and its dir.
 
     Only ``<storage base>/<uuid>`` is removed for a checkpoint, never the path the trial
-    reported (review H2). Only the owner deletes: root's --all-users would otherwise remove, as
+    reported. Only the owner deletes: root's --all-users would otherwise remove, as
     root, directories named by rows that anyone with the database password can edit."""
     with store.tx() as s:
         exp = _get(s, exp_id, scope)
@@ -207,7 +207,7 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
     ``tag`` comes from the Slurm job the user named. Job comments carry only a store-local
     experiment id, so the id is trusted only when the tag says the job was submitted from this
     experiment's dir: another store's (or another user's) experiment with the same id is left
-    alone (security review L4).
+    alone.
     """
     with store.tx() as s:
         exp = s.get(Experiment, exp_id)

@@ -4,7 +4,7 @@ A checkpoint is written into ``<base>/.<uuid>.partial`` and renamed to ``<base>/
 when complete, after ``metadata.json``; a crash mid-write leaves the previous checkpoint as the
 latest usable one. Sharded checkpoints: every rank writes into the same partial directory.
 
-Private by default (security review M5): checkpoints hold weights and pickles that the Trainer
+Private by default (docs/design/security.md): checkpoints hold weights and pickles that the Trainer
 loads on restart, so a base dir we create is 0700 and every checkpoint is 0700 dirs and 0600
 files (0700 where the owner may execute), whatever the umask. A base that already exists keeps
 its mode (a group project dir set up on purpose). To share checkpoints with the group, set

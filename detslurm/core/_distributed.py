@@ -5,7 +5,7 @@ global group over TCP on ``chief_ip:port``; each node's local chief serves its n
 socket. Every collective is "send to the server, get the result back", so the calls of all ranks
 must be made in the same order, as with any collective.
 
-Security (review C1, C1b): any user on the cluster can reach these sockets, so
+Security (docs/design/security.md): any user on the cluster can reach these sockets, so
 
 - frames are JSON, never pickles: what comes from the network is data, not code;
 - a member proves it holds this run's random secret (``detslurm.protocol.secret``: never derived from

@@ -1,4 +1,4 @@
-"""Append-only JSON-lines event files in the trial run's dir (ARCHITECTURE.md, contract 2).
+"""Append-only JSON-lines event files in the trial run's dir (docs/design/architecture.md, rule 2).
 
 Every line is a typed record of :mod:`detslurm.protocol.events`, written by its one encoder.
 

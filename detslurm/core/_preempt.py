@@ -3,7 +3,7 @@
 A watcher thread on the chief stats the run's control file; ``should_preempt()`` gives every
 rank the chief's answer.
 
-Why the signal handler is shaped as it is (issue 16):
+Why the signal handler is shaped as it is (docs/design/preemption.md):
 
 - CPython runs a Python-level handler in the main thread, between two bytecodes of whatever the
   main thread was doing. The handler therefore takes no lock of any kind: not even

@@ -1,6 +1,6 @@
 """Early writeback: a checkpoint's data goes to disk while the trial is still writing it.
 
-A checkpoint is durable before its rename (review L8), so ``store_path`` ends with an fsync of
+A checkpoint is durable before its rename, so ``store_path`` ends with an fsync of
 every file. Left alone, the kernel keeps a freshly written checkpoint in the page cache (a
 node with a lot of memory starts writeback only after gigabytes are dirty, or 30 s), so that
 fsync finds the whole checkpoint still to write, and the trial waits for the disk after it

@@ -109,7 +109,7 @@ def _run_hook(workdir: Path, env: dict[str, str]) -> int:
     print(f"detslurm: running {hook.name}", flush=True)
     # The hook may export variables for the entrypoint, so source it and read the environment
     # back. Through a pipe, never a file: the environment holds the experiment config and every
-    # environment_variables secret (security review C2: the old .hook-env file was world-readable
+    # environment_variables secret (the old .hook-env file was world-readable
     # and its predictable name could be a planted symlink). The hook runs with the pipe closed,
     # so a background process it starts cannot hold it open and hang us.
     read_fd, write_fd = os.pipe()

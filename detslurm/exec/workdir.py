@@ -1,6 +1,6 @@
 """A Slurm trial's node-local working dir: fresh, private, verified, swept when left behind.
 
-Security review C2: the old dir had a predictable name in a world-writable dir and was reused
+Why (docs/design/security.md): an older dir had a predictable name in a world-writable dir and was reused
 when it existed, so another user could pre-create it and plant a ``startup-hook.sh`` or a module
 that shadows ``json``. Now every launcher makes its own dir with ``mkdtemp`` (random name, 0700,
 created exclusively) and checks it with ``lstat`` before anything goes in; no path here is ever

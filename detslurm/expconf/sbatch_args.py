@@ -4,7 +4,7 @@ sbatch parses its command line with GNU ``getopt_long`` (with a leading ``+``: p
 the first non-option). That accepts unique prefixes of long options (``--comm=x`` is
 ``--comment=x``), clustered short options (``-vJx`` is ``-v -J x``), short options glued to
 their value (``-Jname``) and a value in the next word (``--partition gpu``). A check that only
-compares exact names is therefore easy to bypass (security review M3), so this module carries
+compares exact names is therefore easy to bypass, so this module carries
 sbatch's option table and resolves every word exactly as getopt_long would, then refuses the
 options detslurm controls and any positional word (sbatch would run that file as the batch
 script instead of the one detslurm pipes in).

@@ -1,4 +1,4 @@
-"""The trial environment contract (ARCHITECTURE.md, contract 1): one encoder, one decoder.
+"""The trial environment contract (docs/design/architecture.md, rule 1): one encoder, one decoder.
 
 The controller builds a trial's environment with :func:`trial_env`; in-job code reads it back
 with :func:`from_env` (``detslurm.core.get_cluster_info`` caches it per process).

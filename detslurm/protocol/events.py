@@ -101,7 +101,7 @@ class PreemptAck(_Event):
     TYPE = EventType.PREEMPT_ACK
     # When Slurm's signal (SIGTERM or the warning signal) reached the trial, on the compute
     # node's clock like ``time``; None for a stop asked through the control file. The controller
-    # measures the trial's stop time from it (signal -> acknowledged checkpoint, issue 16).
+    # measures the trial's stop time from it (signal -> acknowledged checkpoint, docs/design/preemption.md).
     signal_time: float | None = None
 
 

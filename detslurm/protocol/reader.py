@@ -30,7 +30,7 @@ from detslurm.util import file_kind, open_regular
 MAX_CHUNK = 8 << 20
 MAX_LINE = 1 << 20
 SKIP_BLOCK = 1 << 20
-# NFS writeback gap (review S2): a client that flushes dirty pages out of order extends the
+# NFS writeback gap: a client that flushes dirty pages out of order extends the
 # file before the earlier bytes arrive, and a reader on another host sees a NUL-filled region
 # (often followed by the newline of a later line) that fills in moments later. Consuming it as
 # "corrupt" would lose real events. So a line with NUL bytes is held back (nothing at or after

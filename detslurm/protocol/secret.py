@@ -1,4 +1,4 @@
-"""The per-run secret that authenticates a trial's collectives (security review C1).
+"""The per-run secret that authenticates a trial's collectives (docs/design/security.md).
 
 Created on the login node for every run (``write_run_secret``), 0600 in the run's private dir, and
 named to the job by ``DETSLURM_RUN_SECRET_FILE``; every rank reads it with ``read_run_secret``,

@@ -1,4 +1,4 @@
-"""The one module that talks to Slurm (ARCHITECTURE.md contract 6).
+"""The one module that talks to Slurm (docs/design/architecture.md, rule 6).
 
 Every call goes through :class:`SlurmClient` with a timeout and returns typed results; the
 command runner is injected so unit tests can pass a fake that behaves like the real commands.
@@ -170,7 +170,7 @@ class SlurmClient:
     def sbatch(self, args: Sequence[str], script: str) -> str:
         """Submit ``script`` (given on stdin: nothing is written that a user could swap)."""
         # sbatch hands its whole environment to the job (--export=ALL): never that of an
-        # allocation `det` happens to run in (SLURM_*, SBATCH_*, its TMPDIR), review S5.
+        # allocation `det` happens to run in (SLURM_*, SBATCH_*, its TMPDIR).
         res = self._run(["sbatch", "--parsable", *args], input=script, env=daemon_env(os.environ).env)
         return parse.parse_sbatch(res.stdout)
 

@@ -1,4 +1,4 @@
-"""Refuse what can never run, before anything is queued (issue 12 B).
+"""Refuse what can never run, before anything is queued (docs/user/refusals.md).
 
 A request bigger than its pool (more nodes than the partition has, more slots than any node
 holds, a time limit over MaxTime, an account or QOS the partition does not allow) would sit

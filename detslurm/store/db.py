@@ -3,8 +3,7 @@
 Several CLI processes and the controller may write at once. SQLite in WAL mode with a busy
 timeout serialises writers safely; every write goes through ``Store.tx()``, one transaction
 that commits or rolls back as a whole. Work that only reads goes through ``Store.read()``: a
-deferred transaction that takes no write lock, so ``det e list`` never waits for a writer
-(security review M4).
+deferred transaction that takes no write lock, so ``det e list`` never waits for a writer.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ class TxKind(str, enum.Enum):
 
 
 def display_url(url: str) -> str:
-    """``url`` with its password masked, for messages and logs (security review L9)."""
+    """``url`` with its password masked, for messages and logs."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:

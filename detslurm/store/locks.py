@@ -1,7 +1,7 @@
 """File locks (the daemon's controller lock, the SQLite migration lock) with clear errors.
 
 ``flock`` is local-only on NFS mounted with ``local_lock=flock`` and refused on Lustre mounted
-without ``flock`` (security review S4). filelock already falls back to a lock file when the
+without ``flock``. filelock already falls back to a lock file when the
 filesystem reports ENOSYS; any other OSError (ENOLCK, EOPNOTSUPP, EACCES, a missing dir) would
 otherwise surface as a traceback. Here it becomes a LockError that says what to do.
 """

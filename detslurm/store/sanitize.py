@@ -1,4 +1,4 @@
-"""Make trial-written values storable in SQLite and PostgreSQL alike (security review S3).
+"""Make trial-written values storable in SQLite and PostgreSQL alike.
 
 PostgreSQL rejects some values that SQLite stores without complaint, and a rejected row fails
 the whole transaction (with ingest, the whole tick: H1):

@@ -1,7 +1,7 @@
 """widen metrics.group to 256 and trial_runs.job_id to text
 
 PostgreSQL enforces VARCHAR lengths (SQLite does not): a metric group of more than 64 characters
-or a ``--local`` job id (it holds a path) of more than 128 failed there (security review S3).
+or a ``--local`` job id (it holds a path) of more than 128 failed there.
 The group keeps a bound, enforced at ingest by detslurm.store.sanitize.metric_group.
 
 Revision ID: 0002

@@ -1,6 +1,6 @@
 """trial_runs: when Slurm's stop signal reached the trial, and its measured stop time
 
-Issue 16: the time from the signal to the acknowledged checkpoint is compared with the site's
+Preemption (docs/design/preemption.md): the time from the signal to the acknowledged checkpoint is compared with the site's
 budget (GraceTime, KillWait, the warning signal's lead).
 
 Revision ID: 0003_preempt2
