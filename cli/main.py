@@ -131,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         click.echo("Interrupted.", err=True)
         return 130
     except Exception as e:
-        if os.environ.get("DETSLURM_DEBUG"):
+        # Imported here, on the rare internal error: `det --help` never needs the settings.
+        from detslurm.settings import DEBUG
+
+        if DEBUG.get():
             traceback.print_exc()
         click.echo(f"Error: internal error ({type(e).__name__}: {e}); set DETSLURM_DEBUG=1 for details", err=True)
         return 1

@@ -42,7 +42,7 @@ def doctor(app: App, as_json: bool, no_probe: bool, pools: tuple[str, ...], imag
     """Check Slurm, the site config and every pool's nodes; exit 1 when there is a problem."""
     from detslurm.doctor.findings import Status, report_json, worst
     from detslurm.doctor.run import ProbeOptions, diagnose
-    from detslurm.slurm.site import site_config_path
+    from detslurm.settings import site_config_path
 
     # site_config_path names $DETSLURM_SITE_CONFIG even when missing (loading it then fails
     # clearly); "found" here means a file was actually read.

@@ -2,7 +2,7 @@
 trial when it builds its checkpoint context, and by ``det e create`` when a config sets them in
 ``environment.environment_variables``, so a typo fails at create, not in the queued job.
 
-Standard library only: the config check imports this on every create.
+Standard library only (detslurm.settings is too): the config check imports this on every create.
 """
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-SHARE_ENV = "DETSLURM_CHECKPOINT_SHARE"
+from detslurm import settings
+
+SHARE_ENV = settings.CHECKPOINT_SHARE.name
 # "0" turns the early writeback off (a filesystem where starting the writes of a checkpoint
 # while it is written costs more than it overlaps); "1" or unset: on.
-WRITEBACK_ENV = "DETSLURM_CHECKPOINT_WRITEBACK"
+WRITEBACK_ENV = settings.CHECKPOINT_WRITEBACK.name
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Modes:
 
 def checkpoint_modes(env: Mapping[str, str]) -> Modes:
     """Owner-only, or group-readable with ``DETSLURM_CHECKPOINT_SHARE=group``."""
-    share = env.get(SHARE_ENV, "").strip().lower()
+    share = (settings.CHECKPOINT_SHARE.raw(env) or "").strip().lower()
     if share == "group":
         return Modes(0o750, 0o640, 0o750)
     if share not in ("", "none", "private"):
@@ -37,7 +39,7 @@ def checkpoint_modes(env: Mapping[str, str]) -> Modes:
 
 def early_writeback(env: Mapping[str, str]) -> bool:
     """Whether store_path starts writing large files to disk while they are written (_writeback)."""
-    value = env.get(WRITEBACK_ENV, "").strip()
+    value = (settings.CHECKPOINT_WRITEBACK.raw(env) or "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{WRITEBACK_ENV}={value!r}: expected 0 or 1")
     return value != "0"

@@ -27,7 +27,7 @@ from detslurm import settings as settings_mod
 from detslurm.errors import StateError
 from detslurm.jobenv import daemon_env, warn_once
 from detslurm.settings import Settings
-from detslurm.util import atomic_write_text, env_number
+from detslurm.util import atomic_write_text
 
 if TYPE_CHECKING:
     from detslurm.controller.controller import Controller
@@ -40,9 +40,6 @@ if TYPE_CHECKING:
 # its lock and writes its pid first, so `det e create` waits for it only briefly.
 
 log = logging.getLogger("detslurm.daemon")
-# A file the daemon appends one JSON line to per tick (CPU and wall seconds, Slurm commands):
-# how the scale benchmark (bench/asha_scale.py) reads the real daemon's own cost per tick.
-TICK_STATS_ENV = "DETSLURM_TICK_STATS"
 
 
 class Paths:
@@ -411,9 +408,10 @@ def _file_id(path: Path) -> Optional[tuple[int, int]]:
 
 
 def _tick_stats(cpu_start: float, wall_start: float, slurm_calls: int) -> None:
-    """One line for the tick that just ended, where TICK_STATS_ENV names a file."""
-    path = os.environ.get(TICK_STATS_ENV)
-    if not path:
+    """One line for the tick that just ended, where $DETSLURM_TICK_STATS names a file (CPU and wall
+    seconds, Slurm commands): how bench/asha_scale.py reads the real daemon's own cost per tick."""
+    path = settings_mod.TICK_STATS.get()
+    if path is None:
         return
     cpu, wall = time.process_time() - cpu_start, time.perf_counter() - wall_start
     with open(path, "a") as f:
@@ -444,7 +442,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args[:1] == ["run"]:
         # An idle daemon exits (after 10 minutes by default) so no process lingers on a shared login
         # node; the next `det e create` or activate starts one again.
-        return run_forever(s, env_number("DETSLURM_DAEMON_IDLE_EXIT_S", 600.0))
+        return run_forever(s, settings_mod.DAEMON_IDLE_EXIT_S.get())
     print("usage: python -m detslurm.daemon run", file=sys.stderr)
     return 2
 

@@ -125,20 +125,6 @@ def import_from_path(path: str | os.PathLike[str]) -> Iterator[None]:
                 del sys.modules[name]
 
 
-def env_number(name: str, default: float, env: Any = None) -> float:
-    """A numeric setting from the environment; a value that is not a number is a clear error
-    naming the variable (never a ValueError traceback from deep inside)."""
-    from detslurm.errors import DetSlurmError
-
-    raw = (os.environ if env is None else env).get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise DetSlurmError(f"${name} must be a number, got {raw!r}") from None
-
-
 def open_regular(path: os.PathLike[str] | str, flags: int) -> tuple[BinaryIO, os.stat_result] | None:
     """``path`` opened with ``flags`` (add O_NONBLOCK where a FIFO could stand in: its open then
     does not wait for a writer) as a binary file, with its fstat; None, and nothing left open,

@@ -56,8 +56,9 @@ from typing import Any, Optional
 
 from detslurm.launch._common import handling
 from detslurm.launch._pidwait import ChildWait
-from detslurm.launch.wrap_rank import FAILED_RANKS_ENV, STOP_SIGNALS
+from detslurm.launch.wrap_rank import STOP_SIGNALS
 from detslurm.protocol import NotARunDir, RunPaths
+from detslurm.settings import FAILED_RANKS_DIR
 
 # Delivered to the workers, never acted on by the agent: Slurm's SIGTERM and the warning signals.
 # (Defined in wrap_rank, which every worker runs and which must import nothing of ours.)
@@ -208,7 +209,7 @@ def run_agent(
     depth = 2 if hold_stop_signals else 1
     # mkdtemp: private (0700) under a random name, so no other user can plant or remove marks.
     with tempfile.TemporaryDirectory(prefix="detslurm-ranks-") as failed:
-        agent = agent_env(env) if grace is None else {**agent_env(env), FAILED_RANKS_ENV: failed}
+        agent = agent_env(env) if grace is None else {**agent_env(env), FAILED_RANKS_DIR.name: failed}
         proc = subprocess.Popen(list(cmd), env=agent, start_new_session=True, preexec_fn=hold)
         with _forward_to_workers(proc, deep=hold_stop_signals):
             if grace is None:

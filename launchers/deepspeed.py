@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from detslurm import settings
 from detslurm.launch import wrap_rank
 from detslurm.launch._agent import run_agent
 from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
@@ -74,7 +75,7 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int, hostfile: s
     out["USE_DEEPSPEED"] = "1"
     out["DET_CHIEF_IP"] = nodes.chief
     out["DET_DEEPSPEED_HOSTFILE_PATH"] = hostfile
-    out["DETSLURM_DIST_PORT"] = str(dist_port)
+    out[settings.DIST_PORT.name] = str(dist_port)
     # DeepSpeed's CPU accelerator counts NUMA nodes as devices unless told the local size.
     out.setdefault("LOCAL_SIZE", str(nodes.slots))
     return out

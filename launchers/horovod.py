@@ -41,6 +41,7 @@ from detslurm.launch._common import (
 )
 from detslurm.launch._horovod_args import Controller, HorovodSettings, parse_overrides, report
 from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV
+from detslurm.settings import DIST_PORT, NETWORK_INTERFACE, TORCH_PORT
 
 # The first word after the overrides' `--` in Determined's legacy entrypoints.
 AUTOHOROVOD = "--autohorovod"
@@ -124,11 +125,11 @@ def gloo_main(nodes: Nodes, script: Sequence[str], env: Mapping[str, str], setti
             return fail(str(e))
         port, dist_port, torch_port = int(published["port"]), int(published["dist"]), int(published["torch"])
     addr = nodes.chief
-    iface = settings.network_interface or env.get("DETSLURM_NETWORK_INTERFACE")
+    iface = settings.network_interface or NETWORK_INTERFACE.raw(env)
     # Gloo otherwise picks the first interface, often one the other nodes cannot reach
     # (docker0, a management net); the one that resolves to this node's name is routable.
     iface = iface or interface_for(nodes.hosts[nodes.node_rank])
-    base = dict(env, DETSLURM_DIST_PORT=str(dist_port), DETSLURM_TORCH_PORT=str(torch_port), **secret)
+    base = {**env, DIST_PORT.name: str(dist_port), TORCH_PORT.name: str(torch_port), **secret}
     base.update(settings.env)
     procs = [
         # A session per worker so supervise() can signal each worker's whole process group
@@ -181,7 +182,7 @@ def mpi_cmd(
         "-x",
         "DET_CHIEF_IP",
         "-x",
-        "DETSLURM_DIST_PORT",
+        DIST_PORT.name,
         *(arg for name in exported for arg in ("-x", name)),
         *rest,
         *wrap_rank.command("OMPI_COMM_WORLD_RANK,PMI_RANK", script, python),
@@ -214,8 +215,7 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
         # share the resources the running launcher step already holds (Slurm >= 20.11).
         OMPI_MCA_plm_slurm_args="--overlap",
         DET_CHIEF_IP=nodes.chief,
-        DETSLURM_DIST_PORT=str(dist_port),
-        DETSLURM_TORCH_PORT=str(torch_port),
+        **{DIST_PORT.name: str(dist_port), TORCH_PORT.name: str(torch_port)},
     )
     env.update(secret)
     env.update(settings.env)
@@ -223,7 +223,7 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
     if settings.network_interface:
         env.setdefault("NCCL_SOCKET_IFNAME", settings.network_interface)
         extra += ["--mca", "btl_tcp_if_include", settings.network_interface]
-    names = [n for n in (SECRET_FILE_ENV, SECRET_ENV, "DETSLURM_TORCH_PORT", "NCCL_SOCKET_IFNAME") if env.get(n)]
+    names = [n for n in (SECRET_FILE_ENV, SECRET_ENV, TORCH_PORT.name, "NCCL_SOCKET_IFNAME") if env.get(n)]
     # Stops (docs/design/preemption.md): mpirun forwards the warning signal (USR1/USR2) to every rank, which then
     # checkpoints as under gloo. SIGTERM is not solved here: mpirun aborts the job on it, and the
     # srun that starts its daemons on the other nodes runs inside this step, where Slurm's SIGTERM

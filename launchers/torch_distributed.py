@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from detslurm import settings
 from detslurm.launch import wrap_rank
 from detslurm.launch._agent import FAILURE_GRACE_S, run_agent
 from detslurm.launch._common import LaunchError, Nodes, fail, help_requested, prepare, run_secret_env
@@ -61,7 +62,7 @@ def launch_env(env: Mapping[str, str], nodes: Nodes, dist_port: int) -> dict[str
     # environment only, never in ours (Determined's launcher leaks it into os.environ).
     out["USE_TORCH_DISTRIBUTED"] = "True"
     out["DET_CHIEF_IP"] = nodes.chief
-    out["DETSLURM_DIST_PORT"] = str(dist_port)  # for core.DistributedContext.from_torch_distributed()
+    out[settings.DIST_PORT.name] = str(dist_port)  # for core.DistributedContext.from_torch_distributed()
     return out
 
 

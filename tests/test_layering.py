@@ -19,7 +19,8 @@ SOURCES = {"detslurm": "detslurm", "cli": "detslurm.cli", "launchers": "detslurm
 
 IN_JOB = ("detslurm.core", "detslurm.pytorch", "detslurm.exec", "detslurm.launch")
 # ckpt_settings: the checkpoint settings that the trial and the login side's config check share.
-LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context", "detslurm.ckpt_settings")
+# settings: every DETSLURM_* variable, the job protocol's included (standard library only).
+LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context", "detslurm.ckpt_settings", "detslurm.settings")
 PROTOCOL = "detslurm.protocol"
 LOGIN = (
     "detslurm.controller",
@@ -32,7 +33,6 @@ LOGIN = (
     "detslurm.queue",
     # Not in the issue's list, but login-side all the same: none of them runs in a job.
     "detslurm.client",
-    "detslurm.settings",
     "detslurm.searcher",
     "detslurm.expconf",
     "detslurm.doctor",

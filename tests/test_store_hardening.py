@@ -200,8 +200,8 @@ def test_mask_hides_both_forms_of_the_password() -> None:
 
 def test_numeric_settings_are_checked() -> None:
     from detslurm.errors import DetSlurmError
-    from detslurm.util import env_number
+    from detslurm.settings import SLURM_TIMEOUT_S as T
 
-    assert env_number("X_T", 3.0, {"X_T": "2.5"}) == 2.5 and env_number("X_T", 3.0, {}) == 3.0
-    with pytest.raises(DetSlurmError, match=r"\$X_T must be a number, got 'ten'"):
-        env_number("X_T", 3.0, {"X_T": "ten"})
+    assert T.get({T.name: "2.5"}) == 2.5 and T.get({}) == T.get({T.name: ""}) == 30.0
+    with pytest.raises(DetSlurmError, match=r"\$DETSLURM_SLURM_TIMEOUT_S must be a number, got 'ten'"):
+        T.get({T.name: "ten"})

@@ -17,6 +17,7 @@ from typing import Any
 
 import paramiko
 
+from detslurm import settings
 from detslurm.cli.remote.target import RemoteError, Target
 
 _DEFAULT_IDENTITIES = ("id_ed25519", "id_ecdsa", "id_rsa")
@@ -48,7 +49,7 @@ def ssh_dir() -> Path:
 
 
 def load_config() -> paramiko.SSHConfig:
-    path = Path(os.environ.get("DETSLURM_SSH_CONFIG") or ssh_dir() / "config")
+    path = settings.SSH_CONFIG.get() or ssh_dir() / "config"
     if not path.is_file():
         return paramiko.SSHConfig()
     try:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from detslurm import settings
 from detslurm.errors import ConfigError, DetSlurmError
 
 # Determined users often already have DET_MASTER=http://master:8080 in their environment; only
@@ -22,7 +23,7 @@ from detslurm.errors import ConfigError, DetSlurmError
 # environment, but refused when given explicitly with -m.
 _SCHEME = "ssh://"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
-DEFAULT_PERSIST_S = 600.0
+DEFAULT_PERSIST_S = settings.REMOTE_PERSIST_S.default
 
 
 class RemoteError(DetSlurmError):
@@ -122,11 +123,11 @@ def remote_settings(raw: Any, env: Mapping[str, str], where: str) -> RemoteSetti
     unknown = sorted(set(raw) - {"det", "setup", "persist_s"})
     if unknown:
         raise ConfigError([f"{where}: remote: unknown key {k!r}; valid: det, setup, persist_s" for k in unknown])
-    det = env.get("DETSLURM_REMOTE_DET") or raw.get("det", "det")
-    setup_raw = env.get("DETSLURM_REMOTE_SETUP") or raw.get("setup", [])
+    det = settings.REMOTE_DET.raw(env) or raw.get("det", "det")
+    setup_raw = settings.REMOTE_SETUP.raw(env) or raw.get("setup", [])
     if isinstance(setup_raw, str):
         setup_raw = setup_raw.splitlines()
-    persist = env.get("DETSLURM_REMOTE_PERSIST_S") or raw.get("persist_s", DEFAULT_PERSIST_S)
+    persist = settings.REMOTE_PERSIST_S.raw(env) or raw.get("persist_s", DEFAULT_PERSIST_S)
     errors = []
     if not isinstance(det, str) or not det:
         errors.append(f"{where}: remote.det must be a path to det (or a venv), got {det!r}")
@@ -144,19 +145,7 @@ def remote_settings(raw: Any, env: Mapping[str, str], where: str) -> RemoteSetti
 
 def load_remote_settings(env: Mapping[str, str]) -> RemoteSettings:
     """Read `remote:` from the user config file (detslurm.settings.config_path)."""
-    import yaml
-
-    from detslurm import settings
-
-    path = settings.config_path()
-    raw: Any = {}
-    if path.is_file():
-        try:
-            doc = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError([f"{path}: {e}"], source="detslurm user config") from None
-        raw = doc.get("remote") if isinstance(doc, dict) else None
-    return remote_settings(raw, env, str(path))
+    return remote_settings(settings.read_user_config(env).get("remote"), env, str(settings.config_path(env)))
 
 
 # Linux's sockaddr_un holds 108 bytes including the terminating NUL.

@@ -14,6 +14,7 @@ from typing import BinaryIO
 
 import psutil
 
+from detslurm import settings
 from detslurm.controller.executor import ExitCause, JobState, JobStatus, RunSpec
 from detslurm.protocol import exit_outcome, exit_record_of
 
@@ -48,8 +49,9 @@ class LocalExecutor:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         # A controller started inside a Slurm job (or a trial) must not pass its own ids on: inherited
         # SLURM_* would make the launcher treat a local run as a job step, DET_* would name another
-        # trial, and DETSLURM_DIST_SECRET must be fresh per run (protocol/secret.py).
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "DETSLURM_DIST", "SLURM_"))}
+        # trial, and the job protocol's variables (the run secret above all) are set fresh per run.
+        stale = settings.protocol_names()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_", "SLURM_")) and k not in stale}
         env.update(spec.env)
         with _open_log(spec.log_path) as log:
             proc = subprocess.Popen(

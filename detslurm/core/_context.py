@@ -10,8 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import platformdirs
-
+from detslurm import settings
 from detslurm.ckpt_settings import checkpoint_modes
 from detslurm.core._checkpoint import CheckpointContext, ensure_base
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
@@ -149,8 +148,8 @@ def _dummy_init(
     writer = NullWriter()
     # Off-cluster checkpoints go where the login-side settings keep data, so a script run by
     # hand finds them where `det` would look.
-    data_dir = os.environ.get("DETSLURM_DATA_DIR") or platformdirs.user_data_dir("detslurm")
-    base = _storage_base(checkpoint_storage, Path(data_dir) / "checkpoints")
+    data_dir = settings.DATA_DIR.get() or settings.default_data_dir()
+    base = _storage_base(checkpoint_storage, data_dir / "checkpoints")
     ensure_base(base, checkpoint_modes(os.environ))
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(

@@ -18,9 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import platformdirs
-import yaml
-
+from detslurm import settings
 from detslurm.core._checkpoint import CheckpointContext
 from detslurm.core._context import Context
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
@@ -28,6 +26,7 @@ from detslurm.core._events import EventWriter, NullWriter
 from detslurm.core._preempt import PreemptContext, PreemptMode
 from detslurm.core._searcher import SearcherContextMissing
 from detslurm.core._train import TrainContext, Writer
+from detslurm.errors import ConfigError
 from detslurm.protocol import ClusterInfo, TrialInfo
 from detslurm.protocol.detached import (
     DetachedLayout,
@@ -36,7 +35,6 @@ from detslurm.protocol.detached import (
     RunClosed,
     allocate_run,
     detached_root,
-    experiments_dir,
 )
 from detslurm.protocol.events import CheckpointSaved, Event, PreemptAck
 from detslurm.protocol.paths import RunPaths
@@ -98,19 +96,15 @@ class UserDirs:
 
 
 def user_dirs(env: Mapping[str, str]) -> UserDirs:
-    """Env (DETSLURM_EXPERIMENTS_DIR / _CHECKPOINT_DIR), then the user config file, then the
-    defaults: the same order as ``detslurm.settings`` (which the in-job side may not import)."""
-    cfg: dict[str, Any] = {}
-    # A broken config file is the login side's error to report; a job only falls back to defaults.
-    path = Path(env.get("DETSLURM_CONFIG") or Path(platformdirs.user_config_dir("detslurm")) / "config.yaml")
+    """The environment, then the user config file, then the defaults, as ``detslurm.settings``
+    resolves them for the login side."""
     try:
-        loaded = yaml.safe_load(path.read_text()) if path.exists() else None
-        cfg = loaded if isinstance(loaded, dict) else {}
-    except (OSError, yaml.YAMLError) as e:
-        log.warning("ignoring the detslurm config %s: %s", path, e)
-    exps = experiments_dir(env, cfg.get("experiments_dir"))
-    ckpt = env.get("DETSLURM_CHECKPOINT_DIR") or cfg.get("checkpoint_dir")
-    return UserDirs(exps, Path(ckpt).expanduser() if ckpt else exps.parent / "checkpoints")
+        cfg = settings.read_user_config(env)
+    except ConfigError as e:
+        # A broken config file is the login side's error to report; a job falls back to defaults.
+        log.warning("ignoring the detslurm config: %s", e)
+        cfg = {}
+    return UserDirs(*settings.experiment_dirs(cfg, env))
 
 
 def storage_base(storage: str | dict[str, Any] | None, default: Path) -> Path:

@@ -38,13 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from detslurm.protocol.secret import SECRET_ENV, SECRET_FILE_ENV, new_secret, secret_from_env
-from detslurm.util import env_number
+from detslurm import settings
+from detslurm.protocol.secret import new_secret, secret_from_env
 
 DEFAULT_PORT = 12360  # Determined's default (its constants.py), so firewall rules for it apply
-# How long a server waits for all of its members, and a member for its server; long enough for
-# ranks whose framework imports take minutes on a busy node. DETSLURM_DIST_JOIN_TIMEOUT_S overrides.
-JOIN_TIMEOUT_S = 300.0
 HANDSHAKE_TIMEOUT_S = 5.0  # an unauthenticated connection gets this long to prove itself
 HANDSHAKE_MAX_BYTES = 1024  # a real handshake is about 200 bytes of JSON
 FRAME_MAX_BYTES = 256 * 2**20  # bounds what one member can make the server buffer
@@ -65,7 +62,8 @@ class _BadPeer(Exception):
 
 
 def _join_timeout_s() -> float:
-    return env_number("DETSLURM_DIST_JOIN_TIMEOUT_S", JOIN_TIMEOUT_S)
+    """How long a server waits for all of its members, and a member for its server."""
+    return settings.DIST_JOIN_TIMEOUT_S.get()
 
 
 def _mac(key: bytes, *parts: object) -> bytes:
@@ -461,7 +459,7 @@ class DistributedContext:
         if chief_ip is None and local_size != size:
             raise ValueError("chief_ip is required when the group spans more than one node")
         self.chief_ip = chief_ip or "127.0.0.1"
-        env_port = int(env_number("DETSLURM_DIST_PORT", 0))
+        env_port = settings.DIST_PORT.get()
         self.port = port or pub_port or env_port or DEFAULT_PORT + port_offset
         # No secret, no group: there is deliberately no fallback key (see detslurm.protocol.secret).
         secret = _secret if _secret is not None else (secret_from_env(os.environ) if size > 1 else b"")
@@ -570,7 +568,7 @@ def _shared_secret(size: int, share: Callable[[], str | None]) -> bytes | None:
     launcher or the login node gave one. Under a plain torchrun or horovodrun off-cluster nobody
     did; then rank 0 makes a fresh one and the framework's own group, already formed between the
     ranks, carries it to the others (never our sockets, never anything derived from ids)."""
-    if size <= 1 or os.environ.get(SECRET_FILE_ENV) or os.environ.get(SECRET_ENV):
+    if size <= 1 or settings.RUN_SECRET_FILE.raw() or settings.DIST_SECRET.raw():
         return None
     shared = share()
     return bytes.fromhex(shared) if shared else None

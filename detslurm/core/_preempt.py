@@ -35,6 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Union
 
+from detslurm import settings
 from detslurm.core._distributed import DistributedContext
 from detslurm.protocol import BadRecord, ControlRecord
 
@@ -53,12 +54,12 @@ def preempt_signals() -> list[signal.Signals]:
     """SIGTERM (Slurm's preemption / time limit / scancel) plus the site's warning signal.
     USR1 is never the default: NCCL installs its own USR1 handler."""
     sigs = [signal.SIGTERM]
-    name = os.environ.get("DETSLURM_PREEMPT_SIGNAL", "SIGUSR2")
+    name = settings.PREEMPT_SIGNAL.get()
     if name:
         try:
             sigs.append(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"])
         except KeyError:
-            log.warning("ignoring unknown DETSLURM_PREEMPT_SIGNAL=%s", name)
+            log.warning("ignoring unknown %s=%s", settings.PREEMPT_SIGNAL.name, name)
     return sigs
 
 

@@ -28,6 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from detslurm import settings
 from detslurm.doctor.report import NodeReport, ReportError, clean, parse_report
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
 from detslurm.slurm.render import SbatchRequest
@@ -40,7 +41,7 @@ EXIT_BASE = 32
 PROBE_DIR = ".detslurm-doctor"
 # A probe job's comment: not a trial's (parse_comment ignores it), so daemons leave it alone.
 COMMENT = "detslurm:doctor"
-_HEREDOC = "DETSLURM_NODE_PROBE"
+_HEREDOC = "DET_NODE_PROBE_EOF"
 # Long enough for a container runtime to pull a test image on a cold node.
 JOB_TIME_MIN = 15
 
@@ -118,7 +119,7 @@ def render_script(pool: str, site: SiteConfig, python: str, dirs: Sequence[Probe
     ]
     if site.node_tmpdir:
         # The same node-local scratch a trial's launcher would use.
-        lines.append(f'export DETSLURM_NODE_TMPDIR="{site.node_tmpdir}"')
+        lines.append(f'export {settings.NODE_TMPDIR.name}="{site.node_tmpdir}"')
     lines += [
         f"_det_py={shlex.quote(python)}",
         # stderr goes to a node-local file: the job's output is /dev/null (see probe_request).

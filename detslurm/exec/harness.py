@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from detslurm import settings
 from detslurm.core import get_cluster_info
 
 
@@ -91,13 +92,14 @@ def torch_env_for_trial(env: Mapping[str, str]) -> dict[str, str]:
         if ranks is None:
             raise ValueError("USE_HOROVOD is set but neither HOROVOD_RANK nor OMPI_COMM_WORLD_RANK is")
         size = ranks["WORLD_SIZE"]
-        if size > 1 and not env.get("DETSLURM_TORCH_PORT"):
-            raise ValueError("the horovod launcher did not set DETSLURM_TORCH_PORT")
+        torch_port = settings.TORCH_PORT.raw(env)
+        if size > 1 and not torch_port:
+            raise ValueError(f"the horovod launcher did not set {settings.TORCH_PORT.name}")
         out = {k: str(v) for k, v in ranks.items()}
         # The chief's node hosts the c10d store; 127.0.0.1 only when there is one node and no chief
         # IP was rendered. The port is the one the launcher reserved, distinct from Horovod's own.
         out["MASTER_ADDR"] = env.get("DET_CHIEF_IP") or "127.0.0.1"
-        out["MASTER_PORT"] = env.get("DETSLURM_TORCH_PORT", "")
+        out["MASTER_PORT"] = torch_port or ""
     else:
         return {}
     # One rank needs no process group: the Trainer runs plain, as Determined does for one slot.

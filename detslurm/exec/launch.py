@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Optional
 
+from detslurm import settings
 from detslurm.context import extract
 from detslurm.errors import ContextError
 from detslurm.exec import forked
@@ -271,7 +272,7 @@ def _workdir(env: dict[str, str], run: RunPaths) -> tuple[Path, Optional[Workdir
         workdir_mod.sweep_stale(base)
         wd = workdir_mod.create(base, env["SLURM_JOB_ID"], env.get("SLURM_NODEID", "0"))
         return wd.path, wd
-    return Path(env.get("DETSLURM_WORKDIR") or run.local_workdir), None
+    return settings.WORKDIR.get(env) or run.local_workdir, None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import hmac
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,10 +322,3 @@ def _subdirs(path: Path, keep: Any) -> list[Path]:
         (Path(e.path) for e in entries if keep(e.name) and e.is_dir(follow_symlinks=False)),
         key=lambda p: (len(p.name), p.name),
     )
-
-
-def experiments_dir(env: Mapping[str, str], config_value: str | None = None) -> Path:
-    """The experiments dir as the login side's settings resolve it (env, config file, default):
-    both sides must find the same ``detached/`` root."""
-    raw = env.get("DETSLURM_EXPERIMENTS_DIR") or config_value
-    return Path(raw).expanduser() if raw else Path.home() / "detslurm" / "experiments"

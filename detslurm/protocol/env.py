@@ -15,6 +15,7 @@ from typing import Any
 
 import hostlist
 
+from detslurm import settings
 from detslurm.protocol.paths import ExpPaths, RunPaths
 
 
@@ -143,9 +144,9 @@ def trial_env(
         "DET_USER": user,
         # Where this run's files are: RunPaths.from_env() rebuilds them from these.
         "DET_RUN_DIR": str(run_dir),
-        "DETSLURM_TRIAL_DIR": str(trial_dir),
-        "DETSLURM_EXP_DIR": str(exp_dir),
-        "DETSLURM_CHECKPOINT_BASE": checkpoint_base,
+        settings.TRIAL_DIR.name: str(trial_dir),
+        settings.EXP_DIR.name: str(exp_dir),
+        settings.CHECKPOINT_BASE.name: checkpoint_base,
     }
 
 
@@ -180,7 +181,7 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
         _inter_node_network_interface=env.get("DET_INTER_NODE_NETWORK_INTERFACE"),
     )
     run_dir = Path(env.get("DET_RUN_DIR") or ".")
-    exp_dir = Path(env.get("DETSLURM_EXP_DIR") or ".")
+    exp_dir = settings.EXP_DIR.get(env) or Path(".")
     addrs = json.loads(env.get("DET_CONTAINER_ADDRS") or '["127.0.0.1"]')
     return ClusterInfo(
         master_url=env.get("DET_MASTER", ""),
@@ -198,9 +199,9 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
         container_rank=int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0),
         trial=trial,
         run_dir=run_dir,
-        trial_dir=Path(env.get("DETSLURM_TRIAL_DIR") or ExpPaths(exp_dir).trial_dir(trial.trial_id)),
+        trial_dir=settings.TRIAL_DIR.get(env) or ExpPaths(exp_dir).trial_dir(trial.trial_id),
         exp_dir=exp_dir,
-        checkpoint_base=Path(env.get("DETSLURM_CHECKPOINT_BASE") or "."),
+        checkpoint_base=settings.CHECKPOINT_BASE.get(env) or Path("."),
         resources_type=env.get("DET_RESOURCES_TYPE", "local-process"),
     )
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from detslurm import settings
+
 # File names, one constant each. The batch script template receives EXIT_RECORD and SIGNALS
 # from render.py, so the shell side cannot drift from these either.
 CONTEXT = "context.tar.gz"
@@ -131,13 +133,13 @@ class RunPaths:
     def from_env(cls, env: Mapping[str, str]) -> RunPaths:
         """In a job: from the trial env contract (see :func:`detslurm.protocol.env.trial_env`)."""
         # The ids are the source of truth; DET_RUN_DIR is kept for user scripts and as a fallback.
-        root = env.get("DETSLURM_EXP_DIR")
+        root = settings.EXP_DIR.get(env)
         trial, run = env.get("DET_TRIAL_ID", ""), env.get("DET_TRIAL_RUN_ID", "")
-        if root and trial.isdigit() and run.isdigit():
-            return cls(Path(root), int(trial), int(run))
+        if root is not None and trial.isdigit() and run.isdigit():
+            return cls(root, int(trial), int(run))
         if env.get("DET_RUN_DIR"):
             return cls.from_run_dir(Path(env["DET_RUN_DIR"]))
-        raise NotARunDir("not in a trial run: DETSLURM_EXP_DIR/DET_TRIAL_ID/DET_TRIAL_RUN_ID are not set")
+        raise NotARunDir(f"not in a trial run: {settings.EXP_DIR.name}/DET_TRIAL_ID/DET_TRIAL_RUN_ID are not set")
 
     @property
     def exp(self) -> ExpPaths:
@@ -230,7 +232,7 @@ def exit_record_of(run_dir: Path) -> Path:
 
 # The site config's node_tmpdir, expanded by the batch shell, reaches each node's launcher in
 # this variable; the launcher makes its private working dir below it (detslurm/exec/workdir.py).
-NODE_TMPDIR_ENV = "DETSLURM_NODE_TMPDIR"
+NODE_TMPDIR_ENV = settings.NODE_TMPDIR.name
 # Set by the container command line (slurm/containers.py) to the runtime's name: the launcher
 # runs inside an image, with detslurm bind-mounted from the host.
-IN_CONTAINER_ENV = "DETSLURM_IN_CONTAINER"
+IN_CONTAINER_ENV = settings.IN_CONTAINER.name

@@ -22,12 +22,13 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from detslurm import settings
 from detslurm.util import open_regular
 
-SECRET_FILE_ENV = "DETSLURM_RUN_SECRET_FILE"
-# The name starts with DETSLURM_DIST so the local controller's env filter drops it from the
-# daemon's own environment before a trial starts (a trial must get a fresh one).
-SECRET_ENV = "DETSLURM_DIST_SECRET"
+SECRET_FILE_ENV = settings.RUN_SECRET_FILE.name
+# A job protocol variable: the local controller drops it from the daemon's own environment
+# before a trial starts (a trial must get a fresh one).
+SECRET_ENV = settings.DIST_SECRET.name
 SECRET_FILE_NAME = "run-secret"
 # 256 bits: the secret keys an HMAC that anyone on the cluster may try to forge.
 SECRET_BYTES = 32
@@ -217,11 +218,12 @@ def secret_from_env(env: Mapping[str, str]) -> bytes:
 
     There is deliberately no default: without a secret, distributed groups do not form.
     """
-    path = env.get(SECRET_FILE_ENV)
+    path = settings.RUN_SECRET_FILE.raw(env)
     if path:
         return read_run_secret(path)
-    if env.get(SECRET_ENV):
-        return _decode(env[SECRET_ENV], SECRET_ENV)
+    hex_secret = settings.DIST_SECRET.raw(env)
+    if hex_secret:
+        return _decode(hex_secret, SECRET_ENV)
     raise RunSecretError(
         f"no run secret: neither {SECRET_FILE_ENV} nor {SECRET_ENV} is set. Start distributed ranks with a "
         "detslurm launcher (python -m determined.launch.torch_distributed ...), or set one of them"

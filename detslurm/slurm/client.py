@@ -13,15 +13,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
+from detslurm import settings
 from detslurm.errors import DetSlurmError
 from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
 from detslurm.slurm.partitions import ASSOC_FIELDS, AssocLimit, PartitionInfo, parse_assoc_limits, parse_partitions
-from detslurm.util import env_number
 
-DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_TIMEOUT_S = settings.SLURM_TIMEOUT_S.default
 
 
 # What Slurm's commands print when slurmctld is down or restarting (not a problem of the job).
@@ -291,5 +291,4 @@ class SlurmClient:
 
 
 def client_from_env() -> SlurmClient:
-    timeout = env_number("DETSLURM_SLURM_TIMEOUT_S", DEFAULT_TIMEOUT_S)
-    return SlurmClient(timeout_s=timeout)
+    return SlurmClient(timeout_s=settings.SLURM_TIMEOUT_S.get())

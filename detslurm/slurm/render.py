@@ -16,6 +16,7 @@ from importlib import resources
 
 import jinja2
 
+from detslurm import settings
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import BATCH_EXIT_PRINTF, IMAGE_EXIT_PRINTF, IN_CONTAINER_ENV, NODE_TMPDIR_ENV
@@ -336,6 +337,7 @@ def _script(
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir or "",
         node_tmpdir_env=NODE_TMPDIR_ENV,
+        preempt_signal_env=settings.PREEMPT_SIGNAL.name,
         tasks=tasks or [],
         # The run-dir files the batch shell writes: named and formatted by the protocol module.
         exit_record=EXIT_RECORD,

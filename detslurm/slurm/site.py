@@ -6,14 +6,13 @@ Found via $DETSLURM_SITE_CONFIG, then /etc/detslurm/site.yaml, then the user's c
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
 
-import platformdirs
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from detslurm import settings
 from detslurm.errors import ConfigError
 from detslurm.expconf.load import _pydantic_errors, parse_yaml
 from detslurm.expconf.sbatch_args import check_sbatch_args
@@ -170,18 +169,8 @@ class SiteConfig(Strict):
         return name, self.pools[name]
 
 
-def site_config_path() -> Optional[Path]:
-    env = os.environ.get("DETSLURM_SITE_CONFIG")
-    candidates = (
-        [Path(env)]
-        if env
-        else [Path("/etc/detslurm/site.yaml"), Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"]
-    )
-    return next((p for p in candidates if p.is_file()), Path(env) if env else None)
-
-
 def load_site_config(path: Optional[Path] = None) -> SiteConfig:
-    path = path or site_config_path()
+    path = path or settings.site_config_path()
     if path is None:
         return SiteConfig()
     try:

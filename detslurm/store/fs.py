@@ -10,10 +10,11 @@ contains the path.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from detslurm import settings
 
 log = logging.getLogger("detslurm.store")
 
@@ -42,7 +43,6 @@ NETWORK_FS_TYPES = frozenset(
 )
 # FUSE network mounts show as fuse.<driver>.
 _NETWORK_FUSE = frozenset({"sshfs", "glusterfs", "cephfs", "ceph-fuse", "gcsfuse", "s3fs", "rclone", "juicefs"})
-ALLOW_ENV = "DETSLURM_ALLOW_NETWORK_DB"
 _warned: set[str] = set()
 
 
@@ -118,7 +118,7 @@ def network_fs_of(db_path: Path, mountinfo: str | None = None) -> str | None:
 def warn_if_network_db(db_path: Path, mountinfo: str | None = None) -> str | None:
     """Log a warning (once per process and path) when the SQLite store is on a network
     filesystem; returns the warning, or None. ``DETSLURM_ALLOW_NETWORK_DB=1`` silences it."""
-    if os.environ.get(ALLOW_ENV) == "1" or str(db_path) in _warned:
+    if settings.ALLOW_NETWORK_DB.get() or str(db_path) in _warned:
         return None
     fs = network_fs_of(db_path, mountinfo)
     if fs is None:
@@ -129,7 +129,7 @@ def warn_if_network_db(db_path: Path, mountinfo: str | None = None) -> str | Non
     msg = (
         f"the detslurm store {db_path} is on a network filesystem ({fs}); SQLite is not safe there "
         "when detslurm runs on more than one host. Set db_url (or DETSLURM_DB_URL) to a PostgreSQL "
-        f"server, or DETSLURM_DATA_DIR to a local disk; {ALLOW_ENV}=1 silences this warning."
+        f"server, or DETSLURM_DATA_DIR to a local disk; {settings.ALLOW_NETWORK_DB.name}=1 silences this warning."
     )
     log.warning("%s", msg)
     return msg
