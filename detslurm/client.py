@@ -32,7 +32,7 @@ class Checkpoint:
         self.metadata: dict[str, Any] = info["metadata"]
         self.state: str = info["state"]
         # <storage base>/<uuid>, checked to lie under the base; None when the uuid cannot name
-        # a directory there. The storage_path the trial reported is never copied from (H2).
+        # a directory there. The storage_path the trial reported is never copied from.
         self._source = source
 
     def download(self, path: Path | None = None) -> Path:

@@ -2,7 +2,7 @@
 
 - Logs: a trial's output file is untrusted; `--tail` reads backwards from
   the end, `-f` and full listings read in chunks and cut over-long lines.
-- The store's write lock (M4): read commands never wait for another process's write transaction.
+- The store's write lock: read commands never wait for another process's write transaction.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from detslurm.protocol.secret import (
 )
 
 # A rank as a launcher starts it; rank 0 first, the others only once GO exists, so that the
-# chief sits in group formation (the window of C1b) while the attacker works.
+# chief sits in group formation (the window before every rank has joined) while the attacker works.
 VICTIM = """
 import json, os, sys, time
 from detslurm.core import DistributedContext

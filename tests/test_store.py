@@ -241,7 +241,7 @@ def test_head_revision_constant_is_alembics_head() -> None:
 
 
 def _odd_values_round_trip(url: str) -> None:
-    """Values PostgreSQL rejects unless sanitised (S3): NaN/inf in JSON, NUL in strings, a
+    """Values PostgreSQL rejects unless sanitised: NaN/inf in JSON, NUL in strings, a
     200-character metric group and a 300-character job id."""
     from datetime import datetime, timezone
 

@@ -1,5 +1,5 @@
-"""Store hardening without a database server: network filesystems (H5), file locks (S4), value
-sanitising (S3), masked URLs (L9) and read transactions on SQLite (M4)."""
+"""Store hardening without a database server: network filesystems, file locks, value
+sanitising, masked URLs and read transactions on SQLite."""
 
 from __future__ import annotations
 

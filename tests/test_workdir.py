@@ -117,7 +117,7 @@ def test_base_skips_scratch_that_is_not_ours(tmp_path: Path) -> None:
     assert workdir.choose_base({"SLURM_TMPDIR": str(theirs), NODE_TMPDIR_ENV: str(site)}) == site
 
 
-# -- sweeping (L5) ---------------------------------------------------------------------------------
+# -- sweeping --------------------------------------------------------------------------------------
 def dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()

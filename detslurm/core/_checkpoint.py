@@ -11,11 +11,11 @@ its mode (a group project dir set up on purpose). To share checkpoints with the 
 ``DETSLURM_CHECKPOINT_SHARE=group`` (e.g. in ``environment.environment_variables``): the group
 may then read them (0750/0640), never write them, since a writable pickle runs as the owner.
 
-Before the rename every file and directory is fsynced (L8), so the rename cannot reach the disk
+Before the rename every file and directory is fsynced, so the rename cannot reach the disk
 before the data on a node crash; large files start going to disk while they are written
 (``_writeback``), so that fsync waits only for their tail. Partial dirs left by a killed writer
 are swept by the next writer on the same base once they are :data:`STALE_PARTIAL_AFTER_S` old
-and ours (L5).
+and ours.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ A base others may write without the sticky bit is never used: there they could r
 away and put their own in its place after we checked it.
 
 Bases 1-2 are usually removed by the site at the job's end. For the others a launcher killed by
-SIGKILL leaves its dir behind (L5), so each launcher first sweeps the dirs of *its own user's*
+SIGKILL leaves its dir behind, so each launcher first sweeps the dirs of *its own user's*
 dead launchers on this node: a marker file names the job, the host and the launcher's pid and
 start time; a dir is removed only when it is ours, older than :data:`STALE_AFTER_S`, made on
 this host, and its launcher process is gone.

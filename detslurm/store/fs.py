@@ -1,4 +1,4 @@
-"""Which filesystem a path is on, and a warning when the SQLite store is on a network one (H5).
+"""Which filesystem a path is on, and a warning when the SQLite store is on a network one.
 
 SQLite in WAL mode needs every process on one host (the WAL index is shared memory), and its
 locks are unreliable over NFS. ``$HOME`` on a cluster is usually NFS, Lustre or GPFS, and the

@@ -1,7 +1,7 @@
 """Make trial-written values storable in SQLite and PostgreSQL alike.
 
 PostgreSQL rejects some values that SQLite stores without complaint, and a rejected row fails
-the whole transaction (with ingest, the whole tick: H1):
+the whole transaction (with ingest, the whole tick):
 
 - ``NaN``/``Infinity`` in a JSON column: Python's json writes them, PostgreSQL's JSON parser
   refuses them. They are stored as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
