@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
-    from detslurm.store.quick import QuickStore
+    from detslurm.store.reads import Reads
 
 T = TypeVar("T")
 
@@ -39,8 +39,7 @@ class App:
         self._store: Store | None = None
         self._client: SlurmClient | None = None
         self._site: SiteConfig | None = None
-        self._quick: QuickStore | None = None
-        self._quick_tried = False
+        self._reads: Reads | None = None
 
     @property
     def settings(self) -> Settings:
@@ -61,17 +60,21 @@ class App:
             self._store = open_store(self.settings.db_url)
         return self._store
 
-    def quick(self) -> QuickStore | None:
-        """The store for the read commands' fast path (stdlib sqlite3, no ORM), or None when it
-        cannot serve: not SQLite, no store yet, or a schema that needs migrating (the ORM path
-        via :attr:`store` migrates). Asked once per process."""
-        if not self._quick_tried:
-            self._quick_tried = True
-            if self._store is None:  # a process that opened the ORM store keeps using it
-                from detslurm.store.quick import QuickStore
+    @property
+    def reads(self) -> Reads:
+        """The read layer every read command asks (store.reads). On a SQLite store whose schema
+        is current it runs on the standard library's sqlite3, with no ORM to import; otherwise
+        the ORM store is opened first (it migrates) and the same queries run through it."""
+        if self._reads is None:
+            from detslurm.store.reads import Reads
 
-                self._quick = QuickStore.open(self.settings.db_url)
-        return self._quick
+            url = self.settings.db_url
+            reads = Reads.open_sqlite(url)
+            if reads is None:
+                store = self.store  # creates or migrates the store
+                reads = Reads.open_sqlite(url) or Reads.of_store(store)
+            self._reads = reads
+        return self._reads
 
     @property
     def scope(self) -> Scope:

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from detslurm import client, views
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
-from detslurm.controller import ckpt_ops
+
+# Loaded on first use (cli/lazy.py): list and describe answer from the read layer (store.reads)
+# and must not pay for the ORM or the controller.
+if TYPE_CHECKING:
+    from detslurm import client
+    from detslurm.controller import ckpt_ops
+else:
+    client = lazy_module("detslurm.client")
+    ckpt_ops = lazy_module("detslurm.controller.ckpt_ops")
 
 
 @click.group(name="checkpoint")
@@ -20,7 +28,7 @@ def checkpoint() -> None:
 
 
 # Columns and headers follow Determined's `det checkpoint list`, so scripts that read its
-# table keep working; --json gives the same dicts views.checkpoint_dict builds.
+# table keep working; --json gives the read layer's dicts (store.reads), as the client's info.
 def _row(c: dict[str, Any]) -> list[Any]:
     return [
         c["experiment_id"],
@@ -52,8 +60,7 @@ _HEADERS = [
 @pass_app
 def list_(app: App, exp_id: int, as_json: bool) -> None:
     """List an experiment's checkpoints."""
-    with app.store.read() as s:
-        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
+    cks = app.reads.checkpoint_dicts(exp_id, app.scope.owner)
     if as_json:
         dump_json(cks)
         return
@@ -68,7 +75,7 @@ def list_(app: App, exp_id: int, as_json: bool) -> None:
 @pass_app
 def describe(app: App, uuid: str, as_json: bool) -> None:
     """Describe one checkpoint."""
-    c = client.Client(app.store, app.scope).get_checkpoint(uuid).info
+    c = app.reads.checkpoint(uuid, app.scope.owner)  # another user's is "not found"
     if as_json:
         dump_json(c)
         return

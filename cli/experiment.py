@@ -15,12 +15,11 @@ from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import DetSlurmError
-from detslurm.store.quick import DescribedTrial, ExperimentRow, experiment_filter_rows
+from detslurm.store.reads import experiment_filter_rows, trial_reason
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
-# ORM, the controller or pydantic when their fast path needs none of them.
+# ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
-    from detslurm import views
     from detslurm.cli import backend as backend_mod
     from detslurm.cli import logs as logs_mod
     from detslurm.cli import slurm as slurm_mod
@@ -28,23 +27,12 @@ if TYPE_CHECKING:
     from detslurm.controller import ops
     from detslurm.store import models
 else:
-    views = lazy_module("detslurm.views")
     backend_mod = lazy_module("detslurm.cli.backend")
     logs_mod = lazy_module("detslurm.cli.logs")
     slurm_mod = lazy_module("detslurm.cli.slurm")
     stop_time = lazy_module("detslurm.cli.stop_time")
     ops = lazy_module("detslurm.controller.ops")
     models = lazy_module("detslurm.store.models")
-
-if TYPE_CHECKING:
-    from detslurm.expconf import ExperimentConfig
-
-
-def _typed(config: dict[str, Any]) -> ExperimentConfig:
-    # Imported here: pydantic costs ~0.3 s, and list/logs/pause never need the typed config.
-    from detslurm.expconf import from_stored
-
-    return from_stored(config)
 
 
 @click.group(name="experiment")
@@ -177,25 +165,6 @@ def _create(
         raise click.exceptions.Exit(code)
 
 
-def _orm_rows(
-    app: App, show_all: bool, states: tuple[str, ...], name: str | None, *, need_dicts: bool
-) -> tuple[list[ExperimentRow], list[dict[str, Any]]]:
-    """`det e list`'s rows through the ORM (and, for labels or --json, every shown experiment's
-    dict, configs included)."""
-    with app.store.read() as s:
-        rows = experiment_filter_rows(
-            views.experiment_rows(s, app.scope, include_archived=show_all), states=states, name=name
-        )
-        # Labels live in the configs: loaded only when a label filter or the JSON output needs them.
-        ids = {r.id for r in rows}
-        dicts = (
-            [d for d in views.experiment_dicts(s, app.scope, include_archived=show_all) if d["id"] in ids]
-            if need_dicts
-            else []
-        )
-    return rows, dicts
-
-
 @experiment.command("list")
 @click.option(
     "-a",
@@ -223,16 +192,14 @@ def list_(
     if as_json and as_csv:
         raise click.UsageError("use at most one of --json and --csv")
     slurm_mod.reconcile(app)
-    # The table alone comes from the fast path where it can serve (no ORM: 10k rows in well under
-    # a second); labels and --json need whole configs, which the ORM path loads.
-    quick = None if labels or as_json else app.quick()
-    if quick is not None:
-        rows = experiment_filter_rows(
-            quick.experiment_rows(app.scope.owner, include_archived=show_all), states=states, name=name
-        )
-        dicts: list[dict[str, Any]] = []
-    else:
-        rows, dicts = _orm_rows(app, show_all, states, name, need_dicts=bool(labels or as_json))
+    rows = experiment_filter_rows(
+        app.reads.experiment_rows(app.scope.owner, include_archived=show_all), states=states, name=name
+    )
+    # Labels live in the configs: whole rows are read only when a label filter or --json needs them.
+    dicts: list[dict[str, Any]] = []
+    if labels or as_json:
+        ids = {r.id for r in rows}
+        dicts = [d for d in app.reads.experiment_dicts(app.scope.owner, include_archived=show_all) if d["id"] in ids]
     if labels:
         keep = {d["id"] for d in dicts if set(labels) <= set(d["labels"])}
         rows, dicts = [r for r in rows if r.id in keep], [d for d in dicts if d["id"] in keep]
@@ -273,53 +240,24 @@ experiment.add_command(list_, "ls")
 def describe(app: App, exp_id: int, as_json: bool) -> None:
     """Show an experiment, its trials and their workloads."""
     slurm_mod.reconcile(app)
-    # The tables come from the fast path where it can serve (no ORM, no pydantic: a describe of
-    # a million metric rows is mostly imports otherwise); --json and the rest take the ORM path.
-    quick = None if as_json else app.quick()
-    got = quick.describe(exp_id, app.scope.owner, WORKLOADS_SHOWN) if quick is not None else None
-    if got is not None:
-        trials = [_quick_trial(t) for t in got.trials]
-        work = [(tid, *w) for tid, (shown, _) in got.workloads.items() for w in shown]
-        hidden = [tid for tid, (_, more) in got.workloads.items() if more]
-        _print_described(got.experiment, got.searcher_metric, trials, work, hidden)
-        return
-    with app.store.read() as s:
-        exp = views.get_experiment(s, exp_id, app.scope)
-        e = views.experiment_dict(exp)
-        trials = [views.trial_dict(s, t) for t in exp.trials]
-        # Read everything inside the session: rows are not loaded lazily once it closes, and
-        # the tables below are printed after it. --json shows no workloads: none are loaded.
-        work, hidden = ([], []) if as_json else _workloads(s, [int(t["id"]) for t in trials])
-        # Stop times measured after preemptions: compared below with what the site allows.
-        stops = [(t.id, r.run_id, r.preempt_stop_s) for t in exp.trials for r in t.runs]
-        pool = _typed(exp.config).resources.resource_pool
-        # Only the header names it: read from the stored config (validated when it was stored)
-        # rather than through pydantic, which costs more than the rest of the command's imports.
-        metric = (exp.config.get("searcher") or {}).get("metric")
+    reads = app.reads
+    e, config = reads.experiment(exp_id, app.scope.owner)
+    trials = reads.trial_dicts(exp_id, app.scope.owner)
     if as_json:
         # A one-element list, the shape Determined's `det e describe --json` prints for one id.
         dump_json([{"experiment": e, "trials": trials}])
         return
+    recent = reads.recent_metrics([int(t["id"]) for t in trials], WORKLOADS_SHOWN)
+    work = [(tid, *w) for tid, (shown, _) in recent.items() for w in shown]
+    hidden = [tid for tid, (_, more) in recent.items() if more]
+    # Only the header names it: read from the stored config (validated when it was stored).
+    metric = (config.get("searcher") or {}).get("metric")
     _print_described(e, metric, trials, work, hidden)
-    for line in stop_time.warnings(app, pool, stops):
+    # Stop times measured after preemptions, compared with what the site allows (only when there
+    # are some: the comparison loads the site config and asks Slurm).
+    stops = reads.stop_times(exp_id)
+    for line in stop_time.warnings(app, e["resource_pool"], stops) if stops else []:
         click.echo(line, err=True)
-
-
-def _quick_trial(t: DescribedTrial) -> dict[str, Any]:
-    """The fast path's trial as the keys of ``views.trial_dict`` that describe's table shows."""
-    from detslurm.slurm.reasons import pending_words
-
-    pending = pending_words(t.runner_state) if t.queued else None
-    return {
-        "id": t.id,
-        "experiment_id": t.experiment_id,
-        "state": t.state,
-        "hparams": t.hparams,
-        "start_time": t.start_time,
-        "end_time": t.end_time,
-        "exit_reason": t.exit_reason,
-        "pending_reason": pending,
-    }
 
 
 def _print_described(
@@ -336,8 +274,7 @@ def _print_described(
                 t["id"],
                 t["experiment_id"],
                 t["state"],
-                # views.trial_reason, which would import the ORM: why it waits, else why it ended.
-                str(t.get("pending_reason") or t.get("exit_reason") or ""),
+                trial_reason(t),
                 fmt_time(t["start_time"]),
                 fmt_time(t["end_time"]),
                 json.dumps(t["hparams"], indent=2),
@@ -362,18 +299,6 @@ def _print_described(
 WORKLOADS_SHOWN = 1000
 
 
-def _workloads(s: Any, trial_ids: list[int]) -> tuple[list[tuple[Any, ...]], list[int]]:
-    """Each trial's last WORKLOADS_SHOWN metric rows as table cells, and the trials that have more."""
-    work: list[tuple[Any, ...]] = []
-    hidden: list[int] = []
-    for tid in trial_ids:
-        shown, more = views.recent_metrics(s, tid, WORKLOADS_SHOWN)
-        work += [(tid, m.steps_completed, m.group, m.report_time, m.metrics) for m in shown]
-        if more:
-            hidden.append(tid)
-    return work, hidden
-
-
 def _print_experiment(e: dict[str, Any]) -> None:
     headers = ["Experiment ID", "State", "Progress", "Started", "Ended", "Name", "Description", "Archived"]
     row = [
@@ -394,10 +319,9 @@ def _print_experiment(e: dict[str, Any]) -> None:
 @pass_app
 def config(app: App, exp_id: int) -> None:
     """Print the experiment's config with defaults filled."""
-    with app.store.read() as s:
-        # The stored config already has defaults filled (validated at create); sort_keys=False
-        # keeps the schema's section order rather than alphabetical.
-        click.echo(yaml.safe_dump(views.get_experiment(s, exp_id, app.scope).config, sort_keys=False), nl=False)
+    # The stored config already has defaults filled (validated at create); sort_keys=False
+    # keeps the schema's section order rather than alphabetical.
+    click.echo(yaml.safe_dump(app.reads.experiment(exp_id, app.scope.owner)[1], sort_keys=False), nl=False)
 
 
 @experiment.command("list-trials")
@@ -407,8 +331,7 @@ def config(app: App, exp_id: int) -> None:
 def list_trials(app: App, exp_id: int, as_json: bool) -> None:
     """List an experiment's trials."""
     slurm_mod.reconcile(app)
-    with app.store.read() as s:
-        trials = [views.trial_dict(s, t) for t in views.get_experiment(s, exp_id, app.scope).trials]
+    trials = app.reads.trial_dicts(exp_id, app.scope.owner)
     if as_json:
         dump_json(trials)
         return
@@ -440,10 +363,10 @@ experiment.add_command(list_trials, "lt")
 def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool, as_csv: bool) -> None:
     """List an experiment's checkpoints."""
     slurm_mod.reconcile(app)
-    with app.store.read() as s:
-        exp = views.get_experiment(s, exp_id, app.scope)
-        sib = _typed(exp.config).searcher.smaller_is_better
-        cks = [views.checkpoint_dict(s, c) for c in views.checkpoints(s, exp_id, app.scope)]
+    _, config = app.reads.experiment(exp_id, app.scope.owner)
+    # The stored config (validated, defaults filled, when it was stored).
+    sib = bool((config.get("searcher") or {}).get("smaller_is_better", True))
+    cks = app.reads.checkpoint_dicts(exp_id, app.scope.owner)
     if best is not None:
         # "Best" needs a metric to rank by; deleted or partial checkpoints cannot be restored
         # from, so they are never among the best.
@@ -486,12 +409,10 @@ experiment.add_command(list_checkpoints, "lc")
 def logs(app: App, /, exp_id: int, **opts: Any) -> None:
     """Show the first trial's logs (with the filters of `det trial logs`)."""
     slurm_mod.reconcile(app)
-    with app.store.read() as s:
-        exp = views.get_experiment(s, exp_id, app.scope)
-        if not exp.trials:
-            raise DetSlurmError(f"experiment {exp_id} has no trials yet")
-        # The first trial, as in Determined: an experiment's logs are its first trial's logs.
-        tid = exp.trials[0].id
+    # The first trial, as in Determined: an experiment's logs are its first trial's logs.
+    tid = app.reads.first_trial_id(exp_id, app.scope.owner)
+    if tid is None:
+        raise DetSlurmError(f"experiment {exp_id} has no trials yet")
     logs_mod.show(app, tid, **opts)
 
 

@@ -14,14 +14,12 @@ from detslurm.cli.render import dump_json, table
 from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
 
-# Loaded on first use (cli/lazy.py): `det job list` answers from store.quick and must not pay
-# for the ORM or the controller.
+# Loaded on first use (cli/lazy.py): `det job list` answers from the read layer (store.reads)
+# and must not pay for the ORM or the controller.
 if TYPE_CHECKING:
-    from detslurm import views
     from detslurm.controller import edit
     from detslurm.controller import ops as ops_mod
 else:
-    views = lazy_module("detslurm.views")
     edit = lazy_module("detslurm.controller.edit")
     ops_mod = lazy_module("detslurm.controller.ops")
 
@@ -43,16 +41,12 @@ def _caller(client: SlurmClient) -> q.Caller:
 
 
 def _names(app: App, jobs: list[QueuedJob]) -> tuple[dict[str, str], dict[str, str]]:
-    """Our trials' names for their jobs, and those of detached runs (store.quick where it can
-    answer: `det job list` then loads no ORM)."""
-    quick = app.quick()
-    if quick is None:
-        with app.store.read() as s:
-            return views.trial_job_names(s, jobs, app.scope), views.detached_job_names(s, jobs, app.scope)
+    """Our trials' names for their jobs, and those of detached runs (another user's experiment
+    names are not shown)."""
     owner = app.scope.owner
     wanted = {j.identity[0] for j in jobs if j.identity}
-    names = q.trial_job_names(jobs, quick.experiment_names(wanted, owner)) if wanted else {}
-    detached = q.detached_job_names(quick.detached_runs([j.job_id for j in jobs], owner))
+    names = q.trial_job_names(jobs, app.reads.experiment_names(wanted, owner)) if wanted else {}
+    detached = q.detached_job_names(app.reads.detached_runs([j.job_id for j in jobs], owner)) if jobs else {}
     return names, detached
 
 

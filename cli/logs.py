@@ -21,7 +21,6 @@ import click
 from detslurm.cli.app import App
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.log_filter import LEVELS, LogFilter, parse_time
-from detslurm.errors import NotFoundError
 from detslurm.util import open_regular
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
@@ -172,19 +171,9 @@ def _note(time: datetime, level: str, message: str) -> _Note:
 
 
 def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[_Note]]:
-    quick = app.quick()
-    if quick is not None:
-        # The fast path (store.quick, no ORM): `det t logs --tail` costs what it shows.
-        found = quick.trial_logs(trial_id, app.scope.owner)
-        if found is None:
-            raise NotFoundError("trial", trial_id)
-        return [_Run(*r) for r in found[0]], [_note(*n) for n in found[1]]
-    with app.store.read() as s:
-        # Called for its check: another user's trial raises "not found" before any path is read.
-        views.get_trial(s, trial_id, app.scope)
-        runs = [_Run(r.run_id, r.log_path, r.start_time or r.submit_time, r.end_time) for r in views.runs(s, trial_id)]
-        notes = [_note(n.time, n.level, n.message) for n in views.notes(s, trial_id)]
-    return runs, notes
+    # Another user's trial raises "not found" before any path is read.
+    runs, notes = app.reads.trial_logs(trial_id, app.scope.owner)
+    return [_Run(*r) for r in runs], [_note(*n) for n in notes]
 
 
 def _filter(flt: LogFilter | Sequence[int]) -> LogFilter:

@@ -13,7 +13,7 @@ from detslurm.identity import os_user
 from detslurm.util import detached_root
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
-# ORM, the controller or pydantic when their fast path needs none of them.
+# ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm import views
     from detslurm.cli import logs as logs_mod
@@ -35,12 +35,7 @@ def reconcile(app: App) -> None:
         return
     # Only the caller's own unfinished experiments: with nothing to reconcile, a read command
     # makes no Slurm call at all (and works while slurmctld is down).
-    quick = app.quick()
-    if quick is not None:
-        unfinished = quick.has_unfinished(EXECUTOR, os_user())
-    else:
-        with app.store.read() as s:
-            unfinished = views.has_unfinished(s, EXECUTOR, os_user())
+    unfinished = app.reads.has_unfinished(EXECUTOR, os_user())
     # Detached runs (the user's own sbatch scripts) register on the shared filesystem at any
     # time: once the dir exists, a read looks there too (one directory scan).
     if not (unfinished or detached_root(app.settings.experiments_dir).is_dir()):

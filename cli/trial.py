@@ -12,9 +12,10 @@ from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
+from detslurm.store.reads import trial_reason
 
-# Loaded on first use (cli/lazy.py): `det t logs` must not pay for the ORM, the controller or
-# pydantic when the fast path (store.quick) answers it.
+# Loaded on first use (cli/lazy.py): `det t logs` and `det t describe` must not pay for the ORM,
+# the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm import client, views
     from detslurm.cli import backend as backend_mod
@@ -43,15 +44,10 @@ def trial() -> None:
 def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     """Show a trial, its runs and (optionally) its metrics."""
     slurm_mod.reconcile(app)
-    with app.store.read() as s:
-        d = views.trial_dict(s, views.get_trial(s, trial_id, app.scope))
-        trial_row = views.get_trial(s, trial_id, app.scope)
-        runs = [views.run_dict(r) for r in views.runs(s, trial_id)]
-        pool = trial_row.experiment.config.get("resources", {}).get("resource_pool", "") or ""
-        rows: list[dict[str, Any]] = [
-            {"group": m.group, "steps_completed": m.steps_completed, "metrics": m.metrics, "report_time": m.report_time}
-            for m in views.metrics(s, trial_id)
-        ]
+    reads = app.reads
+    d = reads.trial(trial_id, app.scope.owner)  # another user's trial is "not found"
+    runs = reads.run_dicts(trial_id)
+    rows = reads.metrics(trial_id) if metrics else []
     if as_json:
         # "metrics" stays in the JSON as null without --metrics, so its shape does not change.
         dump_json({"trial": d, "runs": runs, "metrics": rows if metrics else None})
@@ -59,8 +55,10 @@ def describe(app: App, trial_id: int, as_json: bool, metrics: bool) -> None:
     _print_trial(d)
     click.echo("\nRuns:")
     _print_runs(runs)
-    for line in stop_time.warnings(app, str(pool), [(trial_id, r["run_id"], r["preempt_stop_s"]) for r in runs]):
-        click.echo(line, err=True)
+    if any(r["preempt_stop_s"] is not None for r in runs):  # a stop time was measured: is it over budget?
+        pool = reads.experiment(int(d["experiment_id"]), app.scope.owner)[0]["resource_pool"]
+        for line in stop_time.warnings(app, pool, [(trial_id, r["run_id"], r["preempt_stop_s"]) for r in runs]):
+            click.echo(line, err=True)
     if metrics:
         click.echo("\nMetrics:")
         table(
@@ -78,7 +76,7 @@ def _print_trial(d: dict[str, Any]) -> None:
     headers = ["Trial ID", "Experiment ID", "State", "Restarts", "Batches", "Latest Checkpoint", "Searcher Metric"]
     metric = "" if d["searcher_metric"] is None else d["searcher_metric"]
     row = [d["id"], d["experiment_id"], d["state"], d["restarts"], d["batches"], d["latest_checkpoint"] or "", metric]
-    table([*headers, "Reason", "H-Params"], [[*row, views.trial_reason(d), json.dumps(d["hparams"], sort_keys=True)]])
+    table([*headers, "Reason", "H-Params"], [[*row, trial_reason(d), json.dumps(d["hparams"], sort_keys=True)]])
 
 
 def _print_runs(runs: list[dict[str, Any]]) -> None:

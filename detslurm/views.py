@@ -1,40 +1,29 @@
-"""Read-only views of the store: typed rows and plain dicts (for the CLI tables, --json and the
-client). Every query the CLI needs lives here, so the CLI holds no SQL.
+"""The ORM's side of reading the store: rows as ORM objects for the operations that change them
+(``get_experiment``, ``get_trial``, ...), and the waits' and the dashboard's questions. The
+dicts and rows the CLI, the client and the dashboard show are built by the read layer
+(``store.reads``), here inside the caller's session: one answer to each question.
 
 Every entry point takes the caller's :class:`~detslurm.identity.Scope`: in a store shared by
 several users, another user's experiment, trial or checkpoint is "not found"
-(docs/design/security.md). Helpers that take a trial id (metrics, runs, notes) come after ``get_trial``/``get_experiment``
-has checked it. Call them inside ``Store.read()``: nothing here writes."""
+(docs/design/security.md). Helpers that take a trial id (runs, metric curves) come after
+``get_trial``/``get_experiment`` has checked it. Call them inside ``Store.read()``: nothing here
+writes."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from detslurm.errors import NotFoundError
 from detslurm.identity import Scope
 from detslurm.slurm.reasons import pending_words as pending_words
-from detslurm.store.models import (
-    Checkpoint,
-    Experiment,
-    ExperimentState,
-    LogEntry,
-    Metric,
-    RunState,
-    Trial,
-    TrialRun,
-)
-
-# `det e list`'s row and filters live with the fast read path (store.quick), which needs no ORM.
-from detslurm.store.quick import ExperimentRow as ExperimentRow
-from detslurm.store.quick import experiment_filter_rows as experiment_filter_rows
-
-if TYPE_CHECKING:
-    from detslurm.slurm.parse import QueuedJob
+from detslurm.store.models import Checkpoint, Experiment, ExperimentState, Metric, Trial, TrialRun
+from detslurm.store.reads import ExperimentRow as ExperimentRow
+from detslurm.store.reads import Reads
+from detslurm.store.reads import trial_reason as trial_reason
 
 
 def get_experiment(s: Session, exp_id: int, scope: Scope) -> Experiment:
@@ -71,125 +60,39 @@ def trial_checkpoints(s: Session, trial_id: int, scope: Scope) -> list[Checkpoin
 
 
 def batches(s: Session, trial_id: int) -> int:
-    v = s.scalar(
-        # Archived metrics were reported after the checkpoint a restarted run resumed from; that
-        # work was redone, so it does not count towards the trial's batches.
-        select(func.max(Metric.steps_completed)).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
-    )
-    return int(v or 0)
+    """The trial's batches: its highest step among live metric rows (archived ones were redone
+    after the checkpoint a restarted run resumed from, so they do not count)."""
+    return _reads(s).batches(trial_id)
 
 
 def experiment_dict(exp: Experiment) -> dict[str, Any]:
-    return {
-        "id": exp.id,
-        "name": exp.name,
-        "owner": exp.owner,
-        "state": exp.state,
-        "progress": exp.progress,
-        "description": exp.description,
-        "start_time": exp.start_time,
-        "end_time": exp.end_time,
-        "resource_pool": exp.resource_pool,
-        "archived": exp.archived,
-        "labels": exp.config.get("labels", []),
-        "executor": exp.executor,
-        "exp_dir": exp.exp_dir,
-        "error": exp.error_message,
-        "parent_id": exp.parent_id,
-        "context_sha256": exp.context_sha256,
-    }
+    """The experiment as the CLI's --json, the dashboard and the client show it (store.reads builds it)."""
+    s = object_session(exp)
+    assert s is not None, "experiment_dict needs a row of an open session"
+    return _reads(s).experiment(exp.id, None)[0]
 
 
 def trial_dict(s: Session, t: Trial) -> dict[str, Any]:
-    return {
-        "id": t.id,
-        "experiment_id": t.experiment_id,
-        "state": t.state,
-        "hparams": t.hparams,
-        "seed": t.seed,
-        "restarts": t.restarts,
-        "runs": t.run_count,
-        "latest_checkpoint": t.latest_checkpoint,
-        "steps_completed": t.steps_completed,
-        "searcher_metric": t.searcher_metric,
-        "progress": t.progress,
-        "start_time": t.start_time,
-        "end_time": t.end_time,
-        # Computed from the metrics rather than stored: it must agree with what `det t describe
-        # --metrics` lists, archived rows excluded.
-        "batches": batches(s, t.id),
-        "early_stopped": t.early_stopped,
-        "exit_reason": t.exit_reason,
-        # Why its job waits, in words with Slurm's code ("waiting for free nodes (Resources)").
-        # Only while a run is queued: the note outlives the wait (a paused trial keeps it).
-        "pending_reason": pending_words(t.runner_state) if _queued(t) else None,
-    }
-
-
-def _queued(t: Trial) -> bool:
-    return not t.state.is_terminal and any(r.state == RunState.QUEUED for r in t.runs)
-
-
-def trial_reason(d: dict[str, Any]) -> str:
-    """What a table shows beside a trial: why it waits, else why it ended (or nothing)."""
-    return str(d.get("pending_reason") or d.get("exit_reason") or "")
+    """The trial as the CLI, the dashboard and the client show it (store.reads builds it)."""
+    return _reads(s).trial(t.id, None)
 
 
 def validation_metric(s: Session, ck: Checkpoint, metric: str) -> float | None:
-    q = (
-        select(Metric.metrics)
-        .where(Metric.trial_id == ck.trial_id)
-        .where(Metric.group == "validation")
-        # A checkpoint's metric is the validation reported at the same step count, as Determined
-        # pairs them; a checkpoint saved between validations has none.
-        .where(Metric.steps_completed == ck.steps_completed)
-        .where(Metric.archived.is_(False))
-    )
-    for m in s.scalars(q):
-        # Metrics are the trial's own JSON (untrusted): a string or null under the metric's name
-        # is skipped, not a crash of `det c list`.
-        value = m.get(metric)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    return None
+    """The validation ``metric`` reported at the checkpoint's step count (as Determined pairs
+    them); None for a checkpoint saved between validations."""
+    return _reads(s).validation_metric(ck.uuid, metric)
 
 
 def run_dict(r: TrialRun) -> dict[str, Any]:
-    return {
-        "run_id": r.run_id,
-        "state": r.state,
-        "job_id": r.job_id,
-        "exit_code": r.exit_code,
-        "exit_reason": r.exit_reason,
-        "preempt_acked": r.preempt_acked,
-        # Seconds from Slurm's signal to the acknowledged checkpoint (None: not stopped by a signal).
-        "preempt_stop_s": r.preempt_stop_s,
-        "log": r.log_path,
-        "start_time": r.start_time,
-        "end_time": r.end_time,
-    }
+    """The run as `det t describe` and the dashboard show it (store.reads builds it)."""
+    s = object_session(r)
+    assert s is not None, "run_dict needs a row of an open session"
+    return next(d for d in _reads(s).run_dicts(r.trial_id) if d["run_id"] == r.run_id)
 
 
 def checkpoint_dict(s: Session, ck: Checkpoint) -> dict[str, Any]:
-    trial = s.get(Trial, ck.trial_id)
-    assert trial is not None
-    from detslurm.expconf import from_stored  # pydantic: only for commands that show checkpoints
-
-    metric = from_stored(trial.experiment.config).searcher.metric or ""
-    return {
-        "uuid": ck.uuid,
-        "trial_id": ck.trial_id,
-        "experiment_id": trial.experiment_id,
-        "run_id": ck.run_id,
-        "steps_completed": ck.steps_completed,
-        "state": ck.state,
-        "metadata": ck.metadata_,
-        "resources": ck.resources,
-        "size": ck.size,
-        "report_time": ck.report_time,
-        "storage_path": ck.storage_path,
-        "validation_metric": validation_metric(s, ck, metric),
-    }
+    """The checkpoint as `det c list`, the dashboard and the client show it (store.reads builds it)."""
+    return _reads(s).checkpoint(ck.uuid, None)
 
 
 def checkpoints(s: Session, exp_id: int, scope: Scope) -> list[Checkpoint]:
@@ -201,39 +104,6 @@ def checkpoints(s: Session, exp_id: int, scope: Scope) -> list[Checkpoint]:
         .order_by(Checkpoint.trial_id, Checkpoint.steps_completed)
     )
     return list(s.scalars(q))
-
-
-def metrics(s: Session, trial_id: int, group: str | None = None) -> list[Metric]:
-    q = select(Metric).where(Metric.trial_id == trial_id).where(Metric.archived.is_(False))
-    if group:
-        q = q.where(Metric.group == group)
-    # Id breaks ties: several reports at one step keep the order they arrived in.
-    return list(s.scalars(q.order_by(Metric.steps_completed, Metric.id)))
-
-
-class Workload(NamedTuple):
-    """One metric report as `det e describe` shows it."""
-
-    steps_completed: int
-    group: str
-    report_time: datetime
-    metrics: dict[str, Any]
-
-
-def recent_metrics(s: Session, trial_id: int, limit: int) -> tuple[list[Workload], bool]:
-    """The trial's last ``limit`` metric reports in :func:`metrics` order, and whether it has
-    earlier ones: `det e describe` shows a bounded table whatever the trial reported (the index
-    on trial and step reads them from the end; counting them all would visit every row).
-    Columns, not ORM objects: a third of the time for 10k rows."""
-    m = Metric
-    q = (
-        select(m.steps_completed, m.group, m.report_time, m.metrics)
-        .where(m.trial_id == trial_id, m.archived.is_(False))
-        .order_by(m.steps_completed.desc(), m.id.desc())
-        .limit(max(limit, 0) + 1)
-    )
-    rows = [Workload._make(row) for row in s.execute(q)]
-    return rows[:limit][::-1], len(rows) > limit
 
 
 def metric_curve(s: Session, trial_id: int, group: str, name: str, max_points: int) -> list[tuple[int, float]]:
@@ -265,50 +135,9 @@ def runs(s: Session, trial_id: int) -> list[TrialRun]:
     return list(s.scalars(select(TrialRun).where(TrialRun.trial_id == trial_id).order_by(TrialRun.run_id)))
 
 
-def notes(s: Session, trial_id: int) -> list[LogEntry]:
-    return list(s.scalars(select(LogEntry).where(LogEntry.trial_id == trial_id).order_by(LogEntry.id)))
-
-
 def experiment_rows(s: Session, scope: Scope, include_archived: bool = False) -> list[ExperimentRow]:
-    """Only the listed columns: whole rows (configs, searcher states) of thousands of
-    experiments would take seconds to load."""
-    e = Experiment
-    # scope.owner None is root's --all-users; otherwise the filter is in SQL, not applied after
-    # loading, so other users' rows never leave the database.
-    q = select(
-        e.id, e.owner, e.name, e.parent_id, e.state, e.progress, e.start_time, e.end_time, e.resource_pool, e.archived
-    )
-    if scope.owner is not None:
-        q = q.where(e.owner == scope.owner)
-    if not include_archived:
-        q = q.where(e.archived.is_(False))
-    return [ExperimentRow._make(row) for row in s.execute(q.order_by(e.id))]
-
-
-def experiment_dicts(s: Session, scope: Scope, include_archived: bool = False) -> list[dict[str, Any]]:
-    """Every experiment of the scope as :func:`experiment_dict` (`det e list --json`)."""
-    q = select(Experiment).order_by(Experiment.id)
-    if scope.owner is not None:
-        q = q.where(Experiment.owner == scope.owner)
-    if not include_archived:
-        q = q.where(Experiment.archived.is_(False))
-    return [experiment_dict(e) for e in s.scalars(q)]
-
-
-def has_unfinished(s: Session, executor: str, owner: str) -> bool:
-    """Whether some experiment of this executor and owner has not ended yet (a read reconciles
-    only its own user's experiments: other users' are their daemons' business)."""
-    # A COUNT in SQL, not a loaded list: every read command asks this, and it must stay cheap
-    # with thousands of finished experiments in the store.
-    terminal = [st for st in ExperimentState if st.is_terminal]
-    n = s.scalar(
-        select(func.count())
-        .select_from(Experiment)
-        .where(Experiment.executor == executor)
-        .where(Experiment.owner == owner)
-        .where(Experiment.state.not_in(terminal))
-    )
-    return bool(n)
+    """The listed columns of the scope's experiments, by id (store.reads' query)."""
+    return _reads(s).experiment_rows(scope.owner, include_archived)
 
 
 def experiment_state(s: Session, exp_id: int, scope: Scope) -> ExperimentState:
@@ -355,43 +184,6 @@ def active_job_ids(s: Session, exp_id: int, scope: Scope) -> list[str]:
     return [r.job_id for t in exp.trials for r in t.runs if not r.state.is_terminal and r.job_id]
 
 
-def trial_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
-    """Job id -> "<experiment name> (<id>) trial <t>" for the jobs that are this store's trials
-    in ``scope`` (another user's experiment names are not shown)."""
-    from detslurm import queue
-
-    wanted = {j.identity[0] for j in jobs if j.identity}
-    if not wanted:
-        return {}
-    # One query for every job in the queue, not one per job: `det job list` may show thousands.
-    q = select(Experiment.id, Experiment.name, Experiment.exp_dir).where(Experiment.id.in_(wanted))
-    if scope.owner is not None:
-        q = q.where(Experiment.owner == scope.owner)
-    return queue.trial_job_names(jobs, {i: (name, d) for i, name, d in s.execute(q)})
-
-
-def detached_job_names(s: Session, jobs: Sequence[QueuedJob], scope: Scope) -> dict[str, str]:
-    """Job id -> "<experiment name> (<id>) trial <t> (detached)" for the queue's jobs that run
-    the scope's detached experiments (the user's own sbatch scripts using core_v2)."""
-    from detslurm import queue
-
-    ids = [j.job_id for j in jobs]
-    if not ids:
-        return {}
-    # Newest run last: a requeued job keeps its id, and its latest run names it.
-    q = (
-        select(TrialRun.job_id, Trial.id, Experiment.id, Experiment.name)
-        .join(Trial, TrialRun.trial_id == Trial.id)
-        .join(Experiment, Trial.experiment_id == Experiment.id)
-        .where(TrialRun.executor == "detached")
-        .where(TrialRun.job_id.in_(ids))
-        .order_by(TrialRun.id)
-    )
-    if scope.owner is not None:
-        q = q.where(Experiment.owner == scope.owner)
-    return queue.detached_job_names([tuple(r) for r in s.execute(q)])  # type: ignore[misc]
-
-
 def ranked_checkpoints(
     s: Session, cks: Sequence[Checkpoint], metric: str, smaller_is_better: bool, n: int | None = None
 ) -> list[Checkpoint]:
@@ -403,3 +195,8 @@ def ranked_checkpoints(
     scored.sort(key=lambda vc: (vc[0] if smaller_is_better else -vc[0], -vc[1].steps_completed))
     best = [c for _, c in scored]
     return best if n is None else best[:n]
+
+
+def _reads(s: Session) -> Reads:
+    """The read layer's queries inside this session's transaction."""
+    return Reads.on(s.connection())

@@ -13,6 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from detslurm.store import Experiment, IngestOffset, LogEntry, Metric, MetricPoint, Trial, TrialRun, open_store
 from detslurm.store.models import Base
+from detslurm.store.revisions import head_revision
 
 
 @pytest.fixture(scope="module")
@@ -232,12 +233,12 @@ def test_failed_transaction_rolls_back(tmp_path: Path) -> None:
         assert s.get(Experiment, exp_id).state == "ACTIVE"  # type: ignore[union-attr]
 
 
-def test_head_revision_constant_is_alembics_head() -> None:
+def test_head_revision_is_alembics_head() -> None:
     from alembic.script import ScriptDirectory
 
     from detslurm.store import db
 
-    assert ScriptDirectory.from_config(db._alembic_config()).get_current_head() == db.HEAD_REVISION
+    assert ScriptDirectory.from_config(db._alembic_config()).get_current_head() == head_revision()
 
 
 def _odd_values_round_trip(url: str) -> None:
@@ -505,7 +506,7 @@ def test_a_store_at_any_applied_revision_upgrades_to_head(tmp_path: Path, old: s
     exp_id = _make_experiment(url)  # open_store upgrades it first
     store = open_store(url)
     with store.engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == db.HEAD_REVISION
+        assert MigrationContext.configure(conn).get_current_revision() == head_revision()
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     with store.read() as s:
         assert s.get(Experiment, exp_id) is not None

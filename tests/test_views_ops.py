@@ -17,6 +17,7 @@ from detslurm.slurm.parse import Capabilities, QueuedJob, experiment_tag, trial_
 from detslurm.slurm.site import Pool, SiteConfig
 from detslurm.slurm.states import SlurmState
 from detslurm.store import Experiment, Store, Trial, TrialRun, open_store
+from detslurm.store.reads import Reads
 
 
 def add_experiment(
@@ -93,9 +94,12 @@ def test_experiment_rows_and_states(store: Store, tmp_path: Path) -> None:
             (a, "alice", "ACTIVE", 0.25, "cpu"),
             (b, "bob", "COMPLETED", 0.25, "cpu"),
         ]
-        assert [d["id"] for d in views.experiment_dicts(s, everyone, include_archived=True)] == [a, b]
-        assert views.has_unfinished(s, "slurm", "alice") and not views.has_unfinished(s, "local", "bob")
-        assert not views.has_unfinished(s, "slurm", "bob")  # alice's are not bob's to reconcile
+        for reads in (Reads.on(s.connection()), Reads.open_sqlite(store.url)):
+            assert reads is not None
+            assert [d["id"] for d in reads.experiment_dicts(None, include_archived=True)] == [a, b]
+            assert [d["id"] for d in reads.experiment_dicts("bob")] == []  # archived
+            assert reads.has_unfinished("slurm", "alice") and not reads.has_unfinished("local", "bob")
+            assert not reads.has_unfinished("slurm", "bob")  # alice's are not bob's to reconcile
         assert views.experiment_state(s, b, everyone).is_terminal
         first = views.first_trial(s, a, everyone)
         assert first.trial_id is not None and not first.done
@@ -136,9 +140,10 @@ def test_trial_job_names_only_for_this_stores_experiments(store: Store, tmp_path
     other_store = queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere")))
     untagged = queued("3", trial_comment(exp, 3, 1))
     external = queued("4", "")
-    with store.read() as s:
-        names = views.trial_job_names(s, [ours, other_store, untagged, external], Scope("alice"))
-        assert views.trial_job_names(s, [ours], Scope("bob")) == {}  # alice's names are not shown to bob
+    jobs = [ours, other_store, untagged, external]
+    reads = Reads.of_store(store)  # the ORM store's connection: the path a PostgreSQL store takes
+    names = q.trial_job_names(jobs, reads.experiment_names({exp}, "alice"))
+    assert q.trial_job_names([ours], reads.experiment_names({exp}, "bob")) == {}  # not shown to bob
     assert names == {"1": f"exp-a ({exp}) trial 3"}
 
 
@@ -207,9 +212,7 @@ def test_controller_refuses_to_drive_another_users_experiment(store: Store, tmp_
         ctl.tick_experiment(theirs)  # nor driven when asked by id
 
 
-def test_quick_job_names_are_the_orm_ones(store: Store, tmp_path: Path) -> None:
-    from detslurm.store.quick import QuickStore
-
+def test_job_names_are_the_scopes_own(store: Store, tmp_path: Path) -> None:
     exp = add_experiment(store, tmp_path / "a", owner="alice")
     detached = add_experiment(store, tmp_path / "d", owner="alice", executor="detached")
     with store.tx() as s:
@@ -218,22 +221,22 @@ def test_quick_job_names_are_the_orm_ones(store: Store, tmp_path: Path) -> None:
         s.flush()
         for run_id in (1, 2):  # a requeued job: its latest run names it
             s.add(TrialRun(trial_id=t.id, run_id=run_id, executor="detached", run_dir="-", log_path="-", job_id="9"))
+        tid = t.id
     jobs = [
         queued("1", trial_comment(exp, 3, 1, tag=experiment_tag(str(tmp_path / "a")))),
-        queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere"))),
+        queued("2", trial_comment(exp, 3, 1, tag=experiment_tag("/elsewhere"))),  # another store's experiment
         queued("4", ""),
         queued("9", ""),
     ]
-    quick = QuickStore.open(store.url)
-    assert quick is not None
+    reads = Reads.open_sqlite(store.url)
+    assert reads is not None
+    wanted = {j.identity[0] for j in jobs if j.identity}
     for owner in ("alice", "bob", None):
-        with store.read() as s:
-            orm = views.trial_job_names(s, jobs, Scope(owner)), views.detached_job_names(s, jobs, Scope(owner))
-        wanted = {j.identity[0] for j in jobs if j.identity}
-        fast = (
-            q.trial_job_names(jobs, quick.experiment_names(wanted, owner)),
-            q.detached_job_names(quick.detached_runs([j.job_id for j in jobs], owner)),
-        )
-        assert fast == orm
-        assert bool(orm[0]) == (owner != "bob") and bool(orm[1]) == (owner != "bob")
-    quick.close()
+        names = q.trial_job_names(jobs, reads.experiment_names(wanted, owner))
+        detached_names = q.detached_job_names(reads.detached_runs([j.job_id for j in jobs], owner))
+        if owner == "bob":  # another user's experiment names are not shown
+            assert names == {} and detached_names == {}
+        else:
+            assert list(names) == ["1"] and "exp-a" in names["1"] and "trial 3" in names["1"]
+            assert list(detached_names) == ["9"] and f"trial {tid}" in detached_names["9"]
+    reads.close()

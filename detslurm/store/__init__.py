@@ -1,8 +1,8 @@
 """The state store: experiments, trials, runs, metrics, checkpoints, searcher state.
 
 The names below are loaded on first use (PEP 562): importing a light submodule such as
-``detslurm.store.quick`` must not import SQLAlchemy (about 0.25 s), which the read commands'
-fast path never needs.
+``detslurm.store.reads`` must not import SQLAlchemy (about 0.25 s), which the read commands
+never need on a current SQLite store.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from detslurm.errors import StoreError
 from detslurm.store.fs import warn_if_network_db
 from detslurm.store.locks import hold_lock
-from detslurm.store.quick import HEAD_REVISION as HEAD_REVISION
+from detslurm.store.revisions import head_revision
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 # PostgreSQL advisory locks. Schema migrations take one lock for the whole database (bigint
@@ -33,7 +33,6 @@ _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_LOCK_KEY = 0x64657473  # "dets"
 _PG_LOCK_CLASS = 0x64657473
 _PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of a lock_timeout
-# The newest migration's revision (kept in store.quick, which must not import SQLAlchemy).
 _TX_OPTION = "detslurm_tx"
 _STAMP_DDL = (
     "CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL, "
@@ -167,7 +166,7 @@ class Store:
     def migrate(self) -> None:
         """Bring the schema to head (a no-op when it already is)."""
         # The fast path for every CLI call: one SELECT, no alembic import.
-        if self._revision() == HEAD_REVISION:
+        if self._revision() == head_revision():
             return
         if self.is_sqlite and self._create_new():
             return
@@ -216,7 +215,7 @@ class Store:
                 # The table alembic itself creates for its stamp (same DDL), so later upgrades
                 # read it as theirs.
                 conn.execute(text(_STAMP_DDL))
-                conn.execute(text("INSERT INTO alembic_version (version_num) VALUES (:v)"), {"v": HEAD_REVISION})
+                conn.execute(text("INSERT INTO alembic_version (version_num) VALUES (:v)"), {"v": head_revision()})
         except OperationalError as e:
             why = _mask(str(e.orig), self.url)
             raise StoreError(f"cannot open the detslurm store at {self.display_url}: {why}") from None

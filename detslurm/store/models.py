@@ -24,6 +24,11 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+# Defined without SQLAlchemy (the read layer, store.reads, needs them too); exported from here as before.
+from detslurm.store.states import ExperimentState as ExperimentState
+from detslurm.store.states import RunState as RunState
+from detslurm.store.states import TrialState as TrialState
+
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
@@ -56,73 +61,9 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
 
 
-# Determined's experiment and trial states and names, so ``det experiment list`` reads the same.
-# Stored as strings (not a DB enum) so adding a state needs no migration of existing rows.
-class _ValueEnum(str, enum.Enum):
-    """A state that prints as its value ("COMPLETED"): tables, messages and f-strings show it to
-    users, and Python 3.11 would print a str-mixin enum as "TrialState.COMPLETED"."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
-
-
-class ExperimentState(_ValueEnum):
-    ACTIVE = "ACTIVE"
-    PAUSED = "PAUSED"
-    STOPPING_CANCELED = "STOPPING_CANCELED"
-    STOPPING_KILLED = "STOPPING_KILLED"
-    STOPPING_COMPLETED = "STOPPING_COMPLETED"
-    STOPPING_ERROR = "STOPPING_ERROR"
-    CANCELED = "CANCELED"
-    COMPLETED = "COMPLETED"
-    ERROR = "ERROR"
-    DELETING = "DELETING"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (ExperimentState.CANCELED, ExperimentState.COMPLETED, ExperimentState.ERROR)
-
-    @property
-    def is_stopping(self) -> bool:
-        return self.value.startswith("STOPPING_")
-
-
-class TrialState(_ValueEnum):
-    ACTIVE = "ACTIVE"
-    PAUSED = "PAUSED"
-    STOPPING_CANCELED = "STOPPING_CANCELED"
-    STOPPING_KILLED = "STOPPING_KILLED"
-    STOPPING_COMPLETED = "STOPPING_COMPLETED"
-    STOPPING_ERROR = "STOPPING_ERROR"
-    CANCELED = "CANCELED"
-    COMPLETED = "COMPLETED"
-    ERROR = "ERROR"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (TrialState.CANCELED, TrialState.COMPLETED, TrialState.ERROR)
-
-
-class RunState(_ValueEnum):
-    """A trial run (one attempt = one local process or one Slurm job)."""
-
-    PENDING = "PENDING"  # recorded, not yet handed to the executor
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    EXITED = "EXITED"  # exit code known, decision taken
-    LOST = "LOST"  # the executor no longer knows it and no exit record exists
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in (RunState.EXITED, RunState.LOST)
-
-
 class Experiment(Base):
     __tablename__ = "experiments"
-    # Every read command asks whether the caller has unfinished experiments (views.has_unfinished).
+    # Every read command asks whether the caller has unfinished experiments (store.reads: Reads.has_unfinished).
     __table_args__ = (Index("ix_experiments_owner_executor_state", "owner", "executor", "state"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(512))
