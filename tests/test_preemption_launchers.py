@@ -25,7 +25,7 @@ LAUNCHERS = {
 # Horovod under --mpi only with the warning signal, which mpirun forwards to its ranks. On
 # SIGTERM mpirun aborts the job, and the srun it starts its remote daemons with is inside the
 # job's step, where Slurm's SIGTERM reaches it and it kills their step: not solved yet
-# (docs/readme/sigfwd.md).
+# (docs/design/preemption.md).
 # In CI's run one way of stopping for each Horovod mode; the other ways, each a 2 x 2 start of
 # several minutes on a loaded machine, and DeepSpeed (its CPU op's compile took a core for 30 min
 # of CI's run) in the whole suite (marker `full`). Every way is run in CI for the Core API

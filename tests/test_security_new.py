@@ -1,7 +1,7 @@
 """Attacks by a second Unix user on this session's new surfaces: detached runs, containers, the
 site doctor and its node probe, and the ``sbatch --test-only`` refusal check.
 
-Each test names the property it proves. Where the review found a hole (docs/readme/secnew.md),
+Each test names the property it proves. Where an attack once worked (docs/design/security.md),
 the test replays the attack and fails on the code before the fix; where a surface was sound,
 the test shows the attack does not work and a comment says why.
 """
