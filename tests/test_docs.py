@@ -168,6 +168,24 @@ def test_no_comment_or_doc_cites_what_a_reader_cannot_open() -> None:
     assert problems == []
 
 
+_DOCS_PATH = re.compile(r"\bdocs/[\w./-]+?\.(?:md|png)\b")
+
+
+def test_every_docs_page_the_code_names_exists() -> None:
+    """Comments, messages and pages that name a page by path (``docs/design/security.md``) name
+    one that exists: a page moved or renamed takes its citations along."""
+    missing = []
+    for path in _repo_text_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for name in set(_DOCS_PATH.findall(text)):
+            if not (ROOT / name).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {name}")
+    assert missing == []
+
+
 @pytest.mark.parametrize(
     "line",
     [
