@@ -355,7 +355,7 @@ def test_container_settings_a_runtime_does_not_apply_are_warned_about() -> None:
 
 
 def test_in_a_container_the_shim_wins_over_an_images_own_determined(tmp_path: Path) -> None:
-    # An image with the real `determined` installed: outside a container it wins (README), in
+    # An image with the real `determined` installed: outside a container it wins (docs/user/determined-compat.md), in
     # one it would look for a master that does not exist, so detslurm's shim goes first.
     (tmp_path / "determined").mkdir()
     (tmp_path / "determined" / "__init__.py").write_text("")
