@@ -185,8 +185,11 @@ def test_asha_maximize_and_missing_metric() -> None:
     assert s.validation_completed(ids[1], {"loss": 2.0, "batches": 4}, 4) == []  # bigger is better now
     with pytest.raises(SearcherError, match="searcher metric 'loss' is missing"):
         s.validation_completed(ids[2], {"acc": 1.0, "batches": 4}, 4)
+    # A failed search takes no more reports (the experiment is erroring): no second error.
+    assert s.validation_completed(ids[2], {"loss": 1.0}, 4) == []
+    s = asha()
     with pytest.raises(SearcherError, match="time_metric 'batches' is missing"):
-        s.validation_completed(ids[2], {"loss": 1.0}, 4)
+        s.validation_completed(s.initial_trials()[0].request_id, {"loss": 1.0}, 4)
 
 
 def test_asha_promotion_037() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.apply import Reader, ingest_run, note
@@ -286,7 +286,7 @@ class Controller:
             state = searcher.state_dict()
             if state != exp.searcher_state:  # an unchanged search is not rewritten
                 exp.searcher_state = state
-            exp.progress = searcher.progress()
+            exp.progress = searcher.progress(functools.partial(_trial_work, s, exp.id))
         self.memory.keep_searcher(exp.id, searcher, state, exp.config)  # committed
         return unfinished
 
@@ -300,17 +300,25 @@ class Controller:
         searcher: SearchMethod,
         unfinished: set[int],
     ) -> None:
+        while True:
+            try:
+                ingest_run(s, exp, trial, run, searcher, self.reader, unfinished)
+                break
+            except SearcherError as e:
+                # The search failed on one event (its offset is past it). The rest of the run's
+                # events are read now, not at a later tick: the memory notes this run's files as
+                # read once this step ends, and a run whose files and status no longer change is
+                # never read again (it would sit in STOPPING_ERROR for good). The failed searcher
+                # ignores what follows (SearchMethod.failed), so this ends.
+                _search_failed(s, exp, trial, e)
         try:
-            ingest_run(s, exp, trial, run, searcher, self.reader, unfinished)
             if status is not None:
                 self._observe(exp, trial, run, status, s, searcher)
-            if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
-                trial.runner_state = "test_done"
-                trial.early_stopped = True  # test mode has seen enough: stop the trial
         except SearcherError as e:
-            exp.state = ExperimentState.STOPPING_ERROR
-            exp.error_message = f"encountered error: {e}"
-            note(s, trial.id, f"searcher error: {e}", "ERROR")
+            _search_failed(s, exp, trial, e)
+        if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
+            trial.runner_state = "test_done"
+            trial.early_stopped = True  # test mode has seen enough: stop the trial
 
     @staticmethod
     def _observe(
@@ -334,7 +342,9 @@ class Controller:
                 .join(Trial)
                 .where(Trial.experiment_id == exp_id)
                 .where(TrialRun.state.in_(ACTIVE_RUN))
-                .where(Trial.state == TrialState.STOPPING_KILLED)
+                # A failing experiment's trials are killed too, as Determined kills them: asked to
+                # checkpoint, a script that ignores preemption would keep it STOPPING_ERROR for hours.
+                .where(Trial.state.in_((TrialState.STOPPING_KILLED, TrialState.STOPPING_ERROR)))
             )
             jobs = [j for j in s.scalars(q) if j]
         if jobs:
@@ -358,7 +368,10 @@ class Controller:
                 if final is not None:
                     exp.state = final
                     exp.end_time = _now()
-                    exp.progress = 1.0 if final == ExperimentState.COMPLETED else exp.progress
+                    # An experiment that failed or was canceled shows how far it got: its trials'
+                    # ends since the last reconcile (a kill, a stop) count as they are now.
+                    done = final == ExperimentState.COMPLETED
+                    exp.progress = 1.0 if done else searcher().progress(functools.partial(_trial_work, s, exp_id))
             kept = searcher.loaded
             if kept is not None:
                 exp.searcher_state = saved = kept.state_dict()
@@ -513,6 +526,15 @@ _STOPPING_TARGET = {
 }
 
 
+def _search_failed(s: Session, exp: Experiment, trial: Trial, error: SearcherError) -> None:
+    """The search cannot go on: the experiment errors (its trials are stopped), and says why.
+    One already stopping (a user's cancel or kill) ends as it was asked to."""
+    if not (exp.state.is_terminal or exp.state.is_stopping):
+        exp.state = ExperimentState.STOPPING_ERROR
+        exp.error_message = f"the search failed on a report of trial {trial.id}: {error}"
+    note(s, trial.id, f"searcher error: {error}", "ERROR")
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _as_path(run_dir: str) -> Path:
     # Run dirs never change: building 10,000 Paths on every tick would cost more than the tick.
@@ -526,8 +548,6 @@ def _aware(t: datetime) -> datetime:
 
 def _tested_everything(s: Session, trial: Trial) -> bool:
     """Test mode: one training report, one validation and one checkpoint were seen."""
-    from sqlalchemy import func
-
     from detslurm.store.models import Checkpoint, Metric
 
     groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
@@ -555,6 +575,14 @@ class _OnDemand:
         if self.loaded is None:
             self.loaded = self.memory.take_searcher(self.exp, load_searcher)
         return self.loaded
+
+
+def _trial_work(s: Session, exp_id: int) -> float:
+    """The experiment's trials' work so far, in trials (see SearchMethod.progress): one
+    aggregate query, no trial loaded."""
+    work = case((Trial.state == TrialState.COMPLETED, 1.0), else_=func.coalesce(Trial.progress, 0.0))
+    total = s.scalar(select(func.coalesce(func.sum(work), 0.0)).where(Trial.experiment_id == exp_id))
+    return float(total or 0.0)
 
 
 def _any_live(s: Session, exp_id: int) -> bool:

@@ -118,7 +118,7 @@ def _after_ack(session: Session, exp: Experiment, trial: Trial, searcher: Search
 def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRun, searcher: SearchMethod) -> None:
     max_restarts = stored_config(exp).max_restarts
     trial.restarts += 1
-    code = run.exit_code
+    how = _how_it_ended(run)
     # Strictly greater, as in Determined: max_restarts 5 allows five restarts, so the sixth failure
     # ends the trial.
     if trial.restarts > max_restarts:
@@ -129,18 +129,26 @@ def _after_failure(session: Session, exp: Experiment, trial: Trial, run: TrialRu
             TrialState.ERROR,
             searcher,
             EXIT_ERRORED,
-            f"trial exceeded max restarts ({max_restarts}); last exit code {code}",
+            f"trial exceeded max restarts ({max_restarts}); its last run failed {how}",
         )
         return
     note(
         session,
         trial.id,
-        f"trial failed with exit code {code} (restart {trial.restarts}/{max_restarts}); "
-        "resuming from the latest checkpoint",
+        f"trial failed {how} (restart {trial.restarts}/{max_restarts}); resuming from the latest checkpoint",
         "WARNING",
     )
     if exp.state == ExperimentState.PAUSED:
         trial.state = TrialState.PAUSED
+
+
+def _how_it_ended(run: TrialRun) -> str:
+    """A run's end in words: its exit code when it has one, else what the executor saw (a
+    process gone without an exit record has no code to show)."""
+    if run.exit_code is not None:
+        return f"with exit code {run.exit_code}"
+    cause = ExitCause.parse(run.exit_reason)
+    return f"without an exit code ({cause.text if cause is not None else 'no exit record'})"
 
 
 def _record_exit(trial: Trial, run: TrialRun, status: JobStatus) -> ExitCause:
@@ -156,8 +164,11 @@ def _record_exit(trial: Trial, run: TrialRun, status: JobStatus) -> ExitCause:
         cause = None
     if cause is None:
         cause = status.cause or (ExitCause.COMPLETED if status.exit_code == 0 else ExitCause.FAILED)
-        if cause == ExitCause.CANCELED_BY_USER and trial.state == TrialState.STOPPING_KILLED:
-            cause = ExitCause.CANCELED_BY_DETSLURM  # our own scancel (det e kill / det t kill)
+        if cause == ExitCause.CANCELED_BY_USER and trial.state in (
+            TrialState.STOPPING_KILLED,
+            TrialState.STOPPING_ERROR,
+        ):
+            cause = ExitCause.CANCELED_BY_DETSLURM  # our own scancel (det e kill / det t kill, a failed search)
     run.exit_reason = cause.value
     return cause
 

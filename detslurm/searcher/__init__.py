@@ -52,12 +52,12 @@ def build(config: ExperimentConfig) -> SearchMethod:
     ops: tuple[int, ...] = (sc.max_length.value,) if sc.max_length is not None else ()
     if isinstance(sc, SingleSearcher):
         # Determined implements single exactly this way (random.go).
-        return RandomSearch(hps, seed, max_trials=1, max_concurrent=1, ops=ops)
+        return RandomSearch(hps, seed, max_trials=1, max_concurrent=1, ops=ops, metric=sc.metric)
     if isinstance(sc, RandomSearcher):
         assert sc.max_trials is not None  # validation requires it
-        return RandomSearch(hps, seed, sc.max_trials, sc.max_concurrent_trials, ops=ops)
+        return RandomSearch(hps, seed, sc.max_trials, sc.max_concurrent_trials, ops=ops, metric=sc.metric)
     if isinstance(sc, GridSearcher):
-        return GridSearch(hps, seed, sc.max_concurrent_trials, ops=ops)
+        return GridSearch(hps, seed, sc.max_concurrent_trials, ops=ops, metric=sc.metric)
     if isinstance(sc, AdaptiveASHASearcher):
         assert sc.max_trials is not None and sc.metric is not None  # validation requires both
         # max_length without max_time: Determined 0.37's promotion-based ASHA (searcher ops).

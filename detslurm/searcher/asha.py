@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from detslurm.searcher.base import (
@@ -154,9 +155,8 @@ class AdaptiveASHA(SearchMethod):
         max_concurrent: int = 16,
         promotion: bool = False,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, metric)
         self.spec = hparams
-        self.metric = metric
         # Negate larger-is-better metrics once, so every rung sorts ascending.
         self.sign = 1.0 if smaller_is_better else -1.0
         self.time_metric = time_metric
@@ -185,12 +185,13 @@ class AdaptiveASHA(SearchMethod):
         return [self._create(b) for b, br in enumerate(self.brackets) for _ in range(br.initial_count())]
 
     # -- 0.38: early stopping --------------------------------------------------------------
-    def validation_completed(self, request_id: str, metrics: dict[str, Any], steps: int) -> list[Action]:
+    def on_validation(self, request_id: str, metrics: dict[str, Any], steps: int) -> list[Action]:
         if self.promotion or request_id not in self.owner:
             return []
-        value = self.sign * metric_value(metrics, self.metric, "searcher metric")
+        assert self.metric is not None
+        value = self.sign * metric_value(metrics, self.metric, "searcher metric", "searcher.metric")
         assert self.time_metric is not None
-        time = metric_value(metrics, self.time_metric, "time_metric")
+        time = metric_value(metrics, self.time_metric, "time_metric", "searcher.time_metric")
         b = self.owner[request_id]
         br = self.brackets[b]
         actions: list[Action] = []
@@ -215,7 +216,7 @@ class AdaptiveASHA(SearchMethod):
         return actions
 
     # -- 0.37: promotion ------------------------------------------------------------------
-    def op_completed(self, request_id: str, length: int, metric: float) -> list[Action]:
+    def on_op_completed(self, request_id: str, length: int, metric: float) -> list[Action]:
         if not self.promotion or request_id not in self.owner:
             return []
         b = self.owner[request_id]
@@ -295,14 +296,19 @@ class AdaptiveASHA(SearchMethod):
             br.insert(min(br.trial_rung.get(request_id, 0), br.num_rungs - 1), WORST, request_id)
         return [self._create(b)] if br.under_budget() else []
 
-    def progress(self) -> float:
+    def progress(self, trial_work: Callable[[], float]) -> float:
         """Determined's estimate: rung-0 entries over 1.2 x max_trials, then completed trials once all are in."""
         parts = []
         for i, br in enumerate(self.brackets):
-            p = len(br.rungs[0]) / (1.2 * br.max_trials)
+            # WORST marks a trial that exited early: placed in the rung, but it did not get there.
+            p = sum(1 for m, _ in br.rungs[0] if m != WORST) / (1.2 * br.max_trials)
             if not br.under_budget():
-                # Only this bracket's trials: counting every bracket's overstated the progress.
-                done = sum(1 for rid, o in self.owner.items() if o == i and rid in self.book.closed)
+                # Only this bracket's trials: counting every bracket's overstated the progress. A
+                # trial that failed or was canceled did not do its part (a failed search is not 100%).
+                unfinished = set(self.book.errored) | set(self.book.canceled)
+                done = sum(
+                    1 for rid, o in self.owner.items() if o == i and rid in self.book.closed and rid not in unfinished
+                )
                 p = max(p, (done - br.invalid) / br.max_trials)
             parts.append(min(1.0, p))
         return sum(parts) / len(parts) if parts else 0.0

@@ -8,6 +8,7 @@ metrics that produced it, so a killed controller never feeds an event twice or l
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -85,6 +86,9 @@ class Book:
     errored: list[str] = field(default_factory=list)
     canceled: list[str] = field(default_factory=list)
     shut_down: bool = False
+    # Why the search failed (a SearcherError), or "": a failed search takes no more reports, so
+    # the experiment's remaining events are read without failing it again for each of them.
+    failed: str = ""
 
 
 class SearchMethod:
@@ -92,9 +96,11 @@ class SearchMethod:
 
     name = "base"
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, metric: str | None = None) -> None:
         self.rng = random.Random(seed)
         self.book = Book()
+        # searcher.metric: every validation must carry it, whatever the method (see validation_completed).
+        self.metric = metric
 
     # -- helpers -------------------------------------------------------------------------
     def new_request(self, hparams: dict[str, Any], ops: tuple[int, ...] = ()) -> Create:
@@ -126,11 +132,32 @@ class SearchMethod:
         raise NotImplementedError
 
     def validation_completed(self, request_id: str, metrics: dict[str, Any], steps: int) -> list[Action]:
-        """A trial reported validation metrics; ``steps`` is its training length so far."""
+        """A trial reported validation metrics; ``steps`` is its training length so far.
+
+        A validation without the searcher metric is a SearcherError for every method and style,
+        not only for the ones that rank trials by it (0.38 ASHA): the best checkpoint, the trial's
+        best metric and ``det e lc --best`` all read it, and a misspelt ``searcher.metric`` would
+        otherwise pass silently. Determined's Trainer and Trial API fail the same way."""
+        if self.book.failed:
+            return []
+        try:
+            if self.metric is not None:
+                metric_value(metrics, self.metric, "searcher metric", "searcher.metric")
+            return self.on_validation(request_id, metrics, steps)
+        except SearcherError as e:
+            self.book.failed = str(e)
+            raise
+
+    def on_validation(self, request_id: str, metrics: dict[str, Any], steps: int) -> list[Action]:
+        """The method's reaction to a validation that carries the searcher metric."""
         return []
 
     def op_completed(self, request_id: str, length: int, metric: float) -> list[Action]:
         """0.37 style: a trial finished a ValidateAfter operation with this searcher metric."""
+        return [] if self.book.failed else self.on_op_completed(request_id, length, metric)
+
+    def on_op_completed(self, request_id: str, length: int, metric: float) -> list[Action]:
+        """The method's reaction to a completed operation (0.37 ASHA promotes on it)."""
         return []
 
     def trial_exited_early(self, request_id: str, reason: str) -> list[Action]:
@@ -149,8 +176,14 @@ class SearchMethod:
             self.book.closed.append(request_id)
         return self.maybe_shutdown()
 
-    def progress(self) -> float:
-        """The experiment's progress in [0, 1], shown by ``det experiment list``."""
+    def progress(self, trial_work: Callable[[], float]) -> float:
+        """The experiment's progress in [0, 1], shown by ``det experiment list``.
+
+        ``trial_work()`` is the trials' work so far, counted in trials: 1 for each trial that
+        completed, its last reported progress for any other (running, paused, failed, canceled).
+        Determined counts every closed trial as 1; here a failed trial counts only what it did,
+        so a search whose trials all failed does not read 100%. It is a query: methods that do
+        not need it (ASHA ranks by rungs) do not call it."""
         return 0.0
 
     # -- persistence ---------------------------------------------------------------------
@@ -180,12 +213,14 @@ class SearchMethod:
         pass
 
 
-def metric_value(metrics: dict[str, Any], key: str, what: str) -> float:
-    """The named metric as a float, or a SearcherError saying which metrics were reported."""
+def metric_value(metrics: dict[str, Any], key: str, what: str, setting: str) -> float:
+    """The named metric as a float, or a SearcherError saying which metrics were reported and
+    which config ``setting`` names it."""
     if key not in metrics:
         raise SearcherError(
             f"{what} {key!r} is missing from the reported validation metrics "
-            f"(got: {', '.join(sorted(metrics)) or 'none'})"
+            f"(got: {', '.join(sorted(map(str, metrics))) or 'none'}); {setting} in the experiment config "
+            "must name a metric that every validation report carries"
         )
     try:
         return float(metrics[key])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from detslurm.searcher.base import EXIT_INVALID_HP, Action, SearchMethod
@@ -14,9 +15,15 @@ class RandomSearch(SearchMethod):
     name = "random"
 
     def __init__(
-        self, hparams: dict[str, Any], seed: int, max_trials: int, max_concurrent: int, ops: tuple[int, ...] = ()
+        self,
+        hparams: dict[str, Any],
+        seed: int,
+        max_trials: int,
+        max_concurrent: int,
+        ops: tuple[int, ...] = (),
+        metric: str | None = None,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, metric)
         self.spec = hparams
         self.max_trials = max_trials
         self.max_concurrent = max_concurrent
@@ -53,8 +60,9 @@ class RandomSearch(SearchMethod):
     def wants_more(self) -> bool:
         return self.created < self.max_trials
 
-    def progress(self) -> float:
-        return min(1.0, len(self.book.closed) / max(1, self.max_trials))
+    def progress(self, trial_work: Callable[[], float]) -> float:
+        # Trials replaced for invalid hyperparameters completed, but did none of the search's work.
+        return _fraction(trial_work() - len(set(self.book.invalid)), self.max_trials)
 
     def method_state(self) -> dict[str, Any]:
         return {"created": self.created}
@@ -68,8 +76,15 @@ class GridSearch(SearchMethod):
 
     name = "grid"
 
-    def __init__(self, hparams: dict[str, Any], seed: int, max_concurrent: int, ops: tuple[int, ...] = ()) -> None:
-        super().__init__(seed)
+    def __init__(
+        self,
+        hparams: dict[str, Any],
+        seed: int,
+        max_concurrent: int,
+        ops: tuple[int, ...] = (),
+        metric: str | None = None,
+    ) -> None:
+        super().__init__(seed, metric)
         # Trials are taken from the end of the grid, as Determined does.
         self.remaining = grid(hparams)
         self.total = len(self.remaining)
@@ -95,8 +110,8 @@ class GridSearch(SearchMethod):
     def wants_more(self) -> bool:
         return bool(self.remaining)
 
-    def progress(self) -> float:
-        return min(1.0, len(self.book.closed) / max(1, self.total))
+    def progress(self, trial_work: Callable[[], float]) -> float:
+        return _fraction(trial_work(), self.total)
 
     def method_state(self) -> dict[str, Any]:
         # The unvisited points themselves are stored (not an index), so a resumed search does not depend
@@ -106,3 +121,7 @@ class GridSearch(SearchMethod):
     def load_method_state(self, state: dict[str, Any]) -> None:
         self.remaining = state["remaining"]
         self.total = state["total"]
+
+
+def _fraction(work: float, of: int) -> float:
+    return min(1.0, max(0.0, work / max(1, of)))
