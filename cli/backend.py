@@ -8,7 +8,6 @@ place that maps the name stored with an experiment to its backend.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -25,8 +24,7 @@ from detslurm.identity import os_user
 from detslurm.store.models import ExperimentState
 
 if TYPE_CHECKING:
-    from detslurm.controller.create import CreatePlan
-    from detslurm.slurm.site import SiteConfig
+    from detslurm.controller.placement import Place
 
 
 # A Protocol rather than a base class: the two backends share no code, only the shape the
@@ -39,20 +37,8 @@ class Backend(Protocol):
         """The executor name stored with the experiment (Experiment.executor)."""
         ...
 
-    def site_for_create(self, plan: CreatePlan) -> SiteConfig | None:
-        """Check the plan against the site before anything exists; the site, where there is one."""
-        ...
-
-    def require_reachable(self) -> None:
-        """Fail before creating anything when the scheduler cannot be reached."""
-        ...
-
-    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
-        """Raise RequestRefused, before anything exists, when the first jobs could never run."""
-        ...
-
-    def dry_run(self, plan: CreatePlan) -> str:
-        """What the first submission would run, built by the code that submits."""
+    def place(self) -> Place:
+        """Where a new experiment's trials run, for controller/create.py."""
         ...
 
     def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
@@ -90,60 +76,14 @@ class SlurmBackend:
     def __init__(self, app: App) -> None:
         self.app = app
 
-    def site_for_create(self, plan: CreatePlan) -> SiteConfig:
-        from detslurm.slurm.containers import Gpu, Runtime
-        from detslurm.slurm.render import image_for, resource_plan
+    def place(self) -> Place:
+        from detslurm.controller.placement import SlurmPlace
 
-        site = self.app.site()
-        res = resource_plan(plan.config, site)  # an unknown pool fails here, before anything exists
-        if site.container_runtime != Runtime.NONE:
-            # An image map without this pool's device kind fails here too, not in the daemon.
-            image_for(
-                plan.config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE
-            )
-        return site
-
-    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
-        from detslurm.controller.create import dry_run as plan_first_runs
-        from detslurm.controller.slurm_executor import SlurmExecutor
-        from detslurm.slurm.refusals import RequestRefused
-
-        # The jobs the create would submit, planned by the code that submits them; for a paused
-        # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
-        # Slurm in reach it checks nothing rather than fail.
-        executor = SlurmExecutor(self.app.client, self.app.site(), offline=dry_run)
-        active = dataclasses.replace(plan, paused=False)
-        # One shape, sampled: the create's first runs all share it (see create.dry_run).
-        specs = plan_first_runs(self.app.store, self.app.settings, active, executor, sample=True)
-        refusals = executor.refusals(executor.plan_many(specs))
-        if refusals:
-            raise RequestRefused(refusals)
-        if executor.nodes_away:
-            names = ", ".join(executor.nodes_away)
-            click.echo(f"Note: nodes {names} take no jobs now (down or drained); the jobs may wait for them", err=True)
-        if executor.unchecked:
-            click.echo(f"Warning: not checked against the cluster's limits ({executor.unchecked})", err=True)
-
-    def require_reachable(self) -> None:
-        # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the
-        # submission that follows does not pay for it again.
-        self.app.client.capabilities()
-
-    def dry_run(self, plan: CreatePlan) -> str:
-        """The sbatch command lines and scripts, as a runnable shell script (heredocs)."""
-        from detslurm.controller.create import dry_run
-        from detslurm.controller.slurm_executor import SlurmExecutor
-
-        # offline: render what would be submitted without calling sbatch, so the dry run goes
-        # through the same plan code as the real submission (design review: one path, not two).
-        executor = SlurmExecutor(self.app.client, self.app.site(), offline=True)
-        specs = dry_run(self.app.store, self.app.settings, plan, executor)
-        return "".join(sub.request.render() for sub in executor.plan_many(specs))
+        # The first submission is one tick in this process (under the controller lock), so the
+        # jobs are in Slurm's queue when `det e create` returns; the daemon then takes over.
+        return SlurmPlace(self.app.client, self.app.site(), lambda: slurm_mod.submit_now(self.app))
 
     def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
-        # Submit in this process first, so the jobs are in Slurm's queue when `det e create`
-        # returns even if the daemon takes a while to start; the daemon then takes over.
-        slurm_mod.submit_now(self.app)
         if paused:
             return 0  # `det e activate` starts it later
         pid = daemon_mod.start(self.app.settings)
@@ -207,22 +147,10 @@ class LocalBackend:
     def __init__(self, app: App) -> None:
         self.app = app
 
-    def site_for_create(self, plan: CreatePlan) -> None:
-        return None  # no pools, no partitions
+    def place(self) -> Place:
+        from detslurm.controller.placement import LocalPlace
 
-    def refuse_impossible(self, plan: CreatePlan, *, dry_run: bool) -> None:
-        pass  # local processes: max_local_trials queues them, nothing is ever impossible
-
-    def require_reachable(self) -> None:
-        pass
-
-    def dry_run(self, plan: CreatePlan) -> str:
-        from detslurm.controller.create import dry_run
-        from detslurm.controller.local import LocalExecutor
-
-        executor = LocalExecutor(self.app.settings.max_local_trials)
-        specs = dry_run(self.app.store, self.app.settings, plan, executor)
-        return "".join(f"# local trial run {s.name}: {' '.join(s.argv)} (in {s.run_dir})\n" for s in specs)
+        return LocalPlace(self.app.settings.max_local_trials)
 
     def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
         if paused:

@@ -128,36 +128,13 @@ def _create(
     dry_run: bool,
 ) -> None:
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
-    from detslurm.controller.create import execute_create, plan_create
+    from detslurm.controller import create as create_mod
 
-    plan = plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
+    plan = create_mod.plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
     backend = backend_mod.for_create(app, local=run_local)
-    # Check the pool before --dry-run returns, so a dry run fails on exactly what the real
-    # create would fail on, and before any row or directory exists.
-    site = backend.site_for_create(plan)
-    # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
-    # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
-    # would sit PENDING forever with nothing said.
-    backend.refuse_impossible(plan, dry_run=dry_run)
-    if plan.config.environment.image and (site is None or not site.runs_containers):
-        # Say so rather than run the trial outside the image silently.
-        where = "--local runs trials" if site is None else "this site has no container_runtime; trials run"
-        click.echo(f"Warning: environment.image is ignored: {where} with this machine's own Python", err=True)
-    elif site is not None:
-        from detslurm.slurm.render import container_warnings
-
-        for line in container_warnings(plan.config, site):
-            click.echo(f"Warning: {line}", err=True)
-    if dry_run:
-        click.echo(plan.describe())
-        click.echo(backend.dry_run(plan), nl=False)
-        click.echo("# dry run: nothing was created or submitted")
-        return
-    # An unreachable slurmctld must fail here: a created experiment that cannot be submitted
-    # would sit ACTIVE with nothing running.
-    backend.require_reachable()
-    exp_id = execute_create(app.store, app.settings, plan, executor=backend.executor)
-    click.echo(f"Created experiment {exp_id}")
+    exp_id = create_mod.create(app.store, app.settings, backend.place(), plan, click.echo, dry_run=dry_run)
+    if exp_id is None:
+        return  # a dry run
     # The experiment exists from here on: a failure below (e.g. --test-mode's verdict) is an
     # exit code, and the experiment stays for `det e describe` and `det e logs`.
     code = backend.after_create(exp_id, paused=paused, follow=follow, test_mode=test_mode)

@@ -47,7 +47,7 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
     """Create a new experiment from EXP_ID's config (with overrides) and its code."""
     from dataclasses import replace
 
-    from detslurm.controller.create import execute_create, plan_fork
+    from detslurm.controller.create import create, plan_fork
 
     # The fork runs where its parent ran (Slurm or local): Determined's fork has no executor
     # choice either, and a fork of a Slurm experiment should not quietly run on the login node.
@@ -56,12 +56,10 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
     with tempfile.TemporaryDirectory(prefix="detslurm-fork-") as staging:
         ctx = Path(staging) / "context"
         plan = plan_fork(app.settings, app.store, exp_id, app.scope, overrides, ctx, _patch(config_file))
-        plan = replace(plan, paused=paused)
-        backend.site_for_create(plan)  # an unknown pool in an override fails before anything exists
-        # As in `det e create`: a created experiment that cannot be submitted would sit ACTIVE.
-        backend.require_reachable()
-        new_id = execute_create(app.store, app.settings, plan, executor=backend.executor)
-    click.echo(f"Created experiment {new_id} (forked from experiment {exp_id})")
+        # Checked and submitted as `det e create` is: an unknown pool in an override fails before
+        # anything exists.
+        new_id = create(app.store, app.settings, backend.place(), replace(plan, paused=paused), click.echo)
+    assert new_id is not None  # not a dry run
     code = backend.after_create(new_id, paused=paused, follow=False, test_mode=False)
     if code:
         raise click.exceptions.Exit(code)

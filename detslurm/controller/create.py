@@ -1,8 +1,11 @@
-"""Creating an experiment: plan (validate + package, no side effects), then execute.
+"""Creating an experiment, from the config file to the first submission: :func:`create` is the
+one owner of `det e create` (and `det e fork`); the CLI parses its arguments and shows its lines.
 
-The plan is printable (``--dry-run``). Execution writes the experiment dir and the store rows
-in one transaction: on any failure the transaction rolls back and the dir is removed, so a
-failed submit leaves nothing half-made.
+In order, each once: validate and package (:func:`plan_create`, no side effects), check the
+plan against where the trials run (the resource plan, the pre-flight refusal: a ``Place`` of
+controller/placement.py), show the dry run or write the store, then submit. Execution writes
+the experiment dir and the store rows in one transaction: on any failure the transaction rolls
+back and the dir is removed, so a failed submit leaves nothing half-made.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 from sqlalchemy.orm import Session
@@ -25,6 +28,7 @@ from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
 from detslurm.controller.submit import plan_runs
 from detslurm.expconf import ExperimentConfig, apply_overrides, merge_config, parse_yaml, validate
+from detslurm.expconf.load import remember
 from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
@@ -33,6 +37,9 @@ from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState
+
+if TYPE_CHECKING:
+    from detslurm.controller.placement import Place
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,8 @@ def plan_create(
         raw["hyperparameters"] = fixed
         # Validated again: the test config is what is stored and run, so it passes the same checks.
         cfg = validate(raw, default_storage(settings))
+    # What is stored is read back by the dry run and the first submission: validated once, here.
+    remember(cfg)
     # Packaged now, on the login node: a trial later sees the context as it was at submit time,
     # however the user's directory changes while the experiment runs.
     bundle = ctxmod.package(Path(context_dir))
@@ -205,6 +214,7 @@ def plan_fork(
     # The stored config already has the parent's --config overrides and defaults in it; the fork's
     # own overrides go on top and the result is validated like any new config.
     cfg = validate(apply_overrides(merge_config(config, patch or {}), overrides), default_storage(settings))
+    remember(cfg)
     # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
     # context has the parent's sha256, and the parent's dir is never shared with the child.
     ctxmod.extract_as_packaged(tarball, staging)
@@ -252,3 +262,42 @@ def dry_run(
     except _DryRun:
         pass
     return specs
+
+
+class Echo(Protocol):
+    """Where the create's lines go (click.echo in the CLI)."""
+
+    def __call__(self, message: str, *, nl: bool = True, err: bool = False) -> object: ...
+
+
+def create(
+    store: Store, settings: Settings, place: Place, plan: CreatePlan, echo: Echo, *, dry_run: bool = False
+) -> int | None:
+    """Create the experiment ``plan`` describes where ``place`` runs its trials, and submit its
+    first runs: the new experiment's id, or None after a dry run (which leaves nothing behind).
+
+    Every check runs before anything exists, and a dry run fails on exactly what the real
+    create would fail on."""
+    warnings = place.check(plan.config)
+    # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
+    # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
+    # would sit PENDING forever with nothing said.
+    for note in place.refuse_impossible(store, settings, plan, offline=dry_run):
+        echo(note, err=True)
+    for line in warnings:
+        echo(f"Warning: {line}", err=True)
+    if dry_run:
+        echo(plan.describe())
+        echo(place.show(store, settings, plan), nl=False)
+        echo("# dry run: nothing was created or submitted")
+        return None
+    # An unreachable scheduler must fail here: a created experiment that cannot be submitted
+    # would sit ACTIVE with nothing running.
+    place.require_reachable()
+    exp_id = execute_create(store, settings, plan, executor=place.kind)
+    forked = f" (forked from experiment {plan.parent_id})" if plan.parent_id is not None else ""
+    echo(f"Created experiment {exp_id}{forked}")
+    # Queued before `det e create` returns, even if the daemon that takes over is slow to start
+    # (a paused experiment's jobs wait for `det e activate`).
+    place.submit()
+    return exp_id

@@ -1,0 +1,142 @@
+"""Where a new experiment's trials run, as its create (controller/create.py) needs to know it:
+on Slurm, or as processes of this machine. The CLI picks one (cli/backend.py); the create asks
+it the same questions either way and never compares executor names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from detslurm.controller.create import CreatePlan, dry_run
+from detslurm.controller.local import LocalExecutor
+from detslurm.controller.slurm_executor import SlurmExecutor
+from detslurm.expconf import ExperimentConfig
+from detslurm.settings import Settings
+from detslurm.slurm.containers import Gpu, Runtime
+from detslurm.slurm.refusals import RequestRefused
+from detslurm.slurm.render import container_warnings, image_for, resource_plan
+from detslurm.store import Store
+
+if TYPE_CHECKING:
+    from detslurm.slurm.client import SlurmClient
+    from detslurm.slurm.site import SiteConfig
+
+
+class Place(Protocol):
+    """What differs between Slurm and local trials for a create, asked in this order."""
+
+    @property
+    def kind(self) -> str:
+        """The executor name stored with the experiment (Experiment.executor)."""
+        ...
+
+    def check(self, config: ExperimentConfig) -> list[str]:
+        """Raise ConfigError for what this place can never run (an unknown pool); the settings of
+        ``config`` it does not apply, one warning each."""
+        ...
+
+    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+        """Raise RequestRefused when the first jobs could never run; notes on what may delay them."""
+        ...
+
+    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
+        """What the first submission would run, built by the code that submits (the dry run)."""
+        ...
+
+    def require_reachable(self) -> None:
+        """Fail before anything exists when the scheduler cannot be reached."""
+        ...
+
+    def submit(self) -> None:
+        """The first submission of what was just stored."""
+        ...
+
+
+class SlurmPlace:
+    """Trials are Slurm jobs. ``submit`` is one tick of the user's controller (taken under the
+    controller lock by the caller, which owns the daemon): it queues the new experiment's jobs."""
+
+    kind = SlurmExecutor.kind
+
+    def __init__(self, client: SlurmClient, site: SiteConfig, submit: Callable[[], None]) -> None:
+        self.client = client
+        self.site = site
+        self._submit = submit
+
+    def check(self, config: ExperimentConfig) -> list[str]:
+        site = self.site
+        res = resource_plan(config, site)  # an unknown pool fails here, before anything exists
+        if site.container_runtime != Runtime.NONE:
+            # An image map without this pool's device kind fails here too, not in the daemon.
+            image_for(config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE)
+        if config.environment.image and not site.runs_containers:
+            # Said rather than running the trial outside the image silently.
+            return [
+                "environment.image is ignored: this site has no container_runtime; "
+                "trials run with this machine's own Python"
+            ]
+        return container_warnings(config, site)
+
+    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+        # The jobs the create would submit, planned by the code that submits them; for a paused
+        # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
+        # Slurm in reach it checks nothing rather than fail.
+        executor = SlurmExecutor(self.client, self.site, offline=offline)
+        active = dataclasses.replace(plan, paused=False)
+        # One shape, sampled: the create's first runs all share it (see create.dry_run).
+        specs = dry_run(store, settings, active, executor, sample=True)
+        refusals = executor.refusals(executor.plan_many(specs))
+        if refusals:
+            raise RequestRefused(refusals)
+        notes: list[str] = []
+        if executor.nodes_away:
+            names = ", ".join(executor.nodes_away)
+            notes.append(f"Note: nodes {names} take no jobs now (down or drained); the jobs may wait for them")
+        if executor.unchecked:
+            notes.append(f"Warning: not checked against the cluster's limits ({executor.unchecked})")
+        return notes
+
+    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
+        """The sbatch command lines and scripts, as a runnable shell script (heredocs)."""
+        # offline: render what would be submitted without calling sbatch, through the same plan
+        # code as the real submission.
+        executor = SlurmExecutor(self.client, self.site, offline=True)
+        specs = dry_run(store, settings, plan, executor)
+        return "".join(sub.request.render() for sub in executor.plan_many(specs))
+
+    def require_reachable(self) -> None:
+        # Any Slurm call proves slurmctld answers; capabilities() is cached for the process, so the
+        # submission that follows does not pay for it again.
+        self.client.capabilities()
+
+    def submit(self) -> None:
+        self._submit()
+
+
+class LocalPlace:
+    """Trials are processes of this machine, started by the `det` that drives the experiment."""
+
+    kind = LocalExecutor.kind
+
+    def __init__(self, max_local_trials: int) -> None:
+        self.max_local_trials = max_local_trials
+
+    def check(self, config: ExperimentConfig) -> list[str]:
+        if config.environment.image:
+            return ["environment.image is ignored: --local runs trials with this machine's own Python"]
+        return []  # no pools, no partitions
+
+    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+        return []  # max_local_trials queues them: nothing is ever impossible
+
+    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
+        specs = dry_run(store, settings, plan, LocalExecutor(self.max_local_trials))
+        return "".join(f"# local trial run {s.name}: {' '.join(s.argv)} (in {s.run_dir})\n" for s in specs)
+
+    def require_reachable(self) -> None:
+        pass
+
+    def submit(self) -> None:
+        pass  # local trials are children of their driver: it starts them as it runs the experiment
