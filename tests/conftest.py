@@ -57,64 +57,16 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-sys.path.insert(0, str(Path(__file__).parent))
+# Test modules and their helpers import each other by module name (`from conftest import ROOT`,
+# `from test_slurm_cluster import trials`): tests/ and every folder of test modules under it are
+# on sys.path, whatever test a session collects first. Module names are unique across folders.
+TESTS = Path(__file__).resolve().parent
+for _dir in [TESTS, *sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TESTS})]:
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
-
-# scripts/test builds DeepSpeed's CPU op and Horovod in the background (scripts/bootstrap-launchers)
-# and names here the file it writes when that build has ended. The tests that need the build are
-# marked `late_build`: they run after all others, and each waits for the build before it starts.
-LATE_BUILD_DONE = os.environ.get("DETSLURM_LATE_BUILD_DONE")
-LATE_BUILD_WAIT_S = 3600
-
-
-# scripts/test without arguments (CI's run) sets this to "ci": the tests marked `full` are then
-# left out (README, "How ./scripts/test runs the suite" says which and why).
-TIER = os.environ.get("DETSLURM_TEST_TIER", "full")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if TIER == "ci":
-        left_out = [item for item in items if item.get_closest_marker("full") is not None]
-        if left_out:
-            config.hook.pytest_deselected(items=left_out)
-            items[:] = [item for item in items if item.get_closest_marker("full") is None]
-        # Under CI's time box the tests of minutes go last, so that a slow machine leaves out
-        # a few of them, not hundreds of tests of seconds that happen to sort after them.
-        items.sort(key=lambda item: item.get_closest_marker("heavy") is not None)  # stable
-    if LATE_BUILD_DONE:
-        items.sort(key=lambda item: item.get_closest_marker("late_build") is not None)  # stable
-
-
-# scripts/test sets this under CI (epoch seconds): a test not started by then is skipped, and says
-# why, so that a run on a slow machine reports what it ran instead of being cut off by CI's limit
-# with nothing said. The count is printed at the end (pytest_terminal_summary).
-DEADLINE = float(os.environ.get("DETSLURM_TEST_DEADLINE") or "inf")
-OUT_OF_TIME = "not run: CI's time budget (DETSLURM_TEST_DEADLINE) ran out before it started"
-
-
-# A test marked `heavy` took up to 9 min on CI's loaded machine: it starts only this long before
-# the deadline, so that it ends before the box does instead of being interrupted.
-HEAVY_MARGIN_S = 600
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    heavy = item.get_closest_marker("heavy") is not None
-    if time.time() > DEADLINE - (HEAVY_MARGIN_S if heavy else 0):
-        pytest.skip(OUT_OF_TIME)
-    if not LATE_BUILD_DONE or item.get_closest_marker("late_build") is None:
-        return
-    deadline = time.monotonic() + LATE_BUILD_WAIT_S
-    while not Path(LATE_BUILD_DONE).exists():
-        if time.monotonic() > deadline:
-            pytest.fail(f"scripts/bootstrap-launchers did not end within {LATE_BUILD_WAIT_S} s")
-        time.sleep(2)
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    skipped = terminalreporter.stats.get("skipped", [])
-    late = sum(1 for report in skipped if OUT_OF_TIME in str(report.longrepr))
-    if late:
-        terminalreporter.write_line(f"NOT RUN: {late} tests, {OUT_OF_TIME}", red=True, bold=True)
+# Selection by tier, the deadline and the late builds; a skip or a test not run fails CI's run.
+pytest_plugins = ["tiers"]
 
 
 @pytest.hookimpl(wrapper=True)

@@ -79,6 +79,7 @@ def hidden_on(state: Path, nodes: Sequence[str], paths: Sequence[Path]) -> Itera
         subprocess.run([str(ROOT / "scripts/test-cluster"), "up", str(state)], check=True, env=env)
 
 
+@pytest.mark.slurm24_smoke
 def test_doctor_on_a_healthy_cluster(slurm_env: Path, det: Det) -> None:
     code, found, doc = _doctor(det)
     # The test cluster has warnings (KillWait 15 s, no accounting, a 1 s poll floor), no problem.
@@ -99,10 +100,7 @@ def test_doctor_on_a_healthy_cluster(slurm_env: Path, det: Det) -> None:
     assert code == 0 and "preemption" in out and "pool cpu: node" not in out
 
 
-@pytest.mark.skipif(
-    os.environ.get("DETSLURM_TEST_IN_CHROOT") == "24.11",
-    reason="restarts slurmd in a private mount namespace of the host; the 24.11 run is in a chroot",
-)
+@pytest.mark.host_slurm  # restarts slurmd in a private mount namespace of the host
 def test_doctor_names_a_pool_whose_nodes_cannot_see_the_experiments_dir(
     slurm_env: Path, slurm_cluster: Path, det: Det, monkeypatch: pytest.MonkeyPatch
 ) -> None:

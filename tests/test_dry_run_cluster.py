@@ -71,6 +71,7 @@ def option(args: list[str], name: str) -> str:
 
 
 @pytest.mark.parametrize("trials", [1, 3])
+@pytest.mark.slurm24_smoke
 def test_dry_run_equals_what_slurm_received(det: Any, tmp_path: Path, trials: int) -> None:
     vals = list(range(trials))
     cfg = write(

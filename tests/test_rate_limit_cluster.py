@@ -23,7 +23,8 @@ from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.slurm.client import Result, SlurmClient, subprocess_runner
 from detslurm.slurm.site import SiteConfig
 
-pytestmark = [pytest.mark.slurm]
+# Slurm's RPC rate limiting came with 23.02: the 22.05 session leaves these out (marker `slurm23`).
+pytestmark = [pytest.mark.slurm, pytest.mark.slurm23, pytest.mark.slurm24_smoke]
 USER = "detslurm-rl"
 
 

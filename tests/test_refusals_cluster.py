@@ -83,6 +83,7 @@ def until(what: str, probe: Callable[[], T | None], timeout: float = 40) -> T:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.mark.slurm24_smoke
 def test_more_slots_than_the_pool_is_refused_with_the_numbers(det: Any, slurm_env: Path, tmp_path: Path) -> None:
     err = refused(det, config(tmp_path, "{slots_per_trial: 100}"), CORE)
     assert (
@@ -93,6 +94,7 @@ def test_more_slots_than_the_pool_is_refused_with_the_numbers(det: Any, slurm_en
     assert_nothing_created(det, slurm_env)
 
 
+@pytest.mark.slurm24_smoke
 def test_bad_sbatch_args_are_refused_with_sbatchs_message(det: Any, slurm_env: Path, tmp_path: Path) -> None:
     # Not an sbatch option at all: refused while the config is validated, naming the argument.
     err = refused(det, config(tmp_path, sbatch_args="[--thisisnotavalidslurmoption]"), CORE)

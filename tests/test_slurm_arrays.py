@@ -59,6 +59,7 @@ def runs(exp_id: int) -> list[tuple[Trial, list[TrialRun]]]:
         return [(t, sorted(t.runs, key=lambda r: r.run_id)) for t in ts]
 
 
+@pytest.mark.slurm24_smoke
 def test_grid_goes_as_one_array_and_trials_keep_their_identity(
     det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,6 +58,7 @@ def squeue_ids() -> set[str]:
     return set(subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split())
 
 
+@pytest.mark.slurm24_smoke
 def test_resource_pools(det: Any) -> None:
     code, out, err = det("resource-pool", "list")
     assert code == 0, err
@@ -66,6 +67,7 @@ def test_resource_pools(det: Any) -> None:
     assert "| 0/4" in lines["gpu"] and "gpu" in lines["gpu"] and "| 0/8" in lines["high"]
 
 
+@pytest.mark.slurm24_smoke
 def test_partitions_and_site_timing_probed() -> None:
     """The probes the refusals and the preemption budget use, against the live controller."""
     from detslurm.slurm.client import client_from_env
@@ -138,6 +140,7 @@ def test_pause_activate_on_slurm(det: Any) -> None:
 
 
 @pytest.mark.fault
+@pytest.mark.slurm24_smoke
 def test_preemption_by_high_partition_loses_no_steps(det: Any) -> None:
     code, _, err = det(
         "e",

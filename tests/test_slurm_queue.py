@@ -71,6 +71,7 @@ def as_user(det_bin: Path, user: str, home: Path, *args: str) -> subprocess.Comp
     return subprocess.run(cmd, capture_output=True, text=True, cwd="/tmp")
 
 
+@pytest.mark.slurm24_smoke
 def test_queue_as_root(det: Any) -> None:
     blockers = [sbatch("-c", "2", "-w", "c1"), sbatch("-c", "2", "-w", "c2")]
     running(*blockers)

@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.torch,
+    pytest.mark.gpu,
     pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA GPU (run scripts/gpu-check on a GPU machine)"
     ),

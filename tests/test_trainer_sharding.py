@@ -193,6 +193,9 @@ class TestOnCluster:
         assert len(runs) == 2 and upto[runs[0]] == 15
         assert_same_training(runs, tmp_path, upto)
 
+    # In the whole suite: CI's run has the exact resume (above) and pause/activate on the cluster
+    # (test_slurm_cluster); this is both at once on two nodes, minutes on a loaded machine.
+    @pytest.mark.full
     def test_two_nodes_pause_and_activate_resume_exactly(self, det: Any, tmp_path: Path) -> None:
         """A preemption (det e pause): every rank stops at the same boundary, the Trainer
         checkpoints there, and the activated run continues at the next batch."""
