@@ -91,7 +91,7 @@ class SlurmBackend:
         if test_mode:
             return test_mode_report(self.app, exp_id, slurm_mod.wait(self.app, exp_id))
         if follow:
-            slurm_mod.follow_first_trial(self.app, exp_id)
+            logs_mod.follow_first_trial(self.app, exp_id)
         return 0
 
     def resume(self, exp_id: int, *, detach: bool) -> None:

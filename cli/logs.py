@@ -366,3 +366,32 @@ def _follow(app: App, trial_id: int, flt: LogFilter) -> None:
         return True if done else None
 
     app.poll_until(step)
+
+
+def follow_first_trial(app: App, exp_id: int) -> None:
+    """Stream the first trial's output until it ends, saying why its job waits meanwhile."""
+    click.echo("Waiting for first trial to begin...")
+    follower: Follower | None = None
+    shown_reason: str | None = None
+
+    def step() -> bool | None:
+        nonlocal follower, shown_reason
+        with app.store.read() as s:
+            tid, runner, done = views.first_trial(s, exp_id, app.scope)
+        if tid is not None and follower is None:
+            follower = Follower(app, tid)
+            click.echo(f"Following first trial with ID {tid}")
+        # Say why the job waits (Slurm's pending reason) only when it changes, not every poll.
+        if runner and runner.startswith("queued") and runner != shown_reason:
+            click.echo(f"HPC job waiting to be scheduled: {views.pending_words(runner)}")
+            shown_reason = runner
+        if follower is not None:
+            follower.pump()
+        if not done:
+            return None
+        if follower is not None:
+            follower.pump()  # the last lines written before the trial ended
+            click.echo(f"Trial log stream ended. To reopen log stream, run: det trial logs -f {tid}")
+        return True
+
+    app.poll_until(step)

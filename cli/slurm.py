@@ -1,10 +1,8 @@
-"""CLI glue for Slurm experiments: one-step reconciles for reads, following, waiting."""
+"""CLI glue for Slurm experiments: one-step reconciles for reads, submitting now, waiting."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-import click
 
 from detslurm import daemon as daemon_mod
 from detslurm.cli.app import App
@@ -16,11 +14,9 @@ from detslurm.util import detached_root
 # ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm import views
-    from detslurm.cli import logs as logs_mod
     from detslurm.store.models import ExperimentState
 else:
     views = lazy_module("detslurm.views")
-    logs_mod = lazy_module("detslurm.cli.logs")
 
 # The executor name `det e create` stores for Slurm experiments.
 EXECUTOR = "slurm"
@@ -51,35 +47,6 @@ def reconcile(app: App) -> None:
 def submit_now(app: App) -> None:
     """One tick right away, so a new or re-activated experiment's jobs are queued before we return."""
     daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
-
-
-def follow_first_trial(app: App, exp_id: int) -> None:
-    """Stream the first trial's output until it ends, saying why its job waits meanwhile."""
-    click.echo("Waiting for first trial to begin...")
-    follower: logs_mod.Follower | None = None
-    shown_reason: str | None = None
-
-    def step() -> bool | None:
-        nonlocal follower, shown_reason
-        with app.store.read() as s:
-            tid, runner, done = views.first_trial(s, exp_id, app.scope)
-        if tid is not None and follower is None:
-            follower = logs_mod.Follower(app, tid)
-            click.echo(f"Following first trial with ID {tid}")
-        # Say why the job waits (Slurm's pending reason) only when it changes, not every poll.
-        if runner and runner.startswith("queued") and runner != shown_reason:
-            click.echo(f"HPC job waiting to be scheduled: {views.pending_words(runner)}")
-            shown_reason = runner
-        if follower is not None:
-            follower.pump()
-        if not done:
-            return None
-        if follower is not None:
-            follower.pump()  # the last lines written before the trial ended
-            click.echo(f"Trial log stream ended. To reopen log stream, run: det trial logs -f {tid}")
-        return True
-
-    app.poll_until(step)
 
 
 def wait(app: App, exp_id: int) -> ExperimentState:

@@ -117,3 +117,84 @@ def test_the_checker_catches_each_kind_of_edge() -> None:
     ]
     for mod, source in allowed:
         assert not [imp for imp in imports(source, mod, False) if forbidden(mod, imp)], source
+
+
+# -- the CLI's import graph ------------------------------------------------------------------
+CLI = "detslurm.cli"
+REMOTE = "detslurm.cli.remote"
+
+
+def lazy_modules(source: str) -> Iterator[str]:
+    """Modules named to cli/lazy.py's ``lazy_module("...")``: loaded on first use, edges all the same."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_module" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                yield arg.value
+
+
+def cli_graph() -> dict[str, set[str]]:
+    """Module -> the modules of detslurm.cli it imports, at module level, in functions or lazily."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "cli").rglob("*.py")):
+        mod = module_name(path)
+        source = path.read_text()
+        graph[mod] = {*imports(source, mod, path.name == "__init__.py"), *lazy_modules(source)}
+    # Only edges between modules of the CLI; importing a package's name is an edge to its __init__.
+    return {mod: {m for m in deps if m in graph and m != mod} for mod, deps in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cli_imports_form_no_cycle() -> None:
+    graph = cli_graph()
+    assert REMOTE + ".dispatch" in graph and CLI + ".main" in graph  # the walk found the CLI
+    assert cycles(graph) == []
+
+
+def test_the_remote_transport_imports_no_module_of_the_cli_above_it() -> None:
+    """cli/remote is the transport cli.main uses; the commands whose arguments it reads are
+    handed to it (cli.main.local_command), never imported."""
+    graph = cli_graph()
+    bad = sorted(
+        f"{a} -> {b}" for a, deps in graph.items() if _within(a, REMOTE) for b in deps if not _within(b, REMOTE)
+    )
+    assert bad == []
+
+
+def test_the_cycle_check_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    source = 'views = lazy_module("detslurm.cli.logs")\ndef f():\n    from detslurm.cli import slurm\n'
+    assert list(lazy_modules(source)) == ["detslurm.cli.logs"]
+    assert "detslurm.cli.slurm" in set(imports(source, "detslurm.cli.x", False))
