@@ -1,7 +1,7 @@
 """trial_runs: when Slurm's stop signal reached the trial, and its measured stop time
 
-Preemption (docs/design/preemption.md): the time from the signal to the acknowledged checkpoint is compared with the site's
-budget (GraceTime, KillWait, the warning signal's lead).
+The time from the signal to the acknowledged checkpoint is compared with the site's budget
+(GraceTime, KillWait, the warning signal's lead; docs/design/preemption.md).
 
 Revision ID: 0003_preempt2
 Revises: 0004_cli15
