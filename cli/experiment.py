@@ -15,6 +15,7 @@ from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import DetSlurmError
+from detslurm.expconf.view import ConfigView
 from detslurm.store.reads import experiment_filter_rows, trial_reason
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
@@ -228,7 +229,7 @@ def describe(app: App, exp_id: int, as_json: bool) -> None:
     work = [(tid, *w) for tid, (shown, _) in recent.items() for w in shown]
     hidden = [tid for tid, (_, more) in recent.items() if more]
     # Only the header names it: read from the stored config (validated when it was stored).
-    metric = (config.get("searcher") or {}).get("metric")
+    metric = ConfigView(config).searcher.metric or None
     _print_described(e, metric, trials, work, hidden)
     # Stop times measured after preemptions, compared with what the site allows (only when there
     # are some: the comparison loads the site config and asks Slurm).
@@ -342,7 +343,7 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool, as_
     slurm_mod.reconcile(app)
     _, config = app.reads.experiment(exp_id, app.scope.owner)
     # The stored config (validated, defaults filled, when it was stored).
-    sib = bool((config.get("searcher") or {}).get("smaller_is_better", True))
+    sib = ConfigView(config).searcher.smaller_is_better
     cks = app.reads.checkpoint_dicts(exp_id, app.scope.owner)
     if best is not None:
         # "Best" needs a metric to rank by; deleted or partial checkpoints cannot be restored

@@ -15,6 +15,7 @@ import click
 
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
+from detslurm.expconf.view import ConfigView
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic when their fast path needs none of them.
@@ -228,11 +229,9 @@ def download(
     quiet: bool,
 ) -> None:
     """Download the experiment's best checkpoints (by validation metric) to checkpoints/<uuid>."""
-    from detslurm.expconf import from_stored
-
     with app.store.read() as s:
-        searcher = from_stored(views.get_experiment(s, exp_id, app.scope).config).searcher
-        metric = sort_by or searcher.metric or ""
+        searcher = ConfigView(views.get_experiment(s, exp_id, app.scope).config).searcher
+        metric = sort_by or searcher.metric
         sib = searcher.smaller_is_better if smaller_is_better is None else smaller_is_better
         # Ranked inside the read: the validation lookup needs the session.
         best = [

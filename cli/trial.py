@@ -12,6 +12,7 @@ from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
+from detslurm.expconf.view import ConfigView
 from detslurm.store.reads import trial_reason
 
 # Loaded on first use (cli/lazy.py): `det t logs` and `det t describe` must not pay for the ORM,
@@ -159,8 +160,6 @@ def download(
 def _choose_checkpoint(
     app: App, trial_id: int, which: str, uuid: str | None, sort_by: str | None, sib: bool | None
 ) -> str:
-    from detslurm.expconf import from_stored
-
     with app.store.read() as s:
         t = views.get_trial(s, trial_id, app.scope)
         cks = views.trial_checkpoints(s, trial_id, app.scope)
@@ -173,8 +172,8 @@ def _choose_checkpoint(
             if not done:
                 raise click.ClickException(f"trial {trial_id} has no completed checkpoint")
             return done[-1]  # ordered by steps completed
-        searcher = from_stored(t.experiment.config).searcher
-        metric = sort_by or searcher.metric or ""
+        searcher = ConfigView(t.experiment.config).searcher
+        metric = sort_by or searcher.metric
         best = views.ranked_checkpoints(s, cks, metric, searcher.smaller_is_better if sib is None else sib, 1)
         if not best:
             raise click.ClickException(f"trial {trial_id} has no completed checkpoint with a validation {metric!r}")

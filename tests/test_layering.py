@@ -20,7 +20,15 @@ SOURCES = {"detslurm": "detslurm", "cli": "detslurm.cli", "launchers": "detslurm
 IN_JOB = ("detslurm.core", "detslurm.pytorch", "detslurm.exec", "detslurm.launch")
 # ckpt_settings: the checkpoint settings that the trial and the login side's config check share.
 # settings: every DETSLURM_* variable, the job protocol's included (standard library only).
-LEAVES = ("detslurm.util", "detslurm.errors", "detslurm.context", "detslurm.ckpt_settings", "detslurm.settings")
+# expconf.view: the typed view of a stored config that both sides read (standard library only).
+LEAVES = (
+    "detslurm.util",
+    "detslurm.errors",
+    "detslurm.context",
+    "detslurm.ckpt_settings",
+    "detslurm.settings",
+    "detslurm.expconf.view",
+)
 PROTOCOL = "detslurm.protocol"
 LOGIN = (
     "detslurm.controller",

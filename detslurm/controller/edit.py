@@ -10,12 +10,13 @@ created one: a label that is not a string or a priority outside 1..99 is refused
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import ConfigError, StateError
+from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope, os_user
 from detslurm.slurm.parse import experiment_tag
 from detslurm.store import Store
@@ -26,16 +27,14 @@ from detslurm.views import get_experiment
 CONTINUABLE = ("single", "random", "grid")
 
 
-def _edit_config(exp: Experiment, change: Callable[[dict[str, Any]], None]) -> None:
-    """Apply ``change`` to a copy of the stored config, validate it, and store it."""
-    # expconf (pydantic) is imported where a config is validated, not at module import: `det e
-    # list` and the other read commands import this module but never edit a config.
-    from detslurm.expconf import from_stored
+def _edit_config(exp: Experiment, patch: Mapping[str, Any]) -> None:
+    """Lay ``patch`` over the stored config (mappings merge key by key), validate the result, and
+    store it: a fresh dict, as the JSON column only notices a reassignment."""
+    # expconf.load (pydantic) is imported where a config is validated, not at module import:
+    # `det e list` and the other read commands import this module but never edit a config.
+    from detslurm.expconf import from_stored, merge_config
 
-    # A fresh dict: the JSON column only notices a reassignment, not an in-place edit.
-    cfg: dict[str, Any] = json.loads(json.dumps(exp.config))
-    change(cfg)
-    exp.config = from_stored(cfg, f"<experiment {exp.id}>").as_dict()
+    exp.config = from_stored(merge_config(exp.config, patch), f"<experiment {exp.id}>").as_dict()
 
 
 def set_archived(store: Store, exp_id: int, archived: bool, scope: Scope | None = None) -> None:
@@ -53,20 +52,18 @@ def set_labels(store: Store, exp_id: int, label: str, add: bool, scope: Scope | 
     if not label.strip():
         raise ConfigError(["a label must not be empty"])
 
-    def change(cfg: dict[str, Any]) -> None:
-        # Removed first, so adding a label twice keeps one copy (and moves it last, as added).
-        labels = [x for x in cfg.get("labels") or [] if x != label]
-        cfg["labels"] = [*labels, label] if add else labels
-
     with store.tx() as s:
-        _edit_config(get_experiment(s, exp_id, scope or Scope.mine()), change)
+        exp = get_experiment(s, exp_id, scope or Scope.mine())
+        # Removed first, so adding a label twice keeps one copy (and moves it last, as added).
+        labels = [x for x in ConfigView(exp.config).labels if x != label]
+        _edit_config(exp, {"labels": [*labels, label] if add else labels})
 
 
 def set_description(store: Store, exp_id: int, text: str, scope: Scope | None = None) -> None:
     """The description shown by `det e describe` (and in the config, as Determined stores it)."""
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
-        _edit_config(exp, lambda cfg: cfg.__setitem__("description", text))
+        _edit_config(exp, {"description": text})
         exp.description = text
 
 
@@ -76,7 +73,7 @@ def set_name(store: Store, exp_id: int, name: str, scope: Scope | None = None) -
         raise ConfigError(["an experiment name must not be empty"])
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
-        _edit_config(exp, lambda cfg: cfg.__setitem__("name", name))
+        _edit_config(exp, {"name": name})
         exp.name = name
 
 
@@ -96,11 +93,11 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
         raise ConfigError([f"resources.{key} cannot be set here (max_slots, weight or priority)"])
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
-        _edit_config(exp, lambda cfg: cfg.setdefault("resources", {}).__setitem__(key, value))
+        _edit_config(exp, {"resources": {key: value}})
         # Runs without a job id were never submitted (or their sbatch reply was lost): the
         # resubmission picks the new value up from the config anyway.
         jobs = tuple(r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id)
-        slots = int(exp.config.get("resources", {}).get("slots_per_trial") or 1)
+        slots = ConfigView(exp.config).resources.slots_per_trial or 1
         return LiveJobs(jobs, exp.owner == os_user(), slots)
 
 
@@ -114,7 +111,7 @@ def save_priority(store: Store, exp_id: int, priority: int, *, tag: str, scope: 
         exp = s.get(Experiment, exp_id)
         if exp is None or not (scope or Scope.mine()).sees(exp.owner) or tag != experiment_tag(exp.exp_dir):
             return False
-        _edit_config(exp, lambda cfg: cfg.setdefault("resources", {}).__setitem__("priority", priority))
+        _edit_config(exp, {"resources": {"priority": priority}})
         return True
 
 
@@ -130,7 +127,7 @@ def continue_experiment(
     over the config, then ``overrides``). Returns how many trials resume."""
     with store.tx() as s:
         exp = get_experiment(s, exp_id, scope or Scope.mine())
-        name = exp.config.get("searcher", {}).get("name")
+        name = ConfigView(exp.config).searcher.name
         if name not in CONTINUABLE:
             raise StateError(f"Unsupported searcher type provided: '{name}' (continue works for single, random, grid)")
         if not exp.state.is_terminal:
@@ -177,10 +174,10 @@ def _reopen_trial(exp: Experiment, t: Trial) -> None:
     t.exit_reason = None
     # An early stop (ASHA, test mode) would end the new run at once; continue means train on.
     t.early_stopped = False
-    length = exp.config.get("searcher", {}).get("max_length")
+    length = ConfigView(exp.config).searcher.max_length
     if t.searcher_ops:
         # 0.37-style trials train to absolute lengths: the (new) max_length is the next target.
-        target = int(next(iter(length.values()))) if isinstance(length, dict) and length else 0
+        target = length.value if length else 0
         if target <= int(t.searcher_ops[-1]):
             raise StateError(
                 f"trial {t.id} already trained to {t.searcher_ops[-1]}: give a larger searcher.max_length "

@@ -8,7 +8,6 @@ scope (`det --all-users`), and even then only changes rows: the owner's daemon c
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from detslurm.controller.executor import ExitCause
 from detslurm.controller.gc import checkpoint_dir, remove_own_dir
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import StateError
+from detslurm.expconf.view import merge_config
 from detslurm.identity import Scope, os_user
 from detslurm.protocol import ControlRecord, RunPaths
 from detslurm.slurm.parse import experiment_tag
@@ -220,9 +220,7 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
                 "was not moved"
             )
         # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
-        cfg = json.loads(json.dumps(exp.config))
-        cfg["resources"]["resource_pool"] = pool
-        exp.config = cfg
+        exp.config = merge_config(exp.config, {"resources": {"resource_pool": pool}})
         exp.resource_pool = pool
         running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING]
         if exp.owner != os_user():

@@ -20,6 +20,7 @@ from detslurm.core._preempt import DummyPreemptContext, PreemptContext, PreemptM
 from detslurm.core._searcher import SearcherContext, SearcherContextMissing, Unit
 from detslurm.core._train import EarlyExitReason, TrainContext, Writer
 from detslurm.errors import InvalidHP
+from detslurm.expconf.view import ConfigView
 from detslurm.protocol.events import Alert, Event, PreemptAck
 
 log = logging.getLogger("detslurm.core")
@@ -111,11 +112,10 @@ class Context:
 
 
 def _units(config: dict[str, Any]) -> Unit | None:
-    ml = (config.get("searcher") or {}).get("max_length")
-    if not isinstance(ml, dict) or not ml:
+    ml = ConfigView(config).searcher.max_length
+    if ml is None:
         return None
-    # The config was validated at create time: max_length has exactly one of these keys.
-    return {"batches": Unit.BATCHES, "records": Unit.RECORDS, "epochs": Unit.EPOCHS}[next(iter(ml))]
+    return {"batches": Unit.BATCHES, "records": Unit.RECORDS, "epochs": Unit.EPOCHS}[ml.unit]
 
 
 def _storage_base(checkpoint_storage: str | dict[str, Any] | None, default: Path) -> Path:

@@ -18,6 +18,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from detslurm import views
 from detslurm.dashboard.downsample import Series, bucket_width, points_per_series
+from detslurm.expconf.view import SEARCHER_METRIC, SEARCHER_NAME, SMALLER_IS_BETTER, ConfigView
 from detslurm.identity import Scope
 from detslurm.store.models import Checkpoint, Experiment, Metric, MetricPoint, Trial
 
@@ -103,9 +104,9 @@ def experiments(s: Session, scope: Scope) -> list[ExperimentSummary]:
     """The experiments list: views' columns plus searcher, best metric and trial count, in
     two queries whatever the number of experiments (no per-experiment config load)."""
     e = Experiment
-    searcher = e.config[("searcher", "name")].as_string()
-    metric = e.config[("searcher", "metric")].as_string()
-    smaller = e.config[("searcher", "smaller_is_better")].as_boolean()
+    searcher = e.config[SEARCHER_NAME].as_string()
+    metric = e.config[SEARCHER_METRIC].as_string()
+    smaller = e.config[SMALLER_IS_BETTER].as_boolean()
     q = select(e.id, searcher, metric, smaller).where(e.archived.is_(False))
     if scope.owner is not None:
         q = q.where(e.owner == scope.owner)
@@ -316,13 +317,9 @@ def _bucket_query(dialect: str, rows: ColumnElement[bool], width: int, bands: bo
 
 def _epochs_per_batch(exp: Experiment) -> float | None:
     """Epochs per batch, as Determined counts them: global batch size / records per epoch."""
-    rpe = exp.config.get("records_per_epoch")
-    hp = exp.config.get("hyperparameters")
-    gbs = hp.get("global_batch_size") if isinstance(hp, dict) else None
-    # The stored hyperparameter may be a constant ({"type": "const", "val": 32}) or a plain number.
-    if isinstance(gbs, dict):
-        gbs = gbs.get("val")
-    if isinstance(rpe, (int, float)) and isinstance(gbs, (int, float)) and _numeric(rpe) and _numeric(gbs) and rpe > 0:
+    cfg = ConfigView(exp.config)
+    rpe, gbs = cfg.records_per_epoch, cfg.constant_hparam("global_batch_size")
+    if _numeric(gbs) and rpe > 0:
         return float(gbs) / float(rpe)
     return None
 

@@ -29,6 +29,7 @@ from detslurm import views
 from detslurm.dashboard import logs as logs_mod
 from detslurm.dashboard import queries
 from detslurm.errors import DetSlurmError, NotFoundError
+from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope
 from detslurm.store import Store
 
@@ -244,7 +245,7 @@ def _trial(d: Dashboard, trial_id: int) -> Response:
             "experiment": {
                 "id": t.experiment_id,
                 "name": t.experiment.name,
-                "metric": (t.experiment.config.get("searcher") or {}).get("metric"),
+                "metric": ConfigView(t.experiment.config).searcher.metric or None,
             },
             "runs": runs,
             "checkpoints": queries.checkpoints(s, trial_id, d.scope),

@@ -22,6 +22,7 @@ from typing import Any
 
 from detslurm import settings
 from detslurm.core import get_cluster_info
+from detslurm.expconf.view import ConfigView
 
 
 def load_trial_class(spec: str) -> Any:
@@ -127,27 +128,27 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"detslurm harness: {e}", file=sys.stderr)
         return 2
-    cfg = info.trial._config
+    cfg = ConfigView(info.trial._config)
     # Records and epochs in the config's periods convert to batches through global_batch_size,
     # which Determined also reads from the hparams.
     gbs = info.trial.hparams.get("global_batch_size")
 
     def period(key: str) -> Any:
-        return pytorch.TrainUnit.from_values(**cfg.get(key, {}), global_batch_size=gbs)
+        length = cfg.length(key)
+        return pytorch.TrainUnit.from_values(**(length.as_dict() if length else {}), global_batch_size=gbs)
 
-    agg = int((cfg.get("optimizations") or {}).get("aggregation_frequency", 1))
-    with pytorch.init(aggregation_frequency=agg) as ctx:
+    with pytorch.init(aggregation_frequency=cfg.aggregation_frequency) as ctx:
         trial = trial_cls(ctx)
         pytorch.Trainer(trial, ctx).fit(
             checkpoint_period=period("min_checkpoint_period"),
             validation_period=period("min_validation_period"),
             # scheduling_unit is Determined's reporting period for legacy trials (default 100 batches).
-            reporting_period=pytorch.Batch(int(cfg.get("scheduling_unit", 100))),
-            checkpoint_policy=cfg.get("checkpoint_policy", "best"),
+            reporting_period=pytorch.Batch(cfg.scheduling_unit),
+            checkpoint_policy=cfg.checkpoint_policy,
             # The checkpoint the controller chose to resume from (after a requeue, a pause or a restart);
             # None on a trial's first run.
             latest_checkpoint=info.latest_checkpoint,
-            step_zero_validation=bool(cfg.get("perform_initial_validation", False)),
+            step_zero_validation=cfg.perform_initial_validation,
             test_mode=os.environ.get("DET_TEST_MODE") == "1",
         )
     return 0

@@ -30,6 +30,7 @@ from detslurm.errors import ContextError
 from detslurm.exec import forked
 from detslurm.exec import workdir as workdir_mod
 from detslurm.exec.workdir import Workdir, WorkdirError
+from detslurm.expconf.view import ConfigView
 from detslurm.launch._pidwait import ChildWait
 from detslurm.protocol import (
     IN_CONTAINER_ENV,
@@ -139,14 +140,9 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 def preemption_timeout_s(env: dict[str, str]) -> Optional[float]:
     """expconf ``preemption_timeout``: in Determined, how long the master waits for a task told to
     stop before it kills it. None (unset) means no limit of our own: Slurm's KillWait ends it."""
-    try:
-        value = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}").get("preemption_timeout")
-    except (ValueError, AttributeError):
-        return None
-    # Validated at create time (expconf schema); re-checked because the environment is text.
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return float(value)
-    return None
+    # Validated at create time; the view re-checks it, as the environment is text.
+    value = ConfigView.from_json(env.get("DET_EXPERIMENT_CONFIG")).preemption_timeout
+    return None if value is None else float(value)
 
 
 class _StopClock:

@@ -67,16 +67,6 @@ def _kind(value: Any) -> str:
     )
 
 
-def merge_config(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` with ``patch`` laid over it: mappings merge key by key, anything else replaces
-    (the ``--config-file`` of `det e continue` and `det e fork`). Neither input is changed."""
-    out: dict[str, Any] = json.loads(json.dumps(base))
-    for key, value in patch.items():
-        old = out.get(key)
-        out[key] = merge_config(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
-    return out
-
-
 def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """Apply ``--config key.sub=value`` overrides (value parsed as YAML; ``a,b`` is a list)."""
     # Deep copy through JSON: the caller's dict stays untouched, and the result is plain JSON types.

@@ -16,6 +16,7 @@ from typing import Any
 import hostlist
 
 from detslurm import settings
+from detslurm.expconf.view import ConfigView
 from detslurm.protocol.paths import ExpPaths, RunPaths
 
 
@@ -66,8 +67,7 @@ class ClusterInfo:
 
     @property
     def user_data(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.trial._config.get("data", {})
-        return data
+        return ConfigView(self.trial._config).data
 
     @property
     def container_slot_counts(self) -> list[int]:
@@ -177,7 +177,7 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
         _config=config,
         _steps_completed=int(env.get("DET_STEPS_COMPLETED") or 0),
         _trial_run_id=int(env.get("DET_TRIAL_RUN_ID") or 1),
-        _debug=bool(config.get("debug", False)),
+        _debug=ConfigView(config).debug,
         _inter_node_network_interface=env.get("DET_INTER_NODE_NETWORK_INTERFACE"),
     )
     run_dir = Path(env.get("DET_RUN_DIR") or ".")
@@ -209,14 +209,9 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
 def entrypoint_from_env(env: Mapping[str, str]) -> str | list[str]:
     """The experiment's entrypoint, decoded from ``DET_EXPERIMENT_CONFIG`` (the config the
     controller validated; a job's environment can still be edited, so its shape is checked)."""
-    try:
-        entrypoint = json.loads(env.get("DET_EXPERIMENT_CONFIG") or "{}").get("entrypoint")
-    except (json.JSONDecodeError, AttributeError):
-        entrypoint = None
-    if isinstance(entrypoint, str) and entrypoint:
+    entrypoint = ConfigView.from_json(env.get("DET_EXPERIMENT_CONFIG")).entrypoint
+    if entrypoint is not None:
         return entrypoint
-    if isinstance(entrypoint, list) and entrypoint and all(isinstance(w, str) for w in entrypoint):
-        return list(entrypoint)
     raise ValueError("DET_EXPERIMENT_CONFIG has no entrypoint (a string or a list of strings)")
 
 

@@ -12,6 +12,7 @@ import torch
 
 from detslurm.core import Context as CoreContext
 from detslurm.core import DistributedContext, DummyDistributedContext
+from detslurm.expconf.view import ConfigView
 from detslurm.pytorch._reducer import MetricReducer, WrappedReducer, _FunctionReducer
 
 log = logging.getLogger("detslurm.pytorch")
@@ -90,13 +91,12 @@ class PyTorchTrialContext:
         self._scaler_stepped = False
         self._stop_requested = False
         self.experimental = _Experimental()
-        opt = self._config.get("optimizations") or {}
         if aggregation_frequency < 1:
             raise ValueError(f"aggregation_frequency must be >= 1 (got {aggregation_frequency})")
         self._aggregation_frequency = int(aggregation_frequency)
         # Determined's default: accumulated gradients are averaged, so changing aggregation_frequency
         # does not change the effective learning rate.
-        self._average_aggregated = bool(opt.get("average_aggregated_gradients", True))
+        self._average_aggregated = ConfigView(self._config).average_aggregated_gradients
         self._per_optimizer_average: dict[int, bool] = {}
         # Set by the Trainer before each train_batch: the optimizer steps on every
         # aggregation_frequency-th batch only (gradients accumulate in between).
@@ -126,8 +126,7 @@ class PyTorchTrialContext:
         return dict(self._config)
 
     def get_data_config(self) -> dict[str, Any]:
-        data: dict[str, Any] = self._config.get("data", {})
-        return data
+        return ConfigView(self._config).data
 
     def _batch_sizes(self) -> tuple[int, int]:
         """(per-slot, effective global) as Determined computes them: the global batch size is
@@ -164,8 +163,7 @@ class PyTorchTrialContext:
         info = self._core.info if self._core else None
         if info is not None:
             return int(info.trial.trial_seed)
-        seed = (self._config.get("reproducibility") or {}).get("experiment_seed", 0)
-        return int(seed) if isinstance(seed, int) else 0
+        return ConfigView(self._config).experiment_seed
 
     def get_trial_id(self) -> int:
         info = self._core.info if self._core else None

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from detslurm.expconf.view import ConfigView, SearcherView
 from detslurm.pytorch._context import LRScheduler, PyTorchTrialContext
 from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader
 from detslurm.pytorch._reducer import Reducer, reduce_rows, reduce_values, scalar
@@ -80,14 +81,14 @@ class Trainer:
         if test_mode:
             return 1
         if max_length is None:
-            ml = (self.context.get_experiment_config().get("searcher") or {}).get("max_length")
-            if not self._on_cluster() or not ml:
+            ml = ConfigView(self.context.get_experiment_config()).searcher.max_length
+            if not self._on_cluster() or ml is None:
                 raise ValueError(
                     "`fit(max_length=X)` must be set when training locally (or, on a cluster, "
                     "searcher.max_length must be in the experiment config)"
                 )
             gbs = self.context.get_hparams().get("global_batch_size")
-            max_length = TrainUnit.from_values(**ml, global_batch_size=gbs)
+            max_length = TrainUnit.from_values(**ml.as_dict(), global_batch_size=gbs)
             assert max_length is not None
         return total_batches(max_length, bpe)
 
@@ -118,8 +119,8 @@ class Trainer:
     def _unit_epoch_len(self, data_steps: int) -> int:
         """Batches per Epoch unit: records_per_epoch / global batch size when the config sets
         records_per_epoch (Determined's legacy knob), else one pass over the training data."""
-        rpe = self.context.get_experiment_config().get("records_per_epoch") or 0
-        if isinstance(rpe, int) and rpe > 0:
+        rpe = ConfigView(self.context.get_experiment_config()).records_per_epoch
+        if rpe > 0:
             return max(1, rpe // self.context.get_global_batch_size())
         return data_steps
 
@@ -412,8 +413,8 @@ class Trainer:
         metrics["batches"] = self.batches_trained
         metrics["epochs"] = self.batches_trained / self._bpe
         self._last_val_at = self.batches_trained
-        sc = self.context.get_experiment_config().get("searcher") or {}
-        metric = sc.get("metric")
+        sc = ConfigView(self.context.get_experiment_config()).searcher
+        metric = sc.metric
         # On a cluster the searcher needs this metric to decide; failing here names the cause,
         # where a missing metric would otherwise stall or mislead the search.
         if self._on_cluster() and metric and metric not in metrics:
@@ -428,12 +429,12 @@ class Trainer:
         if self._policy == "all" or (self._policy == "best" and self._is_best(metrics, sc)):
             self._checkpoint()
 
-    def _is_best(self, metrics: dict[str, Any], sc: dict[str, Any]) -> bool:
-        v = metrics.get(sc.get("metric", ""))
+    def _is_best(self, metrics: dict[str, Any], sc: SearcherView) -> bool:
+        v = metrics.get(sc.metric)
         if not isinstance(v, (int, float)):
             return False
         # True is Determined's default for searcher.smaller_is_better (losses).
-        sign = 1.0 if sc.get("smaller_is_better", True) else -1.0
+        sign = 1.0 if sc.smaller_is_better else -1.0
         if self._best is None or sign * v < sign * self._best:
             self._best = float(v)
             return True

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from detslurm.errors import NotFoundError
+from detslurm.expconf.view import ConfigView
 from detslurm.store.fs import warn_if_network_db
 from detslurm.store.revisions import head_revision
 from detslurm.store.states import ExperimentState, RunState, TrialState
@@ -256,7 +257,7 @@ class Reads:
             "end_time": _when(t1),
             "resource_pool": pool,
             "archived": bool(archived),
-            "labels": cfg.get("labels", []),
+            "labels": ConfigView(cfg).labels,
             "executor": executor,
             "exp_dir": exp_dir,
             "error": err,
