@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, write
+from helpers import store, wait_for
 from sqlalchemy import select
-from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
+from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, trials
 
 from detslurm.store import Experiment, Metric, TrialRun
 

@@ -5,24 +5,20 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT, write
+from helpers import store, wait_for
 from sqlalchemy import select
 
 from detslurm import settings
-from detslurm.store import Metric, Trial, open_store
+from detslurm.store import Metric, Trial
 
 pytestmark = pytest.mark.e2e
 CORE = EXAMPLES / "core_api"
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def store() -> Any:
-    return open_store(settings.load().db_url)
 
 
 def metrics(trial_id: int, group: str) -> list[tuple[int, int]]:
@@ -213,20 +209,11 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(pred: Any, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not reached")
-
-
 def test_pause_then_activate_resumes_from_checkpoint(det: Any) -> None:
     proc = _spawn(
         "e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.1"
     )
-    _wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None)
+    wait_for(lambda: bool(trials(1)) and trials(1)[0].latest_checkpoint is not None, interval=0.1)
     code, out, _ = det("e", "pause", "1")
     assert code == 0 and "Paused experiment 1" in out
     stdout, _ = proc.communicate(timeout=600)
@@ -248,7 +235,7 @@ def test_kill_and_cancel(det: Any) -> None:
     proc = _spawn(
         "e", "create", "--local", str(CORE / "const.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.2"
     )
-    _wait_for(lambda: bool(trials(1)) and bool(metrics(trials(1)[0].id, "training")))
+    wait_for(lambda: bool(trials(1)) and bool(metrics(trials(1)[0].id, "training")), interval=0.1)
     assert det("e", "kill", "1")[0] == 0
     stdout, _ = proc.communicate(timeout=600)
     assert "Experiment 1 CANCELED" in stdout
@@ -292,7 +279,7 @@ def test_killed_driver_resumes_without_loss_or_duplicates(det: Any) -> None:
     proc = _spawn(
         "e", "create", "--local", str(CORE / "adaptive.yaml"), str(CORE), "--config", "hyperparameters.sleep=0.05"
     )
-    _wait_for(lambda: len(trials(1)) >= 2 and any(metrics(t.id, "validation") for t in trials(1)))
+    wait_for(lambda: len(trials(1)) >= 2 and any(metrics(t.id, "validation") for t in trials(1)), interval=0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     code, out, err = det("e", "wait", "1")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, write
+from helpers import store
 from sqlalchemy import select
 from test_faults_local import FIXTURES, tiny_fs  # noqa: F401  (a fixture, used by name)
 from test_faults_slurm import check_exactly_once, recording_sbatch
@@ -23,16 +24,12 @@ from detslurm.controller.executor import ExitCause
 from detslurm.protocol import ExpPaths
 from detslurm.slurm.client import client_from_env
 from detslurm.slurm.parse import experiment_tag
-from detslurm.store import Experiment, Trial, TrialRun, open_store
+from detslurm.store import Experiment, Trial, TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.fault, pytest.mark.usefixtures("slurm_env")]
 CORE = EXAMPLES / "core_api"
 SLOW_S = 40  # sbatch's reply comes this late: far past the client's timeout below
 TIMEOUT_S = 5
-
-
-def store() -> Any:
-    return open_store(settings.load().db_url)
 
 
 def slow_sbatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -14,18 +14,15 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT, write
+from helpers import store
 from sqlalchemy import select
 
 from detslurm import daemon, settings
 from detslurm.controller.executor import ExitCause
-from detslurm.store import Metric, Trial, TrialRun, open_store
+from detslurm.store import Metric, Trial, TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.fault, pytest.mark.usefixtures("slurm_env")]
 CORE = EXAMPLES / "core_api"
-
-
-def store() -> Any:
-    return open_store(settings.load().db_url)
 
 
 def ctld(cluster: Path, action: str) -> None:

@@ -5,12 +5,12 @@ everything settles with no restart charged."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EXAMPLES
+from helpers import wait_for
 from sqlalchemy import select
 from test_faults_slurm import ctld
 
@@ -34,13 +34,6 @@ def exp_state(exp_id: int) -> str:
         exp = s.get(Experiment, exp_id)
         assert exp is not None
         return exp.state
-
-
-def wait_for(pred: Any, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while not pred():
-        assert time.time() < deadline, "condition not reached"
-        time.sleep(0.2)
 
 
 def test_pause_and_kill_reach_trials_while_slurmctld_is_down(det: Any, slurm_cluster: Path) -> None:

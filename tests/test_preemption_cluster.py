@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import write
+from helpers import store, wait_for
 from sqlalchemy import select
 from test_preemption_multinode import (
     STOPS,
@@ -23,7 +24,7 @@ from test_preemption_multinode import (
     start_two_by_two,
     stop_and_check,
 )
-from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, store, trials, wait_for
+from test_slurm_cluster import CORE, FIXTURES, squeue_ids, steps, trials
 
 from detslurm.protocol import exit_record_of
 from detslurm.store import TrialRun

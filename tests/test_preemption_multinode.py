@@ -18,8 +18,9 @@ from typing import Any
 
 import pytest
 from conftest import write
+from helpers import store, wait_for
 from sqlalchemy import select
-from test_slurm_cluster import FIXTURES, squeue_ids, steps, store, trials, wait_for
+from test_slurm_cluster import FIXTURES, squeue_ids, steps, trials
 
 from detslurm.protocol import exit_record_of
 from detslurm.store import TrialRun

@@ -13,12 +13,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_for
 from security_attacks import C1_COLLECTIVE_PORT, C1B_BAD_CLIENTS
 from security_harness import Attacker
 
@@ -78,14 +78,6 @@ def start(script: str, args: list[str], env: dict[str, str]) -> subprocess.Popen
     return subprocess.Popen(
         [sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-
-
-def wait_for(predicate: Any, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def tcp_listening(port: int) -> bool:
@@ -148,7 +140,7 @@ def test_c1_neighbour_cannot_join_or_inject(mallory: Attacker, marker: Path, tmp
     assert mallory.python_snippet(plant, *planted).returncode == 0
     try:
         procs = [start(VICTIM, [str(r), "2", str(port), str(go)], env) for r in range(2)]
-        wait_for(lambda: tcp_listening(port), "rank 0 to listen")
+        wait_for(lambda: tcp_listening(port), what="rank 0 to listen", interval=0.05)
         r = mallory.python_snippet(C1_COLLECTIVE_PORT, f"127.0.0.1:{port}", str(marker))
         go.touch()
         results = finish(procs)
@@ -169,7 +161,7 @@ def test_c1_node_socket_is_not_joinable(mallory: Attacker, marker: Path, tmp_pat
     env, port, go = victim_env(tmp_path), free_port("127.0.0.1"), tmp_path / "go"
     name = _local_address(bytes.fromhex(env[SECRET_ENV]), port, 0)[1:]
     procs = [start(VICTIM_LOCAL, [str(r), str(port), str(go)], env) for r in range(2)]
-    wait_for(lambda: unix_listening(name), "the local chief to listen")
+    wait_for(lambda: unix_listening(name), what="the local chief to listen", interval=0.05)
     r = mallory.python_snippet(C1_COLLECTIVE_PORT, "unix", str(marker))
     go.touch()
     results = finish(procs)
@@ -185,7 +177,7 @@ def test_c1b_bad_clients_during_formation_do_not_kill_the_trial(mallory: Attacke
     the group forms once the late rank arrives; the stall is cut off after the handshake timeout."""
     env, port, go = victim_env(tmp_path), free_port("127.0.0.1"), tmp_path / "go"
     procs = [start(VICTIM, [str(r), "2", str(port), str(go)], env) for r in range(2)]
-    wait_for(lambda: tcp_listening(port), "rank 0 to listen")
+    wait_for(lambda: tcp_listening(port), what="rank 0 to listen", interval=0.05)
     r = mallory.python_snippet(C1B_BAD_CLIENTS, "127.0.0.1", str(port))
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
@@ -360,7 +352,7 @@ def test_run_secret_owned_by_someone_else_is_refused(mallory: Attacker, tmp_path
 def test_server_survives_a_client_that_vanishes_mid_handshake(secret_env: bytes) -> None:
     port, out = free_port("127.0.0.1"), {}
     server = serve_group(0, port, secret_env, out)
-    wait_for(lambda: tcp_listening(port), "the server")
+    wait_for(lambda: tcp_listening(port), what="the server", interval=0.05)
     for _ in range(20):
         with socket.create_connection(("127.0.0.1", port)) as s:
             s.sendall(b"\x00\x00")
@@ -390,9 +382,9 @@ def chief_dist_port(timeout_s: float = 120) -> int:
         found[:] = [f for d in dirs for f in d.glob("rendezvous-*.json")]
         return bool(found)
 
-    wait_for(published, "the chief's rendezvous file", timeout_s)
+    wait_for(published, what="the chief's rendezvous file", timeout=timeout_s, interval=0.05)
     port = int(json.loads(found[0].read_text())["dist"])
-    wait_for(lambda: tcp_listening(port), "the chief to listen", timeout_s)
+    wait_for(lambda: tcp_listening(port), what="the chief to listen", timeout=timeout_s, interval=0.05)
     return port
 
 

@@ -14,18 +14,15 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, write
+from helpers import store, wait_for
 from sqlalchemy import select
 
 from detslurm import daemon, settings
-from detslurm.store import Metric, Trial, TrialRun, open_store
+from detslurm.store import Metric, Trial, TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 CORE = EXAMPLES / "core_api"
 FIXTURES = Path(__file__).parent / "fixtures"
-
-
-def store() -> Any:
-    return open_store(settings.load().db_url)
 
 
 def trials(exp_id: int) -> list[Trial]:
@@ -43,15 +40,6 @@ def steps(trial_id: int, group: str = "training") -> list[tuple[int, int]]:
             .order_by(Metric.steps_completed)
         )
         return [(a, b) for a, b in s.execute(q)]
-
-
-def wait_for(pred: Any, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not reached")
 
 
 def squeue_ids() -> set[str]:

@@ -5,12 +5,12 @@ is left alone."""
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EXAMPLES
+from helpers import wait_for
 
 from detslurm import settings, views
 from detslurm.identity import Scope
@@ -18,15 +18,6 @@ from detslurm.store import open_store
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 CORE = EXAMPLES / "core_api"
-
-
-def wait_for(pred: Any, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not reached")
 
 
 def running_jobs() -> dict[str, str]:

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, write
+from helpers import wait_for
 from test_preemption_multinode import finish_and_check, runs, start_two_by_two
-from test_slurm_cluster import CORE, squeue_ids, steps, trials, wait_for
+from test_slurm_cluster import CORE, squeue_ids, steps, trials
 
 from detslurm.store import TrialRun
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT
+from helpers import store
 from sqlalchemy import select
 
-from detslurm import settings
-from detslurm.store import Checkpoint, Metric, Trial, open_store
+from detslurm.store import Checkpoint, Metric, Trial
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -57,10 +57,6 @@ def test_seed_example_runs_locally_as_written(tmp_path: Path) -> None:
 def test_seed_example_under_torchrun_two_processes(tmp_path: Path) -> None:
     r = run_script(tmp_path, "-m", "torch.distributed.run", "--nproc_per_node=2", "train.py")
     assert r.returncode == 0, r.stderr[-3000:]
-
-
-def store() -> Any:
-    return open_store(settings.load().db_url)
 
 
 def val_metrics(exp_id: int) -> list[tuple[int, dict[str, Any]]]:

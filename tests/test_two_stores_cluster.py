@@ -5,12 +5,12 @@ adopts or kills the other's jobs, and a failing create removes only the dir it m
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EXAMPLES, write
+from helpers import wait_for
 from sqlalchemy import select
 
 from detslurm import daemon, settings
@@ -40,13 +40,6 @@ def exp_one() -> tuple[str, list[str]]:
 def queue() -> dict[str, tuple[str, str]]:
     out = subprocess.run(["squeue", "-h", "--states=all", "-o", "%i %T %k"], capture_output=True, text=True).stdout
     return {f[0]: (f[1], f[2]) for f in (line.split(" ", 2) for line in out.splitlines()) if len(f) == 3}
-
-
-def wait_for(pred: Any, timeout: float = 60) -> None:
-    deadline = time.time() + timeout
-    while not pred():
-        assert time.time() < deadline, "condition not reached"
-        time.sleep(0.2)
 
 
 @pytest.mark.slurm
