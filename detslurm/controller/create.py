@@ -3,7 +3,9 @@ one owner of `det e create` (and `det e fork`); the CLI parses its arguments and
 
 In order, each once: validate and package (:func:`plan_create`, no side effects), check the
 plan against where the trials run (the resource plan, the pre-flight refusal: a ``Place`` of
-controller/placement.py), show the dry run or write the store, then submit. Execution writes
+controller/placement.py), show the dry run or write the store, then submit. The refusal check,
+the dry run and every submission plan from the config's stored form (``stored_config``), as the
+daemon does later, so that the dry run shows exactly what each submission gets. Execution writes
 the experiment dir and the store rows in one transaction: on any failure the transaction rolls
 back and the dir is removed, so a failed submit leaves nothing half-made.
 """
@@ -28,7 +30,6 @@ from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
 from detslurm.controller.submit import plan_runs
 from detslurm.expconf import ExperimentConfig, apply_overrides, merge_config, parse_yaml, validate
-from detslurm.expconf.load import remember
 from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
 from detslurm.searcher import build
@@ -116,8 +117,6 @@ def plan_create(
         raw["hyperparameters"] = fixed
         # Validated again: the test config is what is stored and run, so it passes the same checks.
         cfg = validate(raw, default_storage(settings))
-    # What is stored is read back by the dry run and the first submission: validated once, here.
-    remember(cfg)
     # Packaged now, on the login node: a trial later sees the context as it was at submit time,
     # however the user's directory changes while the experiment runs.
     bundle = ctxmod.package(Path(context_dir))
@@ -214,7 +213,6 @@ def plan_fork(
     # The stored config already has the parent's --config overrides and defaults in it; the fork's
     # own overrides go on top and the result is validated like any new config.
     cfg = validate(apply_overrides(merge_config(config, patch or {}), overrides), default_storage(settings))
-    remember(cfg)
     # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
     # context has the parent's sha256, and the parent's dir is never shared with the child.
     ctxmod.extract_as_packaged(tarball, staging)

@@ -225,32 +225,14 @@ def _from_stored_json(text: str) -> ExperimentConfig:
     return validate(json.loads(text))
 
 
-# Configs this process validated itself, by the JSON the store keeps of them: the create that
-# validated one reads it back (its dry run, its first submission) without validating it again.
-# Keyed by content, so a row changed since (by hand, by another user) is validated as any other.
-_VALIDATED: dict[str, ExperimentConfig] = {}
-_VALIDATED_KEPT = 16
-
-
-def remember(config: ExperimentConfig) -> None:
-    """Record a config validated here, for :func:`from_stored` to return as it is."""
-    _VALIDATED[json.dumps(config.as_dict(), sort_keys=True)] = config
-    while len(_VALIDATED) > _VALIDATED_KEPT:
-        del _VALIDATED[next(iter(_VALIDATED))]
-
-
 def from_stored(data: Mapping[str, Any], where: str = "stored config") -> ExperimentConfig:
     """Validate a config read back from the store (plain JSON) into its typed form.
 
     Cached by content: the daemon reads the same configs every tick. A row that no longer
     validates (edited by hand, or by another user of a shared database) raises ConfigError.
     """
-    text = json.dumps(data, sort_keys=True)
-    known = _VALIDATED.get(text)
-    if known is not None:
-        return known
     try:
-        return _from_stored_json(text)
+        return _from_stored_json(json.dumps(data, sort_keys=True))
     except ConfigError as e:
         raise ConfigError([line.replace(ROOT, where, 1) for line in e.errors]) from None
 
