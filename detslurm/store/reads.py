@@ -476,7 +476,8 @@ def _scope(owner: str | None, include_archived: bool) -> tuple[str, dict[str, ob
     """The WHERE text (on the experiments table, ``e``) and its parameters: ``owner``'s rows
     only (None: root's --all-users), archived ones only if asked. In SQL, so that other users'
     rows never leave the database."""
-    where, params = ["1 = 1"], {}
+    where = ["1 = 1"]
+    params: dict[str, object] = {}
     if owner is not None:
         where.append("e.owner = :owner")
         params["owner"] = owner

@@ -19,14 +19,16 @@ _ASSIGNED = re.compile(r"""^(revision|down_revision)\s*=\s*(?:['"]([^'"]+)['"]|N
 @functools.cache
 def head_revision() -> str:
     """The one revision no other revision names as its ``down_revision``."""
-    revisions, parents = set(), set()
+    revisions: set[str] = set()
+    parents: set[str] = set()
     for script in VERSIONS.glob("*.py"):
-        found = dict(m.groups() for m in _ASSIGNED.finditer(script.read_text(encoding="utf-8")))
-        if "revision" in found:
-            revisions.add(found["revision"])
-            if found.get("down_revision"):
-                parents.add(found["down_revision"])
+        found: dict[str, str | None] = {m[1]: m[2] for m in _ASSIGNED.finditer(script.read_text(encoding="utf-8"))}
+        rev, down = found.get("revision"), found.get("down_revision")
+        if rev:
+            revisions.add(rev)
+            if down:
+                parents.add(down)
     heads = revisions - parents
     if len(heads) != 1:
         raise StoreError(f"the store's migrations in {VERSIONS} have {len(heads)} heads, not one: {sorted(heads)}")
-    return heads.pop()
+    return str(heads.pop())
