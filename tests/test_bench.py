@@ -93,6 +93,16 @@ def test_search_efficiency_and_cli_benchmarks(tmp_path: Path) -> None:
     assert "| det t logs --tail 100, 4 MiB log |" in summary
 
 
+def test_read_commands_benchmark(tmp_path: Path) -> None:
+    d = run(tmp_path, "read_commands.py", "--experiments", "20", "--trials", "3", "--reports", "4", "--repeats", "1")
+    assert d["trials"] == 60 and d["ratio_vs_e_list"]["e list"] == 1.0
+    # Every read command was timed (job list too: the cluster is there).
+    assert {"e describe", "e list-trials", "e list-checkpoints", "t describe --metrics", "checkpoint list"} <= set(
+        d["ratio_vs_e_list"]
+    )
+    assert "job list" in d["median_s"] and finite(*d["ratio_vs_e_list"].values(), d["max_ratio"])
+
+
 def test_store_scale_benchmark(tmp_path: Path) -> None:
     d = run(tmp_path, "store_scale.py", "--ingest", "500", "--rows", "3500", "--trials", "3", "--points", "50")
     # Every event ingested once, the store holds the rows asked for (the ingest, both floors and 2000
