@@ -23,6 +23,7 @@ EXAMPLES: dict[str, str] = {
     "tensorboard": "det tensorboard start 7",
     "tensorboard start": "det tensorboard start --trial 12 --port 6006",
     "site": "det site doctor",
+    "config": "det config --json",
     "site doctor": "det site doctor -p gpu --json",
     "site init": "det site init --print",
     "experiment activate": "det e activate 7",

@@ -32,6 +32,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from detslurm.errors import ConfigError, DetSlurmError
 
 T = TypeVar("T")
+PREFIX = "DETSLURM_"  # every variable's name starts with it
 
 
 class Kind(enum.Enum):
@@ -111,7 +112,7 @@ REGISTRY: dict[str, Var[Any]] = {}
 
 
 def _declare(var: Var[T]) -> Var[T]:
-    if not var.name.startswith("DETSLURM_") or var.name in REGISTRY:
+    if not var.name.startswith(PREFIX) or var.name in REGISTRY:
         raise AssertionError(f"bad or duplicate declaration {var.name}")
     REGISTRY[var.name] = var
     return var
@@ -211,8 +212,8 @@ SITE_CONFIG = _pathvar(
     "DETSLURM_SITE_CONFIG",
     S,
     LOGIN,
-    "The site config file.",
-    default_doc="/etc/detslurm/site.yaml, else <user config dir>/detslurm/site.yaml",
+    "The site config file; unset: the first found of `/etc/detslurm/site.yaml` and "
+    "`<user config dir>/detslurm/site.yaml`.",
 )
 SLURM_TIMEOUT_S = _number(
     "DETSLURM_SLURM_TIMEOUT_S", LOGIN, 30.0, "Seconds a Slurm command may take before it counts as failed."
@@ -230,7 +231,7 @@ REMOTE_DET = _text(
     LOGIN,
     "The det that `det -m` runs on the login node (a path, or a venv).",
     key="remote.det",
-    default_doc="det",
+    default="det",
 )
 REMOTE_SETUP = _text(
     "DETSLURM_REMOTE_SETUP",
@@ -260,10 +261,13 @@ CHECKPOINT_WRITEBACK = _text(
     S,
     JOB,
     "0: no early writeback of checkpoint files while they are written.",
-    default_doc="1",
+    default="1",
 )
 DIST_JOIN_TIMEOUT_S = _number(
-    "DETSLURM_DIST_JOIN_TIMEOUT_S", JOB, 300.0, "Seconds the Core API's ranks wait for each other to join."
+    "DETSLURM_DIST_JOIN_TIMEOUT_S",
+    JOB,
+    300.0,
+    "Seconds the Core API's ranks wait for each other to join (a framework's imports can take minutes).",
 )
 NETWORK_INTERFACE = _text(
     "DETSLURM_NETWORK_INTERFACE",
@@ -487,6 +491,7 @@ def effective() -> list[Effective]:
         CHECKPOINT_DIR.name: st.checkpoint_dir,
         MAX_LOCAL_TRIALS.name: st.max_local_trials,
         POLL_INTERVAL_S.name: st.poll_interval_s,
+        SSH_CONFIG.name: SSH_CONFIG.get() or Path.home() / ".ssh" / "config",
     }
     out = []
     for var in REGISTRY.values():
@@ -496,7 +501,8 @@ def effective() -> list[Effective]:
         if var.name in resolved:
             text = str(resolved[var.name])
         elif given is None:
-            text = "" if var.default_text == "unset" else var.default_text
+            # A default the docs describe in words (default_doc) has no value to show here.
+            text = "" if var.default is None else var.default_text
         else:
             text = "; ".join(map(str, given)) if isinstance(given, list) else str(given)
         out.append(Effective(var, text, source))
@@ -515,8 +521,8 @@ def _mask_url(url: str) -> str:
 def markdown() -> str:
     """docs/admin/settings.md: the registry as two tables (tests/test_settings.py keeps them equal)."""
 
-    def cell(text: str | None) -> str:
-        return (text or "").replace("|", "\\|")
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
 
     lines = [
         "# Settings",
@@ -528,7 +534,16 @@ def markdown() -> str:
         "default; an empty variable counts as unset. `det config` prints the effective value of each",
         "setting and where it came from (`--json` for scripts).",
         "",
-        'Settings read in the job ("job" below) reach it through the experiment config\'s',
+        "The user config file is YAML with the keys of the Key column (`remote.det` is `det` under `remote`):",
+        "",
+        "```yaml",
+        "data_dir: /local/me/detslurm",
+        "experiments_dir: /scratch/me/detslurm/experiments",
+        "remote:",
+        "  det: ~/venv/bin/det",
+        "```",
+        "",
+        "Settings read in the job (*job* below) reach it through the experiment config's",
         "`environment.environment_variables`.",
         "",
         "| Variable | Key | Type | Default | Read by | Meaning |",
@@ -537,14 +552,13 @@ def markdown() -> str:
     for v in REGISTRY.values():
         if v.kind is Kind.SETTING:
             key = f"`{v.key}`" if v.key else ""
-            lines.append(
-                f"| `{v.name}` | {key} | {v.type} | {cell(v.default_text)} | {v.side.value} | {cell(v.help)} |"
-            )
+            default = "unset" if v.default_text == "unset" else f"`{v.default_text}`"
+            lines.append(f"| `{v.name}` | {key} | {v.type} | {cell(default)} | {v.side.value} | {cell(v.help)} |")
     lines += [
         "",
         "## Job protocol",
         "",
-        "Set by detslurm for a job or for the processes a launcher starts; never set them by hand.",
+        "Set by detslurm for a job or for the processes a launcher starts; not settings.",
         "",
         "| Variable | Type | Meaning |",
         "|---|---|---|",

@@ -31,6 +31,8 @@ DEPENDENCIES = ("hostlist", "pathspec", "platformdirs", "typing_extensions")
 # Parts of the detslurm package only the login side uses: not copied (cli is mapped to its own
 # dir in source trees anyway; the store and controller pull SQLAlchemy and pydantic).
 LOGIN_ONLY = frozenset({"cli", "controller", "store", "remote", "slurm", "templates", "expconf", "searcher"})
+# What jobs do use of those: the typed view of the experiment config (standard library only).
+IN_JOB_FILES = ("expconf/__init__.py", "expconf/view.py")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def _files(src: Source) -> list[tuple[Path, str]]:
         for f in sorted(filenames):
             if f.endswith((".py", ".typed")):
                 out.append((Path(dirpath) / f, str(Path(src.dest) / rel / f)))
+    if src.dest == "detslurm":
+        out += [(src.path / f, f"detslurm/{f}") for f in IN_JOB_FILES]
     return out
 
 

@@ -31,11 +31,13 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from detslurm import settings
+
 # Where the in-job library is mounted inside every container (read-only).
 LIB_IN_CONTAINER = "/opt/detslurm/lib"
 # Variables passed into a Podman container by prefix (podman's ``--env 'P*'`` form): the trial's
 # DET_* identity, detslurm's own settings, and Slurm's view of the job (ranks, node list).
-ENV_PREFIXES = ("DET_", "DETSLURM_", "SLURM_")
+ENV_PREFIXES = ("DET_", settings.PREFIX, "SLURM_")
 # And by name: what Slurm and the GPU stacks set for the job that the prefixes do not cover.
 ENV_NAMES = (
     "SLURMD_NODENAME",
