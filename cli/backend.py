@@ -17,6 +17,7 @@ from detslurm import daemon as daemon_mod
 from detslurm import views
 from detslurm.cli import local as local_mod
 from detslurm.cli import logs as logs_mod
+from detslurm.cli import outcome
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App
 from detslurm.errors import DetSlurmError
@@ -162,14 +163,15 @@ class LocalBackend:
         state = local_mod.drive(self.app, exp_id, follow=follow, quiet=test_mode)
         if test_mode:
             return test_mode_report(self.app, exp_id, state)
-        click.echo(f"Experiment {exp_id} {state.value}")
+        # The failed trials were told as they failed (local.drive): only the experiment's end here.
+        click.echo("\n".join(outcome.experiment_end(self.app, exp_id, state, trials=False)))
         # PAUSED counts as success: the user (or `det e pause` from another shell) asked for it.
         return 0 if state in (ExperimentState.COMPLETED, ExperimentState.PAUSED) else 1
 
     def resume(self, exp_id: int, *, detach: bool) -> None:
         if not detach and is_mine(self.app, exp_id):  # only the owner runs its trials
             state = local_mod.drive(self.app, exp_id)
-            click.echo(f"Experiment {exp_id} {state.value}")
+            click.echo("\n".join(outcome.experiment_end(self.app, exp_id, state, trials=False)))
 
     def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
         return []  # local trials are children of the `det` driving them; its next round stops them
@@ -248,23 +250,8 @@ def is_mine(app: App, exp_id: int) -> bool:
 
 
 def test_mode_report(app: App, exp_id: int, state: ExperimentState) -> int:
-    """`det e create --test-mode`'s verdict: 0 when the one trial did it all, else 1 with its logs."""
-    with app.store.read() as s:
-        exp = views.get_experiment(s, exp_id, app.scope)
-        trial = exp.trials[0] if exp.trials else None
-        # COMPLETED alone is not enough: a script that exits 0 without training, validating and
-        # checkpointing would pass. The controller marks "test_done" only once it has seen all three.
-        tested = trial is not None and trial.runner_state == "test_done"
-        tid = trial.id if trial else None
-    if state == ExperimentState.COMPLETED and tested:
-        click.echo("Model definition test succeeded! 🎉")
-        return 0
-    click.echo(
-        "Model definition test failed: the trial must report training metrics, validation metrics and "
-        "a checkpoint, then exit 0. Trial logs:",
-        err=True,
-    )
-    if tid is not None:
-        for line in logs_mod.tail(app, tid, 40):
-            click.echo(line, err=True)
-    return 1
+    """`det e create --test-mode`'s verdict: 0 when the one trial did it all, else 1 with what it
+    did, what it did not, and its logs."""
+    code, lines = outcome.test_verdict(app, exp_id, state)
+    click.echo("\n".join(lines), err=code != 0)
+    return code

@@ -17,19 +17,21 @@ from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import DetSlurmError
 from detslurm.expconf.view import ConfigView
 from detslurm.store.reads import experiment_filter_rows, trial_reason
+from detslurm.util import printable
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm.cli import backend as backend_mod
     from detslurm.cli import logs as logs_mod
+    from detslurm.cli import outcome, stop_time
     from detslurm.cli import slurm as slurm_mod
-    from detslurm.cli import stop_time
     from detslurm.controller import ops
     from detslurm.store import models
 else:
     backend_mod = lazy_module("detslurm.cli.backend")
     logs_mod = lazy_module("detslurm.cli.logs")
+    outcome = lazy_module("detslurm.cli.outcome")
     slurm_mod = lazy_module("detslurm.cli.slurm")
     stop_time = lazy_module("detslurm.cli.stop_time")
     ops = lazy_module("detslurm.controller.ops")
@@ -244,6 +246,9 @@ def _print_described(
     """`det e describe`'s tables, from either path."""
     click.echo("Experiment:")
     _print_experiment(e)
+    if e.get("error"):
+        # Why it failed (a searcher metric the trials do not report, every trial errored).
+        click.echo(f"Error: {printable(str(e['error']))}")
     click.echo("\nTrials:")
     table(
         ["Trial ID", "Experiment ID", "State", "Reason", "Started", "Ended", "H-Params"],
@@ -440,7 +445,7 @@ experiment.add_command(activate, "unpause")
 def wait(app: App, exp_id: int) -> None:
     """Wait for an experiment to end; exit 1 unless it COMPLETED."""
     state = backend_mod.of_experiment(app, exp_id).wait(exp_id)
-    click.echo(f"Experiment {exp_id} {state.value}")
+    click.echo("\n".join(outcome.experiment_end(app, exp_id, state, trials=True)))
     if state != models.ExperimentState.COMPLETED:
         # A nonzero exit for CANCELED, ERROR and the rest lets scripts chain on `det e wait`.
         raise click.exceptions.Exit(1)

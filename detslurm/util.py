@@ -1,4 +1,4 @@
-"""Small filesystem helpers shared by the login-node and in-job sides (stdlib only)."""
+"""Small helpers shared by the login-node and in-job sides: files, terminal-safe text (stdlib only)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,18 @@ from typing import Any, BinaryIO
 # commands' reconcile step checks for it, and importing the protocol package for a name cost
 # `det t logs` 0.03 s of its start-up.
 DETACHED_DIR = "detached"
+
+
+# Terminal control: escapes and carriage returns could rewrite other lines on screen, and the C1
+# range too (U+009B is a one-character CSI to many terminals, the same as ESC [). Tab and newline
+# are kept.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` (written by a trial or a node: untrusted) with terminal control characters
+    replaced by spaces, safe to print to a terminal."""
+    return _CONTROL.sub(" ", text)
 
 
 def detached_root(experiments: Path) -> Path:

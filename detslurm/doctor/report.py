@@ -9,19 +9,16 @@ type-checked, text is cut short and stripped of control characters, and anything
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from detslurm.errors import DetSlurmError
+from detslurm.util import printable
 
 # A real report is a few KiB; anything much bigger was not written by our probe.
 MAX_REPORT_BYTES = 256 * 1024
 # Every text field ends up in one table cell.
 _TEXT_LIMIT = 500
-# Terminal escapes and carriage returns could rewrite other lines of the table on screen; the
-# C1 range too (U+009B is a one-character CSI to many terminals, the same as ESC [).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class ReportError(DetSlurmError):
@@ -146,7 +143,7 @@ class _Reader:
 
 def clean(text: str) -> str:
     """One short printable line: what a node wrote must not reshape the doctor's table."""
-    return _CONTROL.sub(" ", text.replace("\n", " | ")).strip()[:_TEXT_LIMIT]
+    return printable(text.replace("\n", " | ")).strip()[:_TEXT_LIMIT]
 
 
 def _dir_facts(r: _Reader) -> DirFacts:
