@@ -510,3 +510,61 @@ def test_a_store_at_any_applied_revision_upgrades_to_head(tmp_path: Path, old: s
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     with store.read() as s:
         assert s.get(Experiment, exp_id) is not None
+
+
+def test_the_read_layer_answers_on_postgres(postgres: str) -> None:
+    """store.reads through PostgreSQL's connection: JSON already decoded, aware times, booleans,
+    the scope's "not found"; the same dicts views gives (built there by the same layer)."""
+    from datetime import datetime, timezone
+
+    from detslurm import views
+    from detslurm.errors import NotFoundError
+    from detslurm.identity import Scope
+    from detslurm.store import Checkpoint
+    from detslurm.store.reads import Reads
+
+    exp_id = _make_experiment(postgres)
+    store = open_store(postgres)
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    with store.tx() as s:
+        e = s.get(Experiment, exp_id)
+        assert e is not None
+        e.config = {"labels": ["pg"], "searcher": {"metric": "loss"}}
+        trial = s.scalars(select(Trial).where(Trial.experiment_id == exp_id)).one()
+        trial.runner_state = "queued: Resources"
+        tid = trial.id
+        s.add(TrialRun(trial_id=tid, run_id=1, executor="local", run_dir="/r", log_path="/r/out", state="QUEUED"))
+        s.add(
+            Metric(
+                trial_id=tid, run_id=1, group="validation", steps_completed=4, metrics={"loss": 0.25}, report_time=when
+            )
+        )
+        s.add(
+            Checkpoint(
+                uuid=f"pg-{exp_id}",
+                trial_id=tid,
+                run_id=1,
+                steps_completed=4,
+                storage_path="/c",
+                metadata_={"a": [1]},
+                resources={"f": 1},
+                size=3,
+                report_time=when,
+            )
+        )
+    reads = Reads.of_store(store)
+    d, cfg = reads.experiment(exp_id, "u")
+    assert d["labels"] == ["pg"] and cfg["searcher"]["metric"] == "loss" and d["archived"] is False
+    (t,) = reads.trial_dicts(exp_id, "u")
+    assert t["batches"] == 4 and t["hparams"] == {} and "(Resources)" in t["pending_reason"]
+    (ck,) = reads.checkpoint_dicts(exp_id, "u")
+    assert ck["validation_metric"] == 0.25 and ck["metadata"] == {"a": [1]} and ck["report_time"] == when
+    assert [r["state"] for r in reads.run_dicts(tid)] == ["QUEUED"]
+    assert reads.metrics(tid)[0]["metrics"] == {"loss": 0.25}
+    assert reads.has_unfinished("local", "u") and [r.id for r in reads.experiment_rows("u")] == [exp_id]
+    with pytest.raises(NotFoundError):
+        reads.experiment(exp_id, "someone-else")
+    with store.read() as s:
+        e = views.get_experiment(s, exp_id, Scope("u"))
+        assert views.experiment_dict(e) == d and views.trial_dict(s, e.trials[0]) == t
+    store.dispose()
