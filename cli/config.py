@@ -16,7 +16,9 @@ from detslurm.cli.render import dump_json, table
 @click.command(name="config")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (also each setting's type, default and meaning).")
 def config(as_json: bool) -> None:
-    """Show every setting's effective value and its source: environment, config file or default."""
+    """Show every setting's effective value and where it came from.
+
+    The source is the environment, the user config file or the default (docs/admin/settings.md)."""
     rows = settings.effective()
     if as_json:
         dump_json([r.as_json() for r in rows])

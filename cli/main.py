@@ -40,7 +40,7 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
         "Resource pools (Slurm partitions, described in the site config).",
     ),
     "site": ("site", "site", "Site doctor and starter site config: what this Slurm offers detslurm."),
-    "config": ("config", "config", "The effective settings (DETSLURM_*, the user config file) and their sources."),
+    "config": ("config", "config", "Show every setting's effective value and where it came from."),
 }
 _ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
 

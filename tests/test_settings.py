@@ -73,6 +73,10 @@ def test_every_name_the_product_mentions_is_declared() -> None:
     from detslurm.launch import wrap_rank
 
     assert settings.FAILED_RANKS_DIR.name == wrap_rank.FAILED_RANKS_ENV
+    # Kept apart so that `det --help` does not import the settings (cli/remote/target.py).
+    from detslurm.cli.remote.target import DEFAULT_PERSIST_S
+
+    assert settings.REMOTE_PERSIST_S.default == DEFAULT_PERSIST_S
 
 
 def declared_constants() -> dict[str, str]:

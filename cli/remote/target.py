@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from detslurm import settings
 from detslurm.errors import ConfigError, DetSlurmError
 
 # Determined users often already have DET_MASTER=http://master:8080 in their environment; only
@@ -23,7 +22,9 @@ from detslurm.errors import ConfigError, DetSlurmError
 # environment, but refused when given explicitly with -m.
 _SCHEME = "ssh://"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
-DEFAULT_PERSIST_S = settings.REMOTE_PERSIST_S.default
+# detslurm.settings.REMOTE_PERSIST_S's default (tests/test_settings.py keeps them equal): that module
+# is imported only where the settings are read, as main() imports this one for every `det`.
+DEFAULT_PERSIST_S = 600.0
 
 
 class RemoteError(DetSlurmError):
@@ -116,6 +117,8 @@ class RemoteSettings:
 
 def remote_settings(raw: Any, env: Mapping[str, str], where: str) -> RemoteSettings:
     """Validate the `remote:` value of the user config (``where`` names the file in errors)."""
+    from detslurm import settings
+
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -145,6 +148,8 @@ def remote_settings(raw: Any, env: Mapping[str, str], where: str) -> RemoteSetti
 
 def load_remote_settings(env: Mapping[str, str]) -> RemoteSettings:
     """Read `remote:` from the user config file (detslurm.settings.config_path)."""
+    from detslurm import settings
+
     return remote_settings(settings.read_user_config(env).get("remote"), env, str(settings.config_path(env)))
 
 
