@@ -304,12 +304,14 @@ def test_full_dataset_evaluation_and_a_plain_torch_loader(det_env: Path) -> None
         def build_callbacks(self) -> dict[str, pytorch.PyTorchCallback]:
             class Cb(pytorch.PyTorchCallback):
                 def on_validation_end(self, metrics: dict[str, Any]) -> None:
-                    got.append(metrics)
+                    got.append(dict(metrics))  # a copy: the report adds to the same dict after
 
             return {"cb": Cb()}
 
     fit(Full, 4, checkpoint_policy="none")
-    assert got[-1]["records"] == 16 and got[-1]["batches"] == 4 and got[-1]["epochs"] == 0.5
+    # As in Determined, on_validation_end sees the trial's metrics only (batches and epochs are
+    # added to the report after it).
+    assert got[-1] == {"validation_loss": 1.0, "records": 16}
 
 
 def test_what_is_not_built_fails_at_once_naming_itself() -> None:
@@ -325,8 +327,16 @@ def test_what_is_not_built_fails_at_once_naming_itself() -> None:
         ctx.step_optimizer(opt)
     with pytest.raises(NotImplementedError, match="get_tensorboard_writer"):
         ctx.get_tensorboard_writer()
-    with pytest.raises(ValueError, match="needs a name"):
-        ctx.wrap_reducer(sum)
+    # A function wrapped without a name is Determined's way to return a dict of metrics: only
+    # its result is checked, and a reducer that is neither function nor MetricReducer fails.
+    with pytest.raises(TypeError, match="takes a function or a det.pytorch.MetricReducer"):
+        ctx.wrap_reducer(3)  # type: ignore[arg-type]
+    reducer = ctx.wrap_reducer(sum)
+    reducer.update(2.0)  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"sum\(\) was wrapped without a name but returned float"):
+        ctx.reduce_metrics(for_training=True)
+    with pytest.raises(ValueError, match="already wrapped"):
+        ctx.wrap_reducer(reducer)
 
 
 def test_compat_import_path_has_the_new_names() -> None:

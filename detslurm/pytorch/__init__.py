@@ -2,8 +2,9 @@
 
 # Private modules re-exported here, as Determined's det.pytorch does, so user code writes
 # `pytorch.Trainer` and the module layout can change without breaking it.
+from detslurm.pytorch import samplers
 from detslurm.pytorch._context import CheckpointLoadContext, LRScheduler, PyTorchTrialContext
-from detslurm.pytorch._data import DataLoader
+from detslurm.pytorch._data import DataLoader, adapt_batch_sampler, data_length, to_device
 from detslurm.pytorch._init import init
 from detslurm.pytorch._reducer import MetricReducer, Reducer
 from detslurm.pytorch._state import load_trial_from_checkpoint_path
@@ -25,6 +26,10 @@ __all__ = [
     "TorchData",
     "TrainUnit",
     "Trainer",
+    "adapt_batch_sampler",
+    "data_length",
     "init",
     "load_trial_from_checkpoint_path",
+    "samplers",
+    "to_device",
 ]

@@ -37,10 +37,11 @@ class _Experimental:
 
 class LRScheduler:
     class StepMode(enum.Enum):
-        STEP_EVERY_EPOCH = "STEP_EVERY_EPOCH"
-        STEP_EVERY_BATCH = "STEP_EVERY_BATCH"
-        MANUAL_STEP = "MANUAL_STEP"
-        STEP_EVERY_OPTIMIZER_STEP = "STEP_EVERY_OPTIMIZER_STEP"
+        # Determined's values: code that stores or passes the number (StepMode(2)) keeps working.
+        STEP_EVERY_EPOCH = 1
+        STEP_EVERY_BATCH = 2
+        MANUAL_STEP = 3
+        STEP_EVERY_OPTIMIZER_STEP = 4
 
     def __init__(self, scheduler: Any, step_mode: LRScheduler.StepMode, frequency: int = 1) -> None:
         if not isinstance(step_mode, LRScheduler.StepMode):
@@ -60,11 +61,18 @@ class LRScheduler:
         if self._calls % self.frequency == 0:
             self.scheduler.step()
 
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        """The wrapped scheduler's step(), as called by hand (MANUAL_STEP)."""
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.scheduler.get_last_lr())
+
     def state_dict(self) -> Any:
         return self.scheduler.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
-        self.scheduler.load_state_dict(state)
+    def load_state_dict(self, state_dict: Any) -> None:
+        self.scheduler.load_state_dict(state_dict)
 
 
 class PyTorchTrialContext:
@@ -165,6 +173,12 @@ class PyTorchTrialContext:
             return int(info.trial.trial_seed)
         return ConfigView(self._config).experiment_seed
 
+    def get_initial_batch(self) -> int:
+        """The batch a resumed trial starts at (0 on a fresh start and off-cluster): what a
+        SkipBatchSampler skips in a torch loader built from det.pytorch.samplers."""
+        info = self._core.info if self._core else None
+        return int(info.trial._steps_completed) if info is not None else 0
+
     def get_trial_id(self) -> int:
         info = self._core.info if self._core else None
         return info.trial.trial_id if info else 0
@@ -191,7 +205,7 @@ class PyTorchTrialContext:
         self,
         optimizer: torch.optim.Optimizer,
         backward_passes_per_step: int = 1,
-        fp16_compression: bool = False,
+        fp16_compression: Optional[bool] = None,
         average_aggregated_gradients: Optional[bool] = None,
     ) -> torch.optim.Optimizer:
         """Registers the optimizer for checkpoints and step_optimizer(). Gradient aggregation is
@@ -236,17 +250,49 @@ class PyTorchTrialContext:
         self,
         reducer: Union[Callable[[list[Any]], Any], MetricReducer],
         name: Optional[str] = None,
-        for_training: bool = False,
+        for_training: bool = True,
         for_validation: bool = True,
     ) -> MetricReducer:
-        """A custom metric reduction across batches and ranks. A plain function gets every value
-        passed to ``update()`` on every rank and needs ``name``; a MetricReducer without ``name``
-        returns a dict of metrics from cross_slot_reduce()."""
-        wrapped = reducer if isinstance(reducer, MetricReducer) else _FunctionReducer(reducer)
-        if not isinstance(reducer, MetricReducer) and name is None:
-            raise ValueError("wrap_reducer(fn) needs a name= for the metric it produces")
+        """A custom metric reduction across batches and ranks, reported with the training
+        metrics (``for_training``) and the validation metrics (``for_validation``). A plain
+        function gets every value passed to ``update()`` on every rank, in batch order; with
+        ``name`` its result is that one metric, without it a dict of metrics (a MetricReducer's
+        cross_slot_reduce() likewise)."""
+        if any(w.reducer is reducer for w in self.reducers):
+            raise ValueError(f"wrap_reducer(): this {type(reducer).__name__} is already wrapped; wrap it once")
+        if isinstance(reducer, MetricReducer):
+            wrapped: MetricReducer = reducer
+        elif callable(reducer):
+            wrapped = _FunctionReducer(reducer)
+        else:
+            raise TypeError(
+                f"wrap_reducer() takes a function or a det.pytorch.MetricReducer, not {type(reducer).__name__}"
+            )
         self.reducers.append(WrappedReducer(wrapped, name, for_training, for_validation))
         return wrapped
+
+    def reset_reducers(self) -> None:
+        """reset() on every wrapped reducer (the Trainer does it before each training window and
+        each validation)."""
+        for w in self.reducers:
+            w.reducer.reset()
+
+    def reduce_metrics(self, for_training: bool) -> dict[str, Any]:
+        """The metrics of the reducers wrapped for training (or for validation), reduced across
+        all ranks. Collective: every rank calls it and gets the same metrics."""
+        chosen = [w for w in self.reducers if (w.for_training if for_training else w.for_validation)]
+        if not chosen:
+            return {}
+        gathered = self.distributed.allgather([w.reducer.per_slot_reduce() for w in chosen])
+        return self.run_cross_slot_reduction(chosen, gathered)
+
+    def run_cross_slot_reduction(self, reducables: list[WrappedReducer], gathered: list[Any]) -> dict[str, Any]:
+        """``gathered`` holds one list per rank, one value per reducer of ``reducables``; each
+        reducer's cross_slot_reduce() gets its values of all ranks."""
+        metrics: dict[str, Any] = {}
+        for i, w in enumerate(reducables):
+            metrics.update(w.metrics(w.reducer.cross_slot_reduce([per_rank[i] for per_rank in gathered])))
+        return metrics
 
     def _should_communicate_and_update(self) -> bool:
         return (self._current_batch_idx + 1) % self._aggregation_frequency == 0

@@ -253,3 +253,65 @@ class _ValidationBatches(Sampler[list[int]]):
         # Always epoch 0's order: validation results must not depend on when it runs.
         batches = self._source._epoch_batches(self._seed, 0)
         yield from itertools.islice(batches, self._shard.rank, None, self._shard.size)
+
+
+def adapt_batch_sampler(
+    batch_sampler: BatchSampler, repeat: bool = False, skip: int = 0, num_replicas: int = 1, rank: int = 0
+) -> BatchSampler:
+    """``batch_sampler`` repeated (training), sharded over ``num_replicas`` ranks, then without
+    its first ``skip`` batches of this rank (resuming): the skip counts this rank's batches,
+    so it comes after the shard."""
+    from detslurm.pytorch import samplers
+
+    if repeat:
+        batch_sampler = samplers.RepeatBatchSampler(batch_sampler)
+    if num_replicas > 1:
+        batch_sampler = samplers.DistributedBatchSampler(batch_sampler, num_replicas, rank)
+    if skip > 0:
+        batch_sampler = samplers.SkipBatchSampler(batch_sampler, skip)
+    return batch_sampler
+
+
+def data_length(data: Any) -> int:
+    """Records in a batch: the length of the tensor or array, or of the first value of a dict,
+    list or tuple of them (every leaf holds the same number of records)."""
+    if isinstance(data, torch.Tensor) or _is_ndarray(data):
+        return len(data)
+    if isinstance(data, (dict, list, tuple)):
+        if not data:
+            raise ValueError(f"data_length(): an empty {type(data).__name__} holds no records")
+        first = next(iter(data.values())) if isinstance(data, dict) else data[0]
+        return len(first)
+    raise TypeError(
+        f"data_length(): a batch is a tensor, an array, or a dict, list or tuple of them, not {type(data).__name__}"
+    )
+
+
+def _is_ndarray(data: Any) -> bool:
+    return type(data).__module__ == "numpy" and type(data).__name__ == "ndarray"
+
+
+# The kinds of numpy dtype that torch has tensors for: floats, complex, ints, uints, bools.
+_TENSOR_KINDS = "fciub"
+
+
+def to_device(data: Any, device: torch.device, warned_types: Optional[set[type]] = None) -> Any:
+    """``data`` with every tensor (and anything with a ``.to()``) moved to ``device`` and numeric
+    numpy arrays made tensors there, through nested dicts, lists and tuples. What cannot move
+    is returned as it is, with one warning per type (recorded in ``warned_types``)."""
+    warned = warned_types if warned_types is not None else set()
+    if isinstance(data, dict):
+        return {k: to_device(v, device, warned) for k, v in data.items()}
+    if isinstance(data, list):
+        return [to_device(v, device, warned) for v in data]
+    if isinstance(data, tuple):
+        return tuple(to_device(v, device, warned) for v in data)
+    if _is_ndarray(data):
+        if data.dtype.kind in _TENSOR_KINDS:
+            return torch.from_numpy(data).to(device)
+    elif callable(getattr(data, "to", None)):
+        return data.to(device)
+    if type(data) not in warned:
+        warned.add(type(data))
+        log.warning("to_device(): cannot move a %s to %s; it is passed on as it is", type(data).__name__, device)
+    return data

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import itertools
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -17,10 +18,11 @@ from detslurm.core import DistributedContext
 
 
 class Reducer(enum.Enum):
-    AVG = "AVG"
-    SUM = "SUM"
-    MAX = "MAX"
-    MIN = "MIN"
+    # Determined's values, so Reducer(1) and stored numbers mean the same here.
+    AVG = 1
+    SUM = 2
+    MAX = 3
+    MIN = 4
 
 
 class MetricReducer(abc.ABC):
@@ -56,8 +58,14 @@ class _FunctionReducer(MetricReducer):
         return self._values
 
     def cross_slot_reduce(self, per_slot_metrics: list[Any]) -> Any:
-        # Flattened over ranks: the user's fn sees one list of values, as Determined's wrap_reducer gives.
-        return self._fn([v for slot in per_slot_metrics for v in slot])
+        # Interleaved (rank 0's first value, rank 1's first, ..., rank 0's second...): with one
+        # update() per batch that is the global batch order of the sharded data, so the user's
+        # fn sees the values in the order one process would have produced them (as Determined's).
+        rounds = itertools.zip_longest(*per_slot_metrics, fillvalue=_ABSENT)
+        return self._fn([v for r in rounds for v in r if v is not _ABSENT])
+
+
+_ABSENT = object()
 
 
 class WrappedReducer:
@@ -67,15 +75,21 @@ class WrappedReducer:
         self.reducer, self.name = reducer, name
         self.for_training, self.for_validation = for_training, for_validation
 
-    def reduce(self, dist: DistributedContext) -> dict[str, Any]:
-        """Collective: every rank calls it; every rank gets the same metrics."""
-        value = self.reducer.cross_slot_reduce(dist.allgather(self.reducer.per_slot_reduce()))
+    def metrics(self, value: Any) -> dict[str, Any]:
+        """The metrics of this reducer's cross_slot_reduce() result ``value``."""
+        r = self.reducer
+        what = f"{r._fn.__name__}()" if isinstance(r, _FunctionReducer) else type(r).__name__
         if self.name is not None:
+            if isinstance(value, dict):
+                raise TypeError(
+                    f"the reducer {what} was wrapped with name={self.name!r} but returned a dict: return one "
+                    "metric, or wrap it without a name to return a dict of metrics"
+                )
             return {self.name: scalar(value)}
         if not isinstance(value, dict):
             raise TypeError(
-                f"{type(self.reducer).__name__}.cross_slot_reduce() returned {type(value).__name__}: "
-                "a reducer wrapped without a name must return a dict of metrics"
+                f"the reducer {what} was wrapped without a name but returned {type(value).__name__}: return a "
+                "dict of metrics, or wrap it with name= to return one metric"
             )
         return {str(k): scalar(v) for k, v in value.items()}
 

@@ -66,11 +66,12 @@ class Trainer:
 
     def configure_profiler(
         self,
-        enabled: bool = True,
         sync_timings: bool = True,
+        enabled: bool = False,
         begin_on_batch: int = 0,
         end_after_batch: Optional[int] = None,
     ) -> None:
+        # Determined's parameter order and defaults: configure_profiler(True) means sync_timings.
         self._profiling = {"enabled": enabled, "sync": sync_timings, "begin": begin_on_batch, "end": end_after_batch}
 
     # -- configuration -------------------------------------------------------------------
@@ -138,7 +139,7 @@ class Trainer:
         profiling_enabled: bool = False,
     ) -> None:
         if profiling_enabled and not self._profiling["enabled"]:
-            self.configure_profiler(True)
+            self.configure_profiler(enabled=True)
         if checkpoint_policy not in ("best", "all", "none"):
             raise ValueError(f"checkpoint_policy must be 'best', 'all' or 'none' (got {checkpoint_policy!r})")
         if not self._on_cluster() and checkpoint_policy == "best":
@@ -209,8 +210,7 @@ class Trainer:
         while self.batches_trained < max_batches:
             self.epoch_idx = self.batches_trained // bpe
             if first or self.batches_trained % bpe == 0:
-                for cb in self.callbacks.values():
-                    cb.on_training_epoch_start(self.epoch_idx)
+                self._on_epoch_start(self.epoch_idx)
             first = False
             # Batches before the next one at which anything is due only step: the per-batch
             # bookkeeping below would otherwise cost a few percent of a small model's step.
@@ -230,6 +230,15 @@ class Trainer:
                     cb.on_training_epoch_end(self.epoch_idx)
             if self._boundaries(pending, bpe, max_batches, periods, test_mode):
                 return
+
+    def _on_epoch_start(self, epoch_idx: int) -> None:
+        for cb in self.callbacks.values():
+            if inspect.signature(cb.on_training_epoch_start).parameters:
+                cb.on_training_epoch_start(epoch_idx)
+            else:
+                # Determined's callbacks before 0.17.8 took no epoch_idx; it still calls them so.
+                log.warning("on_training_epoch_start() without an epoch_idx parameter is deprecated: add epoch_idx")
+                cb.on_training_epoch_start()  # type: ignore[call-arg]
 
     def _next_due(
         self, bpe: int, max_batches: int, periods: tuple[Optional[TrainUnit], Optional[TrainUnit], TrainUnit]
@@ -322,11 +331,10 @@ class Trainer:
 
     # -- reporting -----------------------------------------------------------------------
     def _custom_reductions(self, training: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for w in self.context.reducers:
-            if w.for_training if training else w.for_validation:
-                out.update(w.reduce(self.context.distributed))
-                w.reducer.reset()
+        """The wrapped reducers' metrics, then every reducer reset: as in Determined, each
+        training window and each validation starts from reset reducers."""
+        out = self.context.reduce_metrics(for_training=training)
+        self.context.reset_reducers()
         return out
 
     def _report_training(self, pending: list[dict[str, Any]]) -> None:
@@ -340,6 +348,9 @@ class Trainer:
         # mean over all batches.
         avg = reduce_rows([mine], Reducer.AVG, dist) if dist.size > 1 else mine
         avg.update(self._custom_reductions(training=True))
+        # Where training is, unless the trial reported keys of those names (as Determined does).
+        avg.setdefault("batches", self.batches_trained)
+        avg.setdefault("epochs", self.batches_trained // self._bpe)
         batch_metrics = list(pending)
         pending.clear()
         if self.core is not None and self.context.is_chief():
@@ -363,8 +374,7 @@ class Trainer:
 
     def _evaluate(self, test_mode: bool) -> dict[str, Any]:
         trial, ctx = self.trial, self.context
-        for w in ctx.reducers:
-            w.reducer.reset()
+        ctx.reset_reducers()
         for m in ctx.models:
             m.eval()
         with torch.no_grad():
@@ -392,7 +402,9 @@ class Trainer:
 
     def _evaluate_batches(self, test_mode: bool) -> dict[str, Any]:
         loader = evaluation_loader(self._val_source, self._shard(), self.context.get_trial_seed())
-        rows = []
+        rows: list[dict[str, Any]] = []
+        for cb in self.callbacks.values():
+            cb.on_validation_epoch_start()
         for i, batch in enumerate(loader):
             batch = self.context.to_device(batch)
             out = self.trial.evaluate_batch(batch, i) if self._eval_takes_idx else self.trial.evaluate_batch(batch)
@@ -401,6 +413,8 @@ class Trainer:
             rows.append({k: scalar(v) for k, v in out.items()})
             if test_mode:
                 break
+        for cb in self.callbacks.values():
+            cb.on_validation_epoch_end(rows)
         return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)
 
     def _validate(self, test_mode: bool) -> None:
@@ -410,8 +424,12 @@ class Trainer:
         for cb in self.callbacks.values():
             cb.on_validation_start()
         metrics = self._evaluate(test_mode)
-        metrics["batches"] = self.batches_trained
-        metrics["epochs"] = self.batches_trained / self._bpe
+        # Callbacks see the trial's own metrics; the report adds where training is, unless the
+        # trial reported keys of those names itself (Determined's order and rule).
+        for cb in self.callbacks.values():
+            cb.on_validation_end(metrics)
+        metrics.setdefault("batches", self.batches_trained)
+        metrics.setdefault("epochs", self.batches_trained // self._bpe)
         self._last_val_at = self.batches_trained
         sc = ConfigView(self.context.get_experiment_config()).searcher
         metric = sc.metric
@@ -424,8 +442,6 @@ class Trainer:
             )
         if self.core is not None and self.context.is_chief():
             self.core.train.report_validation_metrics(self.batches_trained, metrics)
-        for cb in self.callbacks.values():
-            cb.on_validation_end(metrics)
         if self._policy == "all" or (self._policy == "best" and self._is_best(metrics, sc)):
             self._checkpoint()
 
