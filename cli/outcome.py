@@ -7,14 +7,12 @@ printable (``detslurm.util.printable``) before it reaches the terminal.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
-
 from detslurm.cli.app import App
 from detslurm.cli.logs import file_tail, tail
-from detslurm.store.models import Checkpoint, Metric
 from detslurm.store.states import ExperimentState, TrialState
 from detslurm.util import printable
 
@@ -89,7 +87,7 @@ def test_verdict(app: App, exp_id: int, state: ExperimentState) -> tuple[int, li
         return 1, [f"Model definition test failed: experiment {exp_id} ended {state.value} before its trial started."]
     trial = trials[0]
     tid = trial["id"]
-    seen = _test_reports(app, tid)
+    seen = _test_reports(app, exp_id, tid)
     # COMPLETED alone is not enough: a script that exits 0 without training, validating and
     # checkpointing would pass. The controller marks "test_done" once it has seen all three.
     if state == ExperimentState.COMPLETED and all(seen.values()):
@@ -112,13 +110,9 @@ def test_verdict(app: App, exp_id: int, state: ExperimentState) -> tuple[int, li
     return 1, out + [printable(line) for line in tail(app, tid, 40)]
 
 
-def _test_reports(app: App, trial_id: int) -> dict[str, int]:
-    """How many training and validation reports and checkpoints the trial made."""
-    with app.store.read() as s:
-        groups = dict(
-            s.execute(
-                select(Metric.group, func.count()).where(Metric.trial_id == trial_id).group_by(Metric.group)
-            ).all()
-        )
-        cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial_id))
-    return {"training": groups.get("training", 0), "validation": groups.get("validation", 0), "checkpoint": cks or 0}
+def _test_reports(app: App, exp_id: int, trial_id: int) -> dict[str, int]:
+    """How many training and validation reports and checkpoints the trial made (a test-mode
+    trial is one short run: reading its reports is cheap)."""
+    groups = Counter(m["group"] for m in app.reads.metrics(trial_id))
+    cks = sum(1 for c in app.reads.checkpoint_dicts(exp_id, app.scope.owner) if c["trial_id"] == trial_id)
+    return {"training": groups["training"], "validation": groups["validation"], "checkpoint": cks}
