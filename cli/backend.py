@@ -93,6 +93,9 @@ class SlurmBackend:
             return test_mode_report(self.app, exp_id, slurm_mod.wait(self.app, exp_id))
         if follow:
             logs_mod.follow_first_trial(self.app, exp_id)
+            # The output was streamed; why the trial or the experiment failed was not.
+            for line in outcome.after_follow(self.app, exp_id):
+                click.echo(line)
         return 0
 
     def resume(self, exp_id: int, *, detach: bool) -> None:

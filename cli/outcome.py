@@ -47,6 +47,21 @@ def trial_failure(app: App, trial: dict[str, Any]) -> list[str]:
     return out
 
 
+def after_follow(app: App, exp_id: int) -> list[str]:
+    """After `det e create --follow` streamed the first trial: why it failed, and why the
+    experiment fails (a searcher error), if they did."""
+    out: list[str] = []
+    first = app.reads.first_trial_id(exp_id, app.scope.owner)
+    trial = app.reads.trial(first, app.scope.owner) if first is not None else None
+    if trial is not None and trial["state"] == TrialState.ERROR:
+        why = trial.get("exit_reason")
+        out.append(f"trial {first}: ERROR" + (f" ({printable(why)})" if why else ""))
+    e, _ = app.reads.experiment(exp_id, app.scope.owner)
+    if e.get("error") and e["state"] in (ExperimentState.ERROR, ExperimentState.STOPPING_ERROR):
+        out.append(f"Experiment {exp_id} {e['state'].value}: {printable(str(e['error']))}")
+    return out
+
+
 def experiment_end(app: App, exp_id: int, state: ExperimentState, *, trials: bool) -> list[str]:
     """``Experiment N STATE``; for an error, why, and with ``trials`` the failed trials' stories
     (a driver that printed them as they failed passes False)."""

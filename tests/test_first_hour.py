@@ -17,6 +17,8 @@ from conftest import EXAMPLES, ROOT, write
 from helpers import store, wait_for
 from sqlalchemy import select
 
+from detslurm.cli import outcome
+from detslurm.cli.app import App
 from detslurm.store import Experiment, Trial, TrialRun
 
 pytestmark = pytest.mark.e2e
@@ -119,6 +121,10 @@ max_restarts: 0
     assert code == 0 and needle in out and "searcher.metric" in out
     code, out, _ = det("e", "wait", "1")  # returns at once, and says why
     assert code == 1 and needle in out
+    # What `det e create --follow` prints (on Slurm) once the first trial's stream ended.
+    first, told = outcome.after_follow(App(), 1)
+    assert first == "trial 1: ERROR (stopped: experiment 1 failed (det experiment describe 1 says why))"
+    assert told.startswith("Experiment 1 ERROR: the search failed on a report of trial") and needle in told
 
 
 def test_misnamed_metric_037_style_errors_too(det: Any, tmp_path: Path) -> None:

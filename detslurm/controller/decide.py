@@ -188,7 +188,8 @@ def _after_stop_request(
         finish_trial(session, exp, trial, final, searcher, EXIT_USER_CANCELED, why)
     else:
         # STOPPING_ERROR: the experiment is failing, and its trials end as errors too, as in Determined.
-        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED)
+        why = f"stopped: experiment {exp.id} failed (det experiment describe {exp.id} says why)"
+        finish_trial(session, exp, trial, TrialState.ERROR, searcher, EXIT_ERRORED, why)
 
 
 _STOPPING = (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED, TrialState.STOPPING_ERROR)
