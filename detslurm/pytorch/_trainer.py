@@ -403,11 +403,13 @@ class Trainer:
     def _evaluate_batches(self, test_mode: bool) -> dict[str, Any]:
         loader = evaluation_loader(self._val_source, self._shard(), self.context.get_trial_seed())
         rows: list[dict[str, Any]] = []
+        # Any: the user's evaluate_batch may be the one-argument form (see __init__).
+        evaluate: Any = self.trial.evaluate_batch
         for cb in self.callbacks.values():
             cb.on_validation_epoch_start()
         for i, batch in enumerate(loader):
             batch = self.context.to_device(batch)
-            out = self.trial.evaluate_batch(batch, i) if self._eval_takes_idx else self.trial.evaluate_batch(batch)
+            out = evaluate(batch, i) if self._eval_takes_idx else evaluate(batch)
             if not isinstance(out, dict):
                 raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")
             rows.append({k: scalar(v) for k, v in out.items()})
