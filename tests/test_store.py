@@ -561,7 +561,9 @@ def test_the_read_layer_answers_on_postgres(postgres: str) -> None:
     assert ck["validation_metric"] == 0.25 and ck["metadata"] == {"a": [1]} and ck["report_time"] == when
     assert [r["state"] for r in reads.run_dicts(tid)] == ["QUEUED"]
     assert reads.metrics(tid)[0]["metrics"] == {"loss": 0.25}
-    assert reads.has_unfinished("local", "u") and [r.id for r in reads.experiment_rows("u")] == [exp_id]
+    assert reads.has_unfinished("local", "u") and exp_id in [
+        r.id for r in reads.experiment_rows("u")
+    ]  # the module's database has others
     with pytest.raises(NotFoundError):
         reads.experiment(exp_id, "someone-else")
     with store.read() as s:
