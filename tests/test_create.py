@@ -6,6 +6,9 @@ then the stored form that its refusal check, its dry run and its first submissio
 from __future__ import annotations
 
 import ast
+import json
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +60,90 @@ def test_a_local_create_validates_its_stored_form_once_through_its_submissions(
     assert "Created experiment 1" in out and "Experiment 1 COMPLETED" in out
     # The file, then its stored form, which the driver's ticks read back without validating again.
     assert validations == [name, name]
+
+
+# Free-form maps (data, hyperparameters, a group inside them) out of order, and a log hparam
+# whose base validation fills in: the config every submission puts in DET_EXPERIMENT_CONFIG has
+# them as the store's read-back has them, sorted, from the first submission on.
+UNSORTED = """\
+name: NAME
+entrypoint: python3 dump.py
+searcher: {name: grid, metric: loss, max_length: {batches: 1}}
+max_restarts: 0
+reproducibility: {experiment_seed: 7}
+data: {zeta: 1, alpha: {y: 2, b: 3}, mid: [3, 1]}
+hyperparameters:
+  width: {type: int, minval: 1, maxval: 2, count: 2}
+  act: {type: categorical, vals: [relu, tanh]}
+  lr: {type: log, minval: -3, maxval: -2, count: 1}
+  opt: {momentum: 0.9, beta: {type: const, val: 2}}
+environment: {environment_variables: [OUT=DIR]}
+"""
+DUMP = """\
+import json, os, pathlib
+seen = {k: os.environ[k] for k in ("DET_EXPERIMENT_CONFIG", "DET_HPARAMS")}
+pathlib.Path(os.environ["OUT"], os.environ["DET_TRIAL_ID"] + ".json").write_text(json.dumps(seen))
+"""
+# Grid points in sorted-name order, the first name outermost, each trial's hparams sorted too;
+# trials take them from the end, as Determined's do.
+GRID = [
+    {"act": act, "lr": 10.0**-2.5, "opt": {"beta": 2, "momentum": 0.9}, "width": width}
+    for act in ("tanh", "relu")
+    for width in (2, 1)
+]
+
+
+def unsorted_experiment(tmp_path: Path, name: str) -> tuple[Path, Path, Path]:
+    """(config, context, where its trials write what they saw)."""
+    out = tmp_path / "seen"
+    out.mkdir()
+    text = UNSORTED.replace("NAME", name).replace("DIR", str(out))
+    return write(tmp_path / "c.yaml", text), write(tmp_path / "ctx" / "dump.py", DUMP).parent, out
+
+
+def as_the_daemon_reads_it(config_path: Path, storage: Path) -> str:
+    """DET_EXPERIMENT_CONFIG as a submission from the store gives it: the stored JSON, read back
+    (sorted by the read's cache key) and validated. Computed here, apart from the create."""
+    from detslurm.expconf import parse_yaml, validate
+
+    first = validate(parse_yaml(config_path.read_text()), {"type": "shared_fs", "host_path": str(storage)})
+    stored = json.loads(json.dumps(first.as_dict(), sort_keys=True))
+    return json.dumps(validate(stored).as_dict())
+
+
+def exports(script: str) -> tuple[dict[str, str], dict[int, dict[str, str]]]:
+    """The variables an array script exports for all tasks, and those of each task."""
+    shared = dict(shlex.split(m)[0].split("=", 1) for m in re.findall(r"^export (DET_.*)$", script, re.M))
+    tasks = {
+        int(m.group(1)): dict(shlex.split(line)[1].split("=", 1) for line in m.group(2).splitlines())
+        for m in re.finditer(r"^(\d+)\)\n((?:  export .*\n)+)", script, re.M)
+    }
+    return shared, tasks
+
+
+def test_a_dry_run_shows_the_config_and_grid_points_a_submission_from_the_store_gets(det: Any, tmp_path: Path) -> None:
+    cfg, ctx, _ = unsorted_experiment(tmp_path, f"order-{tmp_path.name}")
+    code, out, err = det("e", "create", "--dry-run", cfg, ctx)
+    assert code == 0, err
+    shared, tasks = exports(out)
+    expected = as_the_daemon_reads_it(cfg, tmp_path / "ckpts")
+    assert shared["DET_EXPERIMENT_CONFIG"] == expected
+    seen = json.loads(expected)
+    assert list(seen["data"]) == ["alpha", "mid", "zeta"] and list(seen["data"]["alpha"]) == ["b", "y"]
+    assert list(seen["hyperparameters"]) == ["act", "lr", "opt", "width"]
+    assert list(seen["hyperparameters"]["lr"]) == ["base", "count", "maxval", "minval", "type"]
+    assert [tasks[i]["DET_HPARAMS"] for i in sorted(tasks)] == [json.dumps(hp) for hp in GRID]
+
+
+def test_the_first_submission_gives_trials_the_config_and_grid_points_of_the_dry_run(det: Any, tmp_path: Path) -> None:
+    cfg, ctx, out = unsorted_experiment(tmp_path, f"order-local-{tmp_path.name}")
+    code, text, err = det("e", "create", "--local", cfg, ctx)
+    assert "Created experiment 1" in text, err
+    seen = {int(p.stem): json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert sorted(seen) == [1, 2, 3, 4], (text, err)
+    expected = as_the_daemon_reads_it(cfg, tmp_path / "ckpts")
+    assert [seen[t]["DET_EXPERIMENT_CONFIG"] for t in (1, 2, 3, 4)] == [expected] * 4
+    assert [seen[t]["DET_HPARAMS"] for t in (1, 2, 3, 4)] == [json.dumps(hp) for hp in GRID]
 
 
 # What only controller/create.py (and the Place it is given) may call: the CLI asks it to create.
