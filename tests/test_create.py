@@ -1,7 +1,8 @@
 """`det e create` has one owner, detslurm/controller/create.py: the CLI takes no part in checking,
-planning or storing an experiment, and a create validates its config twice at most: the file,
-then the stored form that its refusal check, its dry run and its first submission all plan from
-(what the daemon plans from too, so that the dry run shows what every submission gets)."""
+planning or storing an experiment, and a create validates its config once and computes its
+resource plan once. Validation gives the config in its canonical form, the one the store's
+read-back gives, so the refusal check, the dry run and the first submission plan from the config
+the create validated, and every submission (the daemon's too) gives trials the same config."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT, write
+
+from detslurm.errors import ConfigError
 
 CORE = EXAMPLES / "core_api"
 
@@ -47,19 +50,63 @@ def test_a_slurm_dry_run_validates_the_config_once(det: Any, tmp_path: Path, val
     code, out, err = det("e", "create", "--dry-run", config(tmp_path, name), CORE)
     assert code == 0, err
     assert "sbatch --parsable" in out and "nothing was created" in out
-    # The file, then its stored form: the refusal check's sample and the dry run share the latter.
-    assert validations == [name, name]
+    # The file's; the refusal check's sample and the dry run read back what it gave.
+    assert validations == [name]
 
 
-def test_a_local_create_validates_its_stored_form_once_through_its_submissions(
+def test_a_local_create_validates_once_through_its_first_submissions(
     det: Any, tmp_path: Path, validations: list[str]
 ) -> None:
     name = f"local-{tmp_path.name}"
     code, out, err = det("e", "create", "--local", config(tmp_path, name), CORE)
     assert code == 0, err
     assert "Created experiment 1" in out and "Experiment 1 COMPLETED" in out
-    # The file, then its stored form, which the driver's ticks read back without validating again.
-    assert validations == [name, name]
+    # The driver's ticks read back the config the create validated and stored.
+    assert validations == [name]
+
+
+def canonical_examples() -> list[Path]:
+    return sorted(EXAMPLES.glob("*/*.yaml"))
+
+
+@pytest.mark.parametrize("example", canonical_examples(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_validating_the_stored_form_of_a_config_gives_the_same_config_in_the_same_order(
+    example: Path, tmp_path: Path
+) -> None:
+    from detslurm.expconf import from_stored, parse_yaml, validate
+
+    try:
+        cfg = validate(parse_yaml(example.read_text()), {"type": "shared_fs", "host_path": "/ckpt"})
+    except ConfigError:
+        pytest.skip("not an experiment config")
+    # What this process validated is what reading its stored form back returns.
+    assert from_stored(cfg.as_dict()) is cfg
+    # And what validating that form again would give: equal in every part, in the same order.
+    again = validate(json.loads(json.dumps(cfg.as_dict(), sort_keys=True)))
+    assert again == cfg
+    assert json.dumps(again.as_dict()) == json.dumps(cfg.as_dict())
+
+
+def test_a_config_with_unsorted_maps_is_stored_as_its_read_back_gives_it(tmp_path: Path) -> None:
+    from detslurm.expconf import parse_yaml, validate
+
+    cfg_path, _, _ = unsorted_experiment(tmp_path, f"canon-{tmp_path.name}")
+    cfg = validate(parse_yaml(cfg_path.read_text()), {"type": "shared_fs", "host_path": str(tmp_path / "ckpts")})
+    assert json.dumps(cfg.as_dict()) == as_the_daemon_reads_it(cfg_path, tmp_path / "ckpts")
+    assert validate(json.loads(json.dumps(cfg.as_dict(), sort_keys=True))) == cfg
+
+
+def test_a_stored_config_changed_since_it_was_validated_is_validated_again(tmp_path: Path) -> None:
+    from detslurm.expconf import from_stored, parse_yaml, validate
+
+    storage = {"type": "shared_fs", "host_path": str(tmp_path)}
+    cfg = validate(parse_yaml(config(tmp_path, f"edit-{tmp_path.name}").read_text()), storage)
+    assert from_stored(cfg.as_dict()) is cfg
+    with pytest.raises(ConfigError, match=r"<experiment 1>\.max_restarts"):
+        from_stored({**cfg.as_dict(), "max_restarts": "many"}, "<experiment 1>")
+    # A row edited by hand, with a map out of order: validated, and given in the canonical order.
+    edited = from_stored({**cfg.as_dict(), "data": {"b": 2, "a": 1}})
+    assert edited is not cfg and list(edited.as_dict()["data"]) == list(edited.top.data) == ["a", "b"]
 
 
 # Free-form maps (data, hyperparameters, a group inside them) out of order, and a log hparam

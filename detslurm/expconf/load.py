@@ -6,10 +6,10 @@ sees every problem at once instead of fixing them one submit at a time.
 
 from __future__ import annotations
 
-import functools
 import json
 import random
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,8 +169,9 @@ class ExperimentConfig:
     """A validated config with defaults filled: what code downstream of validation receives.
 
     The typed parts are the truth; ``as_dict()`` is the plain JSON form that the store keeps and
-    trials see (``DET_EXPERIMENT_CONFIG``). A config read back from the store goes through
-    :func:`from_stored`, so a hand-edited row is validated again before it can reach a script.
+    trials see (``DET_EXPERIMENT_CONFIG``), in its one canonical order (see :func:`validate`). A
+    config read back from the store goes through :func:`from_stored`, so a hand-edited row is
+    validated again before it can reach a script.
     """
 
     top: s.TopLevel
@@ -220,21 +221,51 @@ class ExperimentConfig:
         return self.searcher.max_length
 
 
-@functools.lru_cache(maxsize=256)
-def _from_stored_json(text: str) -> ExperimentConfig:
-    return validate(json.loads(text))
+# Every config this process validated, by the content of its stored form: validating that form
+# again gives the same config (see validate), so reading it back from the store needs no second
+# validation, whether this process stored it (a create, an edit) or read it before (the daemon
+# reads the same configs every tick). A row changed since, by hand or by another user of a shared
+# database, has other content and is validated as any other.
+_VALIDATED: OrderedDict[str, ExperimentConfig] = OrderedDict()
+_VALIDATED_KEPT = 256
+
+
+def _content_key(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, sort_keys=True)
+
+
+def _remember(config: ExperimentConfig) -> None:
+    _VALIDATED[_content_key(config._dict)] = config
+    while len(_VALIDATED) > _VALIDATED_KEPT:
+        _VALIDATED.popitem(last=False)
 
 
 def from_stored(data: Mapping[str, Any], where: str = "stored config") -> ExperimentConfig:
     """Validate a config read back from the store (plain JSON) into its typed form.
 
-    Cached by content: the daemon reads the same configs every tick. A row that no longer
-    validates (edited by hand, or by another user of a shared database) raises ConfigError.
+    A config this process validated already (see ``_VALIDATED``) is returned as it is. A row
+    that does not validate (edited by hand, or by another user of a shared database) raises
+    ConfigError.
     """
+    key = _content_key(data)
+    known = _VALIDATED.get(key)
+    if known is not None:
+        _VALIDATED.move_to_end(key)
+        return known
     try:
-        return _from_stored_json(json.dumps(data, sort_keys=True))
+        return validate(json.loads(key))
     except ConfigError as e:
         raise ConfigError([line.replace(ROOT, where, 1) for line in e.errors]) from None
+
+
+def _sorted_maps(value: Any) -> Any:
+    """``value`` with the keys of every mapping in it sorted, at every depth (lists keep their
+    order): the order a config has once the store's read-back (``from_stored``) has sorted it."""
+    if isinstance(value, Mapping):
+        return {k: _sorted_maps(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, list):
+        return [_sorted_maps(v) for v in value]
+    return value
 
 
 def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any:
@@ -336,6 +367,15 @@ _PET_B = ["otter", "falcon", "badger", "heron", "lynx", "marten", "osprey", "pan
 
 
 def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None = None) -> ExperimentConfig:
+    """The typed config of ``raw`` with defaults filled, or ConfigError listing every problem.
+
+    The result is canonical: the free-form maps (``data``, ``hyperparameters``, ...) have their
+    keys sorted and the rest is in the schema's order, so validating its stored form
+    (``as_dict()``) again gives an equal config in the same order. The store, the dry run, the
+    first submission and every later one from the store all see that one form.
+    """
+    if isinstance(raw, Mapping):
+        raw = _sorted_maps(raw)
     errors: list[str] = []
     top = _model(s.TopLevel, dict(raw), ROOT, errors)
     hp_raw = raw.get("hyperparameters", {}) if isinstance(raw, Mapping) else {}
@@ -348,7 +388,8 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
         hp_errors = check_hyperparameters(hp_raw, f"{ROOT}.hyperparameters")
         errors.extend(hp_errors)
         if not hp_errors:
-            hparams = normalize_hyperparameters(hp_raw)
+            # Sorted again: normalising adds keys (a log hparam's base) after the user's.
+            hparams = _sorted_maps(normalize_hyperparameters(hp_raw))
     # With hparam errors already reported, the grid count check would repeat them on broken input.
     searcher = _check_searcher(raw.get("searcher"), hp_raw if not errors else {}, errors)
     storage = _check_storage(raw.get("checkpoint_storage"), default_storage, errors)
@@ -376,7 +417,13 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
     full["hyperparameters"] = hparams
     for key in ("min_validation_period", "min_checkpoint_period"):
         full[key] = getattr(top, key).to_json()
-    return ExperimentConfig(top=top, searcher=searcher, storage=storage, hyperparameters=hparams, _dict=full)
+    # The three sections validated on their own keep their stored form at the top level too, as
+    # validating that form again gives them: the two configs are equal in every part.
+    top.searcher, top.checkpoint_storage = json.loads(json.dumps([full["searcher"], full["checkpoint_storage"]]))
+    top.hyperparameters = json.loads(json.dumps(hparams))
+    config = ExperimentConfig(top=top, searcher=searcher, storage=storage, hyperparameters=hparams, _dict=full)
+    _remember(config)
+    return config
 
 
 def load_config(
