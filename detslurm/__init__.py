@@ -28,13 +28,22 @@ LOG_FORMAT = "%(levelname)s: [%(process)s] %(name)s: %(message)s"
 
 # Subpackages reached as attributes, and functions re-exported from the module that owns them.
 _SUBMODULES = frozenset({"core", "pytorch", "experimental", "launch"})
-_FUNCTIONS = {"get_cluster_info": "detslurm.core._info", "import_from_path": "detslurm.util"}
+_FUNCTIONS = {
+    "get_cluster_info": "detslurm.core._info",
+    "import_from_path": "detslurm.util",
+    # Determined's info types (the trial env contract decodes into them).
+    "ClusterInfo": "detslurm.protocol.env",
+    "RendezvousInfo": "detslurm.protocol.env",
+    "ResourcesInfo": "detslurm.protocol.env",
+    "TrialInfo": "detslurm.protocol.env",
+}
 
 if TYPE_CHECKING:
     from typing import Any
 
     from detslurm import core, experimental, launch, pytorch
     from detslurm.core._info import get_cluster_info
+    from detslurm.protocol.env import ClusterInfo, RendezvousInfo, ResourcesInfo, TrialInfo
     from detslurm.util import import_from_path
 
 
@@ -54,6 +63,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LOG_FORMAT",
+    "ClusterInfo",
+    "RendezvousInfo",
+    "ResourcesInfo",
+    "TrialInfo",
     "DetSlurmError",
     "InvalidHP",
     "__version__",

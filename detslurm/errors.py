@@ -53,3 +53,11 @@ class InvalidHP(Exception):
 
     Not a DetSlurmError: it is a signal from the trial, handled by ``core.init().__exit__``.
     """
+
+    def __init__(self, msg: str = "...") -> None:
+        # Determined's constructor: one optional message, a string (anything else is a mistake
+        # that would surface later as an unreadable searcher note).
+        if not isinstance(msg, str):
+            raise TypeError(f"InvalidHP takes a message string, not {type(msg).__name__}")
+        # Exception's args stay what the caller passed, as in Determined: str(InvalidHP()) is "".
+        self.msg = msg

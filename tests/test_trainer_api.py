@@ -318,8 +318,6 @@ def test_what_is_not_built_fails_at_once_naming_itself() -> None:
     ctx = pytorch.CheckpointLoadContext({"global_batch_size": 4})
     with pytest.raises(NotImplementedError, match="configure_apex_amp"):
         ctx.configure_apex_amp(models=None, optimizers=None)
-    with pytest.raises(NotImplementedError, match="use_amp"):
-        ctx.experimental.use_amp()
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
         ctx.wrap_optimizer(opt, backward_passes_per_step=2)

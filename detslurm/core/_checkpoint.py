@@ -24,6 +24,7 @@ import contextlib
 import enum
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,7 @@ from detslurm.core._writeback import EarlyWriteback
 from detslurm.errors import CheckpointNotFound
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
 
+log = logging.getLogger("detslurm.core")
 STALE_PARTIAL_AFTER_S = 6 * 3600
 _PARTIAL = re.compile(r"^\.[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.partial$")
 
@@ -407,3 +409,33 @@ class CheckpointContext:
     def delete(self, storage_id: str) -> None:
         shutil.rmtree(self._path(storage_id))
         self._report(CheckpointDeleted(uuid=storage_id))
+
+
+def _storage_base_of(storage_manager: Any) -> Path:
+    """A directory from what Determined's unit tests pass as a storage manager: a path, or a
+    shared-fs manager (which keeps its directory in ``_base_path``)."""
+    if isinstance(storage_manager, (str, os.PathLike)):
+        return Path(storage_manager)
+    base = getattr(storage_manager, "_base_path", None)
+    if isinstance(base, (str, os.PathLike)):
+        return Path(base)
+    raise TypeError(
+        "DummyCheckpointContext: storage_manager must be a directory (str or path) or a shared-fs "
+        f"storage manager with a base path; got {type(storage_manager).__name__}"
+    )
+
+
+def _log_report(event: Event) -> None:
+    if isinstance(event, CheckpointSaved):
+        log.info("saved checkpoint %s", event.uuid)
+    elif isinstance(event, CheckpointDeleted):
+        log.info("deleted checkpoint %s", event.uuid)
+
+
+class DummyCheckpointContext(CheckpointContext):
+    """Off-cluster twin, for unit tests and scripts run by hand: checkpoints are written to the
+    given directory exactly as on a cluster (atomically, private), and are logged instead of
+    recorded in the store."""
+
+    def __init__(self, dist: DistributedContext, storage_manager: Any) -> None:
+        super().__init__(dist, _storage_base_of(storage_manager), _log_report, require_steps=False)

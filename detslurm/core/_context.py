@@ -12,13 +12,15 @@ from typing import Any
 
 from detslurm import settings
 from detslurm.ckpt_settings import checkpoint_modes
-from detslurm.core._checkpoint import CheckpointContext, ensure_base
+from detslurm.core._checkpoint import CheckpointContext, DummyCheckpointContext, ensure_base
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
 from detslurm.core._events import EventWriter, NullWriter
-from detslurm.core._info import ClusterInfo, get_cluster_info
+from detslurm.core._experimental import DummyExperimentalCoreContext, ExperimentalCoreContext
+from detslurm.core._info import RunInfo, get_cluster_info
 from detslurm.core._preempt import DummyPreemptContext, PreemptContext, PreemptMode
-from detslurm.core._searcher import SearcherContext, SearcherContextMissing, Unit
-from detslurm.core._train import EarlyExitReason, TrainContext, Writer
+from detslurm.core._profiler import DummyProfilerContext, ProfilerContext
+from detslurm.core._searcher import DummySearcherContext, SearcherContext, SearcherContextMissing, Unit
+from detslurm.core._train import DummyTrainContext, EarlyExitReason, TrainContext, Writer
 from detslurm.errors import InvalidHP
 from detslurm.expconf.view import ConfigView
 from detslurm.protocol.events import Alert, Event, PreemptAck
@@ -31,21 +33,8 @@ class TensorboardMode(enum.Enum):
     MANUAL = "MANUAL"
 
 
-# Placeholders so user code touching core_context.experimental or .profiler (Determined
-# API) does not fail with AttributeError; nothing behind them is implemented.
-class _Experimental:
-    pass
-
-
-class _Profiler:
-    def __init__(self) -> None:
-        self.on = False
-
-    def on_(self) -> None:
-        self.on = True
-
-    def off(self) -> None:
-        self.on = False
+# Determined's alert levels (its default is info).
+ALERT_LEVELS = ("warn", "info", "debug", "error")
 
 
 class Context:
@@ -59,8 +48,10 @@ class Context:
         checkpoint: CheckpointContext,
         preempt: PreemptContext,
         searcher: SearcherContext,
-        info: ClusterInfo | None,
+        info: RunInfo | None,
         writer: Writer,
+        profiler: ProfilerContext | None = None,
+        experimental: ExperimentalCoreContext | None = None,
     ) -> None:
         self.distributed = distributed
         self.train = train
@@ -68,8 +59,8 @@ class Context:
         self.preempt = preempt
         self.searcher = searcher
         self.info = info
-        self.experimental = _Experimental()
-        self.profiler = _Profiler()
+        self.profiler = profiler or DummyProfilerContext()
+        self.experimental = experimental or DummyExperimentalCoreContext()
         self._writer = writer
 
     def start(self) -> None:
@@ -77,7 +68,12 @@ class Context:
         # test) starts nothing.
         self.preempt.start()
 
-    def close(self, exc: BaseException | None = None) -> None:
+    def close(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> None:
         self.preempt.close()
         # AUTO mode: what the chief wrote since the last periodic upload (the end of training).
         self.train.final_tensorboard_upload()
@@ -98,17 +94,21 @@ class Context:
     def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if isinstance(exc, InvalidHP):
             self.train.report_early_exit(EarlyExitReason.INVALID_HP)
-            self.close(exc)
+            self.close(typ, exc, tb)
             log.info("InvalidHP raised: reported to the searcher, exiting 0")
             # Determined's contract: InvalidHP ends the trial cleanly (exit 0) and the searcher is told
             # through the early-exit event, so the controller must not count it as a failure to restart.
             raise SystemExit(0)
-        self.close(exc)
+        self.close(typ, exc, tb)
 
-    def alert(self, title: str = "", description: str = "", level: str = "warn") -> None:
+    def alert(self, title: str | None = None, description: str | None = None, level: str | None = "info") -> None:
+        """An alert for this trial, kept with its notes (``det trial describe``); Determined sends
+        it to the experiment's webhooks. ``level`` is one of Determined's: warn, info, debug, error."""
+        if level not in ALERT_LEVELS:
+            raise ValueError(f"alert(): level must be one of {', '.join(ALERT_LEVELS)}, not {level!r}")
         if self.info is None:
-            raise ValueError("alerts are only available when running as a trial")
-        self._writer.emit(Alert(title=title, description=description, level=level))
+            raise ValueError("alert() works only in a trial (det e create), not off-cluster")
+        self._writer.emit(Alert(title=title or "", description=description or "", level=level))
 
 
 def _units(config: dict[str, Any]) -> Unit | None:
@@ -154,12 +154,12 @@ def _dummy_init(
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(
         distributed=dist,
-        train=TrainContext(writer, 0),
+        train=DummyTrainContext(),
         writer=writer,
         info=None,
-        checkpoint=CheckpointContext(dist, base, writer.emit, require_steps=False),
+        checkpoint=DummyCheckpointContext(dist, base),
         preempt=DummyPreemptContext(dist, preempt_mode),
-        searcher=SearcherContext(dist, writer, None, Unit.EPOCHS, lambda: False, lambda: None),
+        searcher=DummySearcherContext(dist),
     )
 
 
@@ -211,4 +211,6 @@ def init(
             writer, info.trial._trial_run_id, paths, rank=dist.rank, tb_auto=tensorboard_mode == TensorboardMode.AUTO
         ),
         checkpoint=CheckpointContext(dist, base, _durable(writer), require_steps=True),
+        profiler=ProfilerContext(),
+        experimental=ExperimentalCoreContext(info.trial.trial_id),
     )

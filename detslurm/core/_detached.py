@@ -27,7 +27,6 @@ from detslurm.core._preempt import PreemptContext, PreemptMode
 from detslurm.core._searcher import SearcherContextMissing
 from detslurm.core._train import TrainContext, Writer
 from detslurm.errors import ConfigError
-from detslurm.protocol import ClusterInfo, TrialInfo
 from detslurm.protocol.detached import (
     DetachedLayout,
     DetachedRun,
@@ -36,6 +35,7 @@ from detslurm.protocol.detached import (
     allocate_run,
     detached_root,
 )
+from detslurm.protocol.env import RendezvousInfo, ResourcesInfo, RunInfo, TrialInfo
 from detslurm.protocol.events import CheckpointSaved, Event, PreemptAck
 from detslurm.protocol.paths import RunPaths
 
@@ -322,7 +322,7 @@ def _assemble(
 
 def _cluster_info(
     spec: DetachedSpec, paths: RunPaths | None, latest: LatestCheckpoint | None, base: Path, rank: int
-) -> ClusterInfo:
+) -> RunInfo:
     # No store in the job: experiment_id is 0 (the store numbers detached experiments on ingest)
     # and the trial id is the trial's key in the detached layout.
     trial = TrialInfo(
@@ -330,13 +330,14 @@ def _cluster_info(
         experiment_id=0,
         trial_seed=0,
         hparams=dict(spec.hparams),
-        _config={"name": spec.name, "data": dict(spec.data), "hyperparameters": dict(spec.hparams)},
-        _steps_completed=latest.steps_completed if latest else 0,
-        _trial_run_id=paths.run_id if paths else 0,
+        config={"name": spec.name, "data": dict(spec.data), "hyperparameters": dict(spec.hparams)},
+        steps_completed=latest.steps_completed if latest else 0,
+        trial_run_id=paths.run_id if paths else 0,
+        debug=False,
+        inter_node_network_interface=None,
     )
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    run_dir = paths.dir if paths else Path(".")
-    return ClusterInfo(
+    return RunInfo(
         master_url="",
         cluster_id="detslurm",
         agent_id=node,
@@ -346,10 +347,10 @@ def _cluster_info(
         session_token="",
         task_type="TRIAL",
         latest_checkpoint=latest.uuid if latest else None,
-        container_addrs=[node],
-        container_rank=rank,
-        trial=trial,
-        run_dir=run_dir,
+        trial_info=trial,
+        rendezvous_info=RendezvousInfo(container_addrs=[node], container_rank=rank, container_slot_counts=[1]),
+        resources_info=ResourcesInfo(gpu_uuids=[]),
+        run_dir=paths.dir if paths else Path("."),
         trial_dir=paths.trial_dir if paths else Path("."),
         exp_dir=paths.exp_root if paths else Path("."),
         checkpoint_base=base,

@@ -496,7 +496,7 @@ class DistributedContext:
         result: list[Any] | None = self._global.exchange(stuff, "gather")
         return result
 
-    def broadcast(self, stuff: Any = None) -> Any:
+    def broadcast(self, stuff: Any) -> Any:
         return self._global.exchange(stuff, "broadcast")
 
     def allgather_local(self, stuff: Any) -> list[Any]:

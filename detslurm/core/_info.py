@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import os
 
-from detslurm.protocol.env import ClusterInfo, TrialInfo, from_env
+from detslurm.protocol.env import ClusterInfo, RendezvousInfo, ResourcesInfo, RunInfo, TrialInfo, from_env
 
-__all__ = ["ClusterInfo", "TrialInfo", "get_cluster_info"]
+__all__ = ["ClusterInfo", "RendezvousInfo", "ResourcesInfo", "RunInfo", "TrialInfo", "get_cluster_info"]
 
-_cached: dict[str, ClusterInfo | None] = {}
+_cached: dict[str, RunInfo | None] = {}
 
 
-def get_cluster_info() -> ClusterInfo | None:
+def get_cluster_info() -> RunInfo | None:
     """The running trial's info, or ``None`` off-cluster. Read once per process."""
     # Keyed by the ids rather than cached once: tests (and a launcher that starts several
     # trials in one process) change the environment, and stale info would mix trials up.

@@ -200,5 +200,5 @@ def _has_content(path: Path) -> bool:
 class DummyPreemptContext(PreemptContext):
     """Off-cluster twin: never preempted, but keeps the collective in step across ranks."""
 
-    def __init__(self, dist: DistributedContext, mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
-        super().__init__(dist, None, lambda: None, mode)
+    def __init__(self, dist: DistributedContext, preempt_mode: PreemptMode = PreemptMode.WorkersAskChief) -> None:
+        super().__init__(dist, None, lambda: None, preempt_mode)

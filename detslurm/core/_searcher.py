@@ -8,6 +8,7 @@ trial acknowledges "preemption" and exits; the controller resumes it if it is pr
 from __future__ import annotations
 
 import enum
+import logging
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from detslurm.core._distributed import DistributedContext
-from detslurm.core._train import Writer
+from detslurm.core._train import Writer, dropped_writer
 from detslurm.protocol import BadRecord, SearcherOps
 from detslurm.protocol.events import OpCompleted, Progress
+
+log = logging.getLogger("detslurm.core")
 
 # The chief polls the ops file while it waits for the searcher; a quarter second adds little
 # latency and costs one small read, on a file only this trial reads.
@@ -25,15 +28,16 @@ POLL_S = 0.25
 
 
 class Unit(enum.Enum):
-    # Values are Determined's wire names, so code comparing them keeps working.
-    EPOCHS = "UNIT_EPOCHS"
-    RECORDS = "UNIT_RECORDS"
-    BATCHES = "UNIT_BATCHES"
+    # Determined's values, so code that stores or compares them (Unit("EPOCHS")) keeps working.
+    EPOCHS = "EPOCHS"
+    RECORDS = "RECORDS"
+    BATCHES = "BATCHES"
 
 
 class SearcherMode(enum.Enum):
     WorkersAskChief = "WORKERS_ASK_CHIEF"
-    ChiefOnly = "CHIEF_ONLY"
+    # Determined's value, misspelling included: SearcherMode("CHEIF_ONLY") must find it.
+    ChiefOnly = "CHEIF_ONLY"
 
 
 class SearcherOperation:
@@ -129,7 +133,7 @@ class SearcherContext:
                 length = self._dist.broadcast(length)
             if length is None:
                 break
-            op = SearcherOperation(self, index, length, chief)
+            op = self._operation(index, length, chief)
             yield op
             if chief and not op._completed:
                 raise RuntimeError(
@@ -140,11 +144,60 @@ class SearcherContext:
             # The ack tells the controller this exit is voluntary (out of work), not a crash to restart.
             self.acknowledge_out_of_ops()
 
+    def _operation(self, index: int, length: int, is_chief: bool) -> SearcherOperation:
+        return SearcherOperation(self, index, length, is_chief)
+
     def acknowledge_out_of_ops(self) -> None:
         self._on_out_of_ops()
 
     def get_configured_units(self) -> Unit | None:
         return self._units
+
+
+class DummySearcherOperation(SearcherOperation):
+    """An operation of the off-cluster twin: reports are checked as on a cluster, then logged."""
+
+    def __init__(self, length: int, is_chief: bool) -> None:
+        self._length = length
+        self._is_chief = is_chief
+        self._completed = False
+
+    def report_progress(self, length: float) -> None:
+        if not self._is_chief:
+            raise RuntimeError("you must only call op.report_progress() from the chief worker")
+        # The last progress report may repeat the full length after report_completed().
+        if self._completed and length != self._length:
+            raise RuntimeError("you must not call op.report_progress() after op.report_completed()")
+        log.info("progress report: %s/%s", length, self._length)
+
+    def report_completed(self, searcher_metric: Any) -> None:
+        if not self._is_chief:
+            raise RuntimeError("you must only call op.report_completed() from the chief worker")
+        if self._completed:
+            raise RuntimeError("you may only call op.report_completed() once")
+        self._completed = True
+        log.info("searcher operation completed: searcher_metric=%s", searcher_metric)
+
+
+class DummySearcherContext(SearcherContext):
+    """Off-cluster twin, for unit tests and scripts run by hand: one operation of ``length``
+    epochs, handed to every rank through the same broadcast as on a cluster."""
+
+    def __init__(self, dist: DistributedContext, length: int = 1) -> None:
+        super().__init__(dist, dropped_writer(), None, Unit.EPOCHS, lambda: False, lambda: None)
+        self._length = length
+
+    def _next(self, index: int) -> int | None:
+        return self._length if index == 0 else None
+
+    def _operation(self, index: int, length: int, is_chief: bool) -> SearcherOperation:
+        return DummySearcherOperation(length, is_chief)
+
+
+_MISSING = (
+    "there is no searcher context: the experiment config has no searcher.max_length (both are "
+    "deprecated); choose the training length in your script and call train.report_progress()"
+)
 
 
 class SearcherContextMissing(SearcherContext):
@@ -153,14 +206,16 @@ class SearcherContextMissing(SearcherContext):
     def __init__(self) -> None:
         pass
 
-    def operations(self, *args: Any, **kwargs: Any) -> Iterator[SearcherOperation]:
-        raise ValueError(
-            "searcher operations need `searcher.max_length` in the experiment config; "
-            "0.38-style scripts choose their own length and call train.report_progress()"
-        )
+    def operations(
+        self, searcher_mode: SearcherMode = SearcherMode.WorkersAskChief, auto_ack: bool = True
+    ) -> Iterator[SearcherOperation]:
+        raise ValueError(_MISSING)
+
+    def acknowledge_out_of_ops(self) -> None:
+        raise ValueError(_MISSING)
 
     def get_configured_units(self) -> Unit | None:
-        raise ValueError("the experiment config has no searcher.max_length")
+        raise ValueError(_MISSING)
 
 
 def deprecated_operations_warning() -> None:

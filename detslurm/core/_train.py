@@ -47,7 +47,8 @@ class TrainContext:
         self._rank = rank
         # TensorboardMode.AUTO: the chief uploads its TensorBoard files after every report, as
         # Determined does; MANUAL leaves it to upload_tensorboard_files().
-        self._tb_auto = tb_auto and rank == 0
+        self._tb_auto_mode = tb_auto and rank == 0
+        self._tb_auto = self._tb_auto_mode
         self._tb_copied: dict[Path, int] = {}
         # Set once user code asked for its TensorBoard path: until then there is nothing to upload,
         # and a report costs no filesystem call (report_training_metrics is on the hot path).
@@ -168,6 +169,11 @@ class TrainContext:
                 raise ValueError(f"upload_tensorboard_files: the mangler returned {rel}, which leaves the trial's dir")
             self._copy_new_bytes(src, dst_root / rel)
 
+    def _set_auto_upload(self, enabled: bool) -> None:
+        """AUTO mode's upload of the chief's TensorBoard files, off or back on (the PyTorch
+        Trainer's set_enable_tensorboard_logging); MANUAL mode is left as it is."""
+        self._tb_auto = enabled and self._tb_auto_mode
+
     def final_tensorboard_upload(self) -> None:
         """At close, in AUTO mode: upload what the chief wrote since the last upload. A failure is
         logged, not raised: the trial's own result must not depend on its TensorBoard files."""
@@ -192,3 +198,31 @@ class TrainContext:
             shutil.copyfileobj(fin, fout)
             fout.truncate()
         self._tb_copied[src] = size
+
+
+class DummyTrainContext(TrainContext):
+    """Off-cluster twin, for unit tests and scripts run by hand: reports are checked as on a
+    cluster and then dropped; ``get_tensorboard_path()`` is the path given (./tensorboard when
+    none)."""
+
+    def __init__(self, tensorboard_path: Path | None = None) -> None:
+        super().__init__(_Dropped(), 0)
+        self._tensorboard_path = tensorboard_path
+
+    def get_tensorboard_path(self) -> Path:
+        return Path(self._tensorboard_path) if self._tensorboard_path is not None else Path("tensorboard")
+
+
+def dropped_writer() -> Writer:
+    """A writer for off-cluster contexts: events are logged at debug level and kept nowhere."""
+    return _Dropped()
+
+
+class _Dropped:
+    """The writer of an off-cluster context: each event is logged at debug level, kept nowhere."""
+
+    def emit(self, event: Event) -> None:
+        log.debug("off-cluster report: %s", event)
+
+    def flush(self) -> None:
+        pass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,60 +19,157 @@ from detslurm.expconf.view import ConfigView
 from detslurm.protocol.paths import ExpPaths, RunPaths
 
 
-@dataclass(frozen=True)
 class TrialInfo:
-    """Determined's ``det.TrialInfo``, field for field: user code that reads it keeps working."""
+    """Determined's ``det.TrialInfo``: the same constructor and attributes, so user code that reads
+    or builds one keeps working. The underscored attributes are private in Determined too, but
+    scripts read them (``_config`` for the full experiment config)."""
 
-    trial_id: int
-    experiment_id: int
-    trial_seed: int
-    hparams: dict[str, Any]
-    # The underscored fields are private in Determined too, but scripts read them (``_config`` for the
-    # full experiment config), so they keep Determined's names.
-    _config: dict[str, Any] = field(repr=False)
-    _steps_completed: int = 0
-    _trial_run_id: int = 1
-    _debug: bool = False
-    _inter_node_network_interface: str | None = None
+    def __init__(
+        self,
+        trial_id: int,
+        experiment_id: int,
+        trial_seed: int,
+        hparams: dict[str, Any],
+        config: dict[str, Any],
+        steps_completed: int,
+        trial_run_id: int,
+        debug: bool,
+        inter_node_network_interface: str | None,
+    ) -> None:
+        self.trial_id = trial_id
+        self.experiment_id = experiment_id
+        self.trial_seed = trial_seed
+        self.hparams = hparams
+        self._config = config
+        self._steps_completed = steps_completed
+        self._trial_run_id = trial_run_id
+        self._debug = debug
+        self._inter_node_network_interface = inter_node_network_interface
+
+    def __repr__(self) -> str:
+        return f"TrialInfo(trial_id={self.trial_id}, experiment_id={self.experiment_id}, hparams={self.hparams!r})"
 
 
-@dataclass(frozen=True)
+class RendezvousInfo:
+    """Determined's ``det.RendezvousInfo``: the job's nodes, this node's index, slots per node."""
+
+    def __init__(self, container_addrs: list[str], container_rank: int, container_slot_counts: list[int]) -> None:
+        self.container_addrs = container_addrs
+        self.container_rank = container_rank
+        self.container_slot_counts = container_slot_counts
+
+
+class ResourcesInfo:
+    """Determined's ``det.ResourcesInfo``: the GPUs given to this node, by UUID."""
+
+    def __init__(self, gpu_uuids: list[str]) -> None:
+        self._gpu_uuids = gpu_uuids
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        return self._gpu_uuids
+
+
 class ClusterInfo:
-    # There is no master: master_url and session_token are empty, kept so code that logs them runs.
-    """Determined's ``det.ClusterInfo`` plus where this run's files live on the shared filesystem."""
+    """Determined's ``det.ClusterInfo``: the same constructor and properties. There is no master:
+    ``master_url`` and ``session_token`` are empty, kept so code that logs them runs."""
 
-    master_url: str
-    cluster_id: str
-    agent_id: str
-    slot_ids: list[int]
-    task_id: str
-    allocation_id: str
-    session_token: str
-    task_type: str
-    latest_checkpoint: str | None
-    container_addrs: list[str]
-    container_rank: int
-    trial: TrialInfo
-    # detslurm's own fields (not in Determined): the run's, trial's and experiment's dirs, and the
-    # checkpoint storage base.
-    run_dir: Path
-    trial_dir: Path
-    exp_dir: Path
-    checkpoint_base: Path
-    resources_type: str = "local-process"
-    master_cert_name: str | None = None
-    master_cert_file: str | None = None
-    gpu_uuids: list[str] = field(default_factory=list)
+    def __init__(
+        self,
+        master_url: str,
+        cluster_id: str,
+        agent_id: str,
+        slot_ids: list[int],
+        task_id: str,
+        allocation_id: str,
+        session_token: str,
+        task_type: str,
+        master_cert_name: str | None = None,
+        master_cert_file: str | None = None,
+        latest_checkpoint: str | None = None,
+        trial_info: TrialInfo | None = None,
+        rendezvous_info: RendezvousInfo | None = None,
+        resources_info: ResourcesInfo | None = None,
+    ) -> None:
+        self.master_url = master_url
+        self.cluster_id = cluster_id
+        self.agent_id = agent_id
+        self.slot_ids = slot_ids
+        self.task_id = task_id
+        self.allocation_id = allocation_id
+        self.session_token = session_token
+        self.task_type = task_type
+        self.master_cert_name = master_cert_name
+        self.master_cert_file = master_cert_file
+        self._latest_checkpoint = latest_checkpoint
+        self._trial_info = trial_info
+        self._rendezvous_info = rendezvous_info
+        self._resources_info = resources_info
+
+    def _is_trial(self) -> bool:
+        return self.task_type == "TRIAL"
+
+    def _rendezvous(self) -> RendezvousInfo:
+        if self._rendezvous_info is None:
+            raise RuntimeError("this ClusterInfo was built without a rendezvous_info (RendezvousInfo)")
+        return self._rendezvous_info
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The checkpoint to resume from; only trials have one (as in Determined)."""
+        return self._latest_checkpoint if self._is_trial() else None
+
+    @property
+    def trial(self) -> TrialInfo:
+        if not self._is_trial():
+            raise RuntimeError(f'you cannot use the .trial property when .task_type ("{self.task_type}") != "TRIAL"')
+        if self._trial_info is None:
+            raise RuntimeError("this ClusterInfo was built without a trial_info (TrialInfo)")
+        return self._trial_info
 
     @property
     def user_data(self) -> dict[str, Any]:
-        return ConfigView(self.trial._config).data
+        """The experiment config's ``data`` section ({} outside trials)."""
+        return ConfigView(self.trial._config).data if self._is_trial() else {}
+
+    @property
+    def container_addrs(self) -> list[str]:
+        return self._rendezvous().container_addrs if self._is_trial() else ["127.0.0.1"]
+
+    @property
+    def container_rank(self) -> int:
+        return self._rendezvous().container_rank if self._is_trial() else 0
 
     @property
     def container_slot_counts(self) -> list[int]:
-        # Every node of a trial gets the same slots (render.resource_plan fills whole nodes), so one
-        # node's count stands for all.
-        return [len(self.slot_ids)] * len(self.container_addrs)
+        return self._rendezvous().container_slot_counts if self._is_trial() else [len(self.slot_ids)]
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        return self._resources_info.gpu_uuids if self._resources_info is not None else []
+
+
+class RunInfo(ClusterInfo):
+    """The ClusterInfo of a detslurm run (what ``det.get_cluster_info()`` returns on a trial):
+    Determined's, plus where this run's files live on the shared filesystem."""
+
+    def __init__(
+        self,
+        *,
+        run_dir: Path,
+        trial_dir: Path,
+        exp_dir: Path,
+        checkpoint_base: Path,
+        resources_type: str,
+        **determined: Any,
+    ) -> None:
+        super().__init__(**determined)
+        self.run_dir = run_dir
+        self.trial_dir = trial_dir
+        self.exp_dir = exp_dir
+        self.checkpoint_base = checkpoint_base
+        # "local-process", "slurm" or "detached": how this run was started.
+        self.resources_type = resources_type
 
     @property
     def run_paths(self) -> RunPaths:
@@ -162,7 +258,13 @@ def _slot_ids(env: Mapping[str, str]) -> list[int]:
     return [0]
 
 
-def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
+def _gpu_uuids(env: Mapping[str, str]) -> list[str]:
+    # Determined asks nvidia-smi; a job's CUDA_VISIBLE_DEVICES names the GPUs by UUID where the
+    # site's gres config does so, else by index (then there is nothing to report without a query).
+    return [d for d in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if d.startswith(("GPU-", "MIG-"))]
+
+
+def from_env(env: Mapping[str, str]) -> RunInfo | None:
     """The decoder of :func:`trial_env`; None off-cluster (no ``DET_TRIAL_ID``)."""
     # No trial id means off-cluster: det.get_cluster_info() then returns None, as in Determined
     # (contract 1).
@@ -174,31 +276,38 @@ def from_env(env: Mapping[str, str]) -> ClusterInfo | None:
         experiment_id=int(env.get("DET_EXPERIMENT_ID", "0")),
         trial_seed=int(env.get("DET_TRIAL_SEED", "0")),
         hparams=json.loads(env.get("DET_HPARAMS") or "{}"),
-        _config=config,
-        _steps_completed=int(env.get("DET_STEPS_COMPLETED") or 0),
-        _trial_run_id=int(env.get("DET_TRIAL_RUN_ID") or 1),
-        _debug=ConfigView(config).debug,
-        _inter_node_network_interface=env.get("DET_INTER_NODE_NETWORK_INTERFACE"),
+        config=config,
+        steps_completed=int(env.get("DET_STEPS_COMPLETED") or 0),
+        trial_run_id=int(env.get("DET_TRIAL_RUN_ID") or 1),
+        debug=ConfigView(config).debug,
+        inter_node_network_interface=env.get("DET_INTER_NODE_NETWORK_INTERFACE"),
     )
-    run_dir = Path(env.get("DET_RUN_DIR") or ".")
     exp_dir = settings.EXP_DIR.get(env) or Path(".")
-    addrs = json.loads(env.get("DET_CONTAINER_ADDRS") or '["127.0.0.1"]')
-    return ClusterInfo(
+    addrs = list(json.loads(env.get("DET_CONTAINER_ADDRS") or '["127.0.0.1"]'))
+    slot_ids = _slot_ids(env)
+    rendezvous = RendezvousInfo(
+        container_addrs=addrs,
+        # One launcher per node, so the node's index in the job is its container rank.
+        container_rank=int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0),
+        # Every node of a trial gets the same slots (render.resource_plan fills whole nodes), so
+        # one node's count stands for all.
+        container_slot_counts=[len(slot_ids)] * len(addrs),
+    )
+    return RunInfo(
         master_url=env.get("DET_MASTER", ""),
         cluster_id=env.get("DET_CLUSTER_ID", "detslurm"),
         # Slurm's name for the node first, as squeue and sacct show it.
         agent_id=env.get("SLURMD_NODENAME") or env.get("DET_AGENT_ID") or os.uname().nodename,
-        slot_ids=_slot_ids(env),
+        slot_ids=slot_ids,
         task_id=env.get("DET_TASK_ID", ""),
         allocation_id=env.get("DET_ALLOCATION_ID", ""),
         session_token=env.get("DET_SESSION_TOKEN", ""),
         task_type=env.get("DET_TASK_TYPE", "TRIAL"),
         latest_checkpoint=env.get("DET_LATEST_CHECKPOINT") or None,
-        container_addrs=list(addrs),
-        # One launcher per node, so the node's index in the job is its container rank.
-        container_rank=int(env.get("DET_CONTAINER_RANK") or env.get("SLURM_NODEID") or 0),
-        trial=trial,
-        run_dir=run_dir,
+        trial_info=trial,
+        rendezvous_info=rendezvous,
+        resources_info=ResourcesInfo(gpu_uuids=_gpu_uuids(env)),
+        run_dir=Path(env.get("DET_RUN_DIR") or "."),
         trial_dir=settings.TRIAL_DIR.get(env) or ExpPaths(exp_dir).trial_dir(trial.trial_id),
         exp_dir=exp_dir,
         checkpoint_base=settings.CHECKPOINT_BASE.get(env) or Path("."),

@@ -3,7 +3,12 @@
 # Private modules re-exported here, as Determined's det.pytorch does, so user code writes
 # `pytorch.Trainer` and the module layout can change without breaking it.
 from detslurm.pytorch import samplers
-from detslurm.pytorch._context import CheckpointLoadContext, LRScheduler, PyTorchTrialContext
+from detslurm.pytorch._context import (
+    CheckpointLoadContext,
+    LRScheduler,
+    PyTorchExperimentalContext,
+    PyTorchTrialContext,
+)
 from detslurm.pytorch._data import DataLoader, adapt_batch_sampler, data_length, to_device
 from detslurm.pytorch._init import init
 from detslurm.pytorch._reducer import MetricReducer, Reducer
@@ -20,6 +25,7 @@ __all__ = [
     "LRScheduler",
     "MetricReducer",
     "PyTorchCallback",
+    "PyTorchExperimentalContext",
     "PyTorchTrial",
     "PyTorchTrialContext",
     "Reducer",

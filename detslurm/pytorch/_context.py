@@ -13,26 +13,40 @@ import torch
 from detslurm.core import Context as CoreContext
 from detslurm.core import DistributedContext, DummyDistributedContext
 from detslurm.expconf.view import ConfigView
+from detslurm.pytorch._amp import autocast_forward
 from detslurm.pytorch._reducer import MetricReducer, WrappedReducer, _FunctionReducer
 
 log = logging.getLogger("detslurm.pytorch")
 
 
-class _Experimental:
-    """``context.experimental``: the parts of Determined's experimental surface not built here
-    fail at once, naming themselves (never a silent no-op)."""
+class PyTorchExperimentalContext:
+    """``context.experimental``: Determined's switches for automatic mixed precision and for
+    the Trainer's own handling of batches."""
+
+    def __init__(self, parent: PyTorchTrialContext) -> None:
+        self._parent = parent
+        self._auto_amp = False
+        self._auto_to_device = True
 
     def use_amp(self) -> None:
-        raise NotImplementedError(
-            "context.experimental.use_amp() is not supported by detslurm: use torch.autocast in train_batch "
-            "and context.wrap_scaler(torch.amp.GradScaler(...))"
-        )
+        """Mixed precision with no code in train_batch: models wrapped after this call run their
+        forward pass under ``torch.autocast`` (outputs come back as float32), and on CUDA a
+        GradScaler is wrapped (backward() scales the loss, step_optimizer() steps through it).
+        Call it before ``wrap_model``."""
+        if self._parent.models:
+            raise RuntimeError("context.experimental.use_amp() must be called before context.wrap_model()")
+        if self._parent.device.type == "cuda":
+            # float16 needs loss scaling; the CPU's bfloat16 has float32's range and needs none.
+            self._parent.wrap_scaler(torch.amp.GradScaler("cuda"))
+        self._auto_amp = True
 
     def disable_dataset_reproducibility_checks(self) -> None:
         pass  # nothing is checked: a plain torch DataLoader is accepted as it is
 
     def disable_auto_to_device(self) -> None:
-        raise NotImplementedError("context.experimental.disable_auto_to_device() is not supported by detslurm")
+        """The Trainer hands batches to train_batch/evaluate_batch as the loader made them,
+        without moving them to the device first (call ``context.to_device`` yourself)."""
+        self._auto_to_device = False
 
 
 class LRScheduler:
@@ -98,7 +112,11 @@ class PyTorchTrialContext:
         self._scaler: Any = None
         self._scaler_stepped = False
         self._stop_requested = False
-        self.experimental = _Experimental()
+        self.experimental = PyTorchExperimentalContext(self)
+        # Determined's default: the Trainer writes its metrics for TensorBoard (set_enable_tensorboard_logging).
+        self._enable_tensorboard_logging = True
+        # A torch.profiler.profile set by set_profiler(); the Trainer runs and steps it.
+        self.profiler: Any = None
         if aggregation_frequency < 1:
             raise ValueError(f"aggregation_frequency must be >= 1 (got {aggregation_frequency})")
         self._aggregation_frequency = int(aggregation_frequency)
@@ -193,13 +211,21 @@ class PyTorchTrialContext:
         process) it returns it wrapped in DistributedDataParallel, which averages gradients."""
         model = model.to(self.device)
         self.models.append(model)
+        wrapped = model
         if self._use_ddp:
             # device_ids must be None for CPU modules (gloo); on GPU it pins DDP to this rank's device.
             ids = [self.device.index] if self.device.type == "cuda" else None
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-            self._wrapped_models.append(ddp)
-            return ddp
-        return model
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            self._wrapped_models.append(wrapped)
+        if self.experimental._auto_amp:
+            wrapped = self.autocast_forward_pass(wrapped)
+        return wrapped
+
+    def autocast_forward_pass(self, to_wrap: torch.nn.Module) -> torch.nn.Module:
+        """``to_wrap`` whose forward pass runs under ``torch.autocast`` for this rank's device,
+        with half-precision outputs returned as float32 (so the loss needs no autocast). It is
+        the same model otherwise: attributes, parameters and state_dict are the model's."""
+        return autocast_forward(to_wrap, self.device.type)
 
     def wrap_optimizer(
         self,
@@ -392,6 +418,30 @@ class PyTorchTrialContext:
             "context.get_tensorboard_writer() is not supported by detslurm: report metrics through the Trainer "
             "(train_batch / evaluate_batch return values) instead"
         )
+
+    def set_enable_tensorboard_logging(self, enable_tensorboard_logging: bool) -> None:
+        """Whether the chief's own TensorBoard files (written under get_tensorboard_path()) are
+        uploaded to the trial's TensorBoard dir; the reported metrics' TensorBoard files are
+        written by the controller from the stored metrics either way."""
+        if not isinstance(enable_tensorboard_logging, bool):
+            raise TypeError(
+                f"set_enable_tensorboard_logging() takes a bool, not {type(enable_tensorboard_logging).__name__}"
+            )
+        self._enable_tensorboard_logging = enable_tensorboard_logging
+        if self._core is not None:
+            self._core.train._set_auto_upload(enable_tensorboard_logging)
+
+    def get_enable_tensorboard_logging(self) -> bool:
+        return self._enable_tensorboard_logging
+
+    def set_profiler(self, *args: Any, **kwargs: Any) -> None:
+        """Profile training with ``torch.profiler.profile(*args, **kwargs)``; its traces go to
+        this rank's TensorBoard path (``on_trace_ready`` is set here), where the PyTorch profiler
+        plugin of TensorBoard reads them. The Trainer starts it and steps it after every batch."""
+        if "on_trace_ready" in kwargs:
+            raise ValueError("set_profiler(): on_trace_ready is set by the Trainer (the TensorBoard path); drop it")
+        handler = torch.profiler.tensorboard_trace_handler(str(self.get_tensorboard_path()))
+        self.profiler = torch.profiler.profile(*args, on_trace_ready=handler, **kwargs)
 
     def get_tensorboard_path(self) -> Any:
         """Where this rank may write its own TensorBoard files (the Core API's path); the chief's

@@ -63,6 +63,7 @@ def init(
         ctx = PyTorchTrialContext(
             core_context, hparams or {}, exp_conf or {}, core_context.distributed, aggregation_frequency
         )
+        ctx.set_enable_tensorboard_logging(enable_tensorboard_logging)
         try:
             yield ctx
         finally:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -133,12 +134,25 @@ def load_trial_from_checkpoint_path(
     trial_class: Optional[type] = None,
     trial_kwargs: Optional[dict[str, Any]] = None,
     torch_load_kwargs: Optional[dict[str, Any]] = None,
+    **kwargs: Any,
 ) -> Any:
     """A PyTorchTrial rebuilt from a checkpoint dir, with its models, optimizers and schedulers
     loaded; the trial gets a CheckpointLoadContext carrying the saved hyperparameters.
 
     Without ``trial_class`` the class is imported from the checkpoint's ``code/`` dir by the
-    spec in load_data.json. ``state_dict.pth`` is unpickled: trusted checkpoints only."""
+    spec in load_data.json. ``state_dict.pth`` is unpickled: trusted checkpoints only.
+    ``**kwargs`` is Determined's older spelling of ``torch_load_kwargs`` (deprecated there too)."""
+    if kwargs:
+        if torch_load_kwargs:
+            raise ValueError(
+                "load_trial_from_checkpoint_path(): pass torch.load's arguments once, in torch_load_kwargs"
+            )
+        warnings.warn(
+            "load_trial_from_checkpoint_path(**kwargs) is deprecated: pass torch_load_kwargs={...}",
+            FutureWarning,
+            stacklevel=2,
+        )
+        torch_load_kwargs = kwargs
     root = Path(path)
     if not (root / STATE_FILE).is_file():
         raise FileNotFoundError(f"{root} is not a Trainer checkpoint: it has no {STATE_FILE}")
@@ -156,7 +170,7 @@ def load_trial_from_checkpoint_path(
     trial = trial_class(context, **(trial_kwargs or {}))
     # weights_only=False: the state holds optimizer and RNG objects that torch's safe loader
     # refuses (hence "trusted checkpoints only"). map_location lets a GPU checkpoint load on a CPU.
-    kwargs = {"map_location": context.device, "weights_only": False, **(torch_load_kwargs or {})}
-    state = torch.load(root / STATE_FILE, **kwargs)
+    load_kwargs = {"map_location": context.device, "weights_only": False, **(torch_load_kwargs or {})}
+    state = torch.load(root / STATE_FILE, **load_kwargs)
     load_trial_state(context, state)
     return trial

@@ -165,7 +165,8 @@ class Trainer:
                 self._validate(test_mode)
             stream = self._stream(source, data_steps)
             periods = (checkpoint_period, validation_period, reporting_period)
-            self._train(stream, bpe, max_batches, periods, test_mode)
+            with self.context.profiler or contextlib.nullcontext():
+                self._train(stream, bpe, max_batches, periods, test_mode)
         finally:
             for cb in self.callbacks.values():
                 cb.on_trial_shutdown()
@@ -251,7 +252,8 @@ class Trainer:
 
     def _step(self, batch: Any) -> dict[str, Any]:
         ctx = self.context
-        batch = ctx.to_device(batch)
+        if ctx.experimental._auto_to_device:
+            batch = ctx.to_device(batch)
         prof = self._profiling
         timed = prof["enabled"] and (
             self.batches_trained >= prof.get("begin", 0)
@@ -273,6 +275,8 @@ class Trainer:
             metrics = self.trial.train_batch(batch, self.epoch_idx, self.batches_trained)
         if ctx._scaler is not None and ctx._scaler_stepped:
             ctx._scaler.update()
+        if ctx.profiler is not None:
+            ctx.profiler.step()  # set_profiler(): its schedule counts batches
         if timed:
             self.step_timings.append(time.perf_counter() - t0)
             self._records_timed += self.trial.get_batch_length(batch)
@@ -408,7 +412,8 @@ class Trainer:
         for cb in self.callbacks.values():
             cb.on_validation_epoch_start()
         for i, batch in enumerate(loader):
-            batch = self.context.to_device(batch)
+            if self.context.experimental._auto_to_device:
+                batch = self.context.to_device(batch)
             out = evaluate(batch, i) if self._eval_takes_idx else evaluate(batch)
             if not isinstance(out, dict):
                 raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")

@@ -41,6 +41,15 @@ class TrainUnit:
         # Never at batch 0: a period ends after training, and Batch(0) means "never".
         return b > 0 and batches_done > 0 and batches_done % b == 0
 
+    def should_stop(self, step_num: int) -> bool:
+        """Determined's test of a period in this unit's own steps: whether ``step_num`` ends
+        one (a value below 1 means every step; a list names the exact steps)."""
+        if isinstance(self.value, list):
+            return step_num in self.value
+        if self.value < 1:
+            return True
+        return step_num > 0 and step_num % self.value == 0
+
     def next_hit(self, batches_done: int, batches_per_epoch: int) -> Optional[int]:
         """The first batch count after ``batches_done`` at which :meth:`hits` is true, or None."""
         b = self.to_batches(batches_per_epoch)

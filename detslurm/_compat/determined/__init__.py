@@ -11,7 +11,18 @@ import detslurm as _detslurm
 from detslurm import LOG_FORMAT, InvalidHP
 
 # Attribute access only; `from determined import core` finds the subpackages in this directory.
-_FORWARDED = ("core", "pytorch", "experimental", "launch", "get_cluster_info", "import_from_path")
+_FORWARDED = (
+    "core",
+    "pytorch",
+    "experimental",
+    "launch",
+    "get_cluster_info",
+    "import_from_path",
+    "ClusterInfo",
+    "RendezvousInfo",
+    "ResourcesInfo",
+    "TrialInfo",
+)
 
 
 def __getattr__(name: str) -> _Any:
