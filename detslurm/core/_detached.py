@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from detslurm import settings
@@ -144,13 +145,18 @@ class DetachedContext(Context):
         self.outcome = outcome
         self._closed = False
 
-    def close(self, exc: BaseException | None = None) -> None:
+    def close(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_val: BaseException | None = None,
+        exc_tb: TracebackType | None = None,
+    ) -> None:
         if self._closed:
             return
         self._closed = True
         # An exception leaving a `with` block (init_context style) is an error like an uncaught one.
-        if exc is not None and not _clean_exit(exc):
-            self.outcome.error = self.outcome.error or f"{type(exc).__name__}: {exc}"[:2000]
+        if exc_val is not None and not _clean_exit(exc_val):
+            self.outcome.error = self.outcome.error or f"{type(exc_val).__name__}: {exc_val}"[:2000]
         flushed = False
         try:
             self.preempt.close()
