@@ -82,7 +82,7 @@ class SlurmBackend:
 
         # The first submission is one tick in this process (under the controller lock), so the
         # jobs are in Slurm's queue when `det e create` returns; the daemon then takes over.
-        return SlurmPlace(self.app.client, self.app.site(), lambda: slurm_mod.submit_now(self.app))
+        return SlurmPlace(self.app.client, self.app.site(), lambda executor: slurm_mod.submit_now(self.app, executor))
 
     def after_create(self, exp_id: int, *, paused: bool, follow: bool, test_mode: bool) -> int:
         if paused:

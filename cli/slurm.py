@@ -14,6 +14,7 @@ from detslurm.util import detached_root
 # ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm import views
+    from detslurm.controller.slurm_executor import SlurmExecutor
     from detslurm.store.models import ExperimentState
 else:
     views = lazy_module("detslurm.views")
@@ -44,9 +45,10 @@ def reconcile(app: App) -> None:
         daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=site)
 
 
-def submit_now(app: App) -> None:
-    """One tick right away, so a new or re-activated experiment's jobs are queued before we return."""
-    daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site())
+def submit_now(app: App, executor: SlurmExecutor | None = None) -> None:
+    """One tick right away, so a new or re-activated experiment's jobs are queued before we
+    return; with ``executor``, the one a create planned its first submission with."""
+    daemon_mod.reconcile_once(app.settings, store=app.store, client=app.client, site=app.site(), executor=executor)
 
 
 def wait(app: App, exp_id: int) -> ExperimentState:

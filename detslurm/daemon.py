@@ -32,6 +32,7 @@ from detslurm.util import atomic_write_text
 if TYPE_CHECKING:
     from detslurm.controller.controller import Controller
     from detslurm.controller.detached import DetachedIngest
+    from detslurm.controller.slurm_executor import SlurmExecutor
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
@@ -159,8 +160,10 @@ def make_controller(
     *,
     store: Optional[Store] = None,
     client: Optional[SlurmClient] = None,
+    executor: Optional[SlurmExecutor] = None,
 ) -> Controller:
-    """A Slurm controller on the given store/client/site; what is not given is opened here."""
+    """A Slurm controller on the given store/client/site (or executor); what is not given is
+    opened here."""
     from detslurm.controller.controller import Controller
     from detslurm.controller.slurm_executor import SlurmExecutor
     from detslurm.slurm.client import client_from_env
@@ -169,7 +172,7 @@ def make_controller(
 
     return Controller(
         store or open_store(s.db_url),
-        SlurmExecutor(client or client_from_env(), site or load_site_config()),
+        executor or SlurmExecutor(client or client_from_env(), site or load_site_config()),
     )
 
 
@@ -197,16 +200,18 @@ def reconcile_once(
     store: Optional[Store] = None,
     client: Optional[SlurmClient] = None,
     site: Optional[SiteConfig] = None,
+    executor: Optional[SlurmExecutor] = None,
 ) -> bool:
     """One tick, unless the daemon (or another CLI) is driving right now. A CLI passes the
-    store, client and site it has open already, so a read does not open them twice."""
+    store, client and site it has open already, so a read does not open them twice; a create
+    passes the executor that planned its first submission."""
     with controller_lock(s) as got:
         if not got:
             return False
         from detslurm.slurm.client import client_from_env
 
         client = client or client_from_env()
-        ctl = make_controller(s, site, store=store, client=client)
+        ctl = make_controller(s, site, store=store, client=client, executor=executor)
         if ctl.active_experiment_ids():
             ctl.tick()
         _detached_step(detached_ingest(s, ctl, client))

@@ -33,7 +33,7 @@ from detslurm.slurm.containers import (
     container_command,
     pyxis_image,
 )
-from detslurm.slurm.render import ContainerPaths, Identity, plan_trial_run
+from detslurm.slurm.render import ContainerPaths, Identity, plan_trial_run, resource_plan
 from detslurm.slurm.site import SiteConfig
 
 GOLDEN = Path(__file__).parent / "golden" / "containers"
@@ -186,6 +186,7 @@ def _render(cfg: ExperimentConfig, site: SiteConfig, container: bool = True) -> 
     req = plan_trial_run(
         config=cfg,
         site=site,
+        res=resource_plan(cfg, site),
         ident=Identity(1, 2, 3, tag="abcd"),
         env=env,
         run_dir=run_dir,

@@ -7,16 +7,20 @@ the create validated, and every submission (the daemon's too) gives trials the s
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT, write
+from test_refusals import FakeSlurm
 
 from detslurm.errors import ConfigError
+from detslurm.slurm.client import Result
 
 CORE = EXAMPLES / "core_api"
 
@@ -40,6 +44,49 @@ def validations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+@pytest.fixture
+def resource_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every resource plan computed in this process (slurm.render.resource_plan), by config name."""
+    from detslurm.slurm import render
+
+    # Imported first: each module that plans holds its own name for resource_plan.
+    for planner in ("detslurm.controller.placement", "detslurm.controller.slurm_executor", "detslurm.slurm.refusals"):
+        importlib.import_module(planner)
+
+    seen: list[str] = []
+    real = render.resource_plan
+
+    def counting(config: Any, site: Any) -> Any:
+        seen.append(config.name)
+        return real(config, site)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "resource_plan", None) is real:
+            monkeypatch.setattr(module, "resource_plan", counting)
+    return seen
+
+
+class Slurm(FakeSlurm):
+    """The test cluster as captured, which queues every job it is given (job 77 on)."""
+
+    def answer(self, argv: list[str], input: str | None) -> Result:
+        if argv[:2] == ["sbatch", "--parsable"]:
+            return Result(0, f"{77 + self.count('sbatch', '--parsable') - 1}\n", "")
+        return super().answer(argv, input)
+
+
+@pytest.fixture
+def slurm(monkeypatch: pytest.MonkeyPatch) -> Slurm:
+    """A fake Slurm behind the CLI's client, and no daemon started after a create."""
+    from detslurm import daemon
+    from detslurm.slurm import client
+
+    fake = Slurm()
+    monkeypatch.setattr(client, "client_from_env", lambda: client.SlurmClient(fake, user="alice"))
+    monkeypatch.setattr(daemon, "start", lambda settings: 0)
+    return fake
+
+
 def config(tmp_path: Path, name: str) -> Path:
     # A name of its own: the content caches of earlier tests must not answer for this one.
     return write(tmp_path / "c.yaml", (CORE / "const.yaml").read_text().replace("core-api-const", name))
@@ -52,6 +99,27 @@ def test_a_slurm_dry_run_validates_the_config_once(det: Any, tmp_path: Path, val
     assert "sbatch --parsable" in out and "nothing was created" in out
     # The file's; the refusal check's sample and the dry run read back what it gave.
     assert validations == [name]
+
+
+def test_a_slurm_create_validates_and_plans_once_through_its_first_submission(
+    det: Any, tmp_path: Path, validations: list[str], resource_plans: list[str], slurm: Slurm
+) -> None:
+    name = f"slurm-{tmp_path.name}"
+    code, out, err = det("e", "create", config(tmp_path, name), CORE)
+    assert code == 0, err
+    assert "Created experiment 1" in out
+    assert (slurm.count("sbatch", "--test-only"), slurm.count("sbatch", "--parsable")) == (1, 1)
+    # The place's check computed the resource plan; the refusal check and the first submission
+    # (one tick, in this process) used it, with the config the create validated.
+    assert validations == [name] and resource_plans == [name]
+
+
+def test_a_slurm_dry_run_plans_the_resources_once(det: Any, tmp_path: Path, resource_plans: list[str]) -> None:
+    name = f"dry-plan-{tmp_path.name}"
+    code, out, err = det("e", "create", "--dry-run", config(tmp_path, name), CORE)
+    assert code == 0 and "sbatch --parsable" in out, err
+    # The place's check; the refusal check's sample and the dry run's plan use what it computed.
+    assert resource_plans == [name]
 
 
 def test_a_local_create_validates_once_through_its_first_submissions(
@@ -94,6 +162,20 @@ def test_a_config_with_unsorted_maps_is_stored_as_its_read_back_gives_it(tmp_pat
     cfg = validate(parse_yaml(cfg_path.read_text()), {"type": "shared_fs", "host_path": str(tmp_path / "ckpts")})
     assert json.dumps(cfg.as_dict()) == as_the_daemon_reads_it(cfg_path, tmp_path / "ckpts")
     assert validate(json.loads(json.dumps(cfg.as_dict(), sort_keys=True))) == cfg
+
+
+def test_a_row_stored_without_a_later_default_is_validated_once(tmp_path: Path, validations: list[str]) -> None:
+    """A row an older detslurm stored, without a setting added since: it validates to more than
+    it holds, and is still validated only at its first read."""
+    from detslurm.expconf import from_stored, parse_yaml
+    from detslurm.expconf.load import validate
+
+    name = f"old-{tmp_path.name}"
+    row = validate(parse_yaml(config(tmp_path, name).read_text()), {"type": "shared_fs", "host_path": str(tmp_path)})
+    old = {k: v for k, v in row.as_dict().items() if k != "debug"}
+    first = from_stored(old)
+    assert from_stored(old) is first and first.top.debug is False
+    assert validations == [name, name]  # the file's (above), then the row's at its first read
 
 
 def test_a_stored_config_changed_since_it_was_validated_is_validated_again(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from detslurm.slurm.refusals import (
     job_shape,
     nodes_away,
 )
+from detslurm.slurm.render import resource_plan
 from detslurm.slurm.site import SiteConfig, load_site_config
 from detslurm.views import pending_words
 
@@ -65,7 +66,7 @@ NODES = parse_sinfo_json((DATA / "sinfo.json").read_text())
 
 
 def refusals(cfg: ExperimentConfig, parts: Optional[list[PartitionInfo]] = None, site: SiteConfig = SITE) -> list[str]:
-    return [str(r) for r in check_shape(job_shape(cfg, site), parts or partitions(), NODES)]
+    return [str(r) for r in check_shape(job_shape(cfg, site, resource_plan(cfg, site)), parts or partitions(), NODES)]
 
 
 def test_the_test_cluster_nodes_are_what_the_messages_assume() -> None:
@@ -396,7 +397,8 @@ def test_another_sbatch_refusal_stands_while_a_node_is_drained(tmp_path: Path) -
 )
 def test_which_node_states_take_no_new_jobs(state: str, away: bool) -> None:
     nodes = [NodeInfo("c1", ("cpu",), state, 2, 0, 0, 0), NodeInfo("g1", ("gpu",), "down", 2, 0, 2, 0)]
-    shape = job_shape(config(), SITE)
+    cfg = config()
+    shape = job_shape(cfg, SITE, resource_plan(cfg, SITE))
     assert nodes_away(shape, partitions(), nodes) == (["c1"] if away else [])
 
 

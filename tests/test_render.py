@@ -62,6 +62,7 @@ def render(
     return plan_trial_run(
         config=cfg,
         site=site,
+        res=resource_plan(cfg, site),
         ident=Identity(1, 2, 3),
         env=env,
         run_dir=run_dir,
@@ -179,6 +180,7 @@ def test_array_script_gives_each_task_its_own_trial(tmp_path: Path, evil: str) -
     req = plan_array(
         config=config(),
         site=site,
+        res=resource_plan(config(), site),
         ident=Identity(1, 10, 1, array=True),
         tasks=tasks,
         links_dir=str(tmp_path / "arrays/t10-r1"),
@@ -222,9 +224,11 @@ def test_array_golden(tmp_path: Path) -> None:
         )
         for t in array_tasks(tmp_path, [0.1, 0.2])
     ]
+    cfg = config(resources={"max_slots": 1})
     req = plan_array(
-        config=config(resources={"max_slots": 1}),
+        config=cfg,
         site=site,
+        res=resource_plan(cfg, site),
         ident=Identity(1, 10, 1, array=True),
         tasks=tasks,
         links_dir="/shared/exps/exp-1/arrays/t10-r1",
@@ -246,6 +250,7 @@ def test_env_names_are_checked_again_at_render() -> None:
             plan_trial_run(
                 config=config(),
                 site=site,
+                res=resource_plan(config(), site),
                 ident=Identity(1, 2, 3),
                 env={evil: "1"},
                 run_dir="/r",

@@ -39,7 +39,7 @@ from detslurm.protocol.detached import (
 )
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import Result, SlurmClient
-from detslurm.slurm.render import ContainerPaths, Identity, plan_trial_run
+from detslurm.slurm.render import ContainerPaths, Identity, plan_trial_run, resource_plan
 from detslurm.slurm.site import SiteConfig
 from detslurm.store import Experiment, open_store
 
@@ -178,6 +178,7 @@ def _plan(cfg: Any, site: SiteConfig, run_dir: Path) -> Any:
     return plan_trial_run(
         config=cfg,
         site=site,
+        res=resource_plan(cfg, site),
         ident=Identity(1, 2, 3, tag="abcd"),
         env=env,
         run_dir=str(run_dir),

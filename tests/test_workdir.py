@@ -233,12 +233,14 @@ def test_launcher_in_a_slurm_job_uses_a_fresh_private_dir_and_removes_it(tmp_pat
 def test_render_passes_the_site_node_tmpdir_only_when_set() -> None:
     from test_render import config
 
-    from detslurm.slurm.render import Identity, plan_trial_run
+    from detslurm.slurm.render import Identity, plan_trial_run, resource_plan
     from detslurm.slurm.site import SiteConfig
 
     def script(site: SiteConfig) -> str:
+        cfg = config()
+        res = resource_plan(cfg, site)
         return plan_trial_run(
-            config=config(), site=site, ident=Identity(1, 1, 1), env={}, run_dir="/r", log_path="/r/o", python="/p"
+            config=cfg, site=site, res=res, ident=Identity(1, 1, 1), env={}, run_dir="/r", log_path="/r/o", python="/p"
         ).script
 
     assert f'export {NODE_TMPDIR_ENV}="${{SLURM_TMPDIR:-/l}}/det"' in script(

@@ -1,13 +1,16 @@
 """Creating an experiment, from the config file to the first submission: :func:`create` is the
 one owner of `det e create` (and `det e fork`); the CLI parses its arguments and shows its lines.
 
-In order, each once: validate and package (:func:`plan_create`, no side effects), check the
-plan against where the trials run (the resource plan, the pre-flight refusal: a ``Place`` of
-controller/placement.py), show the dry run or write the store, then submit. The refusal check,
-the dry run and every submission plan from the config's stored form (``stored_config``), as the
-daemon does later, so that the dry run shows exactly what each submission gets. Execution writes
-the experiment dir and the store rows in one transaction: on any failure the transaction rolls
-back and the dir is removed, so a failed submit leaves nothing half-made.
+In order, each once: validate and package (:func:`plan_create`, no side effects), place the
+plan where the trials run (a ``Place`` of controller/placement.py: its check computes the
+resource plan), refuse what could never run, show the dry run or write the store, then submit.
+The refusal check, the dry run and every submission plan from the config's stored form
+(``stored_config``), as the daemon does later, so that the dry run shows exactly what each
+submission gets; validation gives the config in that form, so reading it back returns the
+config the create validated rather than validating it again, and the first submission plans
+with the resource plan the check made. Execution writes the experiment dir and the store rows
+in one transaction: on any failure the transaction rolls back and the dir is removed, so a
+failed submit leaves nothing half-made.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from detslurm.store.models import Experiment, ExperimentState
 
 if TYPE_CHECKING:
     from detslurm.controller.placement import Place
+    from detslurm.slurm.render import ResourcePlan
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,18 @@ class CreatePlan:
             f"{self.bundle.total_bytes / 1024:.1f} KiB, sha256 {self.bundle.sha256[:12]})",
         ]
         return "\n".join(f"# {line}" for line in lines)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A create's plan placed where its trials run (``Place.check``): what its refusal check,
+    its dry run and its first submission are given."""
+
+    plan: CreatePlan
+    # The settings of the config the place does not apply, one line each.
+    warnings: tuple[str, ...] = ()
+    # On Slurm, the config's resource plan on the site (None where trials are local processes).
+    resources: ResourcePlan | None = None
 
 
 def default_storage(settings: Settings) -> dict[str, Any]:
@@ -276,17 +292,17 @@ def create(
 
     Every check runs before anything exists, and a dry run fails on exactly what the real
     create would fail on."""
-    warnings = place.check(plan.config)
+    placed = place.check(plan)
     # A request the cluster can never satisfy (more nodes than the pool has, over MaxTime, an
     # option sbatch rejects) is refused with its numbers here, by the dry run too: otherwise it
     # would sit PENDING forever with nothing said.
-    for note in place.refuse_impossible(store, settings, plan, offline=dry_run):
+    for note in place.refuse_impossible(store, settings, placed, offline=dry_run):
         echo(note, err=True)
-    for line in warnings:
+    for line in placed.warnings:
         echo(f"Warning: {line}", err=True)
     if dry_run:
         echo(plan.describe())
-        echo(place.show(store, settings, plan), nl=False)
+        echo(place.show(store, settings, placed), nl=False)
         echo("# dry run: nothing was created or submitted")
         return None
     # An unreachable scheduler must fail here: a created experiment that cannot be submitted
@@ -297,5 +313,5 @@ def create(
     echo(f"Created experiment {exp_id}{forked}")
     # Queued before `det e create` returns, even if the daemon that takes over is slow to start
     # (a paused experiment's jobs wait for `det e activate`).
-    place.submit()
+    place.submit(placed)
     return exp_id

@@ -9,10 +9,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from detslurm.controller.create import CreatePlan, dry_run
+from detslurm.controller.create import CreatePlan, Placement, dry_run
 from detslurm.controller.local import LocalExecutor
 from detslurm.controller.slurm_executor import SlurmExecutor
-from detslurm.expconf import ExperimentConfig
 from detslurm.settings import Settings
 from detslurm.slurm.containers import Gpu, Runtime
 from detslurm.slurm.refusals import RequestRefused
@@ -32,16 +31,17 @@ class Place(Protocol):
         """The executor name stored with the experiment (Experiment.executor)."""
         ...
 
-    def check(self, config: ExperimentConfig) -> list[str]:
-        """Raise ConfigError for what this place can never run (an unknown pool); the settings of
-        ``config`` it does not apply, one warning each."""
+    def check(self, plan: CreatePlan) -> Placement:
+        """``plan`` placed here: raise ConfigError for what this place can never run (an unknown
+        pool); what the rest of the create needs (the resource plan), and a warning for each
+        setting of the config this place does not apply."""
         ...
 
-    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+    def refuse_impossible(self, store: Store, settings: Settings, placed: Placement, *, offline: bool) -> list[str]:
         """Raise RequestRefused when the first jobs could never run; notes on what may delay them."""
         ...
 
-    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
+    def show(self, store: Store, settings: Settings, placed: Placement) -> str:
         """What the first submission would run, built by the code that submits (the dry run)."""
         ...
 
@@ -49,42 +49,52 @@ class Place(Protocol):
         """Fail before anything exists when the scheduler cannot be reached."""
         ...
 
-    def submit(self) -> None:
+    def submit(self, placed: Placement) -> None:
         """The first submission of what was just stored."""
         ...
 
 
 class SlurmPlace:
-    """Trials are Slurm jobs. ``submit`` is one tick of the user's controller (taken under the
-    controller lock by the caller, which owns the daemon): it queues the new experiment's jobs."""
+    """Trials are Slurm jobs. The check computes the config's resource plan, once: the refusal
+    check, the dry run and the first submission plan with executors given it. ``submit`` is one
+    tick of the user's controller with such an executor (taken under the controller lock by the
+    caller, which owns the daemon): it queues the new experiment's jobs."""
 
     kind = SlurmExecutor.kind
 
-    def __init__(self, client: SlurmClient, site: SiteConfig, submit: Callable[[], None]) -> None:
+    def __init__(self, client: SlurmClient, site: SiteConfig, submit: Callable[[SlurmExecutor], None]) -> None:
         self.client = client
         self.site = site
         self._submit = submit
 
-    def check(self, config: ExperimentConfig) -> list[str]:
-        site = self.site
+    def check(self, plan: CreatePlan) -> Placement:
+        site, config = self.site, plan.config
         res = resource_plan(config, site)  # an unknown pool fails here, before anything exists
         if site.container_runtime != Runtime.NONE:
             # An image map without this pool's device kind fails here too, not in the daemon.
             image_for(config, (Gpu.AMD if site.container.gpu_vendor == "amd" else Gpu.NVIDIA) if res.gpu else Gpu.NONE)
         if config.environment.image and not site.runs_containers:
             # Said rather than running the trial outside the image silently.
-            return [
+            warnings = [
                 "environment.image is ignored: this site has no container_runtime; "
                 "trials run with this machine's own Python"
             ]
-        return container_warnings(config, site)
+        else:
+            warnings = container_warnings(config, site)
+        return Placement(plan, tuple(warnings), res)
 
-    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+    def _executor(self, placed: Placement, *, offline: bool = False) -> SlurmExecutor:
+        """An executor that plans the create's config with the resource plan its check made."""
+        res = placed.resources
+        assert res is not None, "placed by another place's check"
+        return SlurmExecutor(self.client, self.site, offline=offline, planned=(placed.plan.config, res))
+
+    def refuse_impossible(self, store: Store, settings: Settings, placed: Placement, *, offline: bool) -> list[str]:
         # The jobs the create would submit, planned by the code that submits them; for a paused
         # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
         # Slurm in reach it checks nothing rather than fail.
-        executor = SlurmExecutor(self.client, self.site, offline=offline)
-        active = dataclasses.replace(plan, paused=False)
+        executor = self._executor(placed, offline=offline)
+        active = dataclasses.replace(placed.plan, paused=False)
         # One shape, sampled: the create's first runs all share it (see create.dry_run).
         specs = dry_run(store, settings, active, executor, sample=True)
         refusals = executor.refusals(executor.plan_many(specs))
@@ -98,12 +108,12 @@ class SlurmPlace:
             notes.append(f"Warning: not checked against the cluster's limits ({executor.unchecked})")
         return notes
 
-    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
+    def show(self, store: Store, settings: Settings, placed: Placement) -> str:
         """The sbatch command lines and scripts, as a runnable shell script (heredocs)."""
         # offline: render what would be submitted without calling sbatch, through the same plan
         # code as the real submission.
-        executor = SlurmExecutor(self.client, self.site, offline=True)
-        specs = dry_run(store, settings, plan, executor)
+        executor = self._executor(placed, offline=True)
+        specs = dry_run(store, settings, placed.plan, executor)
         return "".join(sub.request.render() for sub in executor.plan_many(specs))
 
     def require_reachable(self) -> None:
@@ -111,8 +121,8 @@ class SlurmPlace:
         # submission that follows does not pay for it again.
         self.client.capabilities()
 
-    def submit(self) -> None:
-        self._submit()
+    def submit(self, placed: Placement) -> None:
+        self._submit(self._executor(placed))
 
 
 class LocalPlace:
@@ -123,20 +133,22 @@ class LocalPlace:
     def __init__(self, max_local_trials: int) -> None:
         self.max_local_trials = max_local_trials
 
-    def check(self, config: ExperimentConfig) -> list[str]:
-        if config.environment.image:
-            return ["environment.image is ignored: --local runs trials with this machine's own Python"]
-        return []  # no pools, no partitions
+    def check(self, plan: CreatePlan) -> Placement:
+        if plan.config.environment.image:
+            return Placement(
+                plan, ("environment.image is ignored: --local runs trials with this machine's own Python",)
+            )
+        return Placement(plan)  # no pools, no partitions
 
-    def refuse_impossible(self, store: Store, settings: Settings, plan: CreatePlan, *, offline: bool) -> list[str]:
+    def refuse_impossible(self, store: Store, settings: Settings, placed: Placement, *, offline: bool) -> list[str]:
         return []  # max_local_trials queues them: nothing is ever impossible
 
-    def show(self, store: Store, settings: Settings, plan: CreatePlan) -> str:
-        specs = dry_run(store, settings, plan, LocalExecutor(self.max_local_trials))
+    def show(self, store: Store, settings: Settings, placed: Placement) -> str:
+        specs = dry_run(store, settings, placed.plan, LocalExecutor(self.max_local_trials))
         return "".join(f"# local trial run {s.name}: {' '.join(s.argv)} (in {s.run_dir})\n" for s in specs)
 
     def require_reachable(self) -> None:
         pass
 
-    def submit(self) -> None:
+    def submit(self, placed: Placement) -> None:
         pass  # local trials are children of their driver: it starts them as it runs the experiment

@@ -43,7 +43,16 @@ from detslurm.slurm.refusals import (
     job_shape,
     nodes_away,
 )
-from detslurm.slurm.render import ArrayTask, ContainerPaths, Identity, SbatchRequest, plan_array, plan_trial_run
+from detslurm.slurm.render import (
+    ArrayTask,
+    ContainerPaths,
+    Identity,
+    ResourcePlan,
+    SbatchRequest,
+    plan_array,
+    plan_trial_run,
+    resource_plan,
+)
 from detslurm.slurm.site import SiteConfig
 from detslurm.slurm.states import SlurmState
 
@@ -72,6 +81,7 @@ class Submission:
 
     request: SbatchRequest
     specs: tuple[RunSpec, ...]
+    resources: ResourcePlan  # what the request asks of the cluster (the refusal check reads it)
     links_dir: Optional[Path] = None  # arrays: where each task's log link goes
 
     def job_ids(self, array_id: str) -> list[str]:
@@ -90,9 +100,12 @@ class SlurmExecutor:
         site: SiteConfig,
         offline: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        planned: Optional[tuple[ExperimentConfig, ResourcePlan]] = None,
     ) -> None:
         self.client = client
         self.site = site
+        # A config whose resource plan its create computed already (controller/placement.py).
+        self.planned = planned
         # Planning only, maybe with no Slurm in reach (a dry run on a laptop): Slurm's own
         # default limits stand in for the site's.
         self.offline = offline
@@ -172,9 +185,16 @@ class SlurmExecutor:
         return "slurm-job"
 
     # -- plan (pure) ------------------------------------------------------------------------
+    def resources(self, config: ExperimentConfig) -> ResourcePlan:
+        """The resource plan of ``config`` on this site: the one its create computed, if this
+        executor was given it, else computed now. Raises ConfigError for an unknown pool."""
+        if self.planned is not None and self.planned[0] is config:
+            return self.planned[1]
+        return resource_plan(config, self.site)
+
     def plan_many(self, specs: Sequence[RunSpec]) -> list[Submission]:
         """Runs of one experiment with the same run number and resources share an sbatch as a
-        job array; the rest go one job each."""
+        job array; the rest go one job each. The runs of a group share one resource plan."""
         groups: dict[str, list[RunSpec]] = {}
         for spec in specs:
             cfg = spec.config
@@ -182,15 +202,17 @@ class SlurmExecutor:
             groups.setdefault(json.dumps(shared, sort_keys=True, default=str), []).append(spec)
         subs: list[Submission] = []
         for group in groups.values():
+            res = self.resources(group[0].config)
             for chunk in self._chunks(sorted(group, key=lambda s: s.identity[1])):
-                subs.append(self._plan_array(chunk) if len(chunk) > 1 else self._plan_one(chunk[0]))
+                subs.append(self._plan_array(chunk, res) if len(chunk) > 1 else self._plan_one(chunk[0], res))
         return subs
 
-    def _plan_one(self, spec: RunSpec) -> Submission:
+    def _plan_one(self, spec: RunSpec, res: ResourcePlan) -> Submission:
         ident = Identity(*spec.identity, tag=experiment_tag(str(spec.exp_dir)))
         req = plan_trial_run(
             config=spec.config,
             site=self.site,
+            res=res,
             ident=ident,
             env=spec.env,
             run_dir=str(spec.run_dir),
@@ -199,9 +221,9 @@ class SlurmExecutor:
             container=self._container_paths(spec),
             may_raise_priority=self._may_raise_priority(spec.config),
         )
-        return Submission(req, (spec,))
+        return Submission(req, (spec,), res)
 
-    def _plan_array(self, specs: Sequence[RunSpec]) -> Submission:
+    def _plan_array(self, specs: Sequence[RunSpec], res: ResourcePlan) -> Submission:
         first = specs[0]
         ident = Identity(*first.identity, tag=experiment_tag(str(first.exp_dir)), array=True)
         links = ExpPaths(first.exp_dir).array_links(ident.trial_id, ident.run_id)
@@ -209,6 +231,7 @@ class SlurmExecutor:
         req = plan_array(
             config=first.config,
             site=self.site,
+            res=res,
             ident=ident,
             tasks=tasks,
             links_dir=str(links),
@@ -217,7 +240,7 @@ class SlurmExecutor:
             container=self._container_paths(first),
             may_raise_priority=self._may_raise_priority(first.config),
         )
-        return Submission(req, tuple(specs), links)
+        return Submission(req, tuple(specs), res, links)
 
     def _container_paths(self, spec: RunSpec) -> Optional[ContainerPaths]:
         """Host paths a container trial needs (None when it runs no container). The in-job
@@ -281,7 +304,7 @@ class SlurmExecutor:
             if key in tested:
                 continue
             tested.add(key)
-            shape = job_shape(sub.specs[0].config, self.site)
+            shape = job_shape(sub.specs[0].config, self.site, sub.resources)
             found = check_shape(shape, partitions, nodes)
             away = nodes_away(shape, partitions, nodes)
             out += [r for r in self._ask_sbatch(sub, found, away) if r not in out]  # shapes may share one

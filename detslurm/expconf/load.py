@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -228,16 +229,18 @@ class ExperimentConfig:
 # database, has other content and is validated as any other.
 _VALIDATED: OrderedDict[str, ExperimentConfig] = OrderedDict()
 _VALIDATED_KEPT = 256
+_VALIDATED_LOCK = threading.Lock()  # the dashboard reads configs from several threads
 
 
 def _content_key(data: Mapping[str, Any]) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-def _remember(config: ExperimentConfig) -> None:
-    _VALIDATED[_content_key(config._dict)] = config
-    while len(_VALIDATED) > _VALIDATED_KEPT:
-        _VALIDATED.popitem(last=False)
+def _remember(key: str, config: ExperimentConfig) -> None:
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = config
+        while len(_VALIDATED) > _VALIDATED_KEPT:
+            _VALIDATED.popitem(last=False)
 
 
 def from_stored(data: Mapping[str, Any], where: str = "stored config") -> ExperimentConfig:
@@ -248,14 +251,19 @@ def from_stored(data: Mapping[str, Any], where: str = "stored config") -> Experi
     ConfigError.
     """
     key = _content_key(data)
-    known = _VALIDATED.get(key)
-    if known is not None:
-        _VALIDATED.move_to_end(key)
-        return known
+    with _VALIDATED_LOCK:
+        known = _VALIDATED.get(key)
+        if known is not None:
+            _VALIDATED.move_to_end(key)
+            return known
     try:
-        return validate(json.loads(key))
+        config = validate(json.loads(key))
     except ConfigError as e:
         raise ConfigError([line.replace(ROOT, where, 1) for line in e.errors]) from None
+    # Kept by the row's content too: a row stored before a default was added validates to more
+    # than it holds, and must not be validated again at every read.
+    _remember(key, config)
+    return config
 
 
 def _sorted_maps(value: Any) -> Any:
@@ -422,7 +430,7 @@ def validate(raw: Mapping[str, Any], default_storage: Mapping[str, Any] | None =
     top.searcher, top.checkpoint_storage = json.loads(json.dumps([full["searcher"], full["checkpoint_storage"]]))
     top.hyperparameters = json.loads(json.dumps(hparams))
     config = ExperimentConfig(top=top, searcher=searcher, storage=storage, hyperparameters=hparams, _dict=full)
-    _remember(config)
+    _remember(_content_key(full), config)
     return config
 
 

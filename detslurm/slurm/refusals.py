@@ -21,7 +21,7 @@ from detslurm.expconf import ExperimentConfig
 from detslurm.expconf.sbatch_args import SbatchArgError, parse_sbatch_args
 from detslurm.slurm.parse import NodeInfo
 from detslurm.slurm.partitions import PartitionInfo, parse_duration_s
-from detslurm.slurm.render import resource_plan
+from detslurm.slurm.render import ResourcePlan
 from detslurm.slurm.site import ROOT as SITE_ROOT
 from detslurm.slurm.site import SiteConfig
 
@@ -106,9 +106,8 @@ def _last_values(args: Sequence[str], path: str) -> dict[str, Setting]:
     return out
 
 
-def job_shape(config: ExperimentConfig, site: SiteConfig) -> JobShape:
-    """The job a trial of ``config`` asks for. Raises ConfigError for an unknown pool."""
-    res = resource_plan(config, site)
+def job_shape(config: ExperimentConfig, site: SiteConfig, res: ResourcePlan) -> JobShape:
+    """The job a trial of ``config`` asks for, ``res`` being its resource plan on ``site``."""
     pool_name, pool = site.pool(config.resources.resource_pool)
     at = f"{SITE_ROOT}.pools.{pool_name}"
     # Later values win, as in sbatch: the pool's fields, its extra args, then the user's args.

@@ -97,8 +97,10 @@ class ArrayTask:
 
 @dataclass(frozen=True)
 class ResourcePlan:
-    """Where and on what a trial runs, computed once per submission from the config and the
-    site: the sbatch resource options and the node count the script's srun needs."""
+    """Where and on what a trial runs, from the config and the site (:func:`resource_plan`):
+    the sbatch resource options and the node count the script's srun needs. Computed once and
+    passed along: by a create for its checks, its dry run and its first submission; by the
+    executor once per group of runs it submits together."""
 
     args: tuple[str, ...]
     nodes: int
@@ -364,6 +366,7 @@ def plan_trial_run(
     *,
     config: ExperimentConfig,
     site: SiteConfig,
+    res: ResourcePlan,
     ident: Identity,
     env: dict[str, str],
     run_dir: str,
@@ -372,9 +375,9 @@ def plan_trial_run(
     container: ContainerPaths | None = None,
     may_raise_priority: bool = False,
 ) -> SbatchRequest:
-    """One sbatch for one trial run. ``container`` names the host paths a container trial
-    needs; without it (or without environment.image) the trial runs with ``python``."""
-    res = resource_plan(config, site)
+    """One sbatch for one trial run, with ``res``, the resource plan of ``config`` on ``site``.
+    ``container`` names the host paths a container trial needs; without it (or without
+    environment.image) the trial runs with ``python``."""
     args = _job_args(config, site, res, ident, log_path.replace("%", "%%"), run_dir, may_raise_priority)
     cmd = _container(config, site, res, list(env), container)
     if cmd is not None:
@@ -387,6 +390,7 @@ def plan_array(
     *,
     config: ExperimentConfig,
     site: SiteConfig,
+    res: ResourcePlan,
     ident: Identity,
     tasks: list[ArrayTask],
     links_dir: str,
@@ -395,7 +399,7 @@ def plan_array(
     container: ContainerPaths | None = None,
     may_raise_priority: bool = False,
 ) -> SbatchRequest:
-    """One sbatch for many trial runs that share resources (a job array).
+    """One sbatch for many trial runs that share resources ``res`` (a job array).
 
     Task ``t`` runs trial ``ident.trial_id + t``. Each task finds its own run dir through the
     symlink ``links_dir/t`` (so Slurm writes its log to the run's usual place) and gets only its
@@ -403,7 +407,6 @@ def plan_array(
     array's throttle (``%N``): Slurm then runs at most N of its tasks at a time.
     """
     base = ident.trial_id
-    res = resource_plan(config, site)
     throttle = array_throttle(config.resources.max_slots, res.slots)
     # Exported once for all tasks; only what differs goes into the script's per-task case arms,
     # which keeps a many-trial script small.
