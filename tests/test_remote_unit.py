@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from detslurm.errors import ConfigError
 from detslurm.cli.remote.command import remote_command
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, parse_url, remote_settings, split_master
+from detslurm.errors import ConfigError
 
 
 @pytest.mark.parametrize(
