@@ -1,138 +1,805 @@
-"""A small Python client over the store, in the shape of Determined's experimental client.
+"""Determined's Python SDK (``determined.experimental.client``) over detslurm's own store.
 
-from detslurm import client
-ckpt = client.get_checkpoint(uuid)
-path = ckpt.download()
+from determined.experimental import client
+exp = client.get_experiment(3)
+best = exp.list_checkpoints(max_results=1)[0]
+path = best.download()
 
-It sees only the calling user's experiments (a shared store holds other users' too).
+There is no master: ``login()`` and ``Determined()`` open the store named by the user's settings
+(or the database URL given as ``master``) and see only the calling user's experiments, as every
+`det` command does. Reads go through the one read layer (``detslurm.store.reads``); a state
+change (pause, kill, labels...) changes the experiment's row through the same controller
+operations as `det e pause` and friends, and the owner's daemon (or local driver) carries it out.
+Importing this module opens nothing: the default session is made on first use.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import logging
 import shutil
+import time
+from collections.abc import Iterable, Iterator
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from sqlalchemy.orm import Session
-
-from detslurm import settings, views
-from detslurm.controller.gc import checkpoint_dir, valid_checkpoint_uuid
+from detslurm import settings
 from detslurm.errors import DetSlurmError, NotFoundError, StateError
 from detslurm.identity import Scope
-from detslurm.store import Store, open_store
+
+if TYPE_CHECKING:
+    from detslurm.store import Store
+    from detslurm.store.reads import Reads
+
+log = logging.getLogger("detslurm.client")
 
 # Where `download()` puts a checkpoint when no path is given: ./checkpoints/<uuid>.
 DEFAULT_DOWNLOAD_DIR = Path("checkpoints")
 
 
-class Checkpoint:
-    def __init__(self, info: dict[str, Any], source: Path | None) -> None:
-        self.info = info
-        self.uuid: str = info["uuid"]
-        self.metadata: dict[str, Any] = info["metadata"]
-        self.state: str = info["state"]
-        # <storage base>/<uuid>, checked to lie under the base; None when the uuid cannot name
-        # a directory there. The storage_path the trial reported is never copied from.
-        self._source = source
+# -- Determined's enums (its values, so code that stores or compares them keeps working) ----------
+class OrderBy(enum.Enum):
+    ASCENDING = "ORDER_BY_ASC"
+    DESCENDING = "ORDER_BY_DESC"
 
-    def download(self, path: Path | None = None) -> Path:
-        """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``); the path written."""
-        # The uuid is a store value the trial reported: checked again here because it becomes a
-        # directory name on the caller's machine (a "../x" uuid would write outside checkpoints/).
+
+class TrialOrderBy(enum.Enum):
+    ASCENDING = "ORDER_BY_ASC"
+    DESCENDING = "ORDER_BY_DESC"
+
+
+class ExperimentOrderBy(enum.Enum):
+    ASCENDING = "ORDER_BY_ASC"
+    DESCENDING = "ORDER_BY_DESC"
+
+
+class CheckpointOrderBy(enum.Enum):
+    ASC = "ORDER_BY_ASC"
+    DESC = "ORDER_BY_DESC"
+
+
+class CheckpointSortBy(enum.Enum):
+    UUID = "SORT_BY_UUID"
+    TRIAL_ID = "SORT_BY_TRIAL_ID"
+    BATCH_NUMBER = "SORT_BY_BATCH_NUMBER"
+    END_TIME = "SORT_BY_END_TIME"
+    STATE = "SORT_BY_STATE"
+    SEARCHER_METRIC = "SORT_BY_SEARCHER_METRIC"
+
+
+class TrialSortBy(enum.Enum):
+    ID = "SORT_BY_ID"
+    START_TIME = "SORT_BY_START_TIME"
+    END_TIME = "SORT_BY_END_TIME"
+    STATE = "SORT_BY_STATE"
+    BEST_VALIDATION_METRIC = "SORT_BY_BEST_VALIDATION_METRIC"
+    LATEST_VALIDATION_METRIC = "SORT_BY_LATEST_VALIDATION_METRIC"
+    BATCHES_PROCESSED = "SORT_BY_BATCHES_PROCESSED"
+    DURATION = "SORT_BY_DURATION"
+    RESTARTS = "SORT_BY_RESTARTS"
+    CHECKPOINT_SIZE = "SORT_BY_CHECKPOINT_SIZE"
+    LOG_RETENTION_DAYS = "SORT_BY_LOG_RETENTION_DAYS"
+
+
+class CheckpointState(enum.Enum):
+    ACTIVE = "STATE_ACTIVE"
+    COMPLETED = "STATE_COMPLETED"
+    ERROR = "STATE_ERROR"
+    DELETED = "STATE_DELETED"
+    PARTIALLY_DELETED = "STATE_PARTIALLY_DELETED"
+
+
+class ExperimentState(enum.Enum):
+    ACTIVE = "STATE_ACTIVE"
+    PAUSED = "STATE_PAUSED"
+    STOPPING_COMPLETED = "STATE_STOPPING_COMPLETED"
+    STOPPING_CANCELED = "STATE_STOPPING_CANCELED"
+    STOPPING_ERROR = "STATE_STOPPING_ERROR"
+    COMPLETED = "STATE_COMPLETED"
+    CANCELED = "STATE_CANCELED"
+    ERROR = "STATE_ERROR"
+    DELETED = "STATE_DELETED"
+    DELETING = "STATE_DELETING"
+    DELETE_FAILED = "STATE_DELETE_FAILED"
+    STOPPING_KILLED = "STATE_STOPPING_KILLED"
+    QUEUED = "STATE_QUEUED"
+    PULLING = "STATE_PULLING"
+    STARTING = "STATE_STARTING"
+    RUNNING = "STATE_RUNNING"
+
+
+class TrialState(enum.Enum):
+    ACTIVE = "STATE_ACTIVE"
+    PAUSED = "STATE_PAUSED"
+    STOPPING_CANCELED = "STATE_STOPPING_CANCELED"
+    STOPPING_KILLED = "STATE_STOPPING_KILLED"
+    STOPPING_COMPLETED = "STATE_STOPPING_COMPLETED"
+    STOPPING_ERROR = "STATE_STOPPING_ERROR"
+    CANCELED = "STATE_CANCELED"
+    COMPLETED = "STATE_COMPLETED"
+    ERROR = "STATE_ERROR"
+    QUEUED = "STATE_QUEUED"
+    PULLING = "STATE_PULLING"
+    STARTING = "STATE_STARTING"
+    RUNNING = "STATE_RUNNING"
+
+
+class DownloadMode(enum.Enum):
+    # Determined's choices of route to the files; on a shared filesystem there is one: a copy.
+    AUTO = "auto"
+    DIRECT = "direct"
+    MASTER = "master"
+
+
+def _state(enum_cls: type[enum.Enum], stored: Any) -> Any:
+    """The store's state (``ACTIVE``...) as Determined's enum member (``STATE_ACTIVE``)."""
+    return enum_cls(f"STATE_{getattr(stored, 'value', stored)}")
+
+
+# -- metrics ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TrialMetrics:
+    """One metrics report of a trial, as Determined's SDK returns it."""
+
+    trial_id: int
+    trial_run_id: int
+    steps_completed: int
+    end_time: Optional[datetime]
+    metrics: dict[str, Any]
+    group: str
+    batch_metrics: Optional[list[dict[str, Any]]] = None
+
+    @property
+    def total_batches(self) -> int:  # Determined's older name for steps_completed
+        return self.steps_completed
+
+
+class TrainingMetrics(TrialMetrics):
+    """Deprecated in Determined (``TrialMetrics`` with group "training"); kept for old code."""
+
+    def __init__(self, total_batches: Optional[int] = None, **kwargs: Any) -> None:
+        kwargs.setdefault("steps_completed", total_batches)
+        super().__init__(**{"group": "training", **kwargs})
+
+
+class ValidationMetrics(TrialMetrics):
+    """Deprecated in Determined (``TrialMetrics`` with group "validation"); kept for old code."""
+
+    def __init__(self, total_batches: Optional[int] = None, **kwargs: Any) -> None:
+        kwargs.setdefault("steps_completed", total_batches)
+        super().__init__(**{"group": "validation", **kwargs})
+
+
+# -- the session: the store as one user sees it ------------------------------------------------
+class Session:
+    """What the SDK's objects read and change through: the store (``db_url``, default the user's
+    settings) limited to ``scope`` (default the calling user's own experiments)."""
+
+    def __init__(self, db_url: str | None = None, scope: Scope | None = None, store: Store | None = None) -> None:
+        self._url = db_url
+        self._store = store
+        self._reads: Reads | None = None
+        self.scope = scope or Scope.mine()
+
+    @property
+    def owner(self) -> str | None:
+        return self.scope.owner
+
+    @property
+    def store(self) -> Store:
+        """The ORM store, for state changes (created or migrated on first use)."""
+        if self._store is None:
+            from detslurm.store import open_store
+
+            self._store = open_store(self._url or settings.load().db_url)
+        return self._store
+
+    @property
+    def reads(self) -> Reads:
+        if self._reads is None:
+            from detslurm.store.reads import Reads
+
+            if self._store is not None:
+                self._reads = Reads.of_store(self._store)
+            else:
+                url = self._url or settings.load().db_url
+                self._reads = Reads.open_sqlite(url) or Reads.of_store(self.store)
+        return self._reads
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+class CheckpointTrainingMetadata:
+    """Where a checkpoint came from (Determined's ``checkpoint.training``)."""
+
+    def __init__(self, info: dict[str, Any], hparams: dict[str, Any], validation: dict[str, Any] | None) -> None:
+        self.experiment_id: int = info["experiment_id"]
+        self.trial_id: int = info["trial_id"]
+        self.hparams = hparams
+        self.validation_metrics = {"avgMetrics": validation or {}}
+        self.searcher_metric: float | None = info.get("validation_metric")
+
+
+class Checkpoint:
+    """A checkpoint in the store; its files are ``<storage base>/<uuid>`` on the shared filesystem."""
+
+    def __init__(self, session: Session, uuid: str) -> None:
+        self._session = session
+        self.uuid = uuid
+        self.reload()
+
+    def reload(self) -> None:
+        info = self._session.reads.checkpoint(self.uuid, self._session.owner)
+        # The store's dict of it, as `det c list` shows it (the CLI prints its row from this).
+        self.info = info
+        self.metadata: dict[str, Any] = info["metadata"]
+        self.state = _state(CheckpointState, info["state"])
+        self.resources: dict[str, int] = info["resources"]
+        self.report_time: datetime | None = info["report_time"]
+        self.steps_completed: int = info["steps_completed"]
+        self.trial_id: int = info["trial_id"]
+        self.experiment_id: int = info["experiment_id"]
+        self.searcher_metric: float | None = info["validation_metric"]
+
+    @property
+    def training(self) -> CheckpointTrainingMetadata:
+        trial = self._session.reads.trial(self.trial_id, self._session.owner)
+        validation = next(
+            (
+                m["metrics"]
+                for m in self._session.reads.metrics(self.trial_id)
+                if m["group"] == "validation" and m["steps_completed"] == self.steps_completed
+            ),
+            None,
+        )
+        return CheckpointTrainingMetadata(self.info, trial["hparams"], validation)
+
+    def _source(self) -> Path | None:
+        """``<storage base>/<uuid>``, from the experiment's stored config: the path the trial
+        reported is never copied from (it could name any directory of the user's)."""
+        from detslurm.controller.gc import valid_checkpoint_uuid
+        from detslurm.expconf import from_stored
+
+        if not valid_checkpoint_uuid(self.uuid):
+            return None
+        _, config = self._session.reads.experiment(self.experiment_id, self._session.owner)
+        base = from_stored(config, f"<experiment {self.experiment_id}>").storage_base
+        return Path(base).resolve() / self.uuid
+
+    def download(self, path: Union[str, Path, None] = None, mode: DownloadMode = DownloadMode.AUTO) -> str:
+        """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``); the path written.
+        Every ``mode`` is a plain copy: the files are on a shared filesystem."""
+        from detslurm.controller.gc import valid_checkpoint_uuid
+
+        DownloadMode(mode)
+        # The uuid is a value the trial reported: checked again because it becomes a directory
+        # name on the caller's machine (a "../x" uuid would write outside checkpoints/).
         if not valid_checkpoint_uuid(self.uuid):
             raise DetSlurmError(
                 f"checkpoint uuid {self.uuid!r} is not a valid checkpoint id (letters, digits, '.', '_', '-'; "
                 "no path separators); refusing to use it as a directory name"
             )
-        # A partial or deleted checkpoint's files are missing or half written; restoring from
-        # them would fail later and far from the cause.
-        if self.state != "COMPLETED":
-            raise StateError(f"checkpoint {self.uuid} is {self.state}; only COMPLETED checkpoints can be downloaded")
+        # A partial or deleted checkpoint's files are missing or half written.
+        if self.state != CheckpointState.COMPLETED:
+            raise StateError(
+                f"checkpoint {self.uuid} is {self.state.name}; only COMPLETED checkpoints can be downloaded"
+            )
         dst = Path(path) if path is not None else _default_destination(self.uuid)
-        src = self._source
+        src = self._source()
         # is_symlink: a link in the checkpoint's place (to another experiment's, say) is not it.
         if src is None or src.is_symlink() or not src.is_dir():
             raise NotFoundError("checkpoint files for", self.uuid)
-        # symlinks=True: a link the trial left in its checkpoint is copied as a link, never followed
-        # to read (and copy out) whatever file it names.
+        # symlinks=True: a link the trial left in its checkpoint is copied as a link, never
+        # followed to read (and copy out) whatever file it names.
         shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
-        return dst
+        return str(dst)
+
+    def get_metrics(self, group: Optional[str] = None) -> Iterator[TrialMetrics]:
+        """The metrics its trial reported up to this checkpoint's step (``group`` only, if given)."""
+        for m in _trial_metrics(self._session, self.trial_id, group):
+            if m.steps_completed <= self.steps_completed:
+                yield m
+
+    def write_metadata_file(self, path: str) -> None:
+        """The checkpoint's metadata as JSON in the file ``path``."""
+        import json
+
+        Path(path).write_text(json.dumps(self.metadata, indent=2, sort_keys=True))
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(uuid={self.uuid})"
 
 
 def _default_destination(uuid: str) -> Path:
     """``./checkpoints/<uuid>``, checked to stay directly under ./checkpoints."""
     base = DEFAULT_DOWNLOAD_DIR.resolve()
     # resolve() so that a checkpoints/<uuid> symlink pointing elsewhere is caught too.
-    dst = (base / uuid).resolve()
-    if dst.parent != base:
+    if (base / uuid).resolve().parent != base:
         raise DetSlurmError(f"checkpoint uuid {uuid!r} would be written outside {base}; refusing to download it")
     return DEFAULT_DOWNLOAD_DIR / uuid
 
 
-def _source(s: Session, trial_id: int, uuid: str, scope: Scope) -> Path | None:
-    # Through get_trial so the scope check applies: a uuid alone must not reach another user's files.
-    return checkpoint_dir(views.get_trial(s, trial_id, scope).experiment, uuid)
+def _sorted_checkpoints(
+    session: Session,
+    infos: list[dict[str, Any]],
+    smaller_is_better: bool,
+    sort_by: Union[str, CheckpointSortBy, None],
+    order_by: Union[CheckpointOrderBy, OrderBy, None],
+    max_results: Optional[int],
+) -> list[Checkpoint]:
+    """Determined's checkpoint listing: both of sort_by and order_by, or neither (then by the
+    searcher metric, best first); a str sort_by is a validation metric's name. Only completed
+    checkpoints are listed."""
+    if (sort_by is None) != (order_by is None):
+        raise ValueError("sort_by and order_by must be given together, or neither")
+    done = [i for i in infos if i["state"] == "COMPLETED"]
+    if sort_by is None or sort_by == CheckpointSortBy.SEARCHER_METRIC:
+        descending = not smaller_is_better if order_by is None else _descending(order_by)
+        key: Any = lambda i: i["validation_metric"]  # noqa: E731
+    elif isinstance(sort_by, str):
+        metric = sort_by
+        descending = _descending(order_by)
+        values = {i["uuid"]: session.reads.validation_metric(i["uuid"], metric) for i in done}
+        key = lambda i: values[i["uuid"]]  # noqa: E731
+    else:
+        field = {
+            CheckpointSortBy.UUID: "uuid",
+            CheckpointSortBy.TRIAL_ID: "trial_id",
+            CheckpointSortBy.BATCH_NUMBER: "steps_completed",
+            CheckpointSortBy.END_TIME: "report_time",
+            CheckpointSortBy.STATE: "state",
+        }[CheckpointSortBy(sort_by)]
+        descending = _descending(order_by)
+        key = lambda i: i[field]  # noqa: E731
+    # Checkpoints without a value last, whatever the order (as Determined lists them).
+    known = sorted((i for i in done if key(i) is not None), key=key, reverse=descending)
+    ordered = known + [i for i in done if key(i) is None]
+    chosen = ordered if max_results is None else ordered[:max_results]
+    return [Checkpoint(session, i["uuid"]) for i in chosen]
+
+
+def _descending(order_by: Any) -> bool:
+    return str(getattr(order_by, "value", order_by)) == "ORDER_BY_DESC"
+
+
+def _smaller_is_better(config: dict[str, Any]) -> bool:
+    return bool((config.get("searcher") or {}).get("smaller_is_better", True))
+
+
+# -- trials -----------------------------------------------------------------------------------
+def _trial_metrics(session: Session, trial_id: int, group: Optional[str]) -> Iterator[TrialMetrics]:
+    session.reads.trial(trial_id, session.owner)  # the scope check: another user's is "not found"
+    for m in session.reads.metrics(trial_id):
+        if group is None or m["group"] == group:
+            yield TrialMetrics(trial_id, 0, m["steps_completed"], m["report_time"], m["metrics"], m["group"])
 
 
 class Trial:
-    def __init__(self, client: Client, info: dict[str, Any]) -> None:
-        self._client = client
-        self.info = info
-        self.id: int = info["id"]
+    """A trial in the store (Determined's ``client.Trial``)."""
+
+    def __init__(self, trial_id: int, session: Session) -> None:
+        self.id = trial_id
+        self._session = session
+        self.reload()
+
+    def reload(self) -> None:
+        info = self._session.reads.trial(self.id, self._session.owner)
+        self.experiment_id: int = info["experiment_id"]
         self.hparams: dict[str, Any] = info["hparams"]
+        self.state = _state(TrialState, info["state"])
+        self.steps_completed: int = info["steps_completed"]
+        self.searcher_metric: float | None = info["searcher_metric"]
+        self.start_time: datetime | None = info["start_time"]
+        self.end_time: datetime | None = info["end_time"]
+        self.restarts: int = info["restarts"]
 
-    def list_checkpoints(self) -> list[Checkpoint]:
-        with self._client.store.read() as s:
-            rows = views.trial_checkpoints(s, self.id, self._client.scope)
-            return [
-                Checkpoint(views.checkpoint_dict(s, r), _source(s, r.trial_id, r.uuid, self._client.scope))
-                for r in rows
-            ]
+    def get_experiment(self) -> Experiment:
+        return Experiment(self.experiment_id, self._session)
 
-    def latest_checkpoint(self) -> Checkpoint | None:
-        # list_checkpoints is ordered by steps_completed, so the last completed one is the latest.
-        done = [c for c in self.list_checkpoints() if c.state == "COMPLETED"]
-        return done[-1] if done else None
+    def iter_metrics(self, group: str) -> Iterator[TrialMetrics]:
+        """Every metrics report of ``group`` ("training", "validation" or the trial's own), by step."""
+        return _trial_metrics(self._session, self.id, group)
+
+    def stream_metrics(self, group: str) -> Iterator[TrialMetrics]:
+        return self.iter_metrics(group)
+
+    def stream_training_metrics(self) -> Iterator[TrialMetrics]:
+        return self.iter_metrics("training")
+
+    def stream_validation_metrics(self) -> Iterator[TrialMetrics]:
+        return self.iter_metrics("validation")
+
+    def _checkpoint_infos(self) -> list[dict[str, Any]]:
+        reads = self._session.reads
+        return [c for c in reads.checkpoint_dicts(self.experiment_id, self._session.owner) if c["trial_id"] == self.id]
+
+    def _smaller(self) -> bool:
+        return _smaller_is_better(self._session.reads.experiment(self.experiment_id, self._session.owner)[1])
+
+    def list_checkpoints(
+        self,
+        sort_by: Union[str, CheckpointSortBy, None] = None,
+        order_by: Optional[OrderBy] = None,
+        max_results: Optional[int] = None,
+    ) -> list[Checkpoint]:
+        """The trial's completed checkpoints, best first by the searcher metric unless sorted otherwise."""
+        infos = self._checkpoint_infos()
+        return _sorted_checkpoints(self._session, infos, self._smaller(), sort_by, order_by, max_results)
+
+    def get_checkpoints(
+        self, sort_by: Union[str, CheckpointSortBy, None] = None, order_by: Optional[OrderBy] = None
+    ) -> list[Checkpoint]:
+        return self.list_checkpoints(sort_by, order_by)
+
+    def top_checkpoint(self, sort_by: Optional[str] = None, smaller_is_better: Optional[bool] = None) -> Checkpoint:
+        return self.select_checkpoint(best=True, sort_by=sort_by, smaller_is_better=smaller_is_better)
+
+    def select_checkpoint(
+        self,
+        latest: bool = False,
+        best: bool = False,
+        uuid: Optional[str] = None,
+        sort_by: Optional[str] = None,
+        smaller_is_better: Optional[bool] = None,
+    ) -> Checkpoint:
+        """Exactly one of ``latest`` (the most steps), ``best`` (by the searcher metric, or by
+        the validation metric ``sort_by`` with ``smaller_is_better``) or ``uuid``."""
+        if sum([int(latest), int(best), int(uuid is not None)]) != 1:
+            raise ValueError("select_checkpoint(): give exactly one of latest, best or uuid")
+        if (sort_by is None) != (smaller_is_better is None):
+            raise ValueError("select_checkpoint(): sort_by and smaller_is_better go together")
+        if sort_by is not None and not best:
+            raise ValueError("select_checkpoint(): sort_by and smaller_is_better are for best=True")
+        if uuid is not None:
+            return Checkpoint(self._session, uuid)
+        infos = self._checkpoint_infos()
+        if latest:
+            done = [i for i in infos if i["state"] == "COMPLETED"]
+            if not done:
+                raise NotFoundError("completed checkpoint of trial", self.id)
+            return Checkpoint(self._session, max(done, key=lambda i: i["steps_completed"])["uuid"])
+        smaller = self._smaller() if smaller_is_better is None else smaller_is_better
+        order = CheckpointOrderBy.ASC if smaller else CheckpointOrderBy.DESC
+        found = _sorted_checkpoints(self._session, infos, smaller, sort_by, order if sort_by else None, max_results=1)
+        if not found:
+            raise NotFoundError("completed checkpoint of trial", self.id)
+        return found[0]
+
+    def kill(self) -> None:
+        """Stop the trial now (as `det trial kill`); the searcher sees it as ended early."""
+        from detslurm.controller import ops
+
+        ops.kill_trial(self._session.store, self.id, self._session.scope)
+
+    def __repr__(self) -> str:
+        return f"Trial(id={self.id})"
 
 
-class Client:
-    """The store as one user sees it (``scope`` default: the calling user's own experiments)."""
+class TrialReference(Trial):
+    """Determined's older name for :class:`Trial`."""
 
-    def __init__(self, store: Store | None = None, scope: Scope | None = None) -> None:
-        # Opened from the user's settings when not given: Determined's client finds its master the
-        # same way (config, not arguments), so user scripts need no setup.
-        self.store = store or open_store(settings.load().db_url)
-        self.scope = scope or Scope.mine()
 
-    def get_checkpoint(self, uuid: str) -> Checkpoint:
-        with self.store.read() as s:
-            row = views.get_checkpoint(s, uuid, self.scope)
-            return Checkpoint(views.checkpoint_dict(s, row), _source(s, row.trial_id, row.uuid, self.scope))
+# -- experiments ------------------------------------------------------------------------------
+class Experiment:
+    """An experiment in the store (Determined's ``client.Experiment``)."""
+
+    def __init__(self, experiment_id: int, session: Session) -> None:
+        self._id = experiment_id
+        self._session = session
+        self.reload()
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    def reload(self) -> None:
+        info, config = self._session.reads.experiment(self._id, self._session.owner)
+        self.name: str = info["name"]
+        self.state = _state(ExperimentState, info["state"])
+        self.progress: float = info["progress"]
+        self.description: str | None = info["description"]
+        self.archived: bool = info["archived"]
+        self.labels: list[str] = list(info["labels"] or [])
+        self.config = config
+        self.start_time: datetime | None = info["start_time"]
+        self.end_time: datetime | None = info["end_time"]
+
+    # -- reading ---------------------------------------------------------------------------
+    def _trial_ids(self) -> list[int]:
+        return [t["id"] for t in self._session.reads.trial_dicts(self._id, self._session.owner)]
+
+    def iter_trials(
+        self,
+        sort_by: TrialSortBy = TrialSortBy.ID,
+        order_by: Union[OrderBy, TrialOrderBy] = OrderBy.ASCENDING,
+        limit: Optional[int] = None,
+    ) -> Iterator[Trial]:
+        trials = [Trial(i, self._session) for i in self._trial_ids()]
+        key = {
+            TrialSortBy.ID: lambda t: t.id,
+            TrialSortBy.START_TIME: lambda t: t.start_time or datetime.min,
+            TrialSortBy.END_TIME: lambda t: t.end_time or datetime.max,
+            TrialSortBy.STATE: lambda t: t.state.value,
+            TrialSortBy.BATCHES_PROCESSED: lambda t: t.steps_completed,
+            TrialSortBy.RESTARTS: lambda t: t.restarts,
+        }.get(TrialSortBy(sort_by))
+        if key is None:
+            raise ValueError(f"iter_trials(): sorting by {TrialSortBy(sort_by).name} is not supported by detslurm")
+        trials.sort(key=key, reverse=_descending(order_by))
+        yield from trials if limit is None else trials[:limit]
+
+    def list_trials(
+        self, sort_by: TrialSortBy = TrialSortBy.ID, order_by: Union[OrderBy, TrialOrderBy] = OrderBy.ASCENDING
+    ) -> list[Trial]:
+        return list(self.iter_trials(sort_by, order_by))
+
+    def get_trials(
+        self, sort_by: TrialSortBy = TrialSortBy.ID, order_by: Union[OrderBy, TrialOrderBy] = OrderBy.ASCENDING
+    ) -> list[Trial]:
+        return self.list_trials(sort_by, order_by)
+
+    def await_first_trial(self, interval: float = 0.1) -> Trial:
+        """The experiment's first trial, waiting until its searcher made one."""
+        while True:
+            first = self._session.reads.first_trial_id(self._id, self._session.owner)
+            if first is not None:
+                return Trial(first, self._session)
+            time.sleep(interval)
+
+    def wait(self, interval: float = 5.0) -> ExperimentState:
+        """Poll until the experiment ends; its final state."""
+        while True:
+            self.reload()
+            if self.state.name in _TERMINAL:
+                return self.state  # type: ignore[no-any-return]
+            time.sleep(interval)
+
+    def list_checkpoints(
+        self,
+        sort_by: Union[str, CheckpointSortBy, None] = None,
+        order_by: Optional[OrderBy] = None,
+        max_results: Optional[int] = None,
+    ) -> list[Checkpoint]:
+        """Completed checkpoints of every trial, best first by the searcher metric unless
+        ``sort_by`` (a CheckpointSortBy or a validation metric's name) and ``order_by`` say otherwise."""
+        infos = self._session.reads.checkpoint_dicts(self._id, self._session.owner)
+        smaller = _smaller_is_better(self.config)
+        return _sorted_checkpoints(self._session, infos, smaller, sort_by, order_by, max_results)
+
+    def top_n_checkpoints(
+        self, limit: int, sort_by: Optional[str] = None, smaller_is_better: Optional[bool] = None
+    ) -> list[Checkpoint]:
+        if (sort_by is None) != (smaller_is_better is None):
+            raise ValueError("top_n_checkpoints(): sort_by and smaller_is_better go together")
+        order = None if sort_by is None else (CheckpointOrderBy.ASC if smaller_is_better else CheckpointOrderBy.DESC)
+        return self.list_checkpoints(sort_by, order, max_results=limit)  # type: ignore[arg-type]
+
+    def top_checkpoint(self, sort_by: Optional[str] = None, smaller_is_better: Optional[bool] = None) -> Checkpoint:
+        found = self.top_n_checkpoints(1, sort_by, smaller_is_better)
+        if not found:
+            raise NotFoundError("completed checkpoint of experiment", self._id)
+        return found[0]
+
+    # -- changing (row changes the owner's daemon carries out, as the `det e` commands) -------------
+    def _op(self, name: str) -> None:
+        from detslurm.controller import ops
+
+        getattr(ops, name)(self._session.store, self._id, self._session.scope)
+        self.reload()
+
+    def activate(self) -> None:
+        self._op("activate")
+
+    def pause(self) -> None:
+        self._op("pause")
+
+    def cancel(self) -> None:
+        self._op("cancel")
+
+    def kill(self) -> None:
+        self._op("kill")
+
+    def delete(self) -> None:
+        """Delete the ended experiment, its checkpoints and its dir (as `det e delete`)."""
+        from detslurm.controller import ops
+
+        ops.delete(self._session.store, self._id, self._session.scope)
+
+    def _edit(self, name: str, *args: Any) -> None:
+        from detslurm.controller import edit
+
+        getattr(edit, name)(self._session.store, self._id, *args, scope=self._session.scope)
+        self.reload()
+
+    def archive(self) -> None:
+        self._edit("set_archived", True)
+
+    def unarchive(self) -> None:
+        self._edit("set_archived", False)
+
+    def add_label(self, label: str) -> None:
+        self._edit("set_labels", label, True)
+
+    def remove_label(self, label: str) -> None:
+        self._edit("set_labels", label, False)
+
+    def set_labels(self, labels: Iterable[str]) -> None:
+        wanted = list(dict.fromkeys(labels))
+        for label in [x for x in self.labels if x not in wanted]:
+            self.remove_label(label)
+        for label in [x for x in wanted if x not in self.labels]:
+            self.add_label(label)
+
+    def set_description(self, description: str) -> None:
+        self._edit("set_description", description)
+
+    def set_name(self, name: str) -> None:
+        self._edit("set_name", name)
+
+    def __repr__(self) -> str:
+        return f"Experiment(id={self._id})"
+
+
+class ExperimentReference(Experiment):
+    """Determined's older name for :class:`Experiment`."""
+
+
+_TERMINAL = frozenset({"COMPLETED", "CANCELED", "ERROR", "DELETED"})
+
+
+# -- the client -------------------------------------------------------------------------------
+class Determined:
+    """The SDK's entry point. ``master`` is None (the store of the user's settings) or a
+    database URL (``sqlite:///...``, ``postgresql://...``); there is no master server, so an
+    ``http(s)://`` address is refused and user, password and certificates are not used."""
+
+    def __init__(
+        self,
+        master: Optional[str] = None,
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        cert_path: Optional[str] = None,
+        cert_name: Optional[str] = None,
+        noverify: bool = False,
+    ) -> None:
+        if master is not None and master.startswith(("http://", "https://")):
+            raise DetSlurmError(
+                f"client: {master} is a Determined master's address; detslurm has no master and reads its own store "
+                "(login() with no master, or master='sqlite:///...' / 'postgresql://...' for another store)"
+            )
+        if user or password or cert_path or cert_name:
+            log.info("client: user, password and certificates are not used (the store belongs to the Unix user)")
+        self._session = Session(master)
+
+    def get_experiment(self, experiment_id: int) -> Experiment:
+        return Experiment(experiment_id, self._session)
 
     def get_trial(self, trial_id: int) -> Trial:
-        with self.store.read() as s:
-            return Trial(self, views.trial_dict(s, views.get_trial(s, trial_id, self.scope)))
+        return Trial(trial_id, self._session)
 
-    def get_experiment_trials(self, exp_id: int) -> list[Trial]:
-        with self.store.read() as s:
-            return [Trial(self, views.trial_dict(s, t)) for t in views.get_experiment(s, exp_id, self.scope).trials]
+    def get_checkpoint(self, uuid: str) -> Checkpoint:
+        return Checkpoint(self._session, uuid)
+
+    def list_experiments(
+        self,
+        sort_by: Any = None,
+        order_by: Optional[OrderBy] = None,
+        experiment_ids: Optional[list[int]] = None,
+        labels: Optional[list[str]] = None,
+        users: Optional[list[str]] = None,
+        states: Optional[list[ExperimentState]] = None,
+        name: Optional[str] = None,
+        project_id: Optional[int] = None,
+    ) -> list[Experiment]:
+        """The caller's experiments (archived ones too), by id, filtered as given."""
+        if sort_by is not None:
+            raise ValueError("list_experiments(): sort_by is not supported by detslurm; experiments come by id")
+        if project_id is not None:
+            raise ValueError("list_experiments(): detslurm has no projects; leave project_id out")
+        rows = self._session.reads.experiment_dicts(self._session.owner, include_archived=True)
+        wanted = {ExperimentState(s).name for s in states} if states else None
+        out = [
+            Experiment(d["id"], self._session)
+            for d in rows
+            if (experiment_ids is None or d["id"] in experiment_ids)
+            and (labels is None or set(labels) & set(d["labels"] or []))
+            and (users is None or d["owner"] in users)
+            and (wanted is None or _state(ExperimentState, d["state"]).name in wanted)
+            and (name is None or name in (d["name"] or ""))
+        ]
+        return out[::-1] if order_by is not None and _descending(order_by) else out
+
+    def iter_trials_metrics(self, trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
+        for trial_id in trial_ids:
+            yield from _trial_metrics(self._session, trial_id, group)
+
+    def stream_trials_metrics(self, trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
+        return self.iter_trials_metrics(trial_ids, group)
+
+    def stream_trials_training_metrics(self, trial_ids: list[int]) -> Iterator[TrialMetrics]:
+        return self.iter_trials_metrics(trial_ids, "training")
+
+    def stream_trials_validation_metrics(self, trial_ids: list[int]) -> Iterator[TrialMetrics]:
+        return self.iter_trials_metrics(trial_ids, "validation")
+
+    def logout(self) -> None:
+        """Nothing to end: the store needs no session (kept for Determined's scripts)."""
 
 
-# The module-level functions share one client, made on first call, like Determined's
-# `client.get_checkpoint` after `client.login()`; importing this module opens nothing.
-_default: Client | None = None
+class Client(Determined):
+    """The SDK over a given store and scope: the `det` commands' way in (root's --all-users
+    scope included), and tests'."""
+
+    def __init__(self, store: Store | None = None, scope: Scope | None = None) -> None:
+        self._session = Session(store=store, scope=scope)
 
 
-def _client() -> Client:
+# The module-level functions share one client, made by login() or on first use, as Determined's.
+_default: Determined | None = None
+
+
+def login(
+    master: Optional[str] = None,
+    user: Optional[str] = None,
+    password: Optional[str] = None,
+    cert_path: Optional[str] = None,
+    cert_name: Optional[str] = None,
+    noverify: bool = False,
+) -> None:
+    """Choose the store the module's functions read (see :class:`Determined`)."""
+    global _default
+    _default = Determined(master, user, password, cert_path, cert_name, noverify)
+
+
+def logout() -> None:
+    global _default
+    _default = None
+
+
+def _client() -> Determined:
     global _default
     if _default is None:
-        _default = Client()
+        _default = Determined()
     return _default
+
+
+def get_experiment(experiment_id: int) -> Experiment:
+    return _client().get_experiment(experiment_id)
+
+
+def get_trial(trial_id: int) -> Trial:
+    return _client().get_trial(trial_id)
 
 
 def get_checkpoint(uuid: str) -> Checkpoint:
     return _client().get_checkpoint(uuid)
 
 
-def get_trial(trial_id: int) -> Trial:
-    return _client().get_trial(trial_id)
+def list_experiments(
+    sort_by: Any = None,
+    order_by: Optional[OrderBy] = None,
+    experiment_ids: Optional[list[int]] = None,
+    labels: Optional[list[str]] = None,
+    users: Optional[list[str]] = None,
+    states: Optional[list[ExperimentState]] = None,
+    name: Optional[str] = None,
+    project_id: Optional[int] = None,
+) -> list[Experiment]:
+    return _client().list_experiments(sort_by, order_by, experiment_ids, labels, users, states, name, project_id)
+
+
+def iter_trials_metrics(trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
+    return _client().iter_trials_metrics(trial_ids, group)
+
+
+def stream_trials_metrics(trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
+    return _client().stream_trials_metrics(trial_ids, group)
+
+
+def stream_trials_training_metrics(trial_ids: list[int]) -> Iterator[TrialMetrics]:
+    return _client().stream_trials_training_metrics(trial_ids)
+
+
+def stream_trials_validation_metrics(trial_ids: list[int]) -> Iterator[TrialMetrics]:
+    return _client().stream_trials_validation_metrics(trial_ids)

@@ -1,8 +1,10 @@
 """``det.experimental``: Determined's experimental namespace, as far as detslurm has it.
 
 ``from determined.experimental import client`` then ``client.get_checkpoint(uuid)`` (seed 003's
-checkpoint loading) works unchanged. ``client`` reads the login node's store, so it is imported
-on first use only: scripts that merely ``import determined`` never pay for SQLAlchemy.
+checkpoint loading) works unchanged, and so do the SDK's classes at this level
+(``det.experimental.Determined()``, ``Experiment``, ``Trial``, ``Checkpoint``...). ``client``
+reads the login node's store, so it is imported on first use only: scripts that merely
+``import determined`` never pay for it.
 """
 
 from __future__ import annotations
@@ -14,15 +16,36 @@ if TYPE_CHECKING:
     from detslurm import client
     from detslurm.core import v2 as core_v2
 
+# The SDK's classes, re-exported from the client module as Determined's namespace does.
+_FROM_CLIENT = frozenset(
+    {
+        "Checkpoint",
+        "Determined",
+        "Experiment",
+        "ExperimentReference",
+        "OrderBy",
+        "Trial",
+        "TrialOrderBy",
+        "TrialReference",
+        "TrialSortBy",
+    }
+)
+
 
 # A module __getattr__ (PEP 562) makes `client` lazy without changing how it is imported.
 def __getattr__(name: str) -> Any:
     if name == "client":
         return importlib.import_module("detslurm.client")
+    if name in _FROM_CLIENT:
+        return getattr(importlib.import_module("detslurm.client"), name)
     if name == "core_v2":
         # In-job code: the singleton Core API, managed or detached (detslurm/core/v2.py).
         return importlib.import_module("detslurm.core.v2")
     raise AttributeError(f"module 'detslurm.experimental' has no attribute {name!r}")
 
 
-__all__ = ["client", "core_v2"]
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+__all__ = ["client", "core_v2", *sorted(_FROM_CLIENT)]

@@ -1,4 +1,5 @@
-"""``determined.experimental``: ``client`` loads on first use (it needs the login node's store)."""
+"""``determined.experimental``: ``client`` and the SDK's classes load on first use (they need
+the login node's store)."""
 
 from typing import Any as _Any
 
@@ -9,4 +10,10 @@ def __getattr__(name: str) -> _Any:
     return getattr(experimental, name)
 
 
-__all__ = ["client", "core_v2"]
+def __dir__() -> list:  # type: ignore[type-arg]
+    from detslurm import experimental
+
+    return sorted({*globals(), *experimental.__all__})
+
+
+from detslurm.experimental import __all__  # noqa: E402, F401
