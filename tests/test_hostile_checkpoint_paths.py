@@ -90,3 +90,43 @@ def test_download_copies_from_the_storage_base_never_the_reported_path(det: Any,
     assert code == 0, out + err
     dst = hostile["work"] / "checkpoints" / uuid
     assert _tree(dst) == _tree(hostile["ckpts"] / uuid) and _tree(dst)
+
+
+FORGING_TRIAL = """
+import determined as det
+from detslurm.protocol.events import CheckpointSaved
+
+with det.core.init() as ctx:
+    # Forged: the uuid names a directory of the user's beside the checkpoints.
+    ctx.checkpoint._report(CheckpointSaved(uuid="datasets", metadata={"steps_completed": 1}, resources={},
+                                           steps_completed=1, size=0, storage_path="x"))
+    with ctx.checkpoint.store_path({"steps_completed": 2}) as (path, _):
+        (path / "w.txt").write_text("w")
+"""
+
+
+def test_gc_leaves_a_dir_a_trial_named_in_a_forged_checkpoint_event(det: Any, det_env: Path) -> None:
+    """The trial itself forges a checkpoint event whose uuid is ``datasets``, with the storage
+    base at a scratch dir holding the user's ``datasets``: GC at the experiment's end (which drops
+    the older, forged checkpoint) leaves that dir alone."""
+    scratch = det_env / "scratch"
+    (scratch / "datasets").mkdir(parents=True)
+    (scratch / "datasets" / "keep.txt").write_text("do not delete")
+    ctx = det_env / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text(FORGING_TRIAL)
+    (ctx / "exp.yaml").write_text(
+        "name: forge\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+        f"checkpoint_storage: {{type: shared_fs, host_path: '{scratch}', save_trial_latest: 1, save_trial_best: 0,"
+        " save_experiment_best: 0}\n"
+    )
+    code, out, err = det("e", "create", "--local", ctx / "exp.yaml", ctx)
+    assert code == 0, out + err
+    store = open_store(settings.load().db_url)
+    with store.tx() as s:
+        trial = s.get(Trial, 1)
+        assert trial is not None and trial.experiment.state == "COMPLETED", trial and trial.experiment.state
+        states = {c.uuid: c.state for c in s.query(Checkpoint)}
+    assert states.pop("datasets") == "DELETED"  # the forged row was stored and dropped by the policy
+    assert list(states.values()) == ["COMPLETED"]
+    assert _tree(scratch / "datasets") == {"keep.txt": b"do not delete"}

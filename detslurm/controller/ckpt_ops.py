@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from detslurm.controller.gc import checkpoint_dir, remove_own_dir
+from detslurm.controller.gc import Doomed, doomed, remove_checkpoint
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
 from detslurm.store import Store
@@ -30,11 +30,11 @@ class Removal:
     """What one checkpoint loses: its whole directory, or only these files in it."""
 
     uuid: str
-    directory: Path | None
+    directory: Doomed | None
     files: tuple[Path, ...] = ()
 
 
-def _check(s: Session, uuid: str, scope: Scope) -> tuple[Checkpoint, Path | None]:
+def _check(s: Session, uuid: str, scope: Scope) -> tuple[Checkpoint, Doomed | None]:
     ck = get_checkpoint(s, uuid, scope)
     trial = s.get(Trial, ck.trial_id)
     assert trial is not None  # get_checkpoint found it through this trial
@@ -44,7 +44,7 @@ def _check(s: Session, uuid: str, scope: Scope) -> tuple[Checkpoint, Path | None
     # A live trial resumes from its latest checkpoint: deleting it would lose the trial's progress.
     if trial.latest_checkpoint == uuid and not trial.state.is_terminal:
         raise StateError(f"checkpoint {uuid} is the latest of trial {trial.id}, which is still {trial.state}")
-    return ck, checkpoint_dir(exp, uuid)
+    return ck, doomed(s, exp, ck)
 
 
 def delete_checkpoints(store: Store, uuids: Sequence[str], scope: Scope | None = None) -> list[str]:
@@ -59,7 +59,7 @@ def delete_checkpoints(store: Store, uuids: Sequence[str], scope: Scope | None =
     # After the commit: a big tree on a network filesystem must not hold the store's write lock.
     for r in plan:
         if r.directory is not None:
-            remove_own_dir(r.directory)
+            remove_checkpoint(r.directory)
     return [r.uuid for r in plan]
 
 
@@ -83,7 +83,7 @@ def remove_files(store: Store, uuids: Sequence[str], globs: Sequence[str], scope
             # Sizes come from the trial's report (untrusted): anything but an int counts as nothing.
             ck.size = sum(int(v) for v in left.values() if isinstance(v, int))
             ck.state = "PARTIALLY_DELETED" if left else "DELETED"
-            files = tuple(f for n in names if path is not None and (f := _inside(path, n)) is not None)
+            files = tuple(f for n in names if path is not None and (f := _inside(path.path, n)) is not None)
             plan.append(Removal(uuid, path, files))
     for r in plan:
         for f in r.files:

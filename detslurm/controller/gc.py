@@ -12,13 +12,18 @@ import os
 import re
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from detslurm import settings
 from detslurm.controller.config import stored_config
-from detslurm.store.models import Checkpoint, Experiment, Trial
+from detslurm.controller.detached import EXECUTOR as DETACHED
+from detslurm.protocol.ckmark import canonical_uuid, has_mark
+from detslurm.protocol.secret import SECRET_FILE_NAME, RunSecretError, read_run_secret
+from detslurm.store.models import Checkpoint, Experiment, Trial, TrialRun
 from detslurm.views import validation_metric
 
 log = logging.getLogger(__name__)
@@ -66,38 +71,82 @@ def valid_checkpoint_uuid(uuid: str) -> bool:
 
 
 def checkpoint_dir(exp: Experiment, uuid: str) -> Path | None:
-    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``. The path a
-    trial reported is never trusted for deletes or copies (it could name any directory of the
-    user's). The base is resolved (a link the user chose, such as ``~/ckpts -> /lustre/...``);
-    the uuid, one checked path component, is not: a symlink the trial put in its place is not
-    a checkpoint (:func:`remove_own_dir` leaves it alone, a download refuses it)."""
-    if not valid_checkpoint_uuid(uuid):
+    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``, and only for a
+    canonical UUID4. The path a trial reported is never trusted for deletes or copies (it could
+    name any directory of the user's). The base is resolved (a link the user chose, such as
+    ``~/ckpts -> /lustre/...``); the uuid, one checked path component, is not: a symlink the trial
+    put in its place is not a checkpoint (:func:`remove_own_dir` leaves it alone, a download
+    refuses it). A detached run's base comes from a record its job wrote, so for those the base
+    is pinned to the user's configured checkpoint dir."""
+    if not canonical_uuid(uuid):
         return None
-    return Path(stored_config(exp).storage_base).resolve() / uuid
+    base = settings.load().checkpoint_dir if exp.executor == DETACHED else Path(stored_config(exp).storage_base)
+    return base.resolve() / uuid
 
 
-def collect_garbage(session: Session, exp: Experiment) -> list[Path]:
+@dataclass(frozen=True)
+class Doomed:
+    """A checkpoint dir to remove, with the key of the run that saved it: removed only when its
+    mark (protocol/ckmark.py) is valid under that key."""
+
+    path: Path
+    uuid: str
+    key: bytes | None
+
+
+def doomed(session: Session, exp: Experiment, ck: Checkpoint) -> Doomed | None:
+    """What removing ``ck``'s files means, or None when it has no dir of ours to remove."""
+    path = checkpoint_dir(exp, ck.uuid)
+    if path is None:
+        return None
+    return Doomed(path, ck.uuid, _run_key(session, ck))
+
+
+def _run_key(session: Session, ck: Checkpoint) -> bytes | None:
+    run = session.scalars(
+        select(TrialRun).where(TrialRun.trial_id == ck.trial_id).where(TrialRun.run_id == ck.run_id)
+    ).first()
+    if run is None:
+        return None
+    try:
+        return read_run_secret(Path(run.run_dir) / SECRET_FILE_NAME)
+    except RunSecretError as e:
+        log.warning("checkpoint %s: its run's key is unusable, its files are kept: %s", ck.uuid, e)
+        return None
+
+
+def collect_garbage(session: Session, exp: Experiment) -> list[Doomed]:
     """Mark the checkpoints the policy drops as DELETED; returns their directories, which the
     caller removes after the commit (a big rmtree must not hold the store's write lock)."""
     keep = keep_set(session, exp)
-    doomed: list[Path] = []
+    out: list[Doomed] = []
     q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id).where(Checkpoint.state == "COMPLETED")
     for ck in session.scalars(q):
         if ck.uuid in keep:
             continue
-        path = checkpoint_dir(exp, ck.uuid)
-        if path is not None:
-            doomed.append(path)
+        d = doomed(session, exp, ck)
+        if d is not None:
+            out.append(d)
         # Marked even when the path check failed: the directory is then not ours to remove, but the
         # policy has still dropped the checkpoint.
         ck.state = "DELETED"
-    return doomed
+    return out
 
 
-def remove_dirs(paths: list[Path]) -> None:
-    """Remove the doomed checkpoint dirs; errors are ignored, as the rows are already marked DELETED."""
-    for path in paths:
-        remove_own_dir(path)
+def remove_dirs(dirs: list[Doomed]) -> None:
+    """Remove the doomed checkpoint dirs that carry their run's mark; errors are ignored, as the
+    rows are already marked DELETED."""
+    for d in dirs:
+        remove_checkpoint(d)
+
+
+def remove_checkpoint(d: Doomed) -> None:
+    """Remove one checkpoint dir if our checkpoint code made it for that run (its mark)."""
+    if d.key is None or not has_mark(d.path, d.key, d.uuid):
+        if os.path.lexists(d.path):
+            log.warning("not removing %s: it has no valid checkpoint mark of its run", d.path)
+        return
+    remove_own_dir(d.path)
 
 
 def remove_own_dir(path: Path) -> None:

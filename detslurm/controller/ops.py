@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.executor import ExitCause
-from detslurm.controller.gc import checkpoint_dir, remove_own_dir
+from detslurm.controller.gc import doomed, remove_checkpoint, remove_own_dir
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import StateError
 from detslurm.expconf.view import merge_config
@@ -191,13 +191,15 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         busy = [r for t in exp.trials for r in t.runs if r.state in (RunState.QUEUED, RunState.RUNNING)]
         if busy:
             raise StateError(f"experiment {exp_id} still has running trial runs")
-        q = select(Checkpoint.uuid).join(Trial).where(Trial.experiment_id == exp.id)
-        # Collected inside the transaction (the rows are gone after it), removed after the commit.
-        doomed = [p for uuid in s.scalars(q) if (p := checkpoint_dir(exp, uuid)) is not None]
+        q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id)
+        # Collected inside the transaction (the rows and the run dirs holding the keys are gone
+        # after it), removed after the commit.
+        dirs = [d for ck in s.scalars(q) if (d := doomed(s, exp, ck)) is not None]
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
-    for path in [*doomed, exp_dir]:
-        remove_own_dir(path)
+    for d in dirs:
+        remove_checkpoint(d)
+    remove_own_dir(exp_dir)
 
 
 def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope | None = None) -> None:

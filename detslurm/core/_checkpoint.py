@@ -35,11 +35,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
+from detslurm import settings
 from detslurm.ckpt_settings import Modes, checkpoint_modes, early_writeback
 from detslurm.core._distributed import DistributedContext
 from detslurm.core._writeback import EarlyWriteback
 from detslurm.errors import CheckpointNotFound
+from detslurm.protocol.ckmark import MARKER_NAME, write_mark
 from detslurm.protocol.events import CheckpointDeleted, CheckpointSaved, Event
+from detslurm.protocol.secret import RunSecretError, read_run_secret
 
 log = logging.getLogger("detslurm.core")
 STALE_PARTIAL_AFTER_S = 6 * 3600
@@ -243,11 +246,32 @@ def merge_metadata(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def _env_mark_key() -> Optional[bytes]:
+    """The run's secret, when the login side named one (a managed run): it keys the mark that
+    lets the login side delete our checkpoints later. None off-cluster: nothing is marked, so
+    nothing is deleted for us."""
+    path = settings.RUN_SECRET_FILE.raw(os.environ)
+    if not path:
+        return None
+    try:
+        return read_run_secret(path)
+    except RunSecretError as e:
+        log.warning("checkpoints of this run are not marked for cleanup: %s", e)
+        return None
+
+
 class CheckpointContext:
     def __init__(
-        self, dist: DistributedContext, base: Path, report: Callable[[Event], None], require_steps: bool
+        self,
+        dist: DistributedContext,
+        base: Path,
+        report: Callable[[Event], None],
+        require_steps: bool,
+        mark_key: Optional[bytes] = None,
     ) -> None:
         self._dist = dist
+        # Read once, on the chief only (the one that finishes checkpoints).
+        self._mark_key = mark_key if mark_key is not None or dist.rank != 0 else _env_mark_key()
         self.base = Path(base)
         self._report = report
         self._require_steps = require_steps
@@ -266,9 +290,13 @@ class CheckpointContext:
         final = self.base / storage_id
         try:
             (partial / "metadata.json").write_text(json.dumps(md, sort_keys=True, indent=2))
+            if self._mark_key is not None:
+                # What the login side checks before it deletes this dir (protocol/ckmark.py).
+                write_mark(partial, self._mark_key, storage_id)
             # Private modes and fsync of everything before the rename, then of the base (the rename).
             sync_tree(partial, self._modes)
             resources = list_resources(partial)
+            resources.pop(MARKER_NAME, None)  # ours, not one of the trial's files
             os.replace(partial, final)
         except BaseException:
             # Not durable, so not a checkpoint: nothing half-made is left to fill the disk.

@@ -39,6 +39,7 @@ from detslurm.protocol.detached import (
 from detslurm.protocol.env import RendezvousInfo, ResourcesInfo, RunInfo, TrialInfo
 from detslurm.protocol.events import CheckpointSaved, Event, PreemptAck
 from detslurm.protocol.paths import RunPaths
+from detslurm.protocol.secret import ensure_run_secret, read_run_secret
 
 log = logging.getLogger("detslurm.core")
 # A background writer that cannot finish (a hung filesystem) may delay exit this long, never more:
@@ -322,8 +323,16 @@ def _assemble(
             dist, paths.control if paths is not None else None, ack, preempt_mode, lazy_signals=True
         ),
         train=TrainContext(writer, paths.run_id if paths else 0, paths if chief else None),
-        checkpoint=CheckpointContext(dist, base, report, require_steps=False),
+        checkpoint=CheckpointContext(dist, base, report, require_steps=False, mark_key=_mark_key(paths, chief)),
     )
+
+
+def _mark_key(paths: RunPaths | None, chief: bool) -> bytes | None:
+    """The chief's key for the marks on its checkpoints: a secret in its own run dir, where the
+    login side reads it before deleting them (protocol/ckmark.py)."""
+    if not chief or paths is None:
+        return None
+    return read_run_secret(ensure_run_secret(paths.dir))
 
 
 def _cluster_info(
