@@ -70,8 +70,9 @@ def _rows(app: App, jobs: list[QueuedJob]) -> list[dict[str, Any]]:
             {
                 "#": n,
                 "id": j.job_id,
-                # Jobs without a detslurm identity tag in their comment are other users' or other tools':
-                # shown as Determined shows jobs its master does not manage.
+                # Any user's detslurm trial carries an identity tag in its comment: TYPE_EXPERIMENT, as
+                # Determined shows every user's experiments. Jobs without one (other tools', plain
+                # sbatch) are TYPE_EXTERNAL, as Determined shows jobs its master does not manage.
                 # Detached jobs are the user's own sbatch scripts that detslurm records (core_v2).
                 "type": "TYPE_EXPERIMENT" if ours or j.job_id in detached else "TYPE_EXTERNAL",
                 "name": names.get(j.job_id, j.name),
@@ -110,7 +111,8 @@ def queue_rows(app: App, resource_pool: str | None) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True)
 @pass_app
 def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
-    """Show the queue: your trials, and other users' jobs as TYPE_EXTERNAL (one squeue call)."""
+    """Show the queue (one squeue call): every user's detslurm trials as TYPE_EXPERIMENT, jobs
+    detslurm did not submit as TYPE_EXTERNAL."""
     rows = queue_rows(app, resource_pool)
     if as_json:
         dump_json(rows)

@@ -5,8 +5,9 @@ Thin: the doctor lives in detslurm/doctor; errors reach the one boundary in cli/
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 from tabulate import tabulate
@@ -14,9 +15,14 @@ from tabulate import tabulate
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json
 
-# Wrapped widths of the detail and action columns: the table stays readable in 160 columns.
-_DETAIL_WIDTH = 70
-_ACTION_WIDTH = 50
+if TYPE_CHECKING:
+    from detslurm.doctor.findings import Finding
+
+# Wrapped widths of the subject, detail and action columns: with the status column and presto's
+# separators the table fits in 100 columns (tests/test_site_limits.py).
+_SUBJECT_WIDTH = 16
+_DETAIL_WIDTH = 38
+_ACTION_WIDTH = 28
 
 
 @click.group(name="site")
@@ -42,31 +48,33 @@ def doctor(app: App, as_json: bool, no_probe: bool, pools: tuple[str, ...], imag
     """Check Slurm, the site config and every pool's nodes; exit 1 when there is a problem."""
     from detslurm.doctor.findings import Status, report_json, worst
     from detslurm.doctor.run import ProbeOptions, diagnose
-    from detslurm.settings import site_config_path
 
-    # site_config_path names $DETSLURM_SITE_CONFIG even when missing (loading it then fails
-    # clearly); "found" here means a file was actually read.
-    site_path = site_config_path()
+    site_config = app.site()
+    # The files actually read (the admin's first); the findings name the one behind each limit.
+    site_path = site_config.files[0] if site_config.files else None
     options = ProbeOptions(enabled=not no_probe, pools=pools, image=image, timeout_s=timeout_s)
-    result = diagnose(
-        app.client, app.site(), site_path if site_path and site_path.is_file() else None, app.settings, options
-    )
+    result = diagnose(app.client, site_config, site_path, app.settings, options)
     caps = result.facts.caps
     if as_json:
         dump_json(report_json(result.findings, caps.cluster_name, caps.version))
     else:
-        rows = [[f.status.value, f.subject, f.detail, f.action] for f in result.findings]
-        click.echo(
-            tabulate(
-                rows,
-                headers=["Status", "Subject", "Found", "detslurm will / you should"],
-                tablefmt="presto",
-                maxcolwidths=[None, None, _DETAIL_WIDTH, _ACTION_WIDTH],
-            )
-        )
+        click.echo(findings_table(result.findings))
     # Warnings keep exit code 0, so CI and cron jobs fail only on what breaks trials.
     if worst(result.findings) is Status.PROBLEM:
         raise click.exceptions.Exit(1)
+
+
+def findings_table(findings: Sequence[Finding]) -> str:
+    """The doctor's findings as the table it prints (at most 100 columns wide)."""
+    rows = [[f.status.value, f.subject, f.detail, f.action] for f in findings]
+    return str(
+        tabulate(
+            rows,
+            headers=["Status", "Subject", "Found", "detslurm will / you should"],
+            tablefmt="presto",
+            maxcolwidths=[None, _SUBJECT_WIDTH, _DETAIL_WIDTH, _ACTION_WIDTH],
+        )
+    )
 
 
 @site.command("init")
@@ -97,4 +105,7 @@ def init(app: App, output: Optional[Path], force: bool, to_stdout: bool) -> None
     path = output or Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"
     starter.write_starter(text, path, force)
     click.echo(f"Wrote {path}")
-    click.echo("detslurm reads it from there (or from $DETSLURM_SITE_CONFIG); check it with `det site doctor`.")
+    click.echo(
+        "detslurm reads /etc/detslurm/site.yaml (the admin's limits), then $DETSLURM_SITE_CONFIG or "
+        "~/.config/detslurm/site.yaml; check it with `det site doctor`."
+    )

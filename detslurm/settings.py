@@ -212,8 +212,15 @@ SITE_CONFIG = _pathvar(
     "DETSLURM_SITE_CONFIG",
     S,
     LOGIN,
-    "The site config file; unset: the first found of `/etc/detslurm/site.yaml` and "
-    "`<user config dir>/detslurm/site.yaml`.",
+    "The user's own site file (adds pools and defaults; the limits of the admin's "
+    "`/etc/detslurm/site.yaml` hold); unset: `<user config dir>/detslurm/site.yaml`.",
+)
+ADMIN_SITE_CONFIG = _pathvar(
+    "DETSLURM_ADMIN_SITE_CONFIG",
+    S,
+    LOGIN,
+    "Tests only: the admin's site file, read only where `/etc/detslurm/site.yaml` does not exist "
+    "and only if root owns it and no one else may write it.",
 )
 SLURM_TIMEOUT_S = _number(
     "DETSLURM_SLURM_TIMEOUT_S", LOGIN, 30.0, "Seconds a Slurm command may take before it counts as failed."

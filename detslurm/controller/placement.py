@@ -14,7 +14,7 @@ from detslurm.controller.local import LocalExecutor
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.settings import Settings
 from detslurm.slurm.containers import Gpu, Runtime
-from detslurm.slurm.refusals import RequestRefused
+from detslurm.slurm.refusals import RequestRefused, site_limit_refusals
 from detslurm.slurm.render import container_warnings, image_for, resource_plan
 from detslurm.store import Store
 
@@ -93,6 +93,10 @@ class SlurmPlace:
         # The jobs the create would submit, planned by the code that submits them; for a paused
         # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
         # Slurm in reach it checks nothing rather than fail.
+        # The site's locks first: they need no Slurm, so an offline dry run refuses them too.
+        locked = site_limit_refusals(placed.plan.config, self.site)
+        if locked:
+            raise RequestRefused(locked)
         executor = self._executor(placed, offline=offline)
         active = dataclasses.replace(placed.plan, paused=False)
         # One shape, sampled: the create's first runs all share it (see create.dry_run).

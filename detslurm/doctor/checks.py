@@ -195,8 +195,10 @@ def check_user_top(f: SiteFacts) -> Finding:
 def check_polling(f: SiteFacts) -> Finding:
     floor = f.site.poll_interval_s
     # The same rule as the daemon's (daemon.py): a user may poll slower than the floor, never faster.
-    used = max(floor, f.user_poll_interval_s)
-    detail = f"site floor poll_interval_s {floor:g} s; this user's setting {f.user_poll_interval_s:g} s"
+    mine = f.user_poll_interval_s
+    used = floor if mine is None else max(floor, mine)
+    setting = "sets none" if mine is None else f"asks for {mine:g} s"
+    detail = f"site floor poll_interval_s {floor:g} s (from {f.site.origin('poll_interval_s')}); this user {setting}"
     action = f"the daemon polls Slurm every {used:g} s"
     if floor < MIN_POLL_FLOOR_S:
         return Finding(
@@ -205,12 +207,25 @@ def check_polling(f: SiteFacts) -> Finding:
     return Finding("polling", OK, detail, action)
 
 
+def check_site_limits(f: SiteFacts) -> Finding:
+    """Each limit a site file sets, and which file set it: what no user's config can loosen."""
+    lim, site = f.site.limits, f.site
+    parts = [f"poll floor {site.poll_interval_s:g} s ({site.origin('poll_interval_s')})"]
+    for name in ("partitions", "accounts", "qos"):
+        values = getattr(lim, name)
+        where = site.origin(f"limits.{name}")
+        parts.append(f"{name} any" if values is None else f"{name} {', '.join(values) or 'none'} ({where})")
+    time = lim.max_time_min
+    parts.append("max time none" if time is None else f"max time {time} min ({site.origin('limits.max_time_min')})")
+    return Finding("site limits", OK, "; ".join(parts), "a user's config may tighten these, never loosen them")
+
+
 def check_site_config(f: SiteFacts) -> Finding:
-    if f.site_path is None:
+    if f.site_path is None and not f.site.files:
         return Finding(
             "site config",
             WARNING,
-            "none found ($DETSLURM_SITE_CONFIG, /etc/detslurm/site.yaml, ~/.config/detslurm/site.yaml)",
+            "none found (/etc/detslurm/site.yaml, $DETSLURM_SITE_CONFIG, ~/.config/detslurm/site.yaml)",
             "every partition is a pool of CPU slots; `det site init` writes a starter config",
         )
     pools = ", ".join(sorted(f.site.pools)) or "no pools"
@@ -218,7 +233,8 @@ def check_site_config(f: SiteFacts) -> Finding:
     return Finding(
         "site config",
         OK,
-        f"{f.site_path}: pools {pools}{default}, container_runtime {f.site.container_runtime.value}",
+        f"{' + '.join(map(str, f.site.files or [f.site_path]))}: pools {pools}{default}, "
+        f"container_runtime {f.site.container_runtime.value}",
         "experiments choose a pool with resources.resource_pool",
     )
 
@@ -313,6 +329,7 @@ def site_findings(f: SiteFacts) -> list[Finding]:
         check_rate_limit(f),
         check_user_top(f),
         check_polling(f),
+        check_site_limits(f),
     ]
     out += [check_partition(f, p) for p in f.partitions]
     out += [check_pool(f, name, pool) for name, pool in sorted(f.site.pools.items())]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from detslurm import settings as settings_mod
 from detslurm.settings import Settings
 from detslurm.slurm.client import SlurmClient, SlurmCommandError
 from detslurm.slurm.parse import Capabilities, PartitionNodes, SlurmParseError
@@ -50,7 +51,7 @@ class SiteFacts:
     site_path: Optional[Path]  # None: no site config was found (every partition is a pool)
     experiments_dir: Path
     checkpoint_dir: Path
-    user_poll_interval_s: float
+    user_poll_interval_s: Optional[float]  # None: the user set none (environment or config file)
     # None without accounting (no associations to ask about).
     assoc: Optional[list[AssocLimit]] = None
     # Why the associations could not be read, when accounting exists but sacctmgr failed.
@@ -98,8 +99,14 @@ def gather(client: SlurmClient, site: SiteConfig, site_path: Optional[Path], set
         site_path=site_path,
         experiments_dir=settings.experiments_dir,
         checkpoint_dir=settings.checkpoint_dir,
-        user_poll_interval_s=settings.poll_interval_s,
+        user_poll_interval_s=_user_poll_interval_s(),
         assoc=assoc,
         assoc_error=assoc_error,
         store=store_facts(settings.db_url),
     )
+
+
+def _user_poll_interval_s() -> Optional[float]:
+    """The poll interval the user set (environment or user config file), None where none is."""
+    given, _ = settings_mod.pick(settings_mod.POLL_INTERVAL_S, settings_mod.read_user_config())
+    return None if given is None else float(given)

@@ -40,6 +40,7 @@ class RefusalKind(enum.Enum):
     ACCOUNT = "account not allowed"
     QOS = "QOS not allowed"
     SBATCH = "refused by sbatch --test-only"
+    SITE_LIMIT = "locked by the site"
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,8 @@ def _last_values(args: Sequence[str], path: str) -> dict[str, Setting]:
     return out
 
 
-def job_shape(config: ExperimentConfig, site: SiteConfig, res: ResourcePlan) -> JobShape:
-    """The job a trial of ``config`` asks for, ``res`` being its resource plan on ``site``."""
+def _sbatch_settings(config: ExperimentConfig, site: SiteConfig) -> tuple[str, dict[str, Setting]]:
+    """The pool's name, and --time/--account/--qos as sbatch will read them for ``config``."""
     pool_name, pool = site.pool(config.resources.resource_pool)
     at = f"{SITE_ROOT}.pools.{pool_name}"
     # Later values win, as in sbatch: the pool's fields, its extra args, then the user's args.
@@ -120,6 +121,51 @@ def job_shape(config: ExperimentConfig, site: SiteConfig, res: ResourcePlan) -> 
         found["qos"] = Setting(pool.qos, f"{at}.qos")
     found.update(_last_values(pool.extra_sbatch_args, f"{at}.extra_sbatch_args"))
     found.update(_last_values(config.slurm.sbatch_args, f"{CONFIG}.slurm.sbatch_args"))
+    return pool_name, found
+
+
+def site_limit_refusals(config: ExperimentConfig, site: SiteConfig) -> list[Refusal]:
+    """The --account, --qos and --time (from the pool or the user's sbatch_args, which come
+    later on sbatch's line) that the site's ``limits`` do not allow, each naming the site file
+    that set the limit. Pure: a dry run with no Slurm in reach refuses them too."""
+    _, found = _sbatch_settings(config, site)
+    lim, out = site.limits, []
+    for option, limit in (("account", "accounts"), ("qos", "qos")):
+        allowed, got = getattr(lim, limit), found.get(option)
+        if allowed is not None and got is not None and got.value not in allowed:
+            where = site.origin(f"limits.{limit}")
+            out.append(
+                Refusal(
+                    RefusalKind.SITE_LIMIT,
+                    got.path,
+                    f"--{option} {got.value} is not allowed: limits.{limit} in {where} allows only "
+                    f"{', '.join(allowed) or 'none'}",
+                )
+            )
+    time = found.get("time")
+    if lim.max_time_min is not None and time is not None:
+        try:
+            seconds = parse_duration_s(time.value)
+        except ValueError:
+            seconds = 0  # malformed: sbatch --test-only says so in its own words
+        if seconds is None or seconds > lim.max_time_min * 60:  # None: UNLIMITED
+            where = site.origin("limits.max_time_min")
+            out.append(
+                Refusal(
+                    RefusalKind.SITE_LIMIT,
+                    time.path,
+                    f"--time {time.value} is over the site's maximum {fmt_duration(lim.max_time_min * 60)} "
+                    f"(limits.max_time_min in {where})",
+                )
+            )
+    return out
+
+
+def job_shape(config: ExperimentConfig, site: SiteConfig, res: ResourcePlan) -> JobShape:
+    """The job a trial of ``config`` asks for, ``res`` being its resource plan on ``site``."""
+    pool_name, found = _sbatch_settings(config, site)
+    pool = site.pool(pool_name)[1]
+    at = f"{SITE_ROOT}.pools.{pool_name}"
     spn_set = config.slurm.slots_per_node is not None
     return JobShape(
         pool=pool_name,
