@@ -112,9 +112,13 @@ def test_a_users_pool_outside_the_limits_names_both_files(
 
 
 def test_a_user_cannot_redefine_the_sites_pool(admin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    user_file(tmp_path, monkeypatch, "pools:\n  cpu: {partition: cpu, slots_per_node: 2}\n")
-    with pytest.raises(ConfigError, match="the pool 'cpu' is the site's"):
-        load_site_config()
+    """The admin's definition is used, and the doctor says which of the user's pools it hides
+    (a file `det site init` wrote before the admin installed one names the same pools)."""
+    mine = user_file(tmp_path, monkeypatch, "pools:\n  cpu: {partition: cpu, slots_per_node: 2, account: other}\n")
+    site = load_site_config()
+    assert site.pools["cpu"].account == "proj" and site.origin("pools.cpu") == str(admin)
+    found = checks.check_site_limits(facts(site, None))
+    assert found.status is checks.WARNING and f"pools cpu of {mine} are the site's too" in found.detail
 
 
 @pytest.mark.parametrize("attack", ["not root's", "group-writable", "world-writable"])

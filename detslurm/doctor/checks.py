@@ -217,7 +217,17 @@ def check_site_limits(f: SiteFacts) -> Finding:
         parts.append(f"{name} any" if values is None else f"{name} {', '.join(values) or 'none'} ({where})")
     time = lim.max_time_min
     parts.append("max time none" if time is None else f"max time {time} min ({site.origin('limits.max_time_min')})")
-    return Finding("site limits", OK, "; ".join(parts), "a user's config may tighten these, never loosen them")
+    action = "a user's config may tighten these, never loosen them"
+    if site.shadowed_pools:
+        names = ", ".join(site.shadowed_pools)
+        mine = site.files[-1]
+        return Finding(
+            "site limits",
+            WARNING,
+            "; ".join([*parts, f"pools {names} of {mine} are the site's too"]),
+            f"{action}; the site's definitions of {names} are used: remove them from {mine}",
+        )
+    return Finding("site limits", OK, "; ".join(parts), action)
 
 
 def check_site_config(f: SiteFacts) -> Finding:

@@ -116,6 +116,8 @@ class SiteConfig(Strict):
     # ("pools.NAME"): filled by load_site_config, read by origin().
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
     _files: list[Path] = PrivateAttr(default_factory=list)
+    # The user's pools that the admin's file defines too (the admin's definition is used).
+    _shadowed: list[str] = PrivateAttr(default_factory=list)
 
     @field_validator("signal")
     @classmethod
@@ -175,6 +177,11 @@ class SiteConfig(Strict):
     def files(self) -> list[Path]:
         """The site files read, the admin's first; [] when there are none."""
         return list(self._files)
+
+    @property
+    def shadowed_pools(self) -> list[str]:
+        """The pools of the user's file that the admin's defines too: the admin's are used."""
+        return list(self._shadowed)
 
     @property
     def runs_containers(self) -> bool:
@@ -294,21 +301,13 @@ def merge(admin: SiteConfig, user: SiteConfig) -> SiteConfig:
     """The user's file over the admin's: its defaults win, its pools are added, its setup lines
     run after the admin's, and each limit is the stricter of the two."""
     a_path, u_path = str(admin.files[0]), str(user.files[0])
-    clash = sorted(set(admin.pools) & set(user.pools))
-    if clash:
-        raise ConfigError(
-            [
-                f"{u_path}: {ROOT}.pools.{name}: the pool {name!r} is the site's ({a_path}); "
-                "a user's site config may add pools, not redefine the site's"
-                for name in clash
-            ],
-            source="site config",
-        )
     raw: dict[str, Any] = admin.model_dump(exclude_unset=True)
     mine = user.model_dump(exclude_unset=True)
     for key in set(mine) - {"pools", "limits", "setup", "poll_interval_s"}:
         raw[key] = mine[key]
-    raw["pools"] = {**raw.get("pools", {}), **mine.get("pools", {})}
+    # A pool of the admin's stays the admin's (a file `det site init` wrote before the admin
+    # installed one names the same pools): the doctor names the user's pools left unused.
+    raw["pools"] = {**mine.get("pools", {}), **raw.get("pools", {})}
     raw["setup"] = [*admin.setup, *user.setup]
     raw["poll_interval_s"] = max(admin.poll_interval_s, user.poll_interval_s)
     lim, ulim = admin.limits, user.limits
@@ -323,6 +322,7 @@ def merge(admin: SiteConfig, user: SiteConfig) -> SiteConfig:
     except ValidationError as e:
         raise ConfigError(sorted(_pydantic_errors(e, ROOT, SiteConfig)), source=f"site config {u_path}") from None
     site._files = [*admin.files, *user.files]
+    site._shadowed = sorted(set(admin.pools) & set(user.pools))
     # The admin's file is named for every limit it holds at least as tightly as the user's.
     site._origins = {**user._origins, **{k: v for k, v in admin._origins.items() if k.startswith("pools.")}}
     for name in ("partitions", "accounts", "qos", "max_time_min"):
