@@ -11,6 +11,7 @@ import click
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
+from detslurm.download_dir import LOCATE_COMMAND
 
 # Loaded on first use (cli/lazy.py): list and describe answer from the read layer (store.reads)
 # and must not pay for the ORM or the controller.
@@ -99,6 +100,17 @@ def download(app: App, uuid: str, output_dir: Path | None, quiet: bool) -> None:
     click.echo("Local checkpoint path:")
     click.echo(str(path))
     table(_HEADERS, [_row(ck.info)])
+
+
+# The login side of a remote download (cli/remote/transfer.py): the directory the laptop may
+# copy, checked here as a local download checks it, never the path the trial reported.
+@checkpoint.command(LOCATE_COMMAND, hidden=True)
+@click.argument("uuid")
+@pass_app
+def locate(app: App, uuid: str) -> None:
+    """Print {"uuid", "directory"} of a checkpoint a download may copy from, as JSON."""
+    ck = client.Client(app.store, app.scope).get_checkpoint(uuid)
+    click.echo(json.dumps({"uuid": ck.uuid, "directory": str(ck.checked_source())}))
 
 
 def _uuids(text: str) -> list[str]:

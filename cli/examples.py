@@ -58,6 +58,7 @@ EXAMPLES: dict[str, str] = {
     "checkpoint delete": "det c delete 3f2a...,9b1c... --yes",
     "checkpoint describe": "det c describe 3f2a...",
     "checkpoint download": "det c download 3f2a... -o ckpt/",
+    "checkpoint locate-for-download": "det c locate-for-download 3f2a...  (what a remote download asks)",
     "checkpoint list": "det c list 7 --json",
     "checkpoint rm": "det c rm 3f2a... --glob 'optimizer*' --yes",
     "daemon logs": "det daemon logs",

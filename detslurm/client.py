@@ -268,11 +268,27 @@ class Checkpoint:
         return Path(base).resolve() / self.uuid
 
     def download(self, path: Union[str, Path, None] = None, mode: DownloadMode = DownloadMode.AUTO) -> str:
-        """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``); the path written.
-        Every ``mode`` is a plain copy: the files are on a shared filesystem."""
-        from detslurm.controller.gc import valid_checkpoint_uuid
+        """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``), a new or empty
+        directory; the path written. Every ``mode`` is a plain copy: the files are on a shared
+        filesystem."""
+        from detslurm.download_dir import fresh_download_dir
 
         DownloadMode(mode)
+        src = self.checked_source()
+        dst = Path(path) if path is not None else _default_destination(self.uuid)
+        # symlinks=True: a link the trial left in its checkpoint is copied as a link, never
+        # followed to read (and copy out) whatever file it names. A fresh dir: never through a
+        # link an earlier download left.
+        with fresh_download_dir(dst) as tmp:
+            shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True)
+        return str(dst)
+
+    def checked_source(self) -> Path:
+        """The checkpoint's own directory, ``<storage base>/<uuid>``, once checked: a COMPLETED
+        checkpoint, a valid uuid, a real directory (no link in its place). What a download, here
+        or on a laptop over SSH, copies from."""
+        from detslurm.controller.gc import valid_checkpoint_uuid
+
         # The uuid is a value the trial reported: checked again because it becomes a directory
         # name on the caller's machine (a "../x" uuid would write outside checkpoints/).
         if not valid_checkpoint_uuid(self.uuid):
@@ -285,15 +301,11 @@ class Checkpoint:
             raise StateError(
                 f"checkpoint {self.uuid} is {self.state.name}; only COMPLETED checkpoints can be downloaded"
             )
-        dst = Path(path) if path is not None else _default_destination(self.uuid)
         src = self._source()
         # is_symlink: a link in the checkpoint's place (to another experiment's, say) is not it.
         if src is None or src.is_symlink() or not src.is_dir():
             raise NotFoundError("checkpoint files for", self.uuid)
-        # symlinks=True: a link the trial left in its checkpoint is copied as a link, never
-        # followed to read (and copy out) whatever file it names.
-        shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
-        return str(dst)
+        return src
 
     def get_metrics(self, group: Optional[str] = None) -> Iterator[TrialMetrics]:
         """The metrics its trial reported up to this checkpoint's step (``group`` only, if given)."""

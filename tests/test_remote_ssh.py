@@ -326,3 +326,65 @@ def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, 
             check=False,
             env=dict(os.environ, SLURM_CONF=str(slurm_cluster / "etc/slurm.conf")),
         )
+
+
+SSH_THIEF = """
+import os, uuid
+import determined as det
+from detslurm.protocol.events import CheckpointSaved
+
+with det.core.init() as ctx:
+    base = ctx.checkpoint.base
+    with ctx.checkpoint.store_path({"steps_completed": 1}) as (path, _):
+        (path / "w.txt").write_text("w")
+    with ctx.checkpoint.store_path({"steps_completed": 4}) as (path, _):  # a tree too deep to copy
+        deep = path.joinpath(*["d"] * 70)
+        deep.mkdir(parents=True)
+        (deep / "leaf").write_text("x")
+    # Forged reports: a checkpoint "at" ~/.ssh, and one whose dir is a link to it.
+    linked = str(uuid.uuid4())
+    os.symlink(os.path.expanduser("~/.ssh"), base / linked)
+    for name, steps in ((str(uuid.uuid4()), 2), (linked, 3)):
+        ctx.checkpoint._report(CheckpointSaved(uuid=name, metadata={"steps_completed": steps}, resources={},
+                                               steps_completed=steps, size=0, storage_path=os.path.expanduser("~/.ssh")))
+"""
+
+
+def test_download_copies_only_the_checked_checkpoint_dir(
+    det: Any, laptop: Path, servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """A trial on the login node reports checkpoints at ~/.ssh, or puts a link to it in its
+    checkpoint's place: a download over SSH copies neither; a real one lands in a fresh dir only."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text(SSH_THIEF)
+    (ckpts,) = [
+        w.split("=", 1)[1].replace("$HOME", servers["user"].pw_dir)
+        for line in json.loads(Path(os.environ["DETSLURM_CONFIG"]).read_text())["remote"]["setup"]
+        for w in line.split()
+        if w.startswith("DETSLURM_CHECKPOINT_DIR=")
+    ]
+    # GC keeps all three: the forged rows stay COMPLETED, as a download would find them.
+    storage = f"{{type: shared_fs, host_path: '{ckpts}', save_trial_latest: 5}}"
+    write(
+        ctx / "exp.yaml",
+        f"name: thief\nentrypoint: python3 train.py\nsearcher: {{name: single, metric: x}}\ncheckpoint_storage: {storage}\n",
+    )
+    url = "ssh://direct"
+    code, out, err = det("-m", url, "e", "create", "--local", ctx / "exp.yaml", ctx)
+    assert code == 0 and "COMPLETED" in out, out + err
+    code, out, _ = det("-m", url, "e", "lc", "1", "--json")
+    by_steps = {c["steps_completed"]: c["uuid"] for c in json.loads(out)}
+    for steps in (2, 3):
+        dl = tmp_path / f"stolen-{steps}"
+        code, out, err = det("-m", url, "c", "download", by_steps[steps], "-o", dl)
+        assert code == 1 and "not found" in err, out + err
+        assert not dl.exists()
+    assert not [p for p in tmp_path.rglob("authorized_keys")]
+    code, out, err = det("-m", url, "c", "download", by_steps[4], "-o", tmp_path / "deep")
+    assert code == 1 and "nested deeper than 64 levels" in err and not (tmp_path / "deep").exists(), out + err
+    dl = tmp_path / "dl"
+    code, out, err = det("-m", url, "c", "download", by_steps[1], "-o", dl)
+    assert code == 0 and (dl / "w.txt").read_text() == "w", out + err
+    code, out, err = det("-m", url, "c", "download", by_steps[1], "-o", dl)  # never into what is there
+    assert code == 1 and "already exists" in err, out + err

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import shutil
 import stat
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import click
@@ -25,6 +26,8 @@ from detslurm import context
 from detslurm.cli.remote.channel import collect
 from detslurm.cli.remote.command import capture_argv, note, run_argv
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
+from detslurm.download_dir import LOCATE_COMMAND, fresh_download_dir
+from detslurm.protocol.ckmark import canonical_uuid
 
 CACHE = ".cache/detslurm/contexts"
 
@@ -169,9 +172,114 @@ def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], creat
     return run_argv(conn, target, rs, [*args[:2], remote_config, tree, *options])
 
 
-def _walk(sftp: Any, remote: str, local: Path) -> list[tuple[str, Path, int]]:
-    """(remote file, local file, size) for every regular file under ``remote``. Names come from
-    the cluster (written by the trial: untrusted), so only plain names are followed."""
+def download_checkpoint(
+    conn: Any, target: Target, rs: RemoteSettings, args: list[str], download_cmd: click.Command
+) -> int:
+    """`det checkpoint download UUID [-o DIR] [-q]`: ask the login node which directory holds the
+    checkpoint (checked there as a local download checks it), check it again here, then copy its
+    files into a fresh directory with a progress line. ``download_cmd`` is the local
+    `det checkpoint download`, whose declaration parses ``args``."""
+    with download_cmd.make_context("download", args[2:]) as ctx:
+        uuid, out_dir, quiet = ctx.params["uuid"], ctx.params["output_dir"], ctx.params["quiet"]
+    code, out, err = capture_argv(conn, target, rs, ["checkpoint", LOCATE_COMMAND, uuid])
+    if code != 0:
+        click.echo(err, nl=False, err=True)
+        return code
+    src = _checked_source(conn, out)
+    dst = Path(out_dir) if out_dir is not None else Path("checkpoints") / PurePosixPath(src).name
+    sftp = conn.sftp()
+    try:
+        # lstat: a link in the checkpoint's place is not the checkpoint, whatever it points to.
+        if not stat.S_ISDIR(sftp.lstat(src).st_mode or 0):
+            raise RemoteError(f"{conn.login}:{src} is not a directory; refusing to download it")
+        files = _walk(sftp, src, Path(), 0)
+        total = sum(size for _, _, size in files)
+        _check_room(dst, total)
+        with fresh_download_dir(dst) as tmp:
+            _copy(sftp, [(r, tmp / rel, size) for r, rel, size in files], PurePosixPath(src).name)
+    except FileNotFoundError:
+        raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
+    finally:
+        sftp.close()
+    note(f"Downloaded {len(files)} files ({total / 2**20:.2f} MiB) from {conn.login}:{src}")
+    click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
+    return 0
+
+
+def _checked_source(conn: Any, answer: str) -> str:
+    """The directory in the login node's answer, if it is ``<absolute base>/<canonical uuid>``:
+    the uuid becomes a directory name here, and a path that is not a checkpoint's is refused."""
+    try:
+        info = json.loads(answer)
+        uuid, src = str(info["uuid"]), str(info["directory"])
+    except (ValueError, KeyError, TypeError):
+        raise RemoteError(
+            f"{conn.login}: unexpected answer to `det checkpoint {LOCATE_COMMAND}`: {answer[:200]!r}"
+        ) from None
+    path = PurePosixPath(src)
+    if not canonical_uuid(uuid) or path.name != uuid or not path.is_absolute() or ".." in path.parts:
+        raise RemoteError(
+            f"{conn.login}: checkpoint {uuid!r} at {src!r} is not <storage base>/<uuid> with a uuid as the "
+            "Core API makes them; refusing to download it"
+        )
+    return src
+
+
+# Bounds on what a trial's tree may make this machine walk and write.
+MAX_DEPTH = 64
+MAX_FILES = 1_000_000
+
+
+def _check_room(dst: Path, total: int) -> None:
+    """Refuse a download bigger than the free space where it goes."""
+    where = next(p for p in (dst.absolute(), *dst.absolute().parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if total > free:
+        raise RemoteError(
+            f"the checkpoint holds {total / 2**30:.2f} GiB, more than the {free / 2**30:.2f} GiB free at {where}"
+        )
+
+
+def _copy(sftp: Any, files: list[tuple[str, Path, int]], label: str) -> None:
+    total = sum(s for _, _, s in files)
+    done = 0
+    tty = sys.stderr.isatty()
+    for n, (remote, local, size) in enumerate(files, 1):
+        local.parent.mkdir(parents=True, exist_ok=True)
+        _get(sftp, remote, local, size)
+        done += size
+        if tty:
+            click.echo(
+                f"\rDownloading {label}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
+                nl=False,
+                err=True,
+            )
+    if tty:
+        click.echo("\r", nl=False, err=True)
+
+
+def _get(sftp: Any, remote: str, local: Path, size: int) -> None:
+    """Copy at most ``size`` bytes (the listed size): a file that grew since the listing is refused,
+    so the total checked against the free space holds."""
+    with sftp.open(remote, "rb") as f, open(local, "xb") as out:
+        f.prefetch(size)
+        left = size
+        while left > 0:
+            chunk = f.read(min(left, 1 << 20))
+            if not chunk:
+                break
+            out.write(chunk)
+            left -= len(chunk)
+        if f.read(1):
+            raise RemoteError(f"{remote} grew while it was downloaded; refusing it")
+
+
+def _walk(sftp: Any, remote: str, rel: Path, depth: int) -> list[tuple[str, Path, int]]:
+    """(remote file, path relative to the top, size) for every regular file under ``remote``.
+    Names come from the cluster (written by the trial: untrusted), so only plain names are
+    followed, never a link, and depth and file count are bounded."""
+    if depth > MAX_DEPTH:
+        raise RemoteError(f"{remote} is nested deeper than {MAX_DEPTH} levels; refusing to download it")
     out: list[tuple[str, Path, int]] = []
     for a in sftp.listdir_attr(remote):
         name = a.filename
@@ -181,59 +289,9 @@ def _walk(sftp: Any, remote: str, local: Path) -> list[tuple[str, Path, int]]:
         # lstat-style attributes: a symlink a trial planted (to ~/.ssh, say) is neither a dir
         # nor a regular file here, so it is never followed or copied.
         if stat.S_ISDIR(mode):
-            out += _walk(sftp, f"{remote}/{name}", local / name)
+            out += _walk(sftp, f"{remote}/{name}", rel / name, depth + 1)
         elif stat.S_ISREG(mode):
-            out.append((f"{remote}/{name}", local / name, int(a.st_size or 0)))
+            out.append((f"{remote}/{name}", rel / name, int(a.st_size or 0)))
+        if len(out) > MAX_FILES:
+            raise RemoteError(f"{remote} holds more than {MAX_FILES} files; refusing to download it")
     return out
-
-
-def download_checkpoint(
-    conn: Any, target: Target, rs: RemoteSettings, args: list[str], download_cmd: click.Command
-) -> int:
-    """`det checkpoint download UUID [-o DIR] [-q]`: ask the login node where the checkpoint
-    is, then copy its files here over SFTP with a progress line. ``download_cmd`` is the local
-    `det checkpoint download`, whose declaration parses ``args``."""
-    with download_cmd.make_context("download", args[2:]) as ctx:
-        uuid, out_dir, quiet = ctx.params["uuid"], ctx.params["output_dir"], ctx.params["quiet"]
-    code, out, err = capture_argv(conn, target, rs, ["checkpoint", "describe", uuid, "--json"])
-    if code != 0:
-        click.echo(err, nl=False, err=True)
-        return code
-    try:
-        info = json.loads(out)
-        state, src = str(info["state"]), str(info["storage_path"])
-    except (ValueError, KeyError, TypeError):
-        raise RemoteError(
-            f"{conn.login}: unexpected answer to `det checkpoint describe --json`: {out[:200]!r}"
-        ) from None
-    if state != "COMPLETED":
-        raise RemoteError(f"checkpoint {uuid} is {state}; only COMPLETED checkpoints can be downloaded")
-    dst = Path(out_dir) if out_dir is not None else Path("checkpoints") / uuid
-    _fetch(conn, src, dst, uuid)
-    click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
-    return 0
-
-
-def _fetch(conn: Any, src: str, dst: Path, uuid: str) -> None:
-    sftp = conn.sftp()
-    try:
-        try:
-            files = _walk(sftp, src, dst)
-        except FileNotFoundError:
-            raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
-        total = sum(s for _, _, s in files)
-        done = 0
-        tty = sys.stderr.isatty()
-        for n, (remote, local, size) in enumerate(files, 1):
-            local.parent.mkdir(parents=True, exist_ok=True)
-            sftp.get(remote, str(local))
-            done += size
-            if tty:
-                click.echo(
-                    f"\rDownloading {uuid}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
-                    nl=False,
-                    err=True,
-                )
-        note(f"{chr(13) if tty else ''}Downloaded {len(files)} files ({done / 2**20:.2f} MiB) from {conn.login}:{src}")
-    finally:
-        sftp.close()
