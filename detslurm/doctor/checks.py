@@ -10,6 +10,7 @@ from detslurm.doctor.facts import SiteFacts
 from detslurm.doctor.findings import Finding, Status
 from detslurm.slurm.budget import preemption_budget
 from detslurm.slurm.partitions import PartitionInfo
+from detslurm.slurm.refusals import takes_no_jobs
 from detslurm.slurm.site import Pool
 
 OK, WARNING, PROBLEM = Status.OK, Status.WARNING, Status.PROBLEM
@@ -276,11 +277,27 @@ def check_partition(f: SiteFacts, p: PartitionInfo) -> Finding:
     # Without a site config every partition is a pool; with one, unused partitions matter less.
     used = f"pool {', '.join(pools)}" if pools else ("a pool" if not f.site.pools else "not used by any pool")
     subject = f"partition {p.name}"
+    states = f.node_states(p.name)
+    if states:
+        detail += "; nodes " + ", ".join(f"{count} {state} ({nodes})" for state, count, nodes in states)
     # A partition no pool uses cannot hurt a trial: it is a warning, not a problem.
     if not p.up:
         return Finding(subject, PROBLEM if pools else WARNING, detail, f"{used}: jobs queue but never start")
     if p.total_nodes == 0:
         return Finding(subject, PROBLEM if pools else WARNING, detail, f"{used}: it has no nodes")
+    away = [(state, count, nodes) for state, count, nodes in states if takes_no_jobs(state)]
+    out = sum(count for _, count, _ in away)
+    if away and out >= p.total_nodes:
+        return Finding(subject, PROBLEM if pools else WARNING, detail, f"{used}: no node takes jobs, none start")
+    if away:
+        names = ", ".join(f"{nodes} {state}" for state, _, nodes in away)
+        return Finding(
+            subject,
+            WARNING,
+            detail,
+            f"{used}: {out} of {p.total_nodes} nodes take no jobs ({names}); jobs run on the others, "
+            "and one that needs every node waits",
+        )
     return Finding(subject, OK, detail, used)
 
 
@@ -311,6 +328,14 @@ def check_pool(f: SiteFacts, name: str, pool: Pool) -> Finding:
                 f"{detail}; the nodes have {gpus} GPUs",
                 f"a trial asking for {pool.slots_per_node} GPUs per node never starts: set slots_per_node {gpus}",
             )
+    cpus = f.cpus_per_node(p.name)
+    if pool.slot_type == "cpu" and 0 < cpus < pool.slots_per_node:
+        return Finding(
+            subject,
+            WARNING,
+            f"{detail}; the nodes have {cpus} CPUs",
+            f"a trial asking for {pool.slots_per_node} CPUs per node never starts: set slots_per_node {cpus}",
+        )
     # Slurm holds such a job forever (PartitionTimeLimit) unless EnforcePartLimits rejects it.
     if pool.time_limit_min and p.max_time_s is not None and pool.time_limit_min * 60 > p.max_time_s:
         return Finding(

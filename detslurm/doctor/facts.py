@@ -66,6 +66,18 @@ class SiteFacts:
         # sinfo prints one line per node state and GRES: the set of distinct values describes it.
         return ",".join(sorted({n.gres for n in self.sinfo if n.partition == partition and n.gres}))
 
+    def node_states(self, partition: str) -> list[tuple[str, int, str]]:
+        """The partition's nodes by state, as sinfo groups them: (state, how many, node list)."""
+        out: dict[tuple[str, str], int] = {}
+        for n in self.sinfo:
+            if n.partition == partition:
+                out[(n.state, n.nodelist)] = out.get((n.state, n.nodelist), 0) + n.nodes
+        return [(state, count, nodes) for (state, nodes), count in sorted(out.items())]
+
+    def cpus_per_node(self, partition: str) -> int:
+        """The most CPUs one node of the partition has (sinfo's lines total their nodes' CPUs)."""
+        return max((n.cpus_total // n.nodes for n in self.sinfo if n.partition == partition and n.nodes), default=0)
+
     def gpus_per_node(self, partition: str) -> int:
         return max((n.gpus_per_node for n in self.sinfo if n.partition == partition), default=0)
 

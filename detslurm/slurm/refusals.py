@@ -318,4 +318,16 @@ def nodes_away(shape: JobShape, partitions: Sequence[PartitionInfo], nodes: Sequ
     jobs now: while any is away, sbatch --test-only's "not available" may mean only "not now"."""
     part = find_partition(shape, partitions)
     ours = [n for n in nodes if part is None or part.name in n.partitions]
-    return [n.name for n in ours if _AWAY.intersection(n.state.split("+"))]
+    return [n.name for n in ours if takes_no_jobs(n.state)]
+
+
+# sinfo's one-character suffixes (%T) of a node that takes no jobs now: not responding, powered
+# off, powering down, power down pending, in a maintenance reservation, reboot pending or issued.
+_AWAY_SUFFIXES = ("*", "~", "%", "!", "$", "@", "^")
+
+
+def takes_no_jobs(state: str) -> bool:
+    """A node state as sinfo spells it (``idle``, ``mixed+drain``, ``down*``, ``idle~``) is one
+    that keeps new jobs off the node."""
+    state = state.lower()
+    return state.endswith(_AWAY_SUFFIXES) or bool(_AWAY.intersection(state.rstrip("*~%!$@^#-").split("+")))
