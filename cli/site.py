@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 # Wrapped widths of the subject, detail and action columns: with the status column and presto's
 # separators the table fits in 100 columns (tests/test_site_limits.py).
 _SUBJECT_WIDTH = 16
-_DETAIL_WIDTH = 38
-_ACTION_WIDTH = 28
+_DETAIL_WIDTH = 37
+_ACTION_WIDTH = 27
 
 
 @click.group(name="site")

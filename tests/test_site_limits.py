@@ -18,6 +18,7 @@ from conftest import ROOT
 
 from detslurm.doctor import checks
 from detslurm.doctor.facts import SiteFacts
+from detslurm.doctor.findings import Finding, Status
 from detslurm.errors import ConfigError
 from detslurm.slurm.client import Result
 from detslurm.slurm.parse import parse_config, parse_sinfo
@@ -250,7 +251,8 @@ def test_the_doctors_table_fits_100_columns(admin: Path, tmp_path: Path, monkeyp
     from detslurm.cli.site import findings_table
 
     user_file(tmp_path, monkeypatch, "limits: {max_time_min: 60}\n")
-    table = findings_table(checks.site_findings(facts(load_site_config(), 0.5)))
+    long = Finding("pool abcdefghijklmnop: node", Status.PROBLEM, "word " * 40 + "x" * 60, "act " * 30 + "y" * 40)
+    table = findings_table([*checks.site_findings(facts(load_site_config(), 0.5)), long])
     widths = [len(line) for line in table.splitlines()]
     assert len(widths) > 20 and max(widths) <= 100, max(widths)
 
