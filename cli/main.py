@@ -17,6 +17,7 @@ import click
 
 from detslurm import __version__
 from detslurm.cli.remote.target import split_master
+from detslurm.cli.terminal import guarded
 from detslurm.errors import DetSlurmError
 
 # name -> (module, group, short help). Subcommand modules import the store, Slurm and the
@@ -105,6 +106,13 @@ def local_command(path: Sequence[str]) -> click.Command:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Everything printed to a terminal passes one cleaner (cli/terminal.py): much of it is text
+    # trials, jobs and remote hosts wrote.
+    with guarded():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s: %(message)s")
     try:
         args = list(argv) if argv is not None else sys.argv[1:]

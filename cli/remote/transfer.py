@@ -243,19 +243,21 @@ def _check_room(dst: Path, total: int) -> None:
 def _copy(sftp: Any, files: list[tuple[str, Path, int]], label: str) -> None:
     total = sum(s for _, _, s in files)
     done = 0
-    tty = sys.stderr.isatty()
+    # The progress line is ours (counts and a checked uuid) and redraws itself with \r, a control
+    # character the terminal guard (cli/terminal.py) would blank: it goes to the terminal itself.
+    progress = sys.__stderr__ if sys.stderr.isatty() else None
     for n, (remote, local, size) in enumerate(files, 1):
         local.parent.mkdir(parents=True, exist_ok=True)
         _get(sftp, remote, local, size)
         done += size
-        if tty:
+        if progress is not None:
             click.echo(
                 f"\rDownloading {label}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
                 nl=False,
-                err=True,
+                file=progress,
             )
-    if tty:
-        click.echo("\r", nl=False, err=True)
+    if progress is not None:
+        click.echo("\r", nl=False, file=progress)
 
 
 def _get(sftp: Any, remote: str, local: Path, size: int) -> None:
