@@ -244,7 +244,7 @@ def check_site_config(f: SiteFacts) -> Finding:
     return Finding(
         "site config",
         OK,
-        f"{' + '.join(map(str, f.site.files or [f.site_path]))}: pools {pools}{default}, "
+        f"{' + '.join(map(str, f.site.files)) or f.site_path}: pools {pools}{default}, "
         f"container_runtime {f.site.container_runtime.value}",
         "experiments choose a pool with resources.resource_pool",
     )
