@@ -99,7 +99,8 @@ def load_trial_state(ctx: PyTorchTrialContext, state: dict[str, Any]) -> None:
 def load_data(trial: Any, ctx: PyTorchTrialContext) -> dict[str, Any]:
     cls = type(trial)
     return {
-        "trial_type": "PyTorchTrial",
+        # Determined's name of the trial API (PyTorchTrial or DeepSpeedTrial) for its loaders.
+        "trial_type": getattr(cls, "_trial_type", "PyTorchTrial"),
         # Enough for load_trial_from_checkpoint_path to re-import the class from the checkpoint's
         # code/ copy; a class defined in __main__ cannot be found again that way (refused on load).
         "trial_cls_spec": f"{cls.__module__}:{cls.__qualname__}",

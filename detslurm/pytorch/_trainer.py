@@ -117,6 +117,9 @@ class Trainer:
         # max(1, ...): an empty loader would make the epoch length 0 and every period divide by it.
         return source, max(1, len(source))
 
+    def _validation_source(self) -> Any:
+        return self.trial.build_validation_data_loader()
+
     def _unit_epoch_len(self, data_steps: int) -> int:
         """Batches per Epoch unit: records_per_epoch / global batch size when the config sets
         records_per_epoch (Determined's legacy knob), else one pass over the training data."""
@@ -148,7 +151,7 @@ class Trainer:
         source, data_steps = self._training_source()
         # Built before training starts, as Determined does, so a broken validation loader fails
         # at once rather than after the first training period.
-        self._val_source = self.trial.build_validation_data_loader()
+        self._val_source = self._validation_source()
         bpe = self._unit_epoch_len(data_steps)
         self._bpe = bpe
         self.context._epoch_len = bpe
@@ -173,9 +176,13 @@ class Trainer:
 
     def _stream(self, source: Any, data_steps: int) -> Iterator[Any]:
         """This rank's batches from step ``batches_trained`` on, across data epochs, forever."""
+        return self._loader_steps(source, data_steps, self.batches_trained)
+
+    def _loader_steps(self, source: Any, data_steps: int, start: int) -> Iterator[Any]:
+        """The loader's batches from its ``start``-th on (``data_steps`` per pass), forever."""
         # Data epochs, not Epoch units: the loader's position depends on passes over the data even
         # when records_per_epoch makes the Epoch unit a different length.
-        epoch, skip = divmod(self.batches_trained, data_steps)
+        epoch, skip = divmod(start, data_steps)
         while True:
             if isinstance(source, ShardedLoader):
                 yield from source.epoch(epoch, skip)
@@ -218,11 +225,11 @@ class Trainer:
             # A stop the trial requests is still seen after the very batch that requested it.
             quiet_until = self._next_due(bpe, max_batches, periods) - 1
             while self.batches_trained < quiet_until:
-                pending.append(self._step(next(stream)))
+                self._train_one(pending, stream)
                 if alone and self.context._stop_requested:
                     break
             else:
-                pending.append(self._step(next(stream)))
+                self._train_one(pending, stream)
             if self.batches_trained % bpe == 0:
                 # Epoch end before any checkpoint at this batch: the checkpoint then holds the
                 # schedulers as stepped, and a resumed run does not step them a second time.
@@ -231,6 +238,10 @@ class Trainer:
                     cb.on_training_epoch_end(self.epoch_idx)
             if self._boundaries(pending, bpe, max_batches, periods, test_mode):
                 return
+
+    def _train_one(self, pending: list[dict[str, Any]], stream: Iterator[Any]) -> None:
+        """One batch trained; its metrics appended to the reporting window."""
+        pending.append(self._step(next(stream)))
 
     def _on_epoch_start(self, epoch_idx: int) -> None:
         for cb in self.callbacks.values():
@@ -377,14 +388,14 @@ class Trainer:
             cb.on_training_workload_end(avg, batch_metrics)
 
     def _evaluate(self, test_mode: bool) -> dict[str, Any]:
-        trial, ctx = self.trial, self.context
+        ctx = self.context
         ctx.reset_reducers()
         for m in ctx.models:
             m.eval()
         with torch.no_grad():
             # An overridden evaluate_full_dataset wins, as in Determined: the user asked to see the
             # whole validation set at once.
-            if type(trial).evaluate_full_dataset is not PyTorchTrial.evaluate_full_dataset:
+            if self._full_dataset_defined():
                 metrics = self._evaluate_full_dataset()
             else:
                 metrics = self._evaluate_batches(test_mode)
@@ -392,6 +403,9 @@ class Trainer:
             m.train()
         metrics.update(self._custom_reductions(training=False))
         return metrics
+
+    def _full_dataset_defined(self) -> bool:
+        return type(self.trial).evaluate_full_dataset is not PyTorchTrial.evaluate_full_dataset
 
     def _evaluate_full_dataset(self) -> dict[str, Any]:
         """On the chief only, over the whole (unsharded) validation data; the others get the result."""
@@ -480,12 +494,21 @@ class Trainer:
         # copy is the checkpoint; the callbacks above ran on every rank, as in Determined.
         if not self.context.is_chief():
             return
-        md = {
+        with self.core.checkpoint.store_path(self._checkpoint_metadata()) as (path, uuid):
+            torch.save(state, path / STATE_FILE)
+            self._write_trial_files(path)
+        self._checkpoint_done(uuid)
+
+    def _checkpoint_metadata(self) -> dict[str, Any]:
+        return {
             "determined_version": "detslurm",
             "steps_completed": self.batches_trained,
             "framework": f"torch-{torch.__version__}",
             "format": "pickle",
         }
+
+    def _write_trial_files(self, path: Path) -> None:
+        """Where training is, how to load the trial again and its code (the chief's part)."""
         trial_state = {
             "batches_trained": self.batches_trained,
             "epochs_trained": self.batches_trained // self._bpe,
@@ -493,15 +516,16 @@ class Trainer:
             "trial_id": self._trial_id(),
             "best": self._best,
         }
-        with self.core.checkpoint.store_path(md) as (path, uuid):
-            torch.save(state, path / STATE_FILE)
-            with open(path / TRIAL_STATE_FILE, "wb") as f:
-                pickle.dump(trial_state, f)
-            (path / LOAD_DATA_FILE).write_text(json.dumps(load_data(self.trial, self.context)))
-            if self._on_cluster():
-                self._save_code(path / "code")
-            for cb in self.callbacks.values():
-                cb.on_checkpoint_write_end(str(path))
+        with open(path / TRIAL_STATE_FILE, "wb") as f:
+            pickle.dump(trial_state, f)
+        (path / LOAD_DATA_FILE).write_text(json.dumps(load_data(self.trial, self.context)))
+        if self._on_cluster():
+            self._save_code(path / "code")
+        for cb in self.callbacks.values():
+            cb.on_checkpoint_write_end(str(path))
+
+    def _checkpoint_done(self, uuid: str) -> None:
+        assert self.core is not None
         for cb in self.callbacks.values():
             cb.on_checkpoint_end(str(self.core.checkpoint.base / uuid))
             cb.on_checkpoint_upload_end(uuid)
@@ -528,6 +552,10 @@ class Trainer:
         for cb in self.callbacks.values():
             cb.on_checkpoint_load_start(state)
         load_trial_state(self.context, state)
+        self._resume_at(storage_id, state, trial_state)
+
+    def _resume_at(self, storage_id: str, state: dict[str, Any], trial_state: dict[str, Any]) -> None:
+        """Callbacks, RNG and where training is, from a loaded checkpoint."""
         for k, sd in state.get("callbacks", {}).items():
             if k in self.callbacks:
                 self.callbacks[k].load_state_dict(sd)
