@@ -7,6 +7,7 @@ cluster through the bastion as the ssh user: create, logs -f, pause/activate, wa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -388,3 +389,31 @@ def test_download_copies_only_the_checked_checkpoint_dir(
     assert code == 0 and (dl / "w.txt").read_text() == "w", out + err
     code, out, err = det("-m", url, "c", "download", by_steps[1], "-o", dl)  # never into what is there
     assert code == 1 and "already exists" in err, out + err
+
+
+def test_context_files_named_like_options_are_uploaded_as_files(
+    det: Any, laptop: Path, servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """File names become arguments of the login node's cp/chmod/ln: a `--help` must arrive as a
+    file, and `--target-directory=..` must not write outside the context's tree."""
+    ctx = tmp_path / "ctx"
+    (ctx / "-d").mkdir(parents=True)
+    names = ["--help", "--target-directory=..", "-rf", "-d/--verbose"]
+    for name in names:
+        (ctx / name).write_text(name)
+    (ctx / "--link").symlink_to("--help")
+    check = "; ".join(f"assert open({n!r}).read() == {n!r}, {n!r}" for n in names)
+    write(ctx / "train.py", f"import os\n{check}\nassert os.readlink('--link') == '--help'\n")
+    write(ctx / "exp.yaml", "name: dashes\nentrypoint: python3 train.py\nsearcher: {name: single, metric: x}\n")
+    code, out, err = det("-m", "ssh://direct", "e", "create", "--local", ctx / "exp.yaml", ctx)
+    assert code == 0 and "Experiment 1 COMPLETED" in out, out + err
+    trees = Path(servers["user"].pw_dir) / ".cache/detslurm/contexts/trees"
+    assert all(p.is_dir() or p.name.endswith(".done") for p in trees.iterdir()), sorted(trees.iterdir())
+    # An object the login node cannot copy (unreadable here) fails the upload, never a tree
+    # marked done without the file.
+    obj = trees.parent / "objects" / hashlib.sha256(b"-rf").hexdigest()
+    obj.chmod(0)
+    (ctx / "new.txt").write_text("a changed context: a new tree")
+    code, out, err = det("-m", "ssh://direct", "e", "create", "--local", ctx / "exp.yaml", ctx)
+    assert code == 1 and "could not unpack the uploaded context" in err and "Permission denied" in err, out + err
+    assert len(list(trees.glob("*.done"))) == 1

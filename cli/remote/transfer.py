@@ -121,13 +121,17 @@ def _materialize(conn: Any, base: str, tree: str, bundle: context.ContextBundle,
     stdin: a large context would not fit in one exec request)."""
     q = shlex.quote
     lines = ["set -e", "umask 077", f"t={q(tree)}.tmp.$$", 'rm -rf "$t"', 'mkdir -p "$t"', 'cd "$t"']
+    # Names are the user's files' (a file may be called --help): each is ./-prefixed after a --,
+    # never read as an option. One command a line: set -e stops at any failed one (in an
+    # `a && b` list it would not stop for a), so a missing object fails the upload.
     for e in bundle.entries:
+        rel = q("./" + e.rel)
         if e.kind == "dir":
-            lines.append(f"mkdir -p {q(e.rel)} && chmod {e.mode:o} {q(e.rel)}")
+            lines += [f"mkdir -p -- {rel}", f"chmod -- {e.mode:o} {rel}"]
         elif e.kind == "link":
-            lines.append(f"ln -s {q(e.target)} {q(e.rel)}")
+            lines.append(f"ln -s -- {q(e.target)} {rel}")
         else:
-            lines.append(f"cp {q(base + '/objects/' + digests[e.rel])} {q(e.rel)} && chmod {e.mode:o} {q(e.rel)}")
+            lines += [f"cp -- {q(base + '/objects/' + digests[e.rel])} {rel}", f"chmod -- {e.mode:o} {rel}"]
     # Two creates of the same context at once: the second mv fails and its copy is dropped.
     lines += ["cd /", f'mv -T "$t" {q(tree)} 2>/dev/null || rm -rf "$t"', f": > {q(tree)}.done"]
     chan = conn.open_exec("sh -s")
