@@ -69,6 +69,22 @@ for _dir in [TESTS, *sorted({p.parent for p in TESTS.rglob("test_*.py")} - {TEST
 pytest_plugins = ["tiers"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each session gets a private temp root unless one is given (--basetemp).
+
+    pytest's default root, /tmp/pytest-of-USER, is shared by every session of a user, and each
+    session that starts takes it back to 0700. scripts/test-cluster opens the path to a
+    cluster's state dir (o+x) so that the second Unix user's Slurm commands can read slurm.conf;
+    a session started beside it (CI runs two at once, and 24.11 starts while 22.05 runs) closed
+    that path again and the second user's tests failed with "Unable to process configuration
+    file". A root of the session's own under /tmp is changed by no other session."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        import tempfile
+
+        config.option.basetemp = tempfile.mkdtemp(prefix="detslurm-pytest-")
+        config.add_cleanup(lambda: shutil.rmtree(config.option.basetemp, ignore_errors=True))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
     """A failed test that ran experiments gets their story (tests/diagnose.py) as a section of
