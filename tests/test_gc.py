@@ -10,7 +10,7 @@ from pathlib import Path
 from pytest import MonkeyPatch
 
 from detslurm import settings
-from detslurm.controller import ops
+from detslurm.controller import ckpt_ops, ops
 from detslurm.controller.detached import EXECUTOR as DETACHED
 from detslurm.controller.gc import checkpoint_dir, collect_garbage, remove_dirs
 from detslurm.core import CheckpointContext, DummyDistributedContext
@@ -251,3 +251,18 @@ def test_a_saved_checkpoint_carries_the_mark_gc_checks(tmp_path: Path, monkeypat
         doomed = collect_garbage(s, s.get(Experiment, exp_id))
     remove_dirs(doomed)
     assert not (base / uuid).exists()
+
+
+def test_checkpoint_rm_glob_leaves_files_of_an_unmarked_dir(tmp_path: Path) -> None:
+    store, _, base = setup(tmp_path)
+    now = datetime.now(timezone.utc)
+    ours, theirs = saved(base, uid("a"), run_key(tmp_path)), base / uid("b")
+    theirs.mkdir()
+    for d in (ours, theirs):
+        (d / "w.pt").write_bytes(b"w")
+        add_checkpoint(store, d.name, 1, now, str(d))
+    with store.tx() as s:
+        for ck in s.query(Checkpoint):
+            ck.resources = {"w.pt": 1}
+    ckpt_ops.remove_files(store, [ours.name, theirs.name], ["*.pt"])
+    assert not (ours / "w.pt").exists() and (theirs / "w.pt").read_bytes() == b"w"

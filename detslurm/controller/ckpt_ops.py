@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from detslurm.controller.gc import Doomed, doomed, remove_checkpoint
+from detslurm.controller.gc import Doomed, doomed, is_ours, remove_checkpoint
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
 from detslurm.store import Store
@@ -83,7 +83,9 @@ def remove_files(store: Store, uuids: Sequence[str], globs: Sequence[str], scope
             # Sizes come from the trial's report (untrusted): anything but an int counts as nothing.
             ck.size = sum(int(v) for v in left.values() if isinstance(v, int))
             ck.state = "PARTIALLY_DELETED" if left else "DELETED"
-            files = tuple(f for n in names if path is not None and (f := _inside(path.path, n)) is not None)
+            # Files of a dir without its run's mark are not ours to remove (controller/gc.py).
+            top = path.path if path is not None and is_ours(path) else None
+            files = tuple(f for n in names if top is not None and (f := _inside(top, n)) is not None)
             plan.append(Removal(uuid, path, files))
     for r in plan:
         for f in r.files:

@@ -38,7 +38,7 @@ from detslurm.controller.executor import (
     SubmitUnknown,
 )
 from detslurm.controller.files import prepare_runs, read_marker, sync_files, write_marker
-from detslurm.controller.gc import collect_garbage, remove_dirs
+from detslurm.controller.gc import Doomed, collect_garbage, remove_dirs
 from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
 from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import os_user
@@ -377,7 +377,7 @@ class Controller:
                 exp.searcher_state = saved = kept.state_dict()
         if kept is not None:
             self.memory.keep_searcher(exp_id, kept, saved, exp.config)  # committed
-        doomed: list[Path] = []
+        doomed: list[Doomed] = []
         with self.store.tx() as s:
             exp = _get(s, exp_id)
             if exp.state.is_terminal:

@@ -140,9 +140,14 @@ def remove_dirs(dirs: list[Doomed]) -> None:
         remove_checkpoint(d)
 
 
+def is_ours(d: Doomed) -> bool:
+    """Whether our checkpoint code made this dir for the run that saved it (its mark)."""
+    return d.key is not None and has_mark(d.path, d.key, d.uuid)
+
+
 def remove_checkpoint(d: Doomed) -> None:
     """Remove one checkpoint dir if our checkpoint code made it for that run (its mark)."""
-    if d.key is None or not has_mark(d.path, d.key, d.uuid):
+    if not is_ours(d):
         if os.path.lexists(d.path):
             log.warning("not removing %s: it has no valid checkpoint mark of its run", d.path)
         return
