@@ -15,13 +15,16 @@ Importing this module opens nothing: the default session is made on first use.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
+import itertools
 import logging
 import shutil
 import time
+import warnings
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -81,6 +84,73 @@ class TrialSortBy(enum.Enum):
     RESTARTS = "SORT_BY_RESTARTS"
     CHECKPOINT_SIZE = "SORT_BY_CHECKPOINT_SIZE"
     LOG_RETENTION_DAYS = "SORT_BY_LOG_RETENTION_DAYS"
+
+
+# Determined's values are members of its API's enum: one of the same name and members keeps
+# them equal for code that compares or prints them.
+_SortField = enum.Enum(  # type: ignore[misc]
+    "v1GetExperimentsRequestSortBy",
+    {
+        n: f"SORT_BY_{n}"
+        for n in [
+            *("ID", "DESCRIPTION", "START_TIME", "END_TIME", "STATE", "NUM_TRIALS", "PROGRESS", "USER", "NAME"),
+            *("FORKED_FROM", "RESOURCE_POOL", "PROJECT_ID", "CHECKPOINT_SIZE", "CHECKPOINT_COUNT"),
+            "SEARCHER_METRIC_VAL",
+        ]
+    },
+)
+
+
+class ExperimentSortBy(enum.Enum):
+    ID = _SortField.ID
+    DESCRIPTION = _SortField.DESCRIPTION
+    START_TIME = _SortField.START_TIME
+    END_TIME = _SortField.END_TIME
+    STATE = _SortField.STATE
+    NUM_TRIALS = _SortField.NUM_TRIALS
+    PROGRESS = _SortField.PROGRESS
+    USER = _SortField.USER
+    NAME = _SortField.NAME
+    FORKED_FROM = _SortField.FORKED_FROM
+    RESOURCE_POOL = _SortField.RESOURCE_POOL
+    PROJECT_ID = _SortField.PROJECT_ID
+    CHECKPOINT_SIZE = _SortField.CHECKPOINT_SIZE
+    CHECKPOINT_COUNT = _SortField.CHECKPOINT_COUNT
+    SEARCHER_METRIC_VAL = _SortField.SEARCHER_METRIC_VAL
+
+
+# The experiment dict's field each sortable ExperimentSortBy reads (Determined's server sorts
+# by the others, which the store does not keep per experiment).
+_EXPERIMENT_SORT_FIELD = {
+    ExperimentSortBy.ID: "id",
+    ExperimentSortBy.DESCRIPTION: "description",
+    ExperimentSortBy.START_TIME: "start_time",
+    ExperimentSortBy.END_TIME: "end_time",
+    ExperimentSortBy.STATE: "state",
+    ExperimentSortBy.PROGRESS: "progress",
+    ExperimentSortBy.USER: "owner",
+    ExperimentSortBy.NAME: "name",
+    ExperimentSortBy.FORKED_FROM: "parent_id",
+    ExperimentSortBy.RESOURCE_POOL: "resource_pool",
+}
+
+
+def _sorted_experiments(rows: list[dict[str, Any]], sort_by: Any, descending: bool) -> list[dict[str, Any]]:
+    """``rows`` ordered by ``sort_by`` (ties by id); a missing value (an experiment not ended
+    yet) after all others either way, as Determined lists experiments without an end time."""
+    try:
+        field = _EXPERIMENT_SORT_FIELD[ExperimentSortBy(sort_by)]
+    except (ValueError, KeyError):
+        sortable = ", ".join(k.name for k in _EXPERIMENT_SORT_FIELD)
+        raise ValueError(
+            f"list_experiments(): cannot sort by {sort_by!r} here; sort_by may be one of {sortable}"
+        ) from None
+
+    def key(d: dict[str, Any]) -> tuple[Any, int]:
+        return getattr(d[field], "value", d[field]), d["id"]
+
+    present = sorted((d for d in rows if d[field] is not None), key=key, reverse=descending)
+    return present + [d for d in rows if d[field] is None]
 
 
 class CheckpointState(enum.Enum):
@@ -313,6 +383,57 @@ class Checkpoint:
             if m.steps_completed <= self.steps_completed:
                 yield m
 
+    # -- changing (the owner's, as `det checkpoint delete` / `rm`) -----------------------------
+    def add_metadata(self, metadata: dict[str, Any]) -> None:
+        """Top-level keys of ``metadata`` set in the stored checkpoint's metadata (replacing
+        those already there). As in Determined, the checkpoint's files are not changed."""
+        if not isinstance(metadata, dict):
+            raise TypeError(f"add_metadata() takes a dict, not {type(metadata).__name__}")
+        self._set_metadata({**self.metadata, **metadata})
+
+    def remove_metadata(self, keys: list[str]) -> None:
+        """These top-level keys removed from the stored checkpoint's metadata (absent ones are
+        ignored). As in Determined, the checkpoint's files are not changed."""
+        if isinstance(keys, str):
+            raise TypeError("remove_metadata() takes a list of keys, not one string")
+        self._set_metadata({k: v for k, v in self.metadata.items() if k not in set(keys)})
+
+    def _set_metadata(self, metadata: dict[str, Any]) -> None:
+        import json
+
+        from detslurm.identity import os_user
+        from detslurm.store.models import Trial as TrialRow
+        from detslurm.views import get_checkpoint
+
+        try:
+            stored = json.loads(json.dumps(metadata))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint {self.uuid}: the metadata must be JSON-serializable ({e})") from None
+        with self._session.store.tx() as s:
+            ck = get_checkpoint(s, self.uuid, self._session.scope)
+            trial = s.get(TrialRow, ck.trial_id)
+            if trial is None or trial.experiment.owner != os_user():
+                raise StateError(f"checkpoint {self.uuid} is not yours; only its owner can change its metadata")
+            ck.metadata_ = stored
+        self.metadata = stored
+
+    def delete(self) -> None:
+        """Delete the checkpoint's files; its row stays, DELETED (as `det checkpoint delete`)."""
+        from detslurm.controller import ckpt_ops
+
+        ckpt_ops.delete_checkpoints(self._session.store, [self.uuid], self._session.scope)
+        self.reload()
+
+    def remove_files(self, globs: list[str]) -> None:
+        """Remove the checkpoint's files matching any of ``globs`` (relative to its top); it is
+        then PARTIALLY_DELETED, or DELETED when nothing is left (as `det checkpoint rm`)."""
+        from detslurm.controller import ckpt_ops
+
+        if isinstance(globs, str):
+            raise TypeError("remove_files() takes a list of glob patterns, not one string")
+        ckpt_ops.remove_files(self._session.store, [self.uuid], list(globs), self._session.scope)
+        self.reload()
+
     def write_metadata_file(self, path: str) -> None:
         """The checkpoint's metadata as JSON in the file ``path``."""
         import json
@@ -384,7 +505,57 @@ def _trial_metrics(session: Session, trial_id: int, group: Optional[str]) -> Ite
     session.reads.trial(trial_id, session.owner)  # the scope check: another user's is "not found"
     for m in session.reads.metrics(trial_id):
         if group is None or m["group"] == group:
-            yield TrialMetrics(trial_id, 0, m["steps_completed"], m["report_time"], m["metrics"], m["group"])
+            yield TrialMetrics(trial_id, m["run_id"], m["steps_completed"], m["report_time"], m["metrics"], m["group"])
+
+
+def _log_time(value: Union[str, int, None], what: str) -> Optional[datetime]:
+    from detslurm.cli.log_filter import parse_time
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{what} must be an RFC 3339 string or epoch seconds (int), not {type(value).__name__}")
+    if isinstance(value, int):
+        return datetime.fromtimestamp(value, tz=timezone.utc)
+    return parse_time(value, what)
+
+
+def _log_filter(
+    follow: bool,
+    head: Optional[int],
+    tail: Optional[int],
+    container_ids: Optional[list[str]],
+    rank_ids: Optional[list[int]],
+    stdtypes: Optional[list[str]],
+    min_level: Any,
+    timestamp_before: Union[str, int, None],
+    timestamp_after: Union[str, int, None],
+    sources: Optional[list[str]],
+) -> Any:
+    """Trial.iter_logs' arguments checked, as the filter of `det trial logs`."""
+    from detslurm.cli.log_filter import LEVELS, LogFilter
+
+    if follow:
+        raise DetSlurmError("iter_logs(follow=True) is not built in the SDK: `det trial logs -f` follows a trial")
+    if head is not None and tail is not None:
+        raise ValueError("iter_logs(): head and tail are mutually exclusive")
+    for name, n in (("head", head), ("tail", tail)):
+        if n is not None and n < 0:
+            raise ValueError(f"iter_logs(): {name} must be non-negative, got {n}")
+    # One output file per run holds stdout and stderr of every rank on every node.
+    if container_ids or sources or (stdtypes and not {"stdout", "stderr"} <= set(stdtypes)):
+        raise ValueError(
+            "iter_logs(): container_ids, sources and stdtypes do not apply here (a run's stdout and stderr "
+            "are one file); filter by rank_ids, min_level or the timestamps"
+        )
+    level = getattr(min_level, "name", min_level)
+    if level is not None and level not in LEVELS:
+        raise ValueError(f"iter_logs(): min_level must be one of {', '.join(LEVELS)} (got {min_level!r})")
+    # A filter with a time always set: the reader then prints no "=== run" header lines, which
+    # are not lines of the trial's log.
+    since = _log_time(timestamp_after, "timestamp_after") or datetime.min.replace(tzinfo=timezone.utc)
+    until = _log_time(timestamp_before, "timestamp_before")
+    return LogFilter(ranks=tuple(rank_ids or ()), min_level=level, since=since, until=until)
 
 
 class Trial:
@@ -477,6 +648,74 @@ class Trial:
         if not found:
             raise NotFoundError("completed checkpoint of trial", self.id)
         return found[0]
+
+    def iter_logs(
+        self,
+        follow: bool = False,
+        *,
+        head: Optional[int] = None,
+        tail: Optional[int] = None,
+        container_ids: Optional[list[str]] = None,
+        rank_ids: Optional[list[int]] = None,
+        stdtypes: Optional[list[str]] = None,
+        min_level: Any = None,
+        timestamp_before: Optional[Union[str, int]] = None,
+        timestamp_after: Optional[Union[str, int]] = None,
+        sources: Optional[list[str]] = None,
+        search_text: Optional[str] = None,
+    ) -> Iterator[str]:
+        """The trial's log lines (each ending in a newline, as Determined's): every run's output,
+        then detslurm's notes, read as `det trial logs` reads them. ``rank_ids``, ``min_level``
+        (a LogLevel or its name) and the timestamps (RFC 3339 or epoch seconds) filter as its
+        options do; ``search_text`` keeps the lines that contain it."""
+        from detslurm.cli import logs as reader
+
+        flt = _log_filter(
+            follow, head, tail, container_ids, rank_ids, stdtypes, min_level, timestamp_before, timestamp_after, sources
+        )
+        # The reader takes the CLI's app; a session has what it reads (reads, scope).
+        app: Any = self._session
+        keep = (lambda line: search_text in line) if search_text else (lambda line: True)
+        if tail is not None and not search_text:
+            found: Iterable[str] = reader.tail(app, self.id, tail, flt)
+        else:
+            found = (line for line in reader.lines(app, self.id, flt) if keep(line))
+            if tail is not None:
+                found = collections.deque(found, maxlen=tail)
+            elif head is not None:
+                found = itertools.islice(found, head)
+        return (line + "\n" for line in found)
+
+    def logs(
+        self,
+        follow: bool = False,
+        *,
+        head: Optional[int] = None,
+        tail: Optional[int] = None,
+        container_ids: Optional[list[str]] = None,
+        rank_ids: Optional[list[int]] = None,
+        stdtypes: Optional[list[str]] = None,
+        min_level: Any = None,
+        timestamp_before: Optional[Union[str, int]] = None,
+        timestamp_after: Optional[Union[str, int]] = None,
+        sources: Optional[list[str]] = None,
+        search_text: Optional[str] = None,
+    ) -> Iterator[str]:
+        """Deprecated in Determined: :meth:`iter_logs`."""
+        warnings.warn("Trial.logs() is deprecated: call Trial.iter_logs()", FutureWarning, stacklevel=2)
+        return self.iter_logs(
+            follow,
+            head=head,
+            tail=tail,
+            container_ids=container_ids,
+            rank_ids=rank_ids,
+            stdtypes=stdtypes,
+            min_level=min_level,
+            timestamp_before=timestamp_before,
+            timestamp_after=timestamp_after,
+            sources=sources,
+            search_text=search_text,
+        )
 
     def kill(self) -> None:
         """Stop the trial now (as `det trial kill`); the searcher sees it as ended early."""
@@ -704,15 +943,14 @@ class Determined:
         name: Optional[str] = None,
         project_id: Optional[int] = None,
     ) -> list[Experiment]:
-        """The caller's experiments (archived ones too), by id, filtered as given."""
-        if sort_by is not None:
-            raise ValueError("list_experiments(): sort_by is not supported by detslurm; experiments come by id")
+        """The caller's experiments (archived ones too), filtered as given, by ``sort_by``
+        (an ExperimentSortBy; default ID) in ``order_by``'s order (default ascending)."""
         if project_id is not None:
             raise ValueError("list_experiments(): detslurm has no projects; leave project_id out")
         rows = self._session.reads.experiment_dicts(self._session.owner, include_archived=True)
         wanted = {ExperimentState(s).name for s in states} if states else None
-        out = [
-            Experiment(d["id"], self._session)
+        kept = [
+            d
             for d in rows
             if (experiment_ids is None or d["id"] in experiment_ids)
             and (labels is None or set(labels) & set(d["labels"] or []))
@@ -720,7 +958,9 @@ class Determined:
             and (wanted is None or _state(ExperimentState, d["state"]).name in wanted)
             and (name is None or name in (d["name"] or ""))
         ]
-        return out[::-1] if order_by is not None and _descending(order_by) else out
+        descending = order_by is not None and _descending(order_by)
+        ordered = _sorted_experiments(kept, ExperimentSortBy.ID if sort_by is None else sort_by, descending)
+        return [Experiment(d["id"], self._session) for d in ordered]
 
     def iter_trials_metrics(self, trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
         for trial_id in trial_ids:

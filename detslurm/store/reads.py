@@ -67,7 +67,7 @@ SQL = {
     "start_time, end_time, submit_time FROM trial_runs WHERE trial_id = :trial ORDER BY run_id",
     "stops": "SELECT r.trial_id, r.run_id, r.preempt_stop_s FROM trial_runs r JOIN trials t ON r.trial_id = t.id "
     "WHERE t.experiment_id = :exp AND r.preempt_stop_s IS NOT NULL ORDER BY r.trial_id, r.run_id",
-    "metrics": 'SELECT "group", steps_completed, metrics, report_time FROM metrics WHERE trial_id = :trial '
+    "metrics": 'SELECT "group", steps_completed, metrics, report_time, run_id FROM metrics WHERE trial_id = :trial '
     "AND NOT archived ORDER BY steps_completed, id",
     # From the end of the (trial, step) index, one row past the limit: whether there are more.
     "recent_metrics": 'SELECT steps_completed, "group", report_time, metrics FROM metrics WHERE trial_id = :trial '
@@ -355,8 +355,8 @@ class Reads:
         with self._begin() as run:
             rows = run(SQL["metrics"], {"trial": trial_id})
         return [
-            {"group": g, "steps_completed": steps, "metrics": self._json(m), "report_time": _when(t)}
-            for g, steps, m, t in rows
+            {"group": g, "steps_completed": steps, "metrics": self._json(m), "report_time": _when(t), "run_id": r}
+            for g, steps, m, t, r in rows
         ]
 
     def recent_metrics(self, trial_ids: Sequence[int], limit: int) -> dict[int, tuple[list[Workload], bool]]:
