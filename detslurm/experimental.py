@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from detslurm import client
+    from detslurm._compat.determined.experimental import checkpoint, metrics
     from detslurm.core import v2 as core_v2
+    from detslurm.pytorch._test_one_batch import test_one_batch
 
 # The SDK's classes, re-exported from the client module as Determined's namespace does.
 _FROM_CLIENT = frozenset(
@@ -38,6 +40,13 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module("detslurm.client")
     if name in _FROM_CLIENT:
         return getattr(importlib.import_module("detslurm.client"), name)
+    if name in ("checkpoint", "metrics"):
+        # Determined's submodules of SDK classes; theirs and ours hold the same classes as client.
+        return importlib.import_module(f"detslurm._compat.determined.experimental.{name}")
+    if name == "test_one_batch":
+        from detslurm.pytorch._test_one_batch import test_one_batch
+
+        return test_one_batch
     if name == "core_v2":
         # In-job code: the singleton Core API, managed or detached (detslurm/core/v2.py).
         return importlib.import_module("detslurm.core.v2")
@@ -48,4 +57,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-__all__ = ["client", "core_v2", *sorted(_FROM_CLIENT)]
+__all__ = ["checkpoint", "client", "core_v2", "metrics", "test_one_batch", *sorted(_FROM_CLIENT)]
