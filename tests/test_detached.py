@@ -325,3 +325,29 @@ def test_sigterm_ends_a_script_that_never_asks_should_preempt(det_env: Path) -> 
     assert proc.wait(timeout=10) == -15
     _ingest()  # the process is gone and never closed its run
     assert _experiments() == [("term", "ERROR", [("ERROR", 0, 1)])]
+
+
+def test_a_detached_job_chooses_no_dir_that_det_e_delete_removes(det_env: Path, det: Any) -> None:
+    """The job wrote its record's checkpoint base (a home dir) and reported the uuid `projects`:
+    `det e delete` removes nothing there. A run on the configured checkpoint dir is cleaned up."""
+    home = det_env / "home"
+    (home / "projects").mkdir(parents=True)
+    (home / "projects" / "keep.txt").write_text("mine")
+    proc = _run(det_env, "detached_thief.py", HOME_BASE=str(home))
+    assert proc.returncode == 0, proc.stderr
+    _ingest()
+    proc = _run(det_env, "detached_train.py", EXP_NAME="ok", STEPS="1")
+    assert proc.returncode == 0, proc.stderr
+    _ingest()
+    assert [name for name, _, _ in _experiments()] == ["thief", "ok"]
+    in_home = sorted(p.name for p in home.iterdir())
+    assert len(in_home) == 2  # projects and the real checkpoint
+    code, out, err = det("e", "delete", "--yes", "1")
+    assert code == 0, out + err
+    assert (home / "projects" / "keep.txt").read_text() == "mine"
+    assert sorted(p.name for p in home.iterdir()) == in_home  # the record's base is not the one deletes use
+    ckpts = det_env / "ckpts"
+    assert len(list(ckpts.iterdir())) == 1
+    code, out, err = det("e", "delete", "--yes", "2")
+    assert code == 0, out + err
+    assert list(ckpts.iterdir()) == []
