@@ -17,8 +17,8 @@ import click
 
 from detslurm import __version__
 from detslurm.cli.remote.target import split_master
-from detslurm.cli.terminal import guarded
 from detslurm.errors import DetSlurmError
+from detslurm.terminal import guarded
 
 # name -> (module, group, short help). Subcommand modules import the store, Slurm and the
 # controller; loading them only when their command runs keeps `det --help` (and every command
@@ -106,8 +106,8 @@ def local_command(path: Sequence[str]) -> click.Command:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Everything printed to a terminal passes one cleaner (cli/terminal.py): much of it is text
-    # trials, jobs and remote hosts wrote.
+    # Everything printed to a terminal passes one cleaner (detslurm/terminal.py): much of it
+    # is text trials, jobs and remote hosts wrote.
     with guarded():
         return _main(argv)
 

@@ -1,4 +1,4 @@
-"""Text that trials wrote reaches a terminal only cleaned of control characters (cli/terminal.py);
+"""Text that trials wrote reaches a terminal only cleaned of control characters (detslurm/terminal.py);
 a pipe gets it unchanged."""
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def test_trial_output_reaches_a_terminal_without_control_characters(det: Any, de
 FORWARDED = """
 import click
 from detslurm.cli.remote.channel import drain
-from detslurm.cli.terminal import guarded
+from detslurm.cli.remote.connect import _kbd_handler, tty_prompt
+from detslurm.terminal import guarded
 
 class Chan:  # what a remote command wrote, as paramiko's channel hands it over
     out, err = [b"out \\x1b]0;PWNED\\x07 \\xc3"], [b"err \\x1b[6n"]
@@ -82,12 +83,16 @@ class Chan:  # what a remote command wrote, as paramiko's channel hands it over
 with guarded():
     drain(Chan())
     click.echo(b"\\xa9 end")  # the rest of a character split between two reads
+    # A keyboard-interactive login: the title, instructions and prompt are the server's text.
+    ask = _kbd_handler(tty_prompt)
+    assert ask("2FA \\x1b]0;TITLE\\x07", "note \\x1b[1A", [("code \\x9b2J: ", True)]) == [""]
 """
 
 
-def test_forwarded_remote_bytes_are_cleaned_on_a_terminal(tmp_path: Path) -> None:
+def test_forwarded_remote_bytes_and_login_prompts_are_cleaned_on_a_terminal(tmp_path: Path) -> None:
     script = tmp_path / "forward.py"
     script.write_text(FORWARDED)
     shown = _in_pty_argv([sys.executable, str(script)])
     assert b"PWNED" in shown and b"err" in shown and "\u00e9 end".encode() in shown
-    assert b"\x1b" not in shown and b"\x07" not in shown
+    assert b"TITLE" in shown and b"note" in shown and b"code" in shown
+    assert b"\x1b" not in shown and b"\x07" not in shown and b"\xc2\x9b" not in shown

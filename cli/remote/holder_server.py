@@ -20,6 +20,7 @@ from detslurm.cli.remote.connect import connect
 from detslurm.cli.remote.holder import EOF, ERR, EXIT, IN, OUT, REQ, recv_frame, send_frame
 from detslurm.cli.remote.target import parse_url
 from detslurm.errors import DetSlurmError
+from detslurm.terminal import guarded
 
 
 class Holder:
@@ -123,7 +124,10 @@ def main(argv: Sequence[str]) -> int:
     """argv: URL PERSIST_S SOCKET. Writes "ready" or "error MESSAGE" to stdout, then detaches."""
     url, persist_s, path = argv[0], float(argv[1]), Path(argv[2])
     try:
-        conn = connect(parse_url(url))
+        # The login's prompts (a site's two-factor text, sent by the server) reach the user's
+        # terminal through the same cleaner as everything det prints.
+        with guarded():
+            conn = connect(parse_url(url))
         srv = _listen(path)
     except (DetSlurmError, OSError) as e:
         print(f"error {json.dumps(str(e))}", flush=True)  # JSON: one line, even for multi-line messages

@@ -248,7 +248,7 @@ def _copy(sftp: Any, files: list[tuple[str, Path, int]], label: str) -> None:
     total = sum(s for _, _, s in files)
     done = 0
     # The progress line is ours (counts and a checked uuid) and redraws itself with \r, a control
-    # character the terminal guard (cli/terminal.py) would blank: it goes to the terminal itself.
+    # character the terminal guard (detslurm/terminal.py) would blank: it goes to the terminal itself.
     progress = sys.__stderr__ if sys.stderr.isatty() else None
     for n, (remote, local, size) in enumerate(files, 1):
         local.parent.mkdir(parents=True, exist_ok=True)
