@@ -162,9 +162,29 @@ class DataLoader:
         """Batches in one epoch, before sharding (as torch's len(DataLoader))."""
         return self._num_batches()
 
-    def get_data_loader(self, shard: Shard = Shard(), seed: int = 0) -> torch.utils.data.DataLoader[Any]:
-        """The real torch loader for one rank; see :class:`ShardedLoader` for positioning it."""
-        return ShardedLoader(self, shard, seed).loader
+    def get_data_loader(
+        self, repeat: bool = False, skip: int = 0, num_replicas: int = 1, rank: int = 0
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A torch loader over this one's batches (Determined's): one pass, or passes forever with
+        ``repeat`` (a shuffled one reshuffles each pass), dealt round-robin to ``num_replicas``
+        ranks, this ``rank``'s share without its first ``skip`` batches. The Trainer positions
+        its loaders by trial seed and epoch instead (:class:`ShardedLoader`)."""
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"get_data_loader(): rank {rank} is not one of num_replicas={num_replicas} ranks")
+        if skip < 0:
+            raise ValueError(f"get_data_loader(): skip must be >= 0 (got {skip})")
+        batches = adapt_batch_sampler(
+            _PassBatches(self),  # type: ignore[arg-type]
+            repeat=repeat,
+            skip=skip,
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+        return torch.utils.data.DataLoader(self.dataset, batch_sampler=batches, **self._torch_kwargs())
+
+    def __iter__(self) -> Iterator[Any]:
+        """One pass over the data, as a torch loader iterates (code run outside the Trainer)."""
+        return iter(self.get_data_loader())
 
     def _torch_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
@@ -180,6 +200,21 @@ class DataLoader:
         if self.prefetch_factor is not None:
             kwargs["prefetch_factor"] = self.prefetch_factor
         return kwargs
+
+
+class _PassBatches(Sampler[list[int]]):
+    """A DataLoader's batches, pass after pass: each iteration is the next epoch's order."""
+
+    def __init__(self, source: DataLoader) -> None:
+        self.source = source
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return self.source._num_batches()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, self.passes = self.passes, self.passes + 1
+        return self.source._epoch_batches(0, epoch)
 
 
 class ShardedLoader:
