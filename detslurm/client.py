@@ -20,6 +20,7 @@ import dataclasses
 import enum
 import itertools
 import logging
+import os
 import shutil
 import time
 import warnings
@@ -755,6 +756,32 @@ class Experiment:
         self.config = config
         self.start_time: datetime | None = info["start_time"]
         self.end_time: datetime | None = info["end_time"]
+
+    def download_code(self, output_dir: Optional[str] = None) -> str:
+        """The experiment's code as submitted (the context snapshot taken at create) saved as
+        ``exp-<id>_model_def.tar.gz`` in ``output_dir`` (created if missing; default the current
+        dir), replacing a file of that name; the path written."""
+        from detslurm.protocol import ExpPaths
+        from detslurm.util import open_regular
+
+        info, _ = self._session.reads.experiment(self._id, self._session.owner)
+        src = ExpPaths(Path(info["exp_dir"])).context
+        out_dir = Path(output_dir).expanduser() if output_dir else Path()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dest = out_dir / f"exp-{self._id}_model_def.tar.gz"
+        try:
+            # The snapshot lies in the experiment dir, which the trials can write: only a regular
+            # file is copied, never what a link in its place names.
+            opened = open_regular(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise NotFoundError("code snapshot of experiment", self._id) from e
+        if opened is None:
+            raise NotFoundError("code snapshot of experiment", self._id)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        with opened[0] as f, open(tmp, "wb") as out:
+            shutil.copyfileobj(f, out)
+        tmp.replace(dest)
+        return str(dest)
 
     # -- reading ---------------------------------------------------------------------------
     def _trial_ids(self) -> list[int]:

@@ -206,3 +206,26 @@ def test_determined_scripts_reach_the_sdk_under_determineds_names() -> None:
     assert issubclass(experimental.ExperimentReference, experimental.Experiment)
     metrics = client.TrainingMetrics(total_batches=5, trial_id=1, trial_run_id=1, end_time=None, metrics={})
     assert (metrics.group, metrics.steps_completed, metrics.total_batches) == ("training", 5, 5)
+
+
+def test_download_code_is_the_context_as_submitted(sdk: Any, tmp_path: Path) -> None:
+    import tarfile
+
+    from detslurm.protocol import ExpPaths
+
+    exp_id, _, _ = _experiment(tmp_path)
+    write(tmp_path / "ctx" / "train.py", "changed after create\n")
+    path = sdk.get_experiment(exp_id).download_code(str(tmp_path / "out"))
+    assert path == str(tmp_path / "out" / f"exp-{exp_id}_model_def.tar.gz")
+    with tarfile.open(path) as tar:
+        member = tar.extractfile("train.py")
+        assert member is not None and member.read() == b"pass\n"
+    # A link a trial put in the snapshot's place is not followed.
+    with open_store(settings.load().db_url).read() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        snapshot = ExpPaths(Path(exp.exp_dir)).context
+    snapshot.unlink()
+    snapshot.symlink_to(write(tmp_path / "secret.txt", "not code"))
+    with pytest.raises(NotFoundError, match="code snapshot"):
+        sdk.get_experiment(exp_id).download_code(str(tmp_path / "out2"))
