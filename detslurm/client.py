@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -351,7 +351,7 @@ class Checkpoint:
         # followed to read (and copy out) whatever file it names. A fresh dir: never through a
         # link an earlier download left.
         with fresh_download_dir(dst) as tmp:
-            shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True)
+            shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True, ignore=_without_mark(src))
         return str(dst)
 
     def checked_source(self) -> Path:
@@ -443,6 +443,14 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint(uuid={self.uuid})"
+
+
+def _without_mark(top: Path) -> Callable[[str, list[str]], list[str]]:
+    """A copytree ``ignore`` leaving out the delete mark at the checkpoint's top
+    (protocol/ckmark.py): it is the run's, not one of the checkpoint's files."""
+    from detslurm.protocol.ckmark import MARKER_NAME
+
+    return lambda d, names: [MARKER_NAME] if Path(d) == top and MARKER_NAME in names else []
 
 
 def _default_destination(uuid: str) -> Path:

@@ -157,7 +157,7 @@ def test_two_node_torchrun_batch_script(tmp_path: Path, det: Det) -> None:
     with open_store(settings.load().db_url).read() as s:
         (ck,) = s.scalars(select(Checkpoint).where(Checkpoint.trial_id == tid))
         files = sorted(p.name for p in Path(ck.storage_path).iterdir())
-    assert files == ["metadata.json", "rank0", "rank1"]
+    assert files == [".detslurm-checkpoint", "metadata.json", "rank0", "rank1"]  # with its run's mark
     assert "rank 1 on c2" in log or "rank 1 on c1" in log
 
 

@@ -50,6 +50,7 @@ def test_a_download_never_writes_through_a_link_an_earlier_one_left(
     dl = det_env / "dl"
     assert det("c", "download", a, "-o", dl)[0] == 0
     assert (dl / "sub").is_symlink()  # copied as a link, as before
+    assert (ckpts / a / ".detslurm-checkpoint").is_file() and not (dl / ".detslurm-checkpoint").exists()
     code, out, err = det("c", "download", b, "-o", dl)
     assert code == 1 and f"{dl} already exists" in err, out + err
     assert list(victim.iterdir()) == []

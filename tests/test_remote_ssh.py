@@ -387,6 +387,7 @@ def test_download_copies_only_the_checked_checkpoint_dir(
     dl = tmp_path / "dl"
     code, out, err = det("-m", url, "c", "download", by_steps[1], "-o", dl)
     assert code == 0 and (dl / "w.txt").read_text() == "w", out + err
+    assert sorted(p.name for p in dl.iterdir()) == ["metadata.json", "w.txt"]  # not the run's mark
     code, out, err = det("-m", url, "c", "download", by_steps[1], "-o", dl)  # never into what is there
     assert code == 1 and "already exists" in err, out + err
 

@@ -27,7 +27,7 @@ from detslurm.cli.remote.channel import collect
 from detslurm.cli.remote.command import capture_argv, note, run_argv
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
 from detslurm.download_dir import LOCATE_COMMAND, fresh_download_dir
-from detslurm.protocol.ckmark import canonical_uuid
+from detslurm.protocol.ckmark import MARKER_NAME, canonical_uuid
 
 CACHE = ".cache/detslurm/contexts"
 
@@ -290,6 +290,8 @@ def _walk(sftp: Any, remote: str, rel: Path, depth: int) -> list[tuple[str, Path
     for a in sftp.listdir_attr(remote):
         name = a.filename
         if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+            continue
+        if depth == 0 and name == MARKER_NAME:  # the run's delete mark, not a checkpoint file
             continue
         mode = a.st_mode or 0
         # lstat-style attributes: a symlink a trial planted (to ~/.ssh, say) is neither a dir

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from detslurm.controller.gc import Doomed, doomed, is_ours, remove_checkpoint
+from detslurm.controller.gc import Doom, Doomed, is_ours, remove_checkpoint
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
 from detslurm.store import Store
@@ -44,7 +44,7 @@ def _check(s: Session, uuid: str, scope: Scope) -> tuple[Checkpoint, Doomed | No
     # A live trial resumes from its latest checkpoint: deleting it would lose the trial's progress.
     if trial.latest_checkpoint == uuid and not trial.state.is_terminal:
         raise StateError(f"checkpoint {uuid} is the latest of trial {trial.id}, which is still {trial.state}")
-    return ck, doomed(s, exp, ck)
+    return ck, Doom(s, exp)(ck)
 
 
 def delete_checkpoints(store: Store, uuids: Sequence[str], scope: Scope | None = None) -> list[str]:

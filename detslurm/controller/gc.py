@@ -70,18 +70,23 @@ def valid_checkpoint_uuid(uuid: str) -> bool:
     return _UUID.fullmatch(uuid) is not None
 
 
-def checkpoint_dir(exp: Experiment, uuid: str) -> Path | None:
-    """Where a checkpoint of this experiment lives: always ``<storage base>/<uuid>``, and only for a
-    canonical UUID4. The path a trial reported is never trusted for deletes or copies (it could
-    name any directory of the user's). The base is resolved (a link the user chose, such as
-    ``~/ckpts -> /lustre/...``); the uuid, one checked path component, is not: a symlink the trial
-    put in its place is not a checkpoint (:func:`remove_own_dir` leaves it alone, a download
-    refuses it). A detached run's base comes from a record its job wrote, so for those the base
-    is pinned to the user's configured checkpoint dir."""
+def delete_base(exp: Experiment) -> Path:
+    """The base below which deletes look for this experiment's checkpoints, resolved (a link the
+    user chose, such as ``~/ckpts -> /lustre/...``). A detached run's stored base comes from a
+    record its job wrote, so for those it is pinned to the user's configured checkpoint dir."""
+    base = settings.load().checkpoint_dir if exp.executor == DETACHED else Path(stored_config(exp).storage_base)
+    return base.resolve()
+
+
+def checkpoint_dir(exp: Experiment, uuid: str, base: Path | None = None) -> Path | None:
+    """Where a checkpoint of this experiment lives: always ``<base>/<uuid>`` (``base`` defaults to
+    :func:`delete_base`), and only for a canonical UUID4. The path a trial reported is never
+    trusted for deletes (it could name any directory of the user's). The uuid, one checked path
+    component, is not resolved: a symlink the trial put in its place is not a checkpoint
+    (:func:`remove_own_dir` leaves it alone)."""
     if not canonical_uuid(uuid):
         return None
-    base = settings.load().checkpoint_dir if exp.executor == DETACHED else Path(stored_config(exp).storage_base)
-    return base.resolve() / uuid
+    return (base or delete_base(exp)) / uuid
 
 
 @dataclass(frozen=True)
@@ -94,24 +99,39 @@ class Doomed:
     key: bytes | None
 
 
-def doomed(session: Session, exp: Experiment, ck: Checkpoint) -> Doomed | None:
-    """What removing ``ck``'s files means, or None when it has no dir of ours to remove."""
-    path = checkpoint_dir(exp, ck.uuid)
-    if path is None:
-        return None
-    return Doomed(path, ck.uuid, _run_key(session, ck))
+class Doom:
+    """Builds the :class:`Doomed` entries of one experiment's checkpoints: the base is resolved
+    once and each run's key read once, however many checkpoints the experiment has."""
+
+    def __init__(self, session: Session, exp: Experiment) -> None:
+        self._session = session
+        self._exp = exp
+        self._base: Path | None = None
+        self._keys: dict[tuple[int, int], bytes | None] = {}
+
+    def __call__(self, ck: Checkpoint) -> Doomed | None:
+        """What removing ``ck``'s files means, or None when it has no dir of ours to remove."""
+        if self._base is None:
+            self._base = delete_base(self._exp)
+        path = checkpoint_dir(self._exp, ck.uuid, self._base)
+        if path is None:
+            return None
+        run = (ck.trial_id, ck.run_id)
+        if run not in self._keys:
+            self._keys[run] = _run_key(self._session, *run)
+        return Doomed(path, ck.uuid, self._keys[run])
 
 
-def _run_key(session: Session, ck: Checkpoint) -> bytes | None:
+def _run_key(session: Session, trial_id: int, run_id: int) -> bytes | None:
     run = session.scalars(
-        select(TrialRun).where(TrialRun.trial_id == ck.trial_id).where(TrialRun.run_id == ck.run_id)
+        select(TrialRun).where(TrialRun.trial_id == trial_id).where(TrialRun.run_id == run_id)
     ).first()
     if run is None:
         return None
     try:
         return read_run_secret(Path(run.run_dir) / SECRET_FILE_NAME)
     except RunSecretError as e:
-        log.warning("checkpoint %s: its run's key is unusable, its files are kept: %s", ck.uuid, e)
+        log.warning("trial %s run %s: its key is unusable, its checkpoints' files are kept: %s", trial_id, run_id, e)
         return None
 
 
@@ -119,12 +139,13 @@ def collect_garbage(session: Session, exp: Experiment) -> list[Doomed]:
     """Mark the checkpoints the policy drops as DELETED; returns their directories, which the
     caller removes after the commit (a big rmtree must not hold the store's write lock)."""
     keep = keep_set(session, exp)
+    doom = Doom(session, exp)
     out: list[Doomed] = []
     q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id).where(Checkpoint.state == "COMPLETED")
     for ck in session.scalars(q):
         if ck.uuid in keep:
             continue
-        d = doomed(session, exp, ck)
+        d = doom(ck)
         if d is not None:
             out.append(d)
         # Marked even when the path check failed: the directory is then not ours to remove, but the

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from detslurm.controller.executor import ExitCause
-from detslurm.controller.gc import doomed, remove_checkpoint, remove_own_dir
+from detslurm.controller.gc import Doom, remove_checkpoint, remove_own_dir
 from detslurm.controller.submit import ACTIVE_RUN
 from detslurm.errors import StateError
 from detslurm.expconf.view import merge_config
@@ -194,7 +194,8 @@ def delete(store: Store, exp_id: int, scope: Scope | None = None) -> None:
         q = select(Checkpoint).join(Trial).where(Trial.experiment_id == exp.id)
         # Collected inside the transaction (the rows and the run dirs holding the keys are gone
         # after it), removed after the commit.
-        dirs = [d for ck in s.scalars(q) if (d := doomed(s, exp, ck)) is not None]
+        doom = Doom(s, exp)
+        dirs = [d for ck in s.scalars(q) if (d := doom(ck)) is not None]
         exp_dir = Path(exp.exp_dir)
         s.delete(exp)
     for d in dirs:
