@@ -130,3 +130,35 @@ def test_gc_leaves_a_dir_a_trial_named_in_a_forged_checkpoint_event(det: Any, de
     assert states.pop("datasets") == "DELETED"  # the forged row was stored and dropped by the policy
     assert list(states.values()) == ["COMPLETED"]
     assert _tree(scratch / "datasets") == {"keep.txt": b"do not delete"}
+
+
+@pytest.mark.slurm
+@pytest.mark.security
+def test_on_slurm_gc_removes_only_marked_checkpoints(slurm_env: Path, det: Any) -> None:
+    """The forging trial as a Slurm job: GC at the end removes the real checkpoint the policy drops
+    (marked in the job with the secret the login side made) and never the user's ``datasets``."""
+    scratch = slurm_env / "scratch"
+    (scratch / "datasets").mkdir(parents=True)
+    (scratch / "datasets" / "keep.txt").write_text("do not delete")
+    ctx = slurm_env / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text(FORGING_TRIAL.replace('"steps_completed": 2', '"steps_completed": 0'))
+    with open(ctx / "train.py", "a") as f:  # a newer checkpoint: GC keeps it and drops the first
+        f.write(
+            "    with ctx.checkpoint.store_path({'steps_completed': 3}) as (path, _):\n"
+            "        (path / 'w.txt').write_text('w')\n"
+        )
+    (ctx / "exp.yaml").write_text(
+        "name: forge\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss}\nmax_restarts: 0\n"
+        f"checkpoint_storage: {{type: shared_fs, host_path: '{scratch}', save_trial_latest: 1, save_trial_best: 0,"
+        " save_experiment_best: 0}\n"
+    )
+    assert det("e", "create", ctx / "exp.yaml", ctx)[0] == 0
+    code, out, err = det("e", "wait", "1")
+    assert code == 0 and "COMPLETED" in out, out + err
+    with open_store(settings.load().db_url).read() as s:
+        states = {c.steps_completed: (c.uuid, c.state) for c in s.query(Checkpoint)}
+    assert [st for _, (_, st) in sorted(states.items())] == ["DELETED", "DELETED", "COMPLETED"], states
+    assert not (scratch / states[0][0]).exists()  # the real checkpoint GC dropped is gone
+    assert (scratch / states[3][0] / ".detslurm-checkpoint").is_file()
+    assert _tree(scratch / "datasets") == {"keep.txt": b"do not delete"}
