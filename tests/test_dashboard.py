@@ -75,6 +75,14 @@ def test_every_request_needs_the_token(small: tuple[Store, int]) -> None:
             opener.open(base + "/?token=" + token)
         assert e.value.code == 303 and e.value.headers["Location"] == "/"
         assert f"{cookie}" in e.value.headers["Set-Cookie"] and "HttpOnly" in e.value.headers["Set-Cookie"]
+        # A cookie an earlier dashboard left (old token) does not shadow the fresh URL: the query
+        # token wins and the redirect replaces the cookie.
+        stale = cookie.split("=")[0] + "=stale-token-of-a-previous-run"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            opener.open(urllib.request.Request(base + "/?token=" + token, headers={"Cookie": stale}))
+        assert e.value.code == 303 and f"{cookie}" in e.value.headers["Set-Cookie"]
+        assert get(base, "/api/experiments?token=" + token, {"Cookie": stale})[0] == 200
+        assert get(base, "/api/experiments?token=wrong", {"Cookie": stale})[0] == 403
         # A page on another site that resolves its name to 127.0.0.1 (DNS rebinding) is refused.
         assert get(base, "/api/experiments", {"Cookie": cookie, "Host": "evil.example:80"})[0] == 403
 

@@ -110,9 +110,11 @@ def _host_ok(request: Request) -> bool:
 def _authorized(d: Dashboard, request: Request) -> bool:
     # The query form is what the printed URL carries; the cookie is what every later request
     # (assets, fetches) carries once the first one set it.
-    given = request.cookies.get(d.cookie) or request.query_params.get("token") or ""
+    # Either one that matches lets the request in: a cookie left by an earlier dashboard (same
+    # name, old token) must not shadow the fresh URL, whose redirect then replaces the cookie.
+    candidates = (request.query_params.get("token", ""), request.cookies.get(d.cookie, ""))
     # Constant time: the comparison must not tell a guesser how many leading characters were right.
-    return hmac.compare_digest(given.encode(), d.token.encode())
+    return any(hmac.compare_digest(given.encode(), d.token.encode()) for given in candidates if given)
 
 
 class Guard:
