@@ -9,9 +9,13 @@ always refused, with its fingerprint and the known_hosts line to add after check
 from __future__ import annotations
 
 import base64
+import binascii
+import enum
 import hashlib
+import hmac
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,41 +129,122 @@ def fingerprint(key: paramiko.PKey) -> str:
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-def known_keys(hop: Hop) -> dict[str, paramiko.PKey]:
-    """Keys known for this hop, by type, from every known_hosts file that exists."""
-    found: dict[str, paramiko.PKey] = {}
+class Marker(enum.Enum):
+    """What a known_hosts line says about its key (OpenSSH's sshd(8) "SSH_KNOWN_HOSTS FILE FORMAT")."""
+
+    HOST = ""  # a plain line: this is the host's key
+    CA = "@cert-authority"  # the key signs host certificates for these hosts
+    REVOKED = "@revoked"  # this key must never be accepted
+
+
+@dataclass
+class KnownHosts:
+    """Every known_hosts line that names one hop, grouped by what it says."""
+
+    keys: list[paramiko.PKey] = field(default_factory=list)
+    cas: list[paramiko.PKey] = field(default_factory=list)
+    revoked: list[paramiko.PKey] = field(default_factory=list)
+
+    def add(self, marker: Marker, key: paramiko.PKey) -> None:
+        {Marker.HOST: self.keys, Marker.CA: self.cas, Marker.REVOKED: self.revoked}[marker].append(key)
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    # Only * and ? are wildcards in OpenSSH patterns; "[" is literal (as in "[host]:port"),
+    # which is why fnmatch (character classes) would not do.
+    parts = (".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return re.compile("".join(parts))
+
+
+def _host_matches(patterns: str, name: str) -> bool:
+    """OpenSSH's host field: comma-separated names, hashed names (|1|salt|hash), wildcards
+    (* and ?) and negations (!pattern, which vetoes the line even when another one matches)."""
+    hit = False
+    for pat in patterns.split(","):
+        if pat.startswith("|1|"):
+            hit = hit or hmac.compare_digest(paramiko.HostKeys.hash_host(name, pat), pat)
+            continue
+        negated = pat.startswith("!")
+        if _glob(pat[1:] if negated else pat).fullmatch(name.lower()):
+            if negated:
+                return False
+            hit = True
+    return hit
+
+
+def _parse_line(line: str) -> tuple[Marker, str, paramiko.PKey] | None:
+    """One known_hosts line, or None for comments, blank lines and lines we cannot use (an
+    unknown marker or key type, bad base64): OpenSSH skips those too."""
+    fields = line.split()
+    if not fields or fields[0].startswith("#"):
+        return None
+    marker = Marker.HOST
+    if fields[0].startswith("@"):
+        known = {m.value: m for m in Marker if m.value}
+        if fields[0] not in known:
+            return None
+        marker, fields = known[fields[0]], fields[1:]
+    if len(fields) < 3:
+        return None
+    try:
+        key = paramiko.PKey.from_type_string(fields[1], base64.b64decode(fields[2], validate=True))
+    except (paramiko.SSHException, ValueError, TypeError, binascii.Error):
+        return None
+    return marker, fields[0], key
+
+
+def known_hosts(hop: Hop) -> KnownHosts:
+    """Every key known_hosts has for this hop (all lines of all files, not the first per type),
+    with the CA and revoked ones apart."""
+    found = KnownHosts()
     for path in hop.known_hosts:
         if not path.is_file():
             continue
-        hk = paramiko.HostKeys()
         try:
-            hk.load(str(path))
-        except (OSError, paramiko.SSHException) as e:
+            text = path.read_text(errors="replace")
+        except OSError as e:
             raise RemoteError(f"{path}: cannot read known hosts: {e}") from None
-        for ktype, key in (hk.lookup(hop.key_name) or {}).items():
-            found.setdefault(ktype, key)
+        for line in text.splitlines():
+            parsed = _parse_line(line)
+            if parsed and _host_matches(parsed[1], hop.key_name):
+                found.add(parsed[0], parsed[2])
     return found
 
 
 def check_host_key(hop: Hop, offered: paramiko.PKey) -> None:
-    """Refuse unless known_hosts has exactly this key for the host (never accept silently)."""
-    known = known_keys(hop)
+    """Refuse unless known_hosts has this key for the host among its (not revoked) keys; never
+    accept silently. Several keys of one type (round-robin login nodes, a rotation) are all good."""
+    known = known_hosts(hop)
     ktype = offered.get_name()
     line = f"{hop.key_name} {ktype} {offered.get_base64()}"
     where = ", ".join(str(p) for p in hop.known_hosts[:1])
-    if ktype in known and known[ktype] == offered:
+    if offered in known.revoked:
+        raise RemoteError(
+            f"REVOKED host key for {hop.key_name} ({hop.alias}): the server offers {ktype} {fingerprint(offered)}, "
+            "which known_hosts marks @revoked. Refusing to connect; ask your site which key the host uses now."
+        )
+    if offered in known.keys:
         return
-    # Same type, other key: the dangerous case (OpenSSH's "REMOTE HOST IDENTIFICATION HAS
+    # Same type, other keys: the dangerous case (OpenSSH's "REMOTE HOST IDENTIFICATION HAS
     # CHANGED"). Only other types known: still refused, a downgrade to an unchecked key type
     # is how an interceptor would get past us.
-    if ktype in known:
+    same = [k for k in known.keys if k.get_name() == ktype]
+    if same:
         raise RemoteError(
             f"HOST KEY CHANGED for {hop.key_name} ({hop.alias}): known_hosts has {ktype} "
-            f"{fingerprint(known[ktype])}, the server now offers {fingerprint(offered)}. Someone may be "
-            "intercepting the connection, or the host was reinstalled; refusing to connect. If your site "
+            f"{', '.join(fingerprint(k) for k in same)}, the server now offers {fingerprint(offered)}. Someone may "
+            "be intercepting the connection, or the host was reinstalled; refusing to connect. If your site "
             f"confirms the new key, remove the old one with: ssh-keygen -R '{hop.key_name}' and add:\n{line}"
         )
-    other = f" (known_hosts has only {', '.join(sorted(known))} for it)" if known else ""
+    types = sorted({k.get_name() for k in known.keys})
+    other = f" (known_hosts has only {', '.join(types)} for it)" if types else ""
+    if known.cas and not types:
+        # Host certificates are not checked here (paramiko's client does not ask for them), so
+        # a CA's word is not enough: the user adds the host's own key, as for any unknown host.
+        other = (
+            " (known_hosts vouches for it only through a @cert-authority line, and detslurm does"
+            " not check host certificates)"
+        )
     raise RemoteError(
         f"unknown host key for {hop.key_name} ({hop.alias}){other}: the server offers {ktype} "
         f"{fingerprint(offered)}. Refusing to connect to an unverified host. Check that fingerprint with "
@@ -170,7 +255,7 @@ def check_host_key(hop: Hop, offered: paramiko.PKey) -> None:
 def preferred_key_types(hop: Hop, supported: tuple[str, ...]) -> tuple[str, ...]:
     """Ask first for the key types known_hosts has for the host, so that a server with several
     host keys offers the one we can check (as OpenSSH does)."""
-    known = list(known_keys(hop))
+    known = list(dict.fromkeys(k.get_name() for k in known_hosts(hop).keys))
     if "ssh-rsa" in known:
         known += ["rsa-sha2-512", "rsa-sha2-256"]
     first = [t for t in supported if t in known]
