@@ -410,11 +410,41 @@ def test_context_files_named_like_options_are_uploaded_as_files(
     assert code == 0 and "Experiment 1 COMPLETED" in out, out + err
     trees = Path(servers["user"].pw_dir) / ".cache/detslurm/contexts/trees"
     assert all(p.is_dir() or p.name.endswith(".done") for p in trees.iterdir()), sorted(trees.iterdir())
-    # An object the login node cannot copy (unreadable here) fails the upload, never a tree
-    # marked done without the file.
-    obj = trees.parent / "objects" / hashlib.sha256(b"-rf").hexdigest()
-    obj.chmod(0)
+    # A tree that cannot be built fails the upload, never a tree marked done without its files.
     (ctx / "new.txt").write_text("a changed context: a new tree")
-    code, out, err = det("-m", "ssh://direct", "e", "create", "--local", ctx / "exp.yaml", ctx)
+    trees.chmod(0o500)
+    try:
+        code, out, err = det("-m", "ssh://direct", "e", "create", "--local", ctx / "exp.yaml", ctx)
+    finally:
+        trees.chmod(0o700)
     assert code == 1 and "could not unpack the uploaded context" in err and "Permission denied" in err, out + err
     assert len(list(trees.glob("*.done"))) == 1
+
+
+def test_cached_objects_and_trees_are_verified_before_reuse(
+    det: Any, laptop: Path, servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """Another process of the user (a compromised job) edits the upload cache: an edited object
+    is uploaded again, an edited tree (changed file, added file, changed mode) is built again,
+    and the experiment runs the code this machine has."""
+    ctx = tmp_path / "ctx"
+    write(ctx / "train.py", "print('the real code')\n")
+    write(ctx / "lib/util.py", "X = 1\n")
+    write(ctx / "exp.yaml", "name: cache\nentrypoint: python3 train.py\nsearcher: {name: single, metric: x}\n")
+    args = ("e", "create", "--local", ctx / "exp.yaml", ctx)
+    code, out, err = det("-m", "ssh://direct", *args)
+    assert code == 0 and "Experiment 1 COMPLETED" in out, out + err
+    cache = Path(servers["user"].pw_dir) / ".cache/detslurm/contexts"
+    (tree,) = [p for p in (cache / "trees").iterdir() if p.is_dir()]
+    evil = "raise SystemExit('edited by a job')\n"
+    (cache / "objects" / hashlib.sha256(b"print('the real code')\n").hexdigest()).write_text(evil)
+    (tree / "train.py").write_text(evil)
+    code, out, err = det("-m", "ssh://direct", *args)
+    assert code == 0 and "Experiment 2 COMPLETED" in out and "Uploaded 1 of 3 context files" in err, out + err
+    assert (tree / "train.py").read_text() == "print('the real code')\n"
+    for tamper in (lambda: (tree / "sitecustomize.py").write_text(evil), lambda: (tree / "lib/util.py").chmod(0o777)):
+        tamper()
+        code, out, err = det("-m", "ssh://direct", *args)
+        assert code == 0 and "COMPLETED" in out and "Uploaded 0 of 3" in err, out + err
+        assert sorted(p.name for p in tree.rglob("*")) == ["exp.yaml", "lib", "train.py", "util.py"]
+        assert (tree / "lib/util.py").stat().st_mode & 0o777 == 0o644

@@ -81,6 +81,19 @@ def _put(sftp: Any, local: Path, remote: str) -> None:
     sftp.posix_rename(tmp, remote)
 
 
+def _good_objects(conn: Any, objects: str, digests: set[str]) -> set[str]:
+    """Which of these objects the login node holds with the content their name says: each is
+    hashed there, so an object another process of the user edited is uploaded again, never used."""
+    chan = conn.open_exec(f"cd {shlex.quote(objects)} && xargs -r sha256sum --")
+    chan.sendall("".join(f"{d}\n" for d in sorted(digests)).encode())
+    chan.shutdown_write()
+    # Missing or unreadable objects make sha256sum complain and exit non-zero: they are simply
+    # not in the answer. Names are hex digests, so each output line is "<hash>  <name>".
+    _, out, _ = collect(chan)
+    lines = (line.split() for line in out.splitlines())
+    return {f[1] for f in lines if len(f) == 2 and f[1] in digests and f[0] == f[1]}
+
+
 def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, int]:
     """Make sure the login node has this context; returns (remote dir, files uploaded, files)."""
     sftp = conn.sftp()
@@ -90,23 +103,15 @@ def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, 
             _mkdirs(sftp, f"{base}/{sub}")
         tree = f"{base}/trees/{bundle.sha256}"
         files = [(e, _sha256(bundle.root / e.rel)) for e in bundle.entries if e.kind == "file"]
-        # One listing answers "which files are already there" for the whole context: no
-        # per-file round trip over a high-latency link.
-        present = set(sftp.listdir(f"{base}/objects"))
+        # One round trip answers "which files are already there, intact" for the whole context:
+        # no per-file request over a high-latency link.
+        present = _good_objects(conn, f"{base}/objects", {d for _, d in files})
         uploaded = 0
         for e, digest in files:
             if digest not in present:
                 _put(sftp, bundle.root / e.rel, f"{base}/objects/{digest}")
                 present.add(digest)
                 uploaded += 1
-        # The marker is written last by the materializing script: a tree without it may be
-        # half-built (a crash, Ctrl-C) and is built again.
-        done = f"{tree}.done"
-        try:
-            sftp.stat(done)
-            return tree, uploaded, len(files)
-        except FileNotFoundError:
-            pass
         manifest = [{"path": e.rel, "kind": e.kind, "mode": e.mode, "target": e.target} for e in bundle.entries]
         with sftp.open(f"{base}/manifests/{bundle.sha256}.json", "w") as f:
             f.write(json.dumps({"sha256": bundle.sha256, "entries": manifest}))
@@ -116,11 +121,36 @@ def upload_context(conn: Any, bundle: context.ContextBundle) -> tuple[str, int, 
     return tree, uploaded, len(files)
 
 
+def _tree_checks(base: str, bundle: context.ContextBundle, digests: dict[str, str]) -> list[str]:
+    """Shell lines that return 1 unless the current dir is exactly this context: the same
+    entries (no more), each of its kind and mode, links to their targets, files equal to their
+    (just verified) objects."""
+    q = shlex.quote
+    lines = [f'[ "$(find . -mindepth 1 -printf x | wc -c)" -eq {len(bundle.entries)} ] || return 1']
+    for e in bundle.entries:
+        rel = q("./" + e.rel)
+        mode = f'[ "$(stat -c %a -- {rel})" = {e.mode:o} ]'
+        if e.kind == "dir":
+            lines.append(f"[ -d {rel} ] && [ ! -L {rel} ] && {mode} || return 1")
+        elif e.kind == "link":
+            lines.append(f'[ -L {rel} ] && [ "$(readlink -- {rel})" = {q(e.target or "")} ] || return 1')
+        else:
+            obj = q(f"{base}/objects/{digests[e.rel]}")
+            lines.append(f"[ -f {rel} ] && [ ! -L {rel} ] && {mode} && cmp -s -- {obj} {rel} || return 1")
+    return lines
+
+
 def _materialize(conn: Any, base: str, tree: str, bundle: context.ContextBundle, digests: dict[str, str]) -> None:
     """Build trees/<sha> from the objects with one shell script on the login node (sent on
-    stdin: a large context would not fit in one exec request)."""
+    stdin: a large context would not fit in one exec request). A tree already there is reused
+    only when it still matches the context entry by entry; otherwise it is built again."""
     q = shlex.quote
-    lines = ["set -e", "umask 077", f"t={q(tree)}.tmp.$$", 'rm -rf "$t"', 'mkdir -p "$t"', 'cd "$t"']
+    # A tree is only ever renamed into place whole, but another process of the user may have
+    # edited it since: it is checked every time, never trusted by its name or its .done mark.
+    lines = ["set -e", "umask 077", "intact() {", f"  [ -d {q(tree)} ] && [ ! -L {q(tree)} ] || return 1"]
+    lines += [f"  cd {q(tree)} || return 1", *("  " + c for c in _tree_checks(base, bundle, digests)), "}"]
+    lines += [f"if (intact); then : > {q(tree)}.done; exit 0; fi", f"rm -rf -- {q(tree)} {q(tree)}.done"]
+    lines += [f"t={q(tree)}.tmp.$$", 'rm -rf "$t"', 'mkdir -p "$t"', 'cd "$t"']
     # Names are the user's files' (a file may be called --help): each is ./-prefixed after a --,
     # never read as an option. One command a line: set -e stops at any failed one (in an
     # `a && b` list it would not stop for a), so a missing object fails the upload.
