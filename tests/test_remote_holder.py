@@ -133,11 +133,17 @@ def _held_socket(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Path:
     return socket_path(parse_url("ssh://twofa"))
 
 
+@pytest.mark.parametrize("peercred", [True, False], ids=["so_peercred", "private_dir_fallback"])
 def test_two_factor_is_asked_once_then_the_holder_serves(
-    det_env: Path, server: tuple[int, str, Counts], monkeypatch: pytest.MonkeyPatch
+    det_env: Path, server: tuple[int, str, Counts], monkeypatch: pytest.MonkeyPatch, peercred: bool
 ) -> None:
     port, known, counts = server
     env = _laptop(det_env, port, known, persist_s=30)
+    if not peercred:
+        # A platform without SO_PEERCRED (macOS), forced here: every process of the test's
+        # laptop, the holder included, starts without it.
+        write(det_env / "no_peercred/sitecustomize.py", "import socket\n\ndel socket.SO_PEERCRED\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(det_env / "no_peercred"), env.get("PYTHONPATH")]))
     r = _det(env, CODE + "\n", "e", "list", "--json")
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
     assert "Duo two-factor login" in r.stderr and "Passcode:" in r.stderr
@@ -161,3 +167,54 @@ def test_without_the_holder_every_command_asks_and_a_wrong_code_is_refused(
     assert "alice@twofa" in r.stderr and ("refused" in r.stderr or "authentication failed" in r.stderr)
     assert counts.answers == [[CODE], ["000000"]]
     assert not _held_socket(env, monkeypatch).exists()
+
+
+def test_peer_check_by_uid_and_by_private_dir_without_so_peercred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder's check of each connecting process: by uid with SO_PEERCRED (another user is
+    refused even with the door open), else by the socket's directory still being private."""
+    import shutil
+    import tempfile
+
+    from detslurm.cli.remote.holder_server import _listen, _peer_is_us
+
+    d = Path(tempfile.mkdtemp(prefix="ds-peer-"))  # short: a socket path must fit sun_path
+    try:
+        srv = _listen(d / "h.sock")
+
+        def accepted(as_nobody: bool = False) -> socket.socket:
+            if as_nobody:
+                code = f"import os,socket,time;os.setuid(65534);s=socket.socket(socket.AF_UNIX);s.connect({str(d / 'h.sock')!r});time.sleep(30)"
+                peer = subprocess.Popen([sys.executable, "-c", code])
+                procs.append(peer)
+            else:
+                peer_sock = socket.socket(socket.AF_UNIX)
+                peer_sock.connect(str(d / "h.sock"))
+                socks.append(peer_sock)
+            conn, _ = srv.accept()
+            socks.append(conn)
+            return conn
+
+        procs: list[subprocess.Popen[bytes]] = []
+        socks: list[socket.socket] = []
+        ours = accepted()
+        assert _peer_is_us(ours, d)
+        if os.geteuid() == 0:
+            d.chmod(0o755)
+            (d / "h.sock").chmod(0o666)
+            srv.settimeout(60)
+            assert not _peer_is_us(accepted(as_nobody=True), d)  # refused by uid, whatever the modes
+            d.chmod(0o700)
+        monkeypatch.delattr(socket, "SO_PEERCRED")
+        assert _peer_is_us(ours, d)
+        d.chmod(0o755)  # the directory no longer keeps others out: no one is trusted
+        assert not _peer_is_us(ours, d)
+        d.chmod(0o700)
+        (d / "h.sock").unlink()
+        assert not _peer_is_us(ours, d / "gone")
+        for p in procs:
+            p.kill()
+            p.wait()
+        for sk in socks + [srv]:
+            sk.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -5,7 +5,8 @@ so that a site's two-factor prompt is answered once, not at every `det` command.
 The first command starts it (`python -m detslurm.cli.remote.holder_server`); it inherits the
 terminal only to ask for the login, then detaches. Later commands talk to it over a unix socket in a 0700
 per-user directory, the socket itself 0600 and owned by the user; the holder also checks each
-peer's uid (SO_PEERCRED). Per request it opens one SSH channel: an exec (framed stdout, stderr
+peer's uid (SO_PEERCRED; where the platform lacks it, that the socket's directory is still
+private). Per request it opens one SSH channel: an exec (framed stdout, stderr
 and exit code back, stdin forth) or the SFTP subsystem (raw bytes both ways).
 """
 

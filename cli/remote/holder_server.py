@@ -7,6 +7,7 @@ import json
 import os
 import select
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -92,8 +93,23 @@ class Holder:
         relay(client, chan)  # closes both when either side ends
 
 
-def _peer_is_us(client: socket.socket) -> bool:
-    creds = client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+def _private_dir(d: Path) -> bool:
+    """A directory of ours that no one else may enter: only we can reach a socket inside it."""
+    try:
+        st = d.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def _peer_is_us(client: socket.socket, sock_dir: Path) -> bool:
+    """Whether the connecting process is ours: its uid where the platform tells it (Linux's
+    SO_PEERCRED), else (macOS has no SO_PEERCRED in Python's socket module) whether the socket's
+    directory is still private to us, checked at each connection."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return _private_dir(sock_dir)
+    creds = client.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return bool(uid == os.getuid())
 
@@ -146,9 +162,9 @@ def main(argv: Sequence[str]) -> int:
                 client, _ = srv.accept()
             except TimeoutError:
                 continue
-            # The socket's mode already keeps others out; the uid check also holds where a
+            # The socket's mode already keeps others out; the peer check also holds where a
             # platform ignores socket file permissions.
-            if not _peer_is_us(client):
+            if not _peer_is_us(client, path.parent):
                 client.close()
                 continue
             threading.Thread(target=holder.serve_client, args=(client,), daemon=True).start()
