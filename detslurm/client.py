@@ -89,17 +89,25 @@ class TrialSortBy(enum.Enum):
 
 # Determined's values are members of its API's enum: one of the same name and members keeps
 # them equal for code that compares or prints them.
-_SortField = enum.Enum(  # type: ignore[misc]
-    "v1GetExperimentsRequestSortBy",
-    {
-        n: f"SORT_BY_{n}"
-        for n in [
-            *("ID", "DESCRIPTION", "START_TIME", "END_TIME", "STATE", "NUM_TRIALS", "PROGRESS", "USER", "NAME"),
-            *("FORKED_FROM", "RESOURCE_POOL", "PROJECT_ID", "CHECKPOINT_SIZE", "CHECKPOINT_COUNT"),
-            "SEARCHER_METRIC_VAL",
-        ]
-    },
-)
+class _SortField(enum.Enum):
+    ID = "SORT_BY_ID"
+    DESCRIPTION = "SORT_BY_DESCRIPTION"
+    START_TIME = "SORT_BY_START_TIME"
+    END_TIME = "SORT_BY_END_TIME"
+    STATE = "SORT_BY_STATE"
+    NUM_TRIALS = "SORT_BY_NUM_TRIALS"
+    PROGRESS = "SORT_BY_PROGRESS"
+    USER = "SORT_BY_USER"
+    NAME = "SORT_BY_NAME"
+    FORKED_FROM = "SORT_BY_FORKED_FROM"
+    RESOURCE_POOL = "SORT_BY_RESOURCE_POOL"
+    PROJECT_ID = "SORT_BY_PROJECT_ID"
+    CHECKPOINT_SIZE = "SORT_BY_CHECKPOINT_SIZE"
+    CHECKPOINT_COUNT = "SORT_BY_CHECKPOINT_COUNT"
+    SEARCHER_METRIC_VAL = "SORT_BY_SEARCHER_METRIC_VAL"
+
+
+_SortField.__name__ = _SortField.__qualname__ = "v1GetExperimentsRequestSortBy"
 
 
 class ExperimentSortBy(enum.Enum):
@@ -684,11 +692,10 @@ class Trial:
         )
         # The reader takes the CLI's app; a session has what it reads (reads, scope).
         app: Any = self._session
-        keep = (lambda line: search_text in line) if search_text else (lambda line: True)
         if tail is not None and not search_text:
             found: Iterable[str] = reader.tail(app, self.id, tail, flt)
         else:
-            found = (line for line in reader.lines(app, self.id, flt) if keep(line))
+            found = (line for line in reader.lines(app, self.id, flt) if not search_text or search_text in line)
             if tail is not None:
                 found = collections.deque(found, maxlen=tail)
             elif head is not None:

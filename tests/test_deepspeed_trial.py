@@ -16,7 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 deepspeed = pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.torch
+# DeepSpeed builds its CPU communication op at the first initialize: wait for scripts/test's build.
+pytestmark = [pytest.mark.torch, pytest.mark.late_build]
 
 from determined_oracle import oracle_python  # noqa: E402
 from torch import nn  # noqa: E402
@@ -240,3 +241,75 @@ def test_config_helpers_and_mpus_behave_as_determined(tmp_path: Path) -> None:
     theirs = record(oracle_python(), tmp_path, "determined")
     ours = record(sys.executable, tmp_path, "detslurm")
     assert ours == theirs
+
+
+MODEL_DEF = """
+import deepspeed, torch
+from torch import nn
+from determined import pytorch
+from determined.pytorch import deepspeed as det_ds
+
+
+class Regression(det_ds.DeepSpeedTrial):
+    def __init__(self, context):
+        self.context = context
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        self.engine = context.wrap_model_engine(engine)
+
+    def train_batch(self, it, epoch_idx, batch_idx):
+        x, y = next(it)
+        loss = nn.functional.mse_loss(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return {"loss": loss}
+
+    def evaluate_batch(self, it, batch_idx):
+        x, y = next(it)
+        return {"validation_loss": nn.functional.mse_loss(self.engine(x), y)}
+
+    def _data(self):
+        g = torch.Generator().manual_seed(5)
+        return torch.utils.data.TensorDataset(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g))
+
+    def build_training_data_loader(self):
+        return pytorch.DataLoader(self._data(), batch_size=self.context.get_train_micro_batch_size_per_gpu())
+
+    def build_validation_data_loader(self):
+        return pytorch.DataLoader(self._data(), batch_size=2)
+"""
+
+LEGACY_CONFIG = """name: ds-legacy
+hyperparameters: {global_batch_size: 4}
+searcher: {name: single, metric: validation_loss, max_length: {batches: 6}}
+min_validation_period: {batches: 3}
+entrypoint: model_def:Regression
+"""
+
+
+@pytest.mark.e2e
+def test_a_legacy_entrypoint_runs_a_deepspeed_trial_as_a_local_experiment(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sqlalchemy import select
+
+    from detslurm import settings
+    from detslurm.store import Checkpoint, Metric, open_store
+
+    # The trial runs without this process's group variables (its port is held by this process's
+    # group): the Trainer's init makes a group of one with a port of its own.
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "model_def.py").write_text(MODEL_DEF)
+    (tmp_path / "ds.yaml").write_text(LEGACY_CONFIG)
+    code, out, err = det("e", "create", "--local", tmp_path / "ds.yaml", ctx)
+    assert code == 0, out + err
+    with open_store(settings.load().db_url).tx() as s:
+        steps = s.scalars(select(Metric.steps_completed).where(Metric.group == "validation")).all()
+        ck = s.scalars(select(Checkpoint).where(Checkpoint.state == "COMPLETED")).first()
+        assert sorted(steps) == [3, 6]
+        assert ck is not None and (Path(ck.storage_path) / "model0").is_dir()

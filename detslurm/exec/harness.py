@@ -137,9 +137,16 @@ def main(argv: list[str]) -> int:
         length = cfg.length(key)
         return pytorch.TrainUnit.from_values(**(length.as_dict() if length else {}), global_batch_size=gbs)
 
-    with pytorch.init(aggregation_frequency=cfg.aggregation_frequency) as ctx:
+    api: Any = pytorch
+    init: Any = pytorch.init(aggregation_frequency=cfg.aggregation_frequency)
+    if getattr(trial_cls, "_trial_type", None) == "DeepSpeedTrial":
+        from detslurm.pytorch import deepspeed
+
+        # The engine accumulates gradients itself (its gradient_accumulation_steps).
+        api, init = deepspeed, deepspeed.init()
+    with init as ctx:
         trial = trial_cls(ctx)
-        pytorch.Trainer(trial, ctx).fit(
+        api.Trainer(trial, ctx).fit(
             checkpoint_period=period("min_checkpoint_period"),
             validation_period=period("min_validation_period"),
             # scheduling_unit is Determined's reporting period for legacy trials (default 100 batches).

@@ -13,8 +13,8 @@ def test_one_batch(trial_class: Any, config: Optional[dict[str, Any]] = None) ->
     """Train ``trial_class`` (a PyTorchTrial or a DeepSpeedTrial) for one batch in test mode,
     with the hyperparameters of ``config["hyperparameters"]`` and ``config`` as its experiment
     config; nothing is returned, an error in the trial is raised."""
+    import detslurm.pytorch.deepspeed as deepspeed
     from detslurm import pytorch
-    from detslurm.pytorch import deepspeed
 
     # Determined's override: one batch is the scheduling unit.
     config = {**(config or {}), "scheduling_unit": 1}

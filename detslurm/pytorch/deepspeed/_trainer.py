@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import pickle
+import socket
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -147,15 +148,33 @@ class Trainer(_PyTorchTrainer):
 
 
 def _deepspeed_distributed() -> Optional[DistributedContext]:
-    """Joins DeepSpeed's process group when determined.launch.deepspeed started this rank."""
-    if os.environ.get("USE_DEEPSPEED") != "1":
+    """Joins DeepSpeed's process group when a launcher started this rank among others:
+    determined.launch.deepspeed (DeepSpeed's variables), or the legacy harness under another
+    launcher (torch.distributed's variables)."""
+    env = os.environ
+    from_deepspeed = env.get("USE_DEEPSPEED") == "1" and "CROSS_RANK" in env
+    if not from_deepspeed and env.get("USE_TORCH_DISTRIBUTED", "").lower() not in ("1", "true"):
         return None
-    if not os.environ.get("DET_MANUAL_INIT_DISTRIBUTED"):
+    if not env.get("DET_MANUAL_INIT_DISTRIBUTED"):
         import deepspeed
 
         # NCCL only works between GPUs; CPU-only nodes need gloo.
         deepspeed.init_distributed("nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False)
-    return DistributedContext.from_deepspeed()
+    return DistributedContext.from_deepspeed() if from_deepspeed else DistributedContext.from_torch_distributed()
+
+
+def _one_rank_group_env() -> None:
+    """deepspeed.initialize joins a torch.distributed group even in one process: without a
+    launcher's variables, it is a group of one on this host (a free port, not a fixed one that
+    another process on the node may hold)."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for k, v in one.items():
+        os.environ.setdefault(k, v)
 
 
 @contextlib.contextmanager
@@ -179,6 +198,8 @@ def init(
         _seed(trial_seed)
         if distributed is None:
             distributed = _deepspeed_distributed()
+    if distributed is None:
+        _one_rank_group_env()
     with core.init(distributed=distributed, preempt_mode=PreemptMode.WorkersAskChief) as core_context:
         yield DeepSpeedTrialContext(
             core_context=core_context,

@@ -49,12 +49,14 @@ class DeepSpeedTrial(abc.ABC):
     def save(self, context: DeepSpeedTrialContext, path: pathlib.Path) -> None:
         """Called on every rank (an engine saves its own shard): each wrapped engine under the
         tag ``model<i>``."""
-        for i, engine in enumerate(context.models):
+        engines: list[Any] = context.models  # DeepSpeed engines (untyped)
+        for i, engine in enumerate(engines):
             engine.save_checkpoint(path, tag=f"model{i}")
 
     def load(self, context: DeepSpeedTrialContext, load_path: pathlib.Path) -> None:
         """The engines' state from what :meth:`save` wrote."""
-        for i, engine in enumerate(context.models):
+        engines: list[Any] = context.models
+        for i, engine in enumerate(engines):
             try:
                 engine.load_checkpoint(load_path, tag=f"model{i}")
             except AssertionError as e:
