@@ -1,14 +1,15 @@
 """`det tensorboard start EXP_ID... | --trial ID...`: TensorBoard (from PyPI) on the trials'
-event files, bound to 127.0.0.1, its URL printed (remote mode forwards the port)."""
+event files, bound to 127.0.0.1 behind the dashboard's token and Host check, its URL printed
+(remote mode forwards the port)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import signal
-import subprocess
-import sys
+import secrets
+import socket
+import threading
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -44,13 +45,6 @@ def logdir_spec(dirs: dict[str, Path]) -> str:
     return ",".join(f"{name}:{path}" for name, path in dirs.items())
 
 
-def _free_port() -> int:
-    from detslurm.dashboard.serve import bind
-
-    with bind("127.0.0.1", 0) as s:
-        return int(s.getsockname()[1])
-
-
 @tensorboard.command("start")
 @click.argument("exp_ids", nargs=-1, type=int)
 @click.option("-t", "--trial", "trial_ids", multiple=True, type=int, help="A trial (repeat for more).")
@@ -61,56 +55,83 @@ def _free_port() -> int:
 def start(
     app: App, exp_ids: tuple[int, ...], trial_ids: tuple[int, ...], port: int, host: str, exit_on_eof: bool
 ) -> None:
-    """Start TensorBoard on experiments' (or trials') metrics; prints its URL; Ctrl-C stops it."""
-    from detslurm.dashboard.serve import URL_PREFIX, check_host, exit_on_stdin_eof
+    """Start TensorBoard on experiments' (or trials') metrics; prints its URL (with its access
+    token); Ctrl-C stops it."""
+    from detslurm.dashboard import serve
 
     if not exp_ids and not trial_ids:
         raise click.UsageError("name an experiment (det tensorboard start EXP_ID) or a trial (--trial ID)")
-    addr = check_host(host)
+    serve.check_host(host)
     if importlib.util.find_spec("tensorboard") is None:
         raise DetSlurmError("TensorBoard is not installed here: pip install 'detslurm[tensorboard]'")
     dirs = trial_dirs(app, exp_ids, trial_ids)
     if not dirs:
         raise DetSlurmError("no trials yet: nothing for TensorBoard to show")
-    # TensorBoard cannot report which port it got for --port 0: pick a free one for it.
-    port = port or _free_port()
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir_spec", logdir_spec(dirs), "--host", addr]
-    cmd += ["--port", str(port), "--reload_interval", "5"]
-    try:
-        # stdin is ours (remote mode watches it); TensorBoard gets none.
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    except OSError as e:
-        raise DetSlurmError(f"cannot start TensorBoard: {e}") from None
-    shown = f"[{addr}]" if ":" in addr else addr
-    click.echo(f"{URL_PREFIX}http://{shown}:{port}/")
+    spec = logdir_spec(dirs)
+    # The port is ours before its URL is printed (no one can take it in between), and TensorBoard
+    # runs in this process behind the dashboard's guard: token and loopback Host.
+    sock = serve.bind(host, port)
+    server = GuardedServer(sock, secrets.token_urlsafe(32))
+    click.echo(f"{serve.URL_PREFIX}{serve.url_of(sock, '/?token=' + server.token)}")
     click.echo(f"TensorBoard on {len(dirs)} trial(s); Ctrl-C stops it.")
     if exit_on_eof:
         # Remote mode: the laptop going away closes our stdin; TensorBoard must stop with it.
-        exit_on_stdin_eof(proc.terminate)
-    code = _wait_stopping_on_signals(proc)
-    if code not in (0, -15):
-        raise DetSlurmError(f"TensorBoard exited with code {code}")
+        serve.exit_on_stdin_eof(server.stop)
+    server.run(spec)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class GuardedServer:
+    """TensorBoard's WSGI app (built by TensorBoard's own program, with a server of ours through
+    its ``server_class`` hook) on a socket we bound, behind :class:`WsgiGuard`."""
 
+    def __init__(self, sock: socket.socket, token: str) -> None:
+        self.sock, self.token = sock, token
+        self.cookie = f"detslurm_tb_{sock.getsockname()[1]}"
+        self.httpd: Any = None
+        self.stopped = threading.Event()
 
-def _wait_stopping_on_signals(proc: subprocess.Popen[bytes]) -> int:
-    """TensorBoard's exit code; Ctrl-C, SIGTERM or SIGHUP to det stop TensorBoard first.
+    def run(self, spec: str) -> None:
+        from tensorboard import program
 
-    Without the handlers a `kill` of det (or a closed terminal) left TensorBoard running on its
-    port, orphaned (found in a CI run)."""
-    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            return proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+        tb = program.TensorBoard(server_class=self._server)
+        tb.configure(argv=[None, "--logdir_spec", spec, "--reload_interval", "5"])
+        code = tb.main()
+        if code:
+            raise DetSlurmError(f"TensorBoard exited with code {code}")
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+
+    def _server(self, wsgi_app: Any, flags: Any) -> Any:
+        from tensorboard import program
+        from werkzeug.serving import WSGIRequestHandler, make_server
+
+        from detslurm.dashboard.guard import WsgiGuard
+        from detslurm.dashboard.serve import url_of
+
+        outer = self
+
+        class Quiet(WSGIRequestHandler):
+            def log_request(self, *args: Any, **kwargs: Any) -> None:
+                pass  # one line per request would bury the URL line
+
+        class Server(program.TensorBoardServer):  # type: ignore[misc]
+            def __init__(self) -> None:
+                host, port = outer.sock.getsockname()[:2]
+                guarded = WsgiGuard(wsgi_app, outer.token, outer.cookie, "det tensorboard start")
+                fd = outer.sock.fileno()
+                outer.httpd = make_server(host, port, guarded, threaded=True, request_handler=Quiet, fd=fd)
+
+            def serve_forever(self) -> None:
+                if not outer.stopped.is_set():
+                    outer.httpd.serve_forever()
+
+            def get_url(self) -> str:
+                return url_of(outer.sock, "/")
+
+            def print_serving_message(self) -> None:
+                pass  # det printed the URL, with its token
+
+        return Server()

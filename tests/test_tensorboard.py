@@ -3,15 +3,19 @@ the Core API's get_tensorboard_path()/upload_tensorboard_files(); `det tensorboa
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -160,18 +164,26 @@ def test_core_api_uploads_selected_files_where_det_tensorboard_looks(tmp_path: P
     TrainContext(NullWriter(), 0).upload_tensorboard_files()
 
 
-def _wait_for_runs(url: str, deadline_s: float = 90.0) -> dict[str, Any]:
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _wait_for_runs(base: str, cookie: str, deadline_s: float = 90.0) -> dict[str, Any]:
     end = time.monotonic() + deadline_s
     while True:
         try:
-            with urllib.request.urlopen(url + "data/plugin/scalars/tags", timeout=10) as r:
-                tags: dict[str, Any] = json.loads(r.read())
-                if tags:
-                    return tags
+            code, body = _get(base + "data/plugin/scalars/tags", {"Cookie": cookie})
+            tags: dict[str, Any] = json.loads(body) if code == 200 else {}
+            if tags:
+                return tags
         except OSError:
             pass
         if time.monotonic() > end:
-            raise AssertionError(f"TensorBoard at {url} showed no runs in {deadline_s} s")
+            raise AssertionError(f"TensorBoard at {base} showed no runs in {deadline_s} s")
         time.sleep(1)
 
 
@@ -219,39 +231,44 @@ def test_trial_metrics_reach_tensorboard(det: Any) -> None:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         assert line.startswith("Open http://127.0.0.1:"), line
-        tags = _wait_for_runs(line.split()[1])
+        url = urllib.parse.urlsplit(line.split()[1])
+        base, token = f"http://{url.netloc}/", urllib.parse.parse_qs(url.query)["token"][0]
+        cookie = f"detslurm_tb_{url.port}={token}"
+        tags = _wait_for_runs(base, cookie)
         # --logdir_spec names each trial's run (TensorBoard adds the relative dir, ".").
         assert list(tags) == ["exp1_trial1/."]
         assert {"loss", "validation_loss"} <= set(tags["exp1_trial1/."]) and "val_validation_loss" not in tags[
             "exp1_trial1/."
         ]
+        # The dashboard's guard: no token, a wrong one, or a foreign Host (DNS rebinding through
+        # the forward) is refused; the printed URL moves the token into a cookie.
+        tags_url = base + "data/plugin/scalars/tags"
+        assert _get(tags_url)[0] == 403 and _get(base)[0] == 403
+        assert _get(tags_url, {"Cookie": f"detslurm_tb_{url.port}=wrong"})[0] == 403
+        assert _get(tags_url, {"Cookie": cookie, "Host": f"evil.example:{url.port}"})[0] == 403
+        assert _get(tags_url + "?token=" + token, {"Cookie": f"detslurm_tb_{url.port}=stale"})[0] == 200
+        conn = http.client.HTTPConnection(url.hostname or "", url.port)
+        conn.request("GET", "/?token=" + token)
+        first = conn.getresponse()
+        assert first.status == 303 and first.getheader("Location") == "/"
+        assert f"{cookie}; HttpOnly" in (first.getheader("Set-Cookie") or "")
+        conn.close()
+        assert _get(base, {"Cookie": cookie})[0] == 200
     finally:
-        children = _children(proc.pid)
         proc.terminate()
         proc.wait(30)
-    # det's SIGTERM stopped TensorBoard too (it used to stay behind, serving the port).
-    assert len(children) == 1
-    deadline = time.monotonic() + 15
-    while Path(f"/proc/{children[0]}").exists() and _state(children[0]) != "Z":
-        assert time.monotonic() < deadline, "TensorBoard kept running after det was stopped"
-        time.sleep(0.2)
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc: no psutil)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _state(pid: int) -> str:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() or ["?"])[0]
-    except OSError:
-        return "gone"
+    # det's SIGTERM stopped TensorBoard too (it runs in det's process): the port is closed.
+    with pytest.raises(OSError):
+        socket.create_connection((url.hostname, url.port), timeout=5).close()
+    # Remote mode's --exit-on-eof: the laptop's side going away (stdin closed) stops it.
+    eof = subprocess.Popen(
+        [sys.executable, "-m", "detslurm.cli.main", "tensorboard", "start", "1", "--exit-on-eof"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert eof.stdout is not None and eof.stdin is not None
+    assert eof.stdout.readline().startswith("Open http://127.0.0.1:")
+    eof.stdin.close()
+    assert eof.wait(60) == 0

@@ -10,7 +10,6 @@ header, which a cross-site form cannot send.
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import secrets
@@ -26,15 +25,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from detslurm import views
+from detslurm.dashboard import guard, queries
 from detslurm.dashboard import logs as logs_mod
-from detslurm.dashboard import queries
 from detslurm.errors import DetSlurmError, NotFoundError
 from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope
 from detslurm.store import Store
 
 STATIC = Path(__file__).parent / "static"
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 TOKEN_HEADER = "x-detslurm-token"
 ACTIONS = ("pause", "activate", "kill")
 # Defense in depth around the page: scripts only from the dashboard itself (text from trials is
@@ -99,24 +97,6 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
-def _host_ok(request: Request) -> bool:
-    # The browser sends the name it resolved: a hostile page whose name now points at 127.0.0.1
-    # (DNS rebinding) shows up here with its own name, not a loopback one.
-    host = request.headers.get("host", "")
-    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
-    return name in LOOPBACK
-
-
-def _authorized(d: Dashboard, request: Request) -> bool:
-    # The query form is what the printed URL carries; the cookie is what every later request
-    # (assets, fetches) carries once the first one set it.
-    # Either one that matches lets the request in: a cookie left by an earlier dashboard (same
-    # name, old token) must not shadow the fresh URL, whose redirect then replaces the cookie.
-    candidates = (request.query_params.get("token", ""), request.cookies.get(d.cookie, ""))
-    # Constant time: the comparison must not tell a guesser how many leading characters were right.
-    return any(hmac.compare_digest(given.encode(), d.token.encode()) for given in candidates if given)
-
-
 class Guard:
     """ASGI middleware in front of everything (page, assets, JSON): loopback Host and token."""
 
@@ -127,11 +107,10 @@ class Guard:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             request = Request(scope)
-            problem = None
-            if not _host_ok(request):
-                problem = "refused: the dashboard answers only to localhost"
-            elif not _authorized(self.d, request):
-                problem = "missing or wrong token: open the URL `det dashboard` printed"
+            # The query form is what the printed URL carries; the cookie is what every later
+            # request (assets, fetches) carries once the first one set it.
+            given = (request.query_params.get("token", ""), request.cookies.get(self.d.cookie, ""))
+            problem = guard.problem(request.headers.get("host", ""), self.d.token, *given, what="det dashboard")
             if problem:
                 await PlainTextResponse(problem, status_code=403)(scope, receive, send)
                 return
@@ -188,9 +167,9 @@ def _index_handler(d: Dashboard) -> Callable[[Request], Awaitable[Response]]:
         if "token" in request.query_params:
             # The token moves from the URL into a cookie, and the address bar (history, screen
             # shares) no longer shows it.
-            resp: Response = RedirectResponse("/", status_code=303)
-            resp.set_cookie(d.cookie, d.token, httponly=True, samesite="strict", path="/")
-            return resp
+            return RedirectResponse(
+                "/", status_code=303, headers={"Set-Cookie": guard.cookie_header(d.cookie, d.token)}
+            )
         html = (STATIC / "index.html").read_text()
         # The page's scripts send the token in a header for POSTs (actions): put it in the page,
         # which only a holder of the token can load.
@@ -290,7 +269,7 @@ def _act(d: Dashboard, request: Request) -> Response:
         return json_response({"error": "actions are off: start `det dashboard --allow-actions`"}, 403)
     # The cookie alone is not enough for a change: a page elsewhere could make the browser POST
     # with it. The header can only be set by the dashboard's own script.
-    if not hmac.compare_digest(request.headers.get(TOKEN_HEADER, "").encode(), d.token.encode()):
+    if not guard.token_ok(d.token, request.headers.get(TOKEN_HEADER, "")):
         return json_response({"error": "actions need the token header"}, 403)
     if action not in ACTIONS:
         return json_response({"error": f"unknown action {action!r} (one of {', '.join(ACTIONS)})"}, 404)
