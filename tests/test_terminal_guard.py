@@ -11,7 +11,7 @@ from typing import Any
 
 from conftest import ROOT
 
-# An OSC that retitles the terminal, a CSI (7-bit and 8-bit C1) and a bare BEL, a DEL and a
+# An OSC that retitles the terminal, a CSI (as ESC [ and as the C1 control 0x9b) and a bare BEL, a DEL and a
 # carriage return that would hide what came before it.
 HOSTILE = "\x1b]0;PWNED\x07 \x1b[2J \u009b31m red \x7f hidden\rshown\ttab"
 TRIAL = f"""
