@@ -62,12 +62,16 @@ class SearcherOperation:
         frac = max(0.0, min(1.0, float(length) / self._length)) if self._length else 1.0
         self._ctx._writer.emit(Progress(progress=frac, raw=float(length)))
 
-    def report_completed(self, searcher_metric: Any) -> None:
+    def _complete(self) -> None:
+        """report_completed's checks, the same on and off a cluster; the op counts as completed after."""
         if not self._is_chief:
             raise RuntimeError("you must only call op.report_completed() from the chief worker")
         if self._completed:
             raise RuntimeError("you may only call op.report_completed() once")
         self._completed = True
+
+    def report_completed(self, searcher_metric: Any) -> None:
+        self._complete()
         self._ctx._writer.emit(OpCompleted(index=self._index, length=self._length, metric=float(searcher_metric)))
         # Flushed at once: the searcher acts on a completed op (promote, stop), and a trial killed
         # right after must not lose the report.
@@ -171,11 +175,7 @@ class DummySearcherOperation(SearcherOperation):
         log.info("progress report: %s/%s", length, self._length)
 
     def report_completed(self, searcher_metric: Any) -> None:
-        if not self._is_chief:
-            raise RuntimeError("you must only call op.report_completed() from the chief worker")
-        if self._completed:
-            raise RuntimeError("you may only call op.report_completed() once")
-        self._completed = True
+        self._complete()
         log.info("searcher operation completed: searcher_metric=%s", searcher_metric)
 
 
