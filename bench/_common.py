@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,26 @@ def installed_det(where: Path) -> Path:
 
 def scancel_mine() -> None:
     subprocess.run(["scancel", "-u", os.environ.get("USER") or "root"], check=False)
+
+
+def ended_experiment_row(name: str, owner: str, config: dict[str, Any], exp_dir: str, now: datetime) -> dict[str, Any]:
+    """An experiment that has COMPLETED, as a Core insert row of the experiments table."""
+    return {
+        "name": name,
+        "owner": owner,
+        "state": "COMPLETED",
+        "config": config,
+        "original_config": "",
+        "context_sha256": "0" * 64,
+        "exp_dir": exp_dir,
+        "executor": "local",
+        "resource_pool": "cpu",
+        "progress": 1.0,
+        "archived": False,
+        "test_mode": False,
+        "start_time": now,
+        "end_time": now,
+    }
 
 
 def median(xs: list[float]) -> float:

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import HERE, Workspace, installed_det, median, save, scancel_mine
+from _common import HERE, Workspace, ended_experiment_row, installed_det, median, save, scancel_mine
 
 from detslurm.slurm.parse import SQUEUE_FORMAT
 
@@ -55,26 +55,8 @@ def fill_store(ws: Workspace, n: int) -> str:
         {"type": "shared_fs", "host_path": "/tmp"},
     ).as_dict()
     now = datetime.now(timezone.utc)
-    rows = [
-        {
-            "name": f"exp-{i}",
-            # The caller's own: `det e list` shows only those (other owners' rows never leave SQL).
-            "owner": os_user(),
-            "state": "COMPLETED",
-            "config": cfg,
-            "original_config": "",
-            "context_sha256": "0" * 64,
-            "exp_dir": f"/nonexistent/exp-{i}",
-            "executor": "local",
-            "resource_pool": "cpu",
-            "progress": 1.0,
-            "archived": False,
-            "test_mode": False,
-            "start_time": now,
-            "end_time": now,
-        }
-        for i in range(n)
-    ]
+    # The caller's own: `det e list` shows only those (other owners' rows never leave SQL).
+    rows = [ended_experiment_row(f"exp-{i}", os_user(), cfg, f"/nonexistent/exp-{i}", now) for i in range(n)]
     with open_store(url).tx() as s:
         s.execute(insert(Experiment), rows)
     return url.split("///", 1)[-1]

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from _common import Workspace, installed_det, median, save
+from _common import Workspace, ended_experiment_row, installed_det, median, save
 
 BASELINE = "e list"
 
@@ -40,24 +40,7 @@ def _config() -> dict[str, Any]:
 
 def _experiment_rows(n: int, cfg: dict[str, Any], exps: Path, owner: str, now: datetime) -> list[dict[str, Any]]:
     return [
-        {
-            "id": i + 1,
-            "name": f"exp-{i}",
-            "owner": owner,
-            "state": "COMPLETED",
-            "config": cfg,
-            "original_config": "",
-            "context_sha256": "0" * 64,
-            "exp_dir": str(exps / f"exp-{i}"),
-            "executor": "local",
-            "resource_pool": "cpu",
-            "progress": 1.0,
-            "archived": False,
-            "test_mode": False,
-            "start_time": now,
-            "end_time": now,
-        }
-        for i in range(n)
+        {"id": i + 1, **ended_experiment_row(f"exp-{i}", owner, cfg, str(exps / f"exp-{i}"), now)} for i in range(n)
     ]
 
 
