@@ -50,26 +50,13 @@ def _experiment(tmp_path: Path, owner: str | None = None) -> tuple[int, list[int
         points += [(trials[0], 35, 0.1, "DELETED"), (trials[1], 10, 0.3, "COMPLETED")]
         for i, (t, steps, loss, state) in enumerate(points):
             when = T0 + timedelta(minutes=i)
-            s.add(
-                Metric(
-                    trial_id=t.id,
-                    run_id=1,
-                    group="training",
-                    steps_completed=steps,
-                    metrics={"loss": loss * 2},
-                    report_time=when,
+            reports = {"training": {"loss": loss * 2}, "validation": {"loss": loss, "acc": 1 - loss}}
+            for group, metrics in reports.items():
+                s.add(
+                    Metric(
+                        trial_id=t.id, run_id=1, group=group, steps_completed=steps, metrics=metrics, report_time=when
+                    )
                 )
-            )
-            s.add(
-                Metric(
-                    trial_id=t.id,
-                    run_id=1,
-                    group="validation",
-                    steps_completed=steps,
-                    metrics={"loss": loss, "acc": 1 - loss},
-                    report_time=when,
-                )
-            )
             uuid = f"ck-{t.request_id}-{steps}"
             uuids[f"{t.request_id}{steps}"] = uuid
             s.add(
