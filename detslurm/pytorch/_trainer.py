@@ -420,20 +420,29 @@ class Trainer:
 
     def _evaluate_batches(self, test_mode: bool) -> dict[str, Any]:
         loader = evaluation_loader(self._val_source, self._shard(), self.context.get_trial_seed())
-        rows: list[dict[str, Any]] = []
         # Any: the user's evaluate_batch may be the one-argument form (see __init__).
         evaluate: Any = self.trial.evaluate_batch
+
+        def outputs() -> Iterator[Any]:
+            for i, batch in enumerate(loader):
+                if self.context.experimental._auto_to_device:
+                    batch = self.context.to_device(batch)
+                yield evaluate(batch, i) if self._eval_takes_idx else evaluate(batch)
+                if test_mode:
+                    break
+
+        return self._evaluation_metrics(outputs())
+
+    def _evaluation_metrics(self, outputs: Iterator[Any]) -> dict[str, Any]:
+        """The validation callbacks around ``outputs`` (evaluate_batch's results, drawn lazily so
+        that the batches run between the callbacks), each checked, then reduced across ranks."""
+        rows: list[dict[str, Any]] = []
         for cb in self.callbacks.values():
             cb.on_validation_epoch_start()
-        for i, batch in enumerate(loader):
-            if self.context.experimental._auto_to_device:
-                batch = self.context.to_device(batch)
-            out = evaluate(batch, i) if self._eval_takes_idx else evaluate(batch)
+        for out in outputs:
             if not isinstance(out, dict):
                 raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")
             rows.append({k: scalar(v) for k, v in out.items()})
-            if test_mode:
-                break
         for cb in self.callbacks.values():
             cb.on_validation_epoch_end(rows)
         return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)

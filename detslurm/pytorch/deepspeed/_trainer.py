@@ -20,7 +20,6 @@ from detslurm import core
 from detslurm.core import DistributedContext, PreemptMode, get_cluster_info
 from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader
 from detslurm.pytorch._init import _seed
-from detslurm.pytorch._reducer import reduce_rows, scalar
 from detslurm.pytorch._state import STATE_FILE, TRIAL_STATE_FILE, rng_state
 from detslurm.pytorch._trainer import Trainer as _PyTorchTrainer
 from detslurm.pytorch._trainer import _detached
@@ -103,20 +102,17 @@ class Trainer(_PyTorchTrainer):
         per_call = self._micro_per_batch() if self.context.use_pipeline_parallel else 1
         micro_batches = iter(loader)
         evaluate: Any = self.trial.evaluate_batch
-        rows: list[dict[str, Any]] = []
-        for cb in self.callbacks.values():
-            cb.on_validation_epoch_start()
-        for idx in range(len(loader) // per_call):
-            out = evaluate(micro_batches, idx) if self._eval_takes_idx else evaluate(micro_batches)
-            if self.context._mpu.should_report_metrics:
-                if not isinstance(out, dict):
-                    raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")
-                rows.append({k: scalar(v) for k, v in out.items()})
-            if test_mode:
-                break
-        for cb in self.callbacks.values():
-            cb.on_validation_epoch_end(rows)
-        return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)
+
+        def outputs() -> Iterator[Any]:
+            for idx in range(len(loader) // per_call):
+                out = evaluate(micro_batches, idx) if self._eval_takes_idx else evaluate(micro_batches)
+                # Every rank runs the batch; only the ranks that report metrics contribute a row.
+                if self.context._mpu.should_report_metrics:
+                    yield out
+                if test_mode:
+                    break
+
+        return self._evaluation_metrics(outputs())
 
     # -- checkpoints: the engines save themselves, on every rank ----------------------------
     def _checkpoint(self) -> None:
