@@ -31,6 +31,33 @@ def oracle_python() -> Path:
     return ORACLE_PYTHON
 
 
+# The start of every script that runs side by side under both interpreters: ``out`` is the
+# record it dumps, and ``attempt(name, fn)`` records fn's result, or the exception it raised.
+SCRIPT_RECORD = r"""
+out = {}
+def attempt(name, fn):
+    try:
+        out[name] = fn()
+    except Exception as e:
+        out[name] = f"raised {type(e).__name__}"
+"""
+
+
+def record_script(
+    python: Path | str, script: str, work: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> dict[str, Any]:
+    """What ``script``, run as script.py in the new dir ``work`` by ``python``, dumped to the
+    JSON file its first argument names."""
+    work.mkdir()
+    (work / "script.py").write_text(script)
+    r = subprocess.run(
+        [str(python), "script.py", "out.json"], capture_output=True, text=True, timeout=timeout, cwd=work, env=env
+    )
+    assert r.returncode == 0, f"{work.name}: {r.stderr[-3000:]}"
+    got: dict[str, Any] = json.loads((work / "out.json").read_text())
+    return got
+
+
 def surface(python: Path | str) -> Surface:
     """The JSON that tests/determined_surface.py prints under ``python``."""
     r = subprocess.run([str(python), str(SURFACE_SCRIPT)], capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -7,7 +7,6 @@ GPU, so the Trainer itself is not run there)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ deepspeed = pytest.importorskip("deepspeed")
 # DeepSpeed builds its CPU communication op at the first initialize: wait for scripts/test's build.
 pytestmark = [pytest.mark.torch, pytest.mark.late_build]
 
-from determined_oracle import oracle_python  # noqa: E402
+from determined_oracle import SCRIPT_RECORD, oracle_python, record_script  # noqa: E402
 from torch import nn  # noqa: E402
 
 from detslurm import pytorch  # noqa: E402
@@ -188,18 +187,14 @@ def test_the_context_without_an_engine_and_set_mpu(det_env: Path) -> None:
         assert ctx.get_per_slot_batch_size() == 4 and ctx.get_initial_batch() == 0
 
 
-SCRIPT = r"""
+SCRIPT = (
+    r"""
 import json, sys
 from determined import core
 from determined.pytorch import deepspeed as det_ds
-
-out = {}
-def attempt(name, fn):
-    try:
-        out[name] = fn()
-    except Exception as e:
-        out[name] = f"raised {type(e).__name__}"
-
+"""
+    + SCRIPT_RECORD
+    + r"""
 base = {"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"lr": 0.1, "eps": 1e-8}}, "fp16": {"enabled": False}}
 src = {"optimizer": {"params": {"lr": 0.01}}, "fp16": True, "new": {"a": 1}}
 out["merged"] = det_ds.overwrite_deepspeed_config(base, src)
@@ -225,21 +220,12 @@ out["pipeline_mpus"] = [[m.data_parallel_rank, m.data_parallel_world_size, m.sho
                         for m in (det_ds.make_deepspeed_mpu(Grid(s, 3, sl)) for s in range(3) for sl in (0, 1))]
 json.dump(out, open(sys.argv[1], "w"), sort_keys=True)
 """
-
-
-def record(python: Path | str, tmp_path: Path, name: str) -> dict[str, Any]:
-    work = tmp_path / name
-    work.mkdir()
-    (work / "script.py").write_text(SCRIPT)
-    r = subprocess.run([str(python), "script.py", "out.json"], capture_output=True, text=True, timeout=300, cwd=work)
-    assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    got: dict[str, Any] = json.loads((work / "out.json").read_text())
-    return got
+)
 
 
 def test_config_helpers_and_mpus_behave_as_determined(tmp_path: Path) -> None:
-    theirs = record(oracle_python(), tmp_path, "determined")
-    ours = record(sys.executable, tmp_path, "detslurm")
+    theirs = record_script(oracle_python(), SCRIPT, tmp_path / "determined")
+    ours = record_script(sys.executable, SCRIPT, tmp_path / "detslurm")
     assert ours == theirs
 
 

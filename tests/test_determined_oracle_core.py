@@ -9,14 +9,12 @@ detslurm's compatibility package); the two records must be equal. What only dets
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from determined_oracle import oracle_python
+from determined_oracle import SCRIPT_RECORD, oracle_python, record_script
 
 from detslurm.core._context import Context
 from detslurm.core._distributed import DummyDistributedContext
@@ -26,18 +24,14 @@ from detslurm.core._train import DummyTrainContext
 from detslurm.protocol import trial_env
 from detslurm.protocol.events import Alert, Event
 
-SCRIPT = r"""
+SCRIPT = (
+    r"""
 import json, sys, tempfile, pathlib
 import determined as det
 from determined import core
-
-out = {}
-def attempt(name, fn):
-    try:
-        out[name] = fn()
-    except Exception as e:
-        out[name] = f"raised {type(e).__name__}"
-
+"""
+    + SCRIPT_RECORD
+    + r"""
 # The enums' values, which code stores and compares.
 out["unit"] = {u.name: u.value for u in core.Unit}
 out["searcher_mode"] = {m.name: m.value for m in core.SearcherMode}
@@ -141,23 +135,14 @@ out["should_stop"] = [
 ]
 json.dump(out, open(sys.argv[1], "w"), sort_keys=True)
 """
-
-
-def record(python: Path | str, tmp_path: Path, name: str) -> dict[str, Any]:
-    script = tmp_path / "dummies.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / f"{name}.json"
-    r = subprocess.run([str(python), str(script), str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    got: dict[str, Any] = json.loads(out.read_text())
-    return got
+)
 
 
 @pytest.mark.torch
 def test_dummy_contexts_info_types_and_enums_behave_as_determined(tmp_path: Path) -> None:
     pytest.importorskip("torch")  # the script imports determined.pytorch on both sides
-    theirs = record(oracle_python(), tmp_path, "determined")
-    ours = record(sys.executable, tmp_path, "detslurm")
+    theirs = record_script(oracle_python(), SCRIPT, tmp_path / "determined")
+    ours = record_script(sys.executable, SCRIPT, tmp_path / "detslurm")
     assert ours == theirs, "\n".join(
         f"{k}: Determined {theirs.get(k)!r}, detslurm {ours.get(k)!r}"
         for k in sorted({*theirs, *ours})

@@ -4,14 +4,11 @@ the batches each rank sees must be the same."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from determined_oracle import oracle_python
+from determined_oracle import oracle_python, record_script
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -36,19 +33,9 @@ json.dump(out, open(sys.argv[1], "w"), sort_keys=True)
 """
 
 
-def record(python: Path | str, tmp_path: Path, name: str) -> dict[str, Any]:
-    work = tmp_path / name
-    work.mkdir()
-    (work / "script.py").write_text(SCRIPT)
-    r = subprocess.run([str(python), "script.py", "out.json"], capture_output=True, text=True, timeout=300, cwd=work)
-    assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    got: dict[str, Any] = json.loads((work / "out.json").read_text())
-    return got
-
-
 def test_get_data_loader_shards_skips_and_repeats_as_determined(tmp_path: Path) -> None:
-    theirs = record(oracle_python(), tmp_path, "determined")
-    ours = record(sys.executable, tmp_path, "detslurm")
+    theirs = record_script(oracle_python(), SCRIPT, tmp_path / "determined")
+    ours = record_script(sys.executable, SCRIPT, tmp_path / "detslurm")
     assert theirs["repeat-3-False-2-1-1"] == [[9, 10], [3, 4, 5], [9, 10], [3, 4, 5], [9, 10], [3, 4, 5], [9, 10]]
     assert ours == theirs, "\n".join(
         f"{k}: Determined {theirs.get(k)!r}, detslurm {ours.get(k)!r}"

@@ -4,15 +4,13 @@ prints what it saw; the two records must be equal."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from determined_oracle import oracle_python
+from determined_oracle import oracle_python, record_script
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -67,19 +65,11 @@ json.dump(out, open(sys.argv[1], "w"), sort_keys=True)
 
 
 def record(python: Path | str, tmp_path: Path, name: str) -> dict[str, Any]:
-    work = tmp_path / name
-    work.mkdir()
-    (work / "script.py").write_text(SCRIPT)
     # Off-cluster checkpoints (Determined's under HOME, ours under the data dir) stay in tmp,
     # outside the working dir, which Determined copies into each checkpoint.
     env = {**os.environ, "HOME": str(tmp_path / f"home-{name}"), "DETSLURM_DATA_DIR": str(tmp_path / f"data-{name}")}
     env["DETSLURM_CHECKPOINT_DIR"] = str(tmp_path / f"ckpts-{name}")
-    r = subprocess.run(
-        [str(python), "script.py", "out.json"], capture_output=True, text=True, timeout=600, cwd=work, env=env
-    )
-    assert r.returncode == 0, f"{name}: {r.stderr[-3000:]}"
-    got: dict[str, Any] = json.loads((work / "out.json").read_text())
-    return got
+    return record_script(python, SCRIPT, tmp_path / name, env, timeout=600)
 
 
 def test_sdk_submodules_and_test_one_batch_behave_as_determined(tmp_path: Path) -> None:
