@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 # Keyed by the command's path under `det`, with each command's own name (aliases share it).
-# A new command needs a line here: tests/test_verbs.py fails for any command without one.
+# A new command needs a line here: tests/unit/cli/test_verbs.py fails for any command without one.
 EXAMPLES: dict[str, str] = {
     "experiment": "det e create const.yaml . && det e list",
     "experiment label": "det e label add 7 baseline",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from detslurm.doctor.findings import Finding
 
 # Wrapped widths of the subject, detail and action columns: with the status column and presto's
-# separators the table fits in 100 columns (tests/test_site_limits.py).
+# separators the table fits in 100 columns (tests/unit/slurm/test_site_limits.py).
 _SUBJECT_WIDTH = 16
 _DETAIL_WIDTH = 37
 _ACTION_WIDTH = 27

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional, TypedDict, Union
 
 from detslurm import settings
 from detslurm.errors import DetSlurmError, NotFoundError, StateError
+from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope
 
 if TYPE_CHECKING:
@@ -516,7 +517,7 @@ def _descending(order_by: Any) -> bool:
 
 
 def _smaller_is_better(config: dict[str, Any]) -> bool:
-    return bool((config.get("searcher") or {}).get("smaller_is_better", True))
+    return ConfigView(config).searcher.smaller_is_better
 
 
 # -- trials -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Every ``DETSLURM_*`` environment variable, declared once: its type, default and meaning.
 
 Code reads a variable only through its declaration here (``DATA_DIR.get(env)``), never by its
-name; ``tests/test_settings.py`` holds every product module to that, and checks that each
+name; ``tests/unit/test_settings.py`` holds every product module to that, and checks that each
 declaration is used. ``python -m detslurm.settings --markdown`` prints the table that
 docs/admin/settings.md holds, and ``det config`` prints the effective values and their sources.
 
@@ -526,7 +526,7 @@ def _mask_url(url: str) -> str:
 
 
 def markdown() -> str:
-    """docs/admin/settings.md: the registry as two tables (tests/test_settings.py keeps them equal)."""
+    """docs/admin/settings.md: the registry as two tables (tests/unit/test_settings.py keeps them equal)."""
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

@@ -230,7 +230,7 @@ def mpi_main(nodes: Nodes, script: Sequence[str], settings: HorovodSettings) -> 
     # reaches it and srun then kills the daemons' step. When the batch shell got the SIGTERM too
     # (preemption, the time limit) the run still ends as a preemption and resumes from its latest
     # periodic checkpoint, but without a checkpoint of its own at the stop (seen on the test
-    # cluster; tests/test_preemption_launchers.py covers only the warning signal for --mpi).
+    # cluster; tests/cluster/test_preemption_launchers.py covers only the warning signal for --mpi).
     exported = names + sorted(settings.env)
     return run(mpi_cmd(nodes, extra, script, exported=exported), env)
 

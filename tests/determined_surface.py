@@ -1,6 +1,6 @@
 """Print the public surface of ``determined`` as JSON, one entry per dotted path.
 
-Run as a script by tests/test_determined_oracle_surface.py twice: by the real determined's
+Run as a script by tests/unit/compat/test_determined_oracle_surface.py twice: by the real determined's
 interpreter (.venv-determined, scripts/oracle-venv) and by ours, where ``import determined`` is
 detslurm's compatibility package. Standard library only, and it imports nothing of the tests.
 

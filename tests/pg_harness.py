@@ -1,6 +1,6 @@
 """A private, real PostgreSQL server on loopback for tests (started as the ``postgres`` user,
 which needs root; the server package is installed if missing). Same recipe as the
-``postgres`` fixture of tests/test_store.py, shared here for tests of other modules."""
+``postgres`` fixture of tests/unit/store/test_store.py, shared here for tests of other modules."""
 
 from __future__ import annotations
 

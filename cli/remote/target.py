@@ -22,7 +22,7 @@ from detslurm.errors import ConfigError, DetSlurmError
 # environment, but refused when given explicitly with -m.
 _SCHEME = "ssh://"
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$|^\[[0-9A-Fa-f:.]+\]$")
-# detslurm.settings.REMOTE_PERSIST_S's default (tests/test_settings.py keeps them equal): that module
+# detslurm.settings.REMOTE_PERSIST_S's default (tests/unit/test_settings.py keeps them equal): that module
 # is imported only where the settings are read, as main() imports this one for every `det`.
 DEFAULT_PERSIST_S = 600.0
 

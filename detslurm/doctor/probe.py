@@ -35,7 +35,7 @@ from detslurm.slurm.render import SbatchRequest
 from detslurm.slurm.site import Pool, SiteConfig
 
 # Names the node probe uses too (detslurm/exec/node_probe.py runs without detslurm: it cannot
-# import them, so tests/test_doctor.py checks both sides agree).
+# import them, so tests/unit/doctor/test_doctor.py checks both sides agree).
 LOGIN_TOKEN = "login-token"
 EXIT_BASE = 32
 PROBE_DIR = ".detslurm-doctor"

@@ -171,6 +171,11 @@ class ConfigView:
         return _typed(self.raw.get("data"), dict, {})
 
     @property
+    def hyperparameters(self) -> dict[str, Any]:
+        """The ``hyperparameters`` section as written (a trial's own values, or the search space)."""
+        return _typed(self.raw.get("hyperparameters"), dict, {})
+
+    @property
     def optimizations(self) -> dict[str, Any]:
         return _typed(self.raw.get("optimizations"), dict, {})
 

@@ -12,7 +12,7 @@ sides import.
 Layout of an experiment dir: ``context.tar.gz``, ``config.yaml``, ``best_validation.json``,
 ``arrays/t<T>-r<R>/``, ``trials/<t>/{searcher_ops.json,metadata.json}`` and per run
 ``trials/<t>/runs/<r>/{events/rank-<N>.jsonl,control.json,exit.json,exit-node<N>.json,job_id,
-output.log,signals,rendezvous-*.json,rank-failed-*}``. ``tests/test_layering.py`` enforces the
+output.log,signals,rendezvous-*.json,rank-failed-*}``. ``tests/unit/test_layering.py`` enforces the
 import rules.
 """
 
@@ -67,7 +67,7 @@ from detslurm.protocol.records import (
     exit_outcome,
 )
 
-# What the rest of detslurm may import from the protocol; tests/test_layering.py keeps the login
+# What the rest of detslurm may import from the protocol; tests/unit/test_layering.py keeps the login
 # side and the in-job side from importing each other around it.
 __all__ = [
     "BATCH_EXIT_PRINTF",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from detslurm.expconf.view import ConfigView
+
 log = logging.getLogger("detslurm.pytorch")
 
 
@@ -18,7 +20,7 @@ def test_one_batch(trial_class: Any, config: Optional[dict[str, Any]] = None) ->
 
     # Determined's override: one batch is the scheduling unit.
     config = {**(config or {}), "scheduling_unit": 1}
-    hparams = config.get("hyperparameters", {})
+    hparams = ConfigView(config).hyperparameters
     if isinstance(trial_class, type) and issubclass(trial_class, pytorch.PyTorchTrial):
         api: Any = pytorch
     elif isinstance(trial_class, type) and issubclass(trial_class, deepspeed.DeepSpeedTrial):

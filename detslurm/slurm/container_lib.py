@@ -12,7 +12,7 @@ paths, sizes and mtimes), made once per experiment dir on the shared filesystem 
 every run; it is a few MB.
 
 Which dependencies: the import closure of ``detslurm.exec.launch``, the launchers and the Core
-API, minus the standard library (tests/test_containers.py checks it stays this list). None has
+API, minus the standard library (tests/unit/slurm/test_containers.py checks it stays this list). None has
 compiled parts, so the image's Python (>= 3.10) can import them whatever its minor version.
 """
 

@@ -198,7 +198,7 @@ class Store:
         one transaction, instead of replaying every migration (0.25 s and importing alembic on a
         user's first `det e create`). False, touching nothing, for a store that has any table.
 
-        The result is the schema the migrations build, as tests/test_store.py proves by
+        The result is the schema the migrations build, as tests/unit/store/test_store.py proves by
         comparing both, table by table (columns, indexes, unique and foreign keys)."""
         from detslurm.store.models import Base
 

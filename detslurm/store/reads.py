@@ -7,7 +7,7 @@ on the standard library's sqlite3: importing SQLAlchemy and mapping the models w
 options, a store that needs migrating first) the same SQL runs on the ORM store's connection
 (:meth:`Reads.of_store`), and ``views`` builds its dicts here too: one answer to each question.
 
-The SQL names the tables and columns of ``detslurm.store.models``; tests/test_store_reads.py
+The SQL names the tables and columns of ``detslurm.store.models``; tests/unit/store/test_store_reads.py
 prepares every statement of :data:`SQL` against the tables the models create and compares the
 answers with the ORM's rows. Nothing here writes (the sqlite3 connection is opened read-only).
 """

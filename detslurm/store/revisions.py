@@ -1,6 +1,6 @@
 """The schema's head revision, read from the Alembic scripts themselves (migrations/versions/)
 without importing alembic: every `det` call compares it with the store's stamp, and importing
-alembic and SQLAlchemy for that would cost more than most commands. tests/test_store.py checks
+alembic and SQLAlchemy for that would cost more than most commands. tests/unit/store/test_store.py checks
 that this is what alembic computes."""
 
 from __future__ import annotations
