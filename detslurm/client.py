@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, TypedDict, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from detslurm import settings
 from detslurm.errors import DetSlurmError, NotFoundError, StateError
@@ -35,8 +35,6 @@ from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
     from detslurm.store import Store
     from detslurm.store.reads import Reads
 
@@ -578,21 +576,6 @@ def _log_filter(
     return LogFilter(ranks=tuple(rank_ids or ()), min_level=level, since=since, until=until)
 
 
-class _LogOptions(TypedDict, total=False):
-    """The keyword options of Trial.iter_logs, which Trial.logs passes on."""
-
-    head: Optional[int]
-    tail: Optional[int]
-    container_ids: Optional[list[str]]
-    rank_ids: Optional[list[int]]
-    stdtypes: Optional[list[str]]
-    min_level: Any
-    timestamp_before: Optional[Union[str, int]]
-    timestamp_after: Optional[Union[str, int]]
-    sources: Optional[list[str]]
-    search_text: Optional[str]
-
-
 class Trial:
     """A trial in the store (Determined's ``client.Trial``)."""
 
@@ -720,10 +703,36 @@ class Trial:
                 found = itertools.islice(found, head)
         return (line + "\n" for line in found)
 
-    def logs(self, follow: bool = False, **options: Unpack[_LogOptions]) -> Iterator[str]:
+    def logs(
+        self,
+        follow: bool = False,
+        *,
+        head: Optional[int] = None,
+        tail: Optional[int] = None,
+        container_ids: Optional[list[str]] = None,
+        rank_ids: Optional[list[int]] = None,
+        stdtypes: Optional[list[str]] = None,
+        min_level: Any = None,
+        timestamp_before: Optional[Union[str, int]] = None,
+        timestamp_after: Optional[Union[str, int]] = None,
+        sources: Optional[list[str]] = None,
+        search_text: Optional[str] = None,
+    ) -> Iterator[str]:
         """Deprecated in Determined: :meth:`iter_logs`."""
         warnings.warn("Trial.logs() is deprecated: call Trial.iter_logs()", FutureWarning, stacklevel=2)
-        return self.iter_logs(follow, **options)
+        return self.iter_logs(
+            follow,
+            head=head,
+            tail=tail,
+            container_ids=container_ids,
+            rank_ids=rank_ids,
+            stdtypes=stdtypes,
+            min_level=min_level,
+            timestamp_before=timestamp_before,
+            timestamp_after=timestamp_after,
+            sources=sources,
+            search_text=search_text,
+        )
 
     def kill(self) -> None:
         """Stop the trial now (as `det trial kill`); the searcher sees it as ended early."""
