@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -83,6 +84,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
         config.option.basetemp = tempfile.mkdtemp(prefix="detslurm-pytest-")
         config.add_cleanup(lambda: shutil.rmtree(config.option.basetemp, ignore_errors=True))
+
+
+_STOP_SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2]
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_restored() -> Iterator[None]:
+    """Each test leaves the session's signal dispositions as it found them.
+
+    In-process code may change them for good: a closed Core API context ignores the warning
+    signal (detslurm/core/_preempt.py), and an ignored signal stays ignored in every process the
+    session starts afterwards. A later test's launcher then never saw its SIGUSR2."""
+    saved = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
 
 
 @pytest.hookimpl(wrapper=True)
