@@ -188,7 +188,7 @@ def test_set_profiler_profiles_training_into_the_tensorboard_path(tmp_path: Path
     script.write_text(PROFILED)
     tb = tmp_path / "tb"
     r = subprocess.run(
-        [sys.executable, str(script), str(tb), str(Path(__file__).parents[2])],
+        [sys.executable, str(script), str(tb), str(Path(__file__).parent)],
         capture_output=True,
         text=True,
         timeout=300,
