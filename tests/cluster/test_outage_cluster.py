@@ -29,6 +29,12 @@ def run_dir(exp_id: int) -> Path | None:
         return Path(run.run_dir) if run else None
 
 
+def trial_states() -> dict[int, str]:
+    """The paused experiment's (1) trials' states, by trial id."""
+    with open_store(settings.load().db_url).tx() as s:
+        return {t.id: str(t.state) for t in s.scalars(select(Trial).where(Trial.experiment_id == 1))}
+
+
 def exp_state(exp_id: int) -> str:
     with open_store(settings.load().db_url).tx() as s:
         exp = s.get(Experiment, exp_id)
@@ -60,7 +66,12 @@ def test_pause_and_kill_reach_trials_while_slurmctld_is_down(det: Any, slurm_clu
         assert "scheduler unreachable" in log
     finally:
         ctld(slurm_cluster, "start")
-    wait_for(lambda: exp_state(1) == "PAUSED" and exp_state(2) == "CANCELED", 90)
+    # A pause sets the experiment's state at once; its trial turns PAUSED only once the tick has
+    # read that the run ended (slurmctld is back by then): wait for the trials, not the experiments.
+    wait_for(
+        lambda: exp_state(1) == "PAUSED" and exp_state(2) == "CANCELED" and set(trial_states().values()) == {"PAUSED"},
+        90,
+    )
     with open_store(settings.load().db_url).tx() as s:
         for t in s.scalars(select(Trial)):
             assert t.restarts == 0 and t.run_count == 1, (t.id, t.restarts, t.run_count)
