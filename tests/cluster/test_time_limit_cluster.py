@@ -1,11 +1,14 @@
-"""Preemption (docs/design/preemption.md): a trial whose job really reaches its Slurm time limit (``--time=1`` through
+"""Preemption (docs/design/preemption.md): a trial whose job really reaches its Slurm time limit (``--time=2`` through
 ``slurm.sbatch_args``), not a warning signal sent by hand. Slurm's own warning signal (the
 site's ``signal_lead_s`` before the limit), or where the site gives no lead the SIGTERM at the
 limit, must end in an acknowledged checkpoint, the job gone within KillWait of the limit, and
 the trial resubmitted until it finishes with no step lost or repeated and no restart charged.
 
-Slurm checks time limits (and sends ``--signal`` warnings) every 30 s, so a 1-minute job ends
-60-90 s after it starts: each case takes a few minutes."""
+Slurm checks time limits (and sends ``--signal`` warnings) every 30 s, so a 2-minute job ends
+120-150 s after it starts, and a warning may come up to 60 s before its lead (sbatch(1),
+--signal). With a 1-minute limit and a 30 s lead the warning could land in the job's first
+second, before the launcher had installed its handler: the limit is 2 minutes so that the
+warning comes at least 30 s in. Each case takes a few minutes."""
 
 from __future__ import annotations
 
@@ -25,11 +28,11 @@ from detslurm.store import TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 KILL_WAIT_S = 15  # scripts/test-cluster's KillWait
-LIMIT_S = 60  # --time=1
+LIMIT_S = 120  # --time=2
 CHECK_S = 30  # slurmctld's periodic time-limit check: the limit is enforced up to this late
-# 200 batches take 100 s, more than one job's time limit; the example checkpoints every 5 (2.5 s),
+# 300 batches take 150 s, more than one job's time limit; the example checkpoints every 5 (2.5 s),
 # well inside KillWait, which is all the time a trial has after the SIGTERM at the limit.
-BATCHES = 200
+BATCHES = 300
 BATCH_S = 0.5
 
 
@@ -64,7 +67,7 @@ def test_real_time_limit_checkpoints_and_resumes(
         "--config",
         f"hyperparameters.sleep={BATCH_S}",
         "--config",
-        "slurm.sbatch_args=[--nodelist=c1, --time=1]",
+        "slurm.sbatch_args=[--nodelist=c1, --time=2]",
         "--config",
         f"environment.environment_variables=[EXAMPLE_TOTAL_BATCHES={BATCHES}]",
         "--config",
@@ -111,7 +114,7 @@ def test_real_time_limit_on_two_nodes(det: Any, tmp_path: Path, monkeypatch: pyt
     """2 nodes x 2 ranks under torch_distributed: Slurm's warning reaches only the batch shell,
     which passes it to srun's step; every rank stops at the same checkpoint."""
     use_lead(tmp_path, monkeypatch, 30)
-    extra = "slurm: {sbatch_args: [--time=1]}\n"
+    extra = "slurm: {sbatch_args: [--time=2]}\n"
     start_two_by_two(det, tmp_path / "ctx", "core", total=160, step_s=0.5, extra=extra)
     first, signals = first_run_ends_by_the_limit()
     assert signals[:1] == ["USR2"] and first.exit_code == 0
