@@ -52,66 +52,79 @@ def _trial_rows(args: argparse.Namespace, exps: Path, now: datetime) -> dict[str
         for k in range(args.trials):
             tid += 1
             run_dir = exps / f"exp-{e}" / "trials" / str(tid) / "runs" / "1"
-            out["trials"].append(
-                {
-                    "id": tid,
-                    "experiment_id": e + 1,
-                    "request_id": f"r{k}",
-                    "state": "COMPLETED",
-                    "hparams": {"lr": 0.001 * (k + 1), "layers": 4},
-                    "seed": k,
-                    "run_count": 1,
-                    "steps_completed": 100,
-                    "searcher_metric": 0.5,
-                    "progress": 1.0,
-                    "start_time": now,
-                    "end_time": now,
-                }
-            )
-            out["runs"].append(
-                {
-                    "trial_id": tid,
-                    "run_id": 1,
-                    "state": "EXITED",
-                    "executor": "local",
-                    "job_id": str(run_dir),
-                    "run_dir": str(run_dir),
-                    "log_path": str(run_dir / "output.log"),
-                    "exit_code": 0,
-                    "submit_time": now,
-                    "start_time": now,
-                    "end_time": now,
-                }
-            )
-            for r in range(args.reports):
-                step = 100 * (r // 2 + 1) // max(args.reports // 2, 1)
-                group = "validation" if r % 2 else "training"
-                out["metrics"].append(
-                    {
-                        "trial_id": tid,
-                        "run_id": 1,
-                        "group": group,
-                        "steps_completed": step,
-                        "metrics": {"loss": 1.0 / (r + 1), "accuracy": r / args.reports},
-                        "report_time": now + timedelta(seconds=r),
-                        "archived": False,
-                    }
-                )
-            for c, step in enumerate((50, 100)):
-                out["checkpoints"].append(
-                    {
-                        "uuid": f"ck-{tid}-{c}",
-                        "trial_id": tid,
-                        "run_id": 1,
-                        "steps_completed": step,
-                        "storage_path": f"/nonexistent/ck-{tid}-{c}",
-                        "metadata": {"steps_completed": step},
-                        "resources": {"model.pt": 1024, "state.json": 64},
-                        "size": 1088,
-                        "report_time": now,
-                    }
-                )
+            _add_trial(out, args, tid, e, k, run_dir, now)
     return out
+
+
+def _add_trial(
+    out: dict[str, list[dict[str, Any]]],
+    args: argparse.Namespace,
+    tid: int,
+    e: int,
+    k: int,
+    run_dir: Path,
+    now: datetime,
+) -> None:
+    """Trial ``tid`` (the ``k``-th of experiment ``e + 1``): its row, its run, reports and checkpoints."""
+    out["trials"].append(
+        {
+            "id": tid,
+            "experiment_id": e + 1,
+            "request_id": f"r{k}",
+            "state": "COMPLETED",
+            "hparams": {"lr": 0.001 * (k + 1), "layers": 4},
+            "seed": k,
+            "run_count": 1,
+            "steps_completed": 100,
+            "searcher_metric": 0.5,
+            "progress": 1.0,
+            "start_time": now,
+            "end_time": now,
+        }
+    )
+    out["runs"].append(
+        {
+            "trial_id": tid,
+            "run_id": 1,
+            "state": "EXITED",
+            "executor": "local",
+            "job_id": str(run_dir),
+            "run_dir": str(run_dir),
+            "log_path": str(run_dir / "output.log"),
+            "exit_code": 0,
+            "submit_time": now,
+            "start_time": now,
+            "end_time": now,
+        }
+    )
+    for r in range(args.reports):
+        step = 100 * (r // 2 + 1) // max(args.reports // 2, 1)
+        group = "validation" if r % 2 else "training"
+        out["metrics"].append(
+            {
+                "trial_id": tid,
+                "run_id": 1,
+                "group": group,
+                "steps_completed": step,
+                "metrics": {"loss": 1.0 / (r + 1), "accuracy": r / args.reports},
+                "report_time": now + timedelta(seconds=r),
+                "archived": False,
+            }
+        )
+    for c, step in enumerate((50, 100)):
+        out["checkpoints"].append(
+            {
+                "uuid": f"ck-{tid}-{c}",
+                "trial_id": tid,
+                "run_id": 1,
+                "steps_completed": step,
+                "storage_path": f"/nonexistent/ck-{tid}-{c}",
+                "metadata": {"steps_completed": step},
+                "resources": {"model.pt": 1024, "state.json": 64},
+                "size": 1088,
+                "report_time": now,
+            }
+        )
 
 
 def fill_store(ws: Workspace, args: argparse.Namespace) -> tuple[int, int]:
