@@ -154,7 +154,10 @@ def test_a_job_made_impossible_while_queued_ends_its_trial(det: Any, tmp_path: P
     assert words in det("e", "describe", "1")[1]
     job = trial_view(det)["runs"][0]["job_id"]
     code, out, _ = det("job", "list")
-    assert code == 0 and words in next(line for line in out.splitlines() if job in line)
+    # The row whose ID column is the job: a bare `job in line` also matched another job's row
+    # whose Slurm priority happened to equal this job's id.
+    row = next(line for line in out.splitlines() if line.count("|") > 1 and line.split("|")[1].strip() == job)
+    assert code == 0 and words in row
 
     with partition_limit("cpu", MaxNodes="1"):
         d = until("the trial to end", lambda: ended(trial_view(det)))
