@@ -1,0 +1,244 @@
+"""Trials (Determined's ``client.Trial``): metrics, checkpoints, logs, kill."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from detslurm.client._checkpoint import Checkpoint, _smaller_is_better, _sorted_checkpoints
+from detslurm.client._enums import CheckpointOrderBy, CheckpointSortBy, OrderBy, TrialState, _state
+from detslurm.client._metrics import TrialMetrics, _trial_metrics
+from detslurm.client._session import Session
+from detslurm.errors import DetSlurmError, NotFoundError
+
+if TYPE_CHECKING:
+    from detslurm.client._experiment import Experiment
+
+
+def _log_time(value: Union[str, int, None], what: str) -> Optional[datetime]:
+    from detslurm.cli.log_filter import parse_time
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{what} must be an RFC 3339 string or epoch seconds (int), not {type(value).__name__}")
+    if isinstance(value, int):
+        return datetime.fromtimestamp(value, tz=timezone.utc)
+    return parse_time(value, what)
+
+
+def _log_filter(
+    follow: bool,
+    head: Optional[int],
+    tail: Optional[int],
+    container_ids: Optional[list[str]],
+    rank_ids: Optional[list[int]],
+    stdtypes: Optional[list[str]],
+    min_level: Any,
+    timestamp_before: Union[str, int, None],
+    timestamp_after: Union[str, int, None],
+    sources: Optional[list[str]],
+) -> Any:
+    """Trial.iter_logs' arguments checked, as the filter of `det trial logs`."""
+    from detslurm.cli.log_filter import LEVELS, LogFilter
+
+    if follow:
+        raise DetSlurmError("iter_logs(follow=True) is not built in the SDK: `det trial logs -f` follows a trial")
+    if head is not None and tail is not None:
+        raise ValueError("iter_logs(): head and tail are mutually exclusive")
+    for name, n in (("head", head), ("tail", tail)):
+        if n is not None and n < 0:
+            raise ValueError(f"iter_logs(): {name} must be non-negative, got {n}")
+    # One output file per run holds stdout and stderr of every rank on every node.
+    if container_ids or sources or (stdtypes and not {"stdout", "stderr"} <= set(stdtypes)):
+        raise ValueError(
+            "iter_logs(): container_ids, sources and stdtypes do not apply here (a run's stdout and stderr "
+            "are one file); filter by rank_ids, min_level or the timestamps"
+        )
+    level = getattr(min_level, "name", min_level)
+    if level is not None and level not in LEVELS:
+        raise ValueError(f"iter_logs(): min_level must be one of {', '.join(LEVELS)} (got {min_level!r})")
+    # A filter with a time always set: the reader then prints no "=== run" header lines, which
+    # are not lines of the trial's log.
+    since = _log_time(timestamp_after, "timestamp_after") or datetime.min.replace(tzinfo=timezone.utc)
+    until = _log_time(timestamp_before, "timestamp_before")
+    return LogFilter(ranks=tuple(rank_ids or ()), min_level=level, since=since, until=until)
+
+
+class Trial:
+    """A trial in the store (Determined's ``client.Trial``)."""
+
+    def __init__(self, trial_id: int, session: Session) -> None:
+        self.id = trial_id
+        self._session = session
+        self.reload()
+
+    def reload(self) -> None:
+        info = self._session.reads.trial(self.id, self._session.owner)
+        self.experiment_id: int = info["experiment_id"]
+        self.hparams: dict[str, Any] = info["hparams"]
+        self.state = _state(TrialState, info["state"])
+        self.steps_completed: int = info["steps_completed"]
+        self.searcher_metric: float | None = info["searcher_metric"]
+        self.start_time: datetime | None = info["start_time"]
+        self.end_time: datetime | None = info["end_time"]
+        self.restarts: int = info["restarts"]
+
+    def get_experiment(self) -> Experiment:
+        # Imported here: an experiment lists its trials, so _experiment imports this module.
+        from detslurm.client._experiment import Experiment
+
+        return Experiment(self.experiment_id, self._session)
+
+    def iter_metrics(self, group: str) -> Iterator[TrialMetrics]:
+        """Every metrics report of ``group`` ("training", "validation" or the trial's own), by step."""
+        return _trial_metrics(self._session, self.id, group)
+
+    def stream_metrics(self, group: str) -> Iterator[TrialMetrics]:
+        return self.iter_metrics(group)
+
+    def stream_training_metrics(self) -> Iterator[TrialMetrics]:
+        return self.iter_metrics("training")
+
+    def stream_validation_metrics(self) -> Iterator[TrialMetrics]:
+        return self.iter_metrics("validation")
+
+    def _checkpoint_infos(self) -> list[dict[str, Any]]:
+        reads = self._session.reads
+        return [c for c in reads.checkpoint_dicts(self.experiment_id, self._session.owner) if c["trial_id"] == self.id]
+
+    def _smaller(self) -> bool:
+        return _smaller_is_better(self._session.reads.experiment(self.experiment_id, self._session.owner)[1])
+
+    def list_checkpoints(
+        self,
+        sort_by: Union[str, CheckpointSortBy, None] = None,
+        order_by: Optional[OrderBy] = None,
+        max_results: Optional[int] = None,
+    ) -> list[Checkpoint]:
+        """The trial's completed checkpoints, best first by the searcher metric unless sorted otherwise."""
+        infos = self._checkpoint_infos()
+        return _sorted_checkpoints(self._session, infos, self._smaller(), sort_by, order_by, max_results)
+
+    def get_checkpoints(
+        self, sort_by: Union[str, CheckpointSortBy, None] = None, order_by: Optional[OrderBy] = None
+    ) -> list[Checkpoint]:
+        return self.list_checkpoints(sort_by, order_by)
+
+    def top_checkpoint(self, sort_by: Optional[str] = None, smaller_is_better: Optional[bool] = None) -> Checkpoint:
+        return self.select_checkpoint(best=True, sort_by=sort_by, smaller_is_better=smaller_is_better)
+
+    def select_checkpoint(
+        self,
+        latest: bool = False,
+        best: bool = False,
+        uuid: Optional[str] = None,
+        sort_by: Optional[str] = None,
+        smaller_is_better: Optional[bool] = None,
+    ) -> Checkpoint:
+        """Exactly one of ``latest`` (the most steps), ``best`` (by the searcher metric, or by
+        the validation metric ``sort_by`` with ``smaller_is_better``) or ``uuid``."""
+        if sum([int(latest), int(best), int(uuid is not None)]) != 1:
+            raise ValueError("select_checkpoint(): give exactly one of latest, best or uuid")
+        if (sort_by is None) != (smaller_is_better is None):
+            raise ValueError("select_checkpoint(): sort_by and smaller_is_better go together")
+        if sort_by is not None and not best:
+            raise ValueError("select_checkpoint(): sort_by and smaller_is_better are for best=True")
+        if uuid is not None:
+            return Checkpoint(self._session, uuid)
+        infos = self._checkpoint_infos()
+        if latest:
+            done = [i for i in infos if i["state"] == "COMPLETED"]
+            if not done:
+                raise NotFoundError("completed checkpoint of trial", self.id)
+            return Checkpoint(self._session, max(done, key=lambda i: i["steps_completed"])["uuid"])
+        smaller = self._smaller() if smaller_is_better is None else smaller_is_better
+        order = CheckpointOrderBy.ASC if smaller else CheckpointOrderBy.DESC
+        found = _sorted_checkpoints(self._session, infos, smaller, sort_by, order if sort_by else None, max_results=1)
+        if not found:
+            raise NotFoundError("completed checkpoint of trial", self.id)
+        return found[0]
+
+    def iter_logs(
+        self,
+        follow: bool = False,
+        *,
+        head: Optional[int] = None,
+        tail: Optional[int] = None,
+        container_ids: Optional[list[str]] = None,
+        rank_ids: Optional[list[int]] = None,
+        stdtypes: Optional[list[str]] = None,
+        min_level: Any = None,
+        timestamp_before: Optional[Union[str, int]] = None,
+        timestamp_after: Optional[Union[str, int]] = None,
+        sources: Optional[list[str]] = None,
+        search_text: Optional[str] = None,
+    ) -> Iterator[str]:
+        """The trial's log lines (each ending in a newline, as Determined's): every run's output,
+        then detslurm's notes, read as `det trial logs` reads them. ``rank_ids``, ``min_level``
+        (a LogLevel or its name) and the timestamps (RFC 3339 or epoch seconds) filter as its
+        options do; ``search_text`` keeps the lines that contain it."""
+        from detslurm.cli import logs as reader
+
+        flt = _log_filter(
+            follow, head, tail, container_ids, rank_ids, stdtypes, min_level, timestamp_before, timestamp_after, sources
+        )
+        # The reader takes the CLI's app; a session has what it reads (reads, scope).
+        app: Any = self._session
+        if tail is not None and not search_text:
+            found: Iterable[str] = reader.tail(app, self.id, tail, flt)
+        else:
+            found = (line for line in reader.lines(app, self.id, flt) if not search_text or search_text in line)
+            if tail is not None:
+                found = collections.deque(found, maxlen=tail)
+            elif head is not None:
+                found = itertools.islice(found, head)
+        return (line + "\n" for line in found)
+
+    def logs(
+        self,
+        follow: bool = False,
+        *,
+        head: Optional[int] = None,
+        tail: Optional[int] = None,
+        container_ids: Optional[list[str]] = None,
+        rank_ids: Optional[list[int]] = None,
+        stdtypes: Optional[list[str]] = None,
+        min_level: Any = None,
+        timestamp_before: Optional[Union[str, int]] = None,
+        timestamp_after: Optional[Union[str, int]] = None,
+        sources: Optional[list[str]] = None,
+        search_text: Optional[str] = None,
+    ) -> Iterator[str]:
+        """Deprecated in Determined: :meth:`iter_logs`."""
+        warnings.warn("Trial.logs() is deprecated: call Trial.iter_logs()", FutureWarning, stacklevel=2)
+        return self.iter_logs(
+            follow,
+            head=head,
+            tail=tail,
+            container_ids=container_ids,
+            rank_ids=rank_ids,
+            stdtypes=stdtypes,
+            min_level=min_level,
+            timestamp_before=timestamp_before,
+            timestamp_after=timestamp_after,
+            sources=sources,
+            search_text=search_text,
+        )
+
+    def kill(self) -> None:
+        """Stop the trial now (as `det trial kill`); the searcher sees it as ended early."""
+        from detslurm.controller import ops
+
+        ops.kill_trial(self._session.store, self.id, self._session.scope)
+
+    def __repr__(self) -> str:
+        return f"Trial(id={self.id})"
+
+
+class TrialReference(Trial):
+    """Determined's older name for :class:`Trial`."""
