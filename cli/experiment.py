@@ -14,7 +14,7 @@ from detslurm.cli import experiment_verbs
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
-from detslurm.errors import DetSlurmError
+from detslurm.errors import ConfigError, DetSlurmError
 from detslurm.expconf.view import ConfigView
 from detslurm.store.reads import experiment_filter_rows, trial_reason
 from detslurm.util import printable
@@ -133,9 +133,15 @@ def _create(
     # Creating needs the config schema, context packaging and sbatch rendering; reads do not.
     from detslurm.controller import create as create_mod
 
-    plan = create_mod.plan_create(app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused)
-    backend = backend_mod.for_create(app, local=run_local)
-    exp_id = create_mod.create(app.store, app.settings, backend.place(), plan, click.echo, dry_run=dry_run)
+    try:
+        plan = create_mod.plan_create(
+            app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused
+        )
+        backend = backend_mod.for_create(app, local=run_local)
+        exp_id = create_mod.create(app.store, app.settings, backend.place(), plan, click.echo, dry_run=dry_run)
+    except ConfigError as e:
+        # Every path in the message (a schema error, a refusal) is told against the user's file.
+        raise e.in_file(str(config_file)) from None
     if exp_id is None:
         return  # a dry run
     # The experiment exists from here on: a failure below (e.g. --test-mode's verdict) is an

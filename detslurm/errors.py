@@ -13,14 +13,38 @@ class DetSlurmError(Exception):
     exit_code = 1
 
 
+# The root every experiment-config error path starts from where no file is known (a dict given
+# to the SDK, a stored row): Determined's own spelling, "<config>.searcher.metric: ...".
+CONFIG_ROOT = "<config>"
+
+
 class ConfigError(DetSlurmError):
     """An experiment or site config is invalid; ``errors`` holds one line per problem."""
 
     def __init__(self, errors: Sequence[str], source: str = "experiment configuration") -> None:
         self.errors = list(errors)
         self.source = source
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         body = "\n".join(f"  {e}" for e in self.errors)
-        super().__init__(f"invalid {source}:\n{body}")
+        return f"invalid {self.source}:\n{body}"
+
+    def in_file(self, name: str) -> ConfigError:
+        """The same error told against the user's file: ``<config>.searcher.metric: ...`` reads
+        ``NAME: searcher.metric: ...``. Changed in place (class and exit code stay); returned
+        for ``raise e.in_file(name)``."""
+        self.errors = [_in_file(line, name) for line in self.errors]
+        self.args = (self._message(),)
+        return self
+
+
+def _in_file(line: str, name: str) -> str:
+    if line.startswith(CONFIG_ROOT + "."):
+        return f"{name}: {line[len(CONFIG_ROOT) + 1 :]}"
+    if line.startswith(CONFIG_ROOT):
+        return name + line[len(CONFIG_ROOT) :]
+    return line
 
 
 class ContextError(DetSlurmError):

@@ -20,14 +20,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from detslurm import ckpt_settings
-from detslurm.errors import ConfigError
+from detslurm.errors import CONFIG_ROOT, ConfigError
 from detslurm.expconf import schema as s
 from detslurm.expconf.hparams import check_hyperparameters, normalize_hyperparameters
 from detslurm.expconf.sbatch_args import check_sbatch_args
 
 # Determined prints config paths from this literal root ("<config>.searcher.metric: ..."), and
-# from_stored() swaps it for "stored config" so a bad database row is told apart from a bad file.
-ROOT = "<config>"
+# from_stored() swaps it for "stored config" so a bad database row is told apart from a bad file;
+# where the file is known, ConfigError.in_file() names it instead (load_config, `det e create`).
+ROOT = CONFIG_ROOT
 
 
 class _Loader(yaml.SafeLoader):
@@ -309,7 +310,12 @@ def _check_searcher(raw: Any, hparams: dict[str, Any], errors: list[str]) -> Any
         # max_time counts in units of time_metric: without it the first validation has no time.
         errors.append(f"{where}: time_metric is required when max_time is set")
     if name == "adaptive_asha" and sc.max_length is None and (sc.max_time is None or not sc.time_metric):
-        errors.append(f"{where}: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set")
+        # Determined's wording, plus the 0.37 form it still accepts: a user porting an old config
+        # looks for the key they know.
+        errors.append(
+            f"{where}: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set "
+            "(or, in the 0.37 form Determined 0.38 still accepts, `max_length`)"
+        )
     if name == "grid":
         # Grid needs a count on every numeric hparam; only_grid keeps the generic errors, already
         # reported by validate(), from appearing twice.
@@ -445,5 +451,8 @@ def load_config(
         text = p.read_text()
     except OSError as e:
         raise ConfigError([f"{p}: cannot read the experiment config: {e.strerror}"]) from None
-    raw = apply_overrides(parse_yaml(text), overrides)
-    return validate(raw, default_storage), text
+    try:
+        raw = apply_overrides(parse_yaml(text), overrides)
+        return validate(raw, default_storage), text
+    except ConfigError as e:
+        raise e.in_file(str(path)) from None

@@ -87,7 +87,7 @@ def until(what: str, probe: Callable[[], T | None], timeout: float = 40) -> T:
 def test_more_slots_than_the_pool_is_refused_with_the_numbers(det: Any, slurm_env: Path, tmp_path: Path) -> None:
     err = refused(det, config(tmp_path, "{slots_per_trial: 100}"), CORE)
     assert (
-        "<config>.resources.slots_per_trial: slots_per_trial=100 needs 50 nodes; pool cpu has 2 nodes x 2 slots" in err
+        ": resources.slots_per_trial: slots_per_trial=100 needs 50 nodes; pool cpu has 2 nodes x 2 slots" in err
     )
     err = refused(det, config(tmp_path, "{slots_per_trial: 6, resource_pool: gpu}"), CORE)
     assert "slots_per_trial=6 needs 3 nodes; pool gpu has 2 nodes x 2 slots" in err
@@ -98,10 +98,10 @@ def test_more_slots_than_the_pool_is_refused_with_the_numbers(det: Any, slurm_en
 def test_bad_sbatch_args_are_refused_with_sbatchs_message(det: Any, slurm_env: Path, tmp_path: Path) -> None:
     # Not an sbatch option at all: refused while the config is validated, naming the argument.
     err = refused(det, config(tmp_path, sbatch_args="[--thisisnotavalidslurmoption]"), CORE)
-    assert "<config>.slurm.sbatch_args[0]: --thisisnotavalidslurmoption is not an sbatch option" in err
+    assert ": slurm.sbatch_args[0]: --thisisnotavalidslurmoption is not an sbatch option" in err
     # A valid option that slurmctld refuses: only sbatch --test-only can tell, in its own words.
     err = refused(det, config(tmp_path, sbatch_args="[--constraint=nosuchfeature]"), CORE)
-    assert "<config>.slurm.sbatch_args: sbatch --test-only refused the job:" in err
+    assert ": slurm.sbatch_args: sbatch --test-only refused the job:" in err
     assert "Invalid feature specification" in err
     assert_nothing_created(det, slurm_env)
 
@@ -110,7 +110,7 @@ def test_time_over_the_partitions_max_time_is_refused(det: Any, slurm_env: Path,
     with partition_limit("cpu", MaxTime="00:10:00"):
         err = refused(det, config(tmp_path, sbatch_args="['--time=1:00:00']"), CORE)
         assert (
-            "<config>.slurm.sbatch_args[0]: --time=1:00:00 (01:00:00) is longer than partition cpu allows: "
+            ": slurm.sbatch_args[0]: --time=1:00:00 (01:00:00) is longer than partition cpu allows: "
             "MaxTime=00:10:00" in err
         )
         # Within the limit it is accepted (dry run: nothing is queued).
@@ -123,8 +123,8 @@ def test_account_and_qos_the_partition_does_not_allow_are_refused(det: Any, slur
     with partition_limit("gpu", AllowAccounts="ml,vision", AllowQos="normal"):
         cfg = config(tmp_path, "{slots_per_trial: 1, resource_pool: gpu}", "[-A, physics, '--qos=debug']")
         err = refused(det, cfg, CORE)
-        assert "<config>.slurm.sbatch_args[0]: account 'physics' may not use partition gpu (allowed: ml, vision)" in err
-        assert "<config>.slurm.sbatch_args[2]: QOS 'debug' may not use partition gpu (allowed: normal)" in err
+        assert ": slurm.sbatch_args[0]: account 'physics' may not use partition gpu (allowed: ml, vision)" in err
+        assert ": slurm.sbatch_args[2]: QOS 'debug' may not use partition gpu (allowed: normal)" in err
     assert_nothing_created(det, slurm_env)
 
 

@@ -41,25 +41,29 @@ def trials(exp_id: int) -> list[Trial]:
 @pytest.mark.parametrize(
     "text,needle",
     [
-        ("", "<config>: the file is empty"),
-        ("[1, 2]", "<config>: must be a mapping of keys to values, got a list"),
+        ("", "bad.yaml: the file is empty"),
+        ("[1, 2]", "bad.yaml: must be a mapping of keys to values, got a list"),
         (
             "entrypoint: x\nmax_restarts: many\nsearcher: {name: single, metric: m}",
-            "<config>.max_restarts: Input should be a valid integer, got 'many'",
+            "bad.yaml: max_restarts: Input should be a valid integer, got 'many'",
         ),
         (
             "entrypoint: x\nbogus: 1\nsearcher: {name: single, metric: m}",
-            "<config>: unknown key 'bogus'; valid keys: bind_mounts",
+            "bad.yaml: unknown key 'bogus'; valid keys: bind_mounts",
         ),
-        ("entrypoint: x\nsearcher: {name: single}", "<config>.searcher: metric is a required property"),
+        ("entrypoint: x\nsearcher: {name: single}", "bad.yaml: searcher: metric is a required property"),
     ],
 )
-def test_bad_configs_one_clear_error(det: Any, tmp_path: Path, text: str, needle: str) -> None:
-    cfg = write(tmp_path / "bad.yaml", text)
-    code, out, err = det("e", "create", "--local", cfg, CORE)
+def test_bad_configs_one_clear_error(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, needle: str
+) -> None:
+    write(tmp_path / "bad.yaml", text)
+    monkeypatch.chdir(tmp_path)
+    # The error names the file as the user typed it, not Determined's "<config>" placeholder.
+    code, out, err = det("e", "create", "--local", "bad.yaml", CORE)
     assert code == 1
     assert needle in err and "Traceback" not in err + out
-    assert err.count("<config>") == 1
+    assert err.count("bad.yaml") == 1 and "<config>" not in err
     assert det("e", "list", "--json")[1].strip() == "[]"  # nothing was created
 
 

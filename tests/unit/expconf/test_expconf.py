@@ -90,7 +90,8 @@ def test_missing_metric_and_required() -> None:
 def test_asha_needs_time_or_length() -> None:
     asha = {"name": "adaptive_asha", "metric": "m", "max_trials": 4}
     assert errors_of({**BASE, "searcher": asha}) == [
-        "<config>.searcher: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set"
+        "<config>.searcher: the `adaptive_asha` searcher requires `max_time` and `time_metric` to be set "
+        "(or, in the 0.37 form Determined 0.38 still accepts, `max_length`)"
     ]
     validate({**BASE, "searcher": {**asha, "max_time": 10, "time_metric": "batches"}}, STORAGE)  # 0.38
     cfg = validate({**BASE, "searcher": {**asha, "max_length": {"epochs": 3}}}, STORAGE)  # 0.37
