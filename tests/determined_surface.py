@@ -34,6 +34,7 @@ MODULES = [
     "determined.pytorch",
     "determined.pytorch.samplers",
     "determined.pytorch.deepspeed",
+    "determined.pytorch.experimental",
     "determined.experimental",
     "determined.experimental.client",
     "determined.experimental.core_v2",

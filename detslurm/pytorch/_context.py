@@ -6,7 +6,7 @@ import enum
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -14,7 +14,7 @@ from detslurm.core import Context as CoreContext
 from detslurm.core import DistributedContext, DummyDistributedContext
 from detslurm.expconf.view import ConfigView
 from detslurm.pytorch._amp import autocast_forward
-from detslurm.pytorch._reducer import MetricReducer, WrappedReducer, _FunctionReducer
+from detslurm.pytorch._reducer import ReducerContext
 
 log = logging.getLogger("detslurm.pytorch")
 
@@ -89,7 +89,7 @@ class LRScheduler:
         self.scheduler.load_state_dict(state_dict)
 
 
-class PyTorchTrialContext:
+class PyTorchTrialContext(ReducerContext):
     def __init__(
         self,
         core: Optional[CoreContext],
@@ -101,14 +101,13 @@ class PyTorchTrialContext:
         self._core = core
         self._hparams = dict(hparams)
         self._config = dict(exp_conf)
-        self.distributed = distributed
+        super().__init__(distributed)
         self.models: list[torch.nn.Module] = []
         # `models` holds the bare modules (their state_dicts are what checkpoints store, without
         # DDP's "module." prefix); the DDP wrappers are kept apart for training.
         self._wrapped_models: list[torch.nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[LRScheduler] = []
-        self.reducers: list[WrappedReducer] = []
         self._scaler: Any = None
         self._scaler_stepped = False
         self._stop_requested = False
@@ -271,54 +270,6 @@ class PyTorchTrialContext:
             "context.configure_apex_amp() (NVIDIA apex) is not supported by detslurm: use torch.autocast and "
             "context.wrap_scaler(torch.amp.GradScaler(...))"
         )
-
-    def wrap_reducer(
-        self,
-        reducer: Union[Callable[[list[Any]], Any], MetricReducer],
-        name: Optional[str] = None,
-        for_training: bool = True,
-        for_validation: bool = True,
-    ) -> MetricReducer:
-        """A custom metric reduction across batches and ranks, reported with the training
-        metrics (``for_training``) and the validation metrics (``for_validation``). A plain
-        function gets every value passed to ``update()`` on every rank, in batch order; with
-        ``name`` its result is that one metric, without it a dict of metrics (a MetricReducer's
-        cross_slot_reduce() likewise)."""
-        if any(w.reducer is reducer for w in self.reducers):
-            raise ValueError(f"wrap_reducer(): this {type(reducer).__name__} is already wrapped; wrap it once")
-        if isinstance(reducer, MetricReducer):
-            wrapped: MetricReducer = reducer
-        elif callable(reducer):
-            wrapped = _FunctionReducer(reducer)
-        else:
-            raise TypeError(
-                f"wrap_reducer() takes a function or a det.pytorch.MetricReducer, not {type(reducer).__name__}"
-            )
-        self.reducers.append(WrappedReducer(wrapped, name, for_training, for_validation))
-        return wrapped
-
-    def reset_reducers(self) -> None:
-        """reset() on every wrapped reducer (the Trainer does it before each training window and
-        each validation)."""
-        for w in self.reducers:
-            w.reducer.reset()
-
-    def reduce_metrics(self, for_training: bool) -> dict[str, Any]:
-        """The metrics of the reducers wrapped for training (or for validation), reduced across
-        all ranks. Collective: every rank calls it and gets the same metrics."""
-        chosen = [w for w in self.reducers if (w.for_training if for_training else w.for_validation)]
-        if not chosen:
-            return {}
-        gathered = self.distributed.allgather([w.reducer.per_slot_reduce() for w in chosen])
-        return self.run_cross_slot_reduction(chosen, gathered)
-
-    def run_cross_slot_reduction(self, reducables: list[WrappedReducer], gathered: list[Any]) -> dict[str, Any]:
-        """``gathered`` holds one list per rank, one value per reducer of ``reducables``; each
-        reducer's cross_slot_reduce() gets its values of all ranks."""
-        metrics: dict[str, Any] = {}
-        for i, w in enumerate(reducables):
-            metrics.update(w.metrics(w.reducer.cross_slot_reduce([per_rank[i] for per_rank in gathered])))
-        return metrics
 
     def _should_communicate_and_update(self) -> bool:
         return (self._current_batch_idx + 1) % self._aggregation_frequency == 0

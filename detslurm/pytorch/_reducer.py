@@ -94,6 +94,64 @@ class WrappedReducer:
         return {str(k): scalar(v) for k, v in value.items()}
 
 
+class ReducerContext:
+    """``wrap_reducer`` and the reductions of what was wrapped, over the ranks of
+    ``distributed``: the part of a trial context that custom metric reducers need (the PyTorch
+    Trainer's context and the batch processor's share it, as in Determined)."""
+
+    def __init__(self, distributed: DistributedContext) -> None:
+        self.distributed = distributed
+        self.reducers: list[WrappedReducer] = []
+
+    def wrap_reducer(
+        self,
+        reducer: Union[Callable[[list[Any]], Any], MetricReducer],
+        name: Optional[str] = None,
+        for_training: bool = True,
+        for_validation: bool = True,
+    ) -> MetricReducer:
+        """A custom metric reduction across batches and ranks, reported with the training
+        metrics (``for_training``) and the validation metrics (``for_validation``). A plain
+        function gets every value passed to ``update()`` on every rank, in batch order; with
+        ``name`` its result is that one metric, without it a dict of metrics (a MetricReducer's
+        cross_slot_reduce() likewise)."""
+        if any(w.reducer is reducer for w in self.reducers):
+            raise ValueError(f"wrap_reducer(): this {type(reducer).__name__} is already wrapped; wrap it once")
+        if isinstance(reducer, MetricReducer):
+            wrapped: MetricReducer = reducer
+        elif callable(reducer):
+            wrapped = _FunctionReducer(reducer)
+        else:
+            raise TypeError(
+                f"wrap_reducer() takes a function or a det.pytorch.MetricReducer, not {type(reducer).__name__}"
+            )
+        self.reducers.append(WrappedReducer(wrapped, name, for_training, for_validation))
+        return wrapped
+
+    def reset_reducers(self) -> None:
+        """reset() on every wrapped reducer (the Trainer does it before each training window and
+        each validation)."""
+        for w in self.reducers:
+            w.reducer.reset()
+
+    def reduce_metrics(self, for_training: bool) -> dict[str, Any]:
+        """The metrics of the reducers wrapped for training (or for validation), reduced across
+        all ranks. Collective: every rank calls it and gets the same metrics."""
+        chosen = [w for w in self.reducers if (w.for_training if for_training else w.for_validation)]
+        if not chosen:
+            return {}
+        gathered = self.distributed.allgather([w.reducer.per_slot_reduce() for w in chosen])
+        return self.run_cross_slot_reduction(chosen, gathered)
+
+    def run_cross_slot_reduction(self, reducables: list[WrappedReducer], gathered: list[Any]) -> dict[str, Any]:
+        """``gathered`` holds one list per rank, one value per reducer of ``reducables``; each
+        reducer's cross_slot_reduce() gets its values of all ranks."""
+        metrics: dict[str, Any] = {}
+        for i, w in enumerate(reducables):
+            metrics.update(w.metrics(w.reducer.cross_slot_reduce([per_rank[i] for per_rank in gathered])))
+        return metrics
+
+
 def scalar(v: Any) -> Any:
     """A metric value as a plain number where it is one (tensors of one element, numpy scalars)."""
     if isinstance(v, torch.Tensor):
