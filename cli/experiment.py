@@ -17,7 +17,7 @@ from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import ConfigError, DetSlurmError
 from detslurm.expconf.view import ConfigView
 from detslurm.store.reads import experiment_filter_rows, trial_reason
-from detslurm.util import printable
+from detslurm.util import format_size, printable
 
 # Loaded on first use (cli/lazy.py): `det e list` and the other reads must not pay for the
 # ORM, the controller or pydantic (the read layer, store.reads, needs none of them).
@@ -376,7 +376,7 @@ def list_checkpoints(app: App, exp_id: int, best: int | None, as_json: bool, as_
             c["uuid"],
             # The number of files in the checkpoint, as Determined's Resources column counts them.
             len(c["resources"]),
-            f"{int(c['size']) / 1024:.1f} KiB",
+            format_size(int(c["size"])),
         ]
         for c in cks
     ]

@@ -32,6 +32,22 @@ def printable(text: str) -> str:
     return _CONTROL.sub(" ", text)
 
 
+_SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def format_size(n: float) -> str:
+    """A byte count as people read it: the largest binary unit under which it is at least 1,
+    one decimal (61442.1 KiB reads ``60.0 MiB``; bytes stay whole, ``512 B``)."""
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in _SIZE_UNITS[1:]:
+        n /= 1024
+        # Rounded before comparing: 1023.96 KiB would print as "1024.0 KiB".
+        if abs(round(n, 1)) < 1024 or unit == _SIZE_UNITS[-1]:
+            break
+    return f"{n:.1f} {unit}"
+
+
 def detached_root(experiments: Path) -> Path:
     """Where detached runs register under the experiments dir."""
     return experiments / DETACHED_DIR

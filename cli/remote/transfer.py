@@ -28,6 +28,7 @@ from detslurm.cli.remote.command import capture_argv, note, run_argv
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
 from detslurm.download_dir import LOCATE_COMMAND, fresh_download_dir
 from detslurm.protocol.ckmark import MARKER_NAME, canonical_uuid
+from detslurm.util import format_size
 
 CACHE = ".cache/detslurm/contexts"
 
@@ -200,7 +201,7 @@ def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], creat
     tree, uploaded, total = upload_context(conn, bundle)
     note(
         f"Uploaded {uploaded} of {total} context files to {conn.login}:{tree} "
-        f"({total - uploaded} already there, {bundle.total_bytes / 1024:.1f} KiB in all)"
+        f"({total - uploaded} already there, {format_size(bundle.total_bytes)} in all)"
     )
     remote_config = _upload_config(conn, config)
     return run_argv(conn, target, rs, [*args[:2], remote_config, tree, *options])
@@ -235,7 +236,7 @@ def download_checkpoint(
         raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
     finally:
         sftp.close()
-    note(f"Downloaded {len(files)} files ({total / 2**20:.2f} MiB) from {conn.login}:{src}")
+    note(f"Downloaded {len(files)} files ({format_size(total)}) from {conn.login}:{src}")
     click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
     return 0
 
@@ -285,8 +286,10 @@ def _copy(sftp: Any, files: list[tuple[str, Path, int]], label: str) -> None:
         _get(sftp, remote, local, size)
         done += size
         if progress is not None:
+            # Padded: a redraw shorter than the last ("1.0 MiB" after "1023.9 KiB") would leave
+            # the old line's end on screen.
             click.echo(
-                f"\rDownloading {label}: {n}/{len(files)} files, {done / 2**20:.1f} of {total / 2**20:.1f} MiB",
+                f"\rDownloading {label}: {n}/{len(files)} files, {format_size(done):>10} of {format_size(total)}",
                 nl=False,
                 file=progress,
             )

@@ -41,6 +41,7 @@ from detslurm.searcher.hparams import sample
 from detslurm.settings import Settings
 from detslurm.store import Store
 from detslurm.store.models import Experiment, ExperimentState
+from detslurm.util import format_size
 
 if TYPE_CHECKING:
     from detslurm.controller.placement import Place
@@ -67,7 +68,7 @@ class CreatePlan:
             f"searcher: {cfg.searcher.name} (metric {cfg.searcher.metric})",
             f"entrypoint: {cfg.entrypoint}",
             f"context: {self.bundle.root} ({len(self.bundle.entries)} entries, "
-            f"{self.bundle.total_bytes / 1024:.1f} KiB, sha256 {self.bundle.sha256[:12]})",
+            f"{format_size(self.bundle.total_bytes)}, sha256 {self.bundle.sha256[:12]})",
         ]
         return "\n".join(f"# {line}" for line in lines)
 
