@@ -18,6 +18,7 @@ from detslurm.identity import Scope
 # These types are for annotations only; importing them for real would load SQLAlchemy,
 # pydantic and the Slurm client on every `det` call (see the module docstring).
 if TYPE_CHECKING:
+    from detslurm.audit import AuditLog
     from detslurm.settings import Settings
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.site import SiteConfig
@@ -40,6 +41,16 @@ class App:
         self._client: SlurmClient | None = None
         self._site: SiteConfig | None = None
         self._reads: Reads | None = None
+        # Root's audit log, for an --all-users command (start_audit); None otherwise.
+        self.audit: AuditLog | None = None
+
+    def start_audit(self, argv: list[str]) -> None:
+        """Record this command in root's audit log (detslurm/audit.py), and every Slurm call
+        its client makes that can change a job from now on."""
+        from detslurm.audit import AuditLog, audit_log_path
+
+        self.audit = AuditLog(audit_log_path(self.site().audit_log))
+        self.audit.command(argv)
 
     @property
     def settings(self) -> Settings:
@@ -88,9 +99,9 @@ class App:
     def client(self) -> SlurmClient:
         """The process's one Slurm client (it caches `scontrol show config` for the process)."""
         if self._client is None:
-            from detslurm.slurm.client import client_from_env
+            from detslurm.slurm.client import client_from_env, subprocess_runner
 
-            self._client = client_from_env()
+            self._client = client_from_env(self.audit.runner(subprocess_runner) if self.audit else subprocess_runner)
         return self._client
 
     # Read lazily: commands that never submit or list pools do not read the site file at all.

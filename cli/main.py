@@ -89,7 +89,13 @@ def cli(ctx: click.Context, all_users: bool) -> None:
     """detslurm: Determined-style experiments on Slurm, with no master server."""
     from detslurm.cli.app import App
 
-    ctx.obj = App(all_users=all_users)
+    # main() hands its argv in as the context's first obj: root's audit log records it.
+    argv = ctx.obj if isinstance(ctx.obj, list) else []
+    app = App(all_users=all_users)
+    if all_users and os.geteuid() == 0:
+        # Before anything else runs: an --all-users command the log cannot record is refused.
+        app.start_audit(argv)
+    ctx.obj = app
 
 
 def local_command(path: Sequence[str]) -> click.Command:
@@ -123,7 +129,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
             return run_remote(master, args, local_command)
         # With standalone_mode=False click returns the code of a raised Exit instead of exiting.
-        rv = cli.main(args=args, prog_name="det", standalone_mode=False)
+        rv = cli.main(args=args, prog_name="det", standalone_mode=False, obj=list(args))
         return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return int(e.exit_code)

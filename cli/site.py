@@ -83,29 +83,61 @@ def findings_table(findings: Sequence[Finding]) -> str:
     "--output",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Where to write it (default: ~/.config/detslurm/site.yaml).",
+    help="Where to write it (default: ~/.config/detslurm/site.yaml; the admin's: /etc/detslurm/site.yaml).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 @click.option("--print", "to_stdout", is_flag=True, help="Print the config instead of writing it.")
+@click.option(
+    "--example",
+    is_flag=True,
+    help="The commented template of every key (site-configs/generic.yaml) instead of one from Slurm.",
+)
 @pass_app
-def init(app: App, output: Optional[Path], force: bool, to_stdout: bool) -> None:
-    """Write a starter site config from what Slurm reports (partitions become pools)."""
+def init(app: App, output: Optional[Path], force: bool, to_stdout: bool, example: bool) -> None:
+    """Write a starter site config from what Slurm reports (partitions become pools), mode 0644."""
     import platformdirs
 
+    from detslurm.doctor import starter
+
+    text = example_text() if example else _from_slurm(app)
+    if to_stdout or (example and output is None):
+        click.echo(text, nl=False)
+        return
+    path = output or Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"
+    starter.write_starter(text, path, force)
+    click.echo(f"Wrote {path} (mode 0644: every user reads it).")
+    click.echo(_next_steps(path))
+
+
+def example_text() -> str:
+    """site-configs/generic.yaml as the package ships it."""
+    from importlib.resources import files
+
+    return files("detslurm.site_configs").joinpath("generic.yaml").read_text(encoding="utf-8")
+
+
+def _from_slurm(app: App) -> str:
     from detslurm.doctor import starter
     from detslurm.doctor.facts import gather
     from detslurm.slurm.site import SiteConfig
 
     # Described from Slurm alone: an existing site config must not shape its own replacement.
-    f = gather(app.client, SiteConfig(), None, app.settings)
-    text = starter.starter_yaml(f)
-    if to_stdout:
-        click.echo(text, nl=False)
-        return
-    path = output or Path(platformdirs.user_config_dir("detslurm")) / "site.yaml"
-    starter.write_starter(text, path, force)
-    click.echo(f"Wrote {path}")
-    click.echo(
-        "detslurm reads /etc/detslurm/site.yaml (the admin's limits), then $DETSLURM_SITE_CONFIG or "
-        "~/.config/detslurm/site.yaml; check it with `det site doctor`."
+    return starter.starter_yaml(gather(app.client, SiteConfig(), None, app.settings))
+
+
+def _next_steps(path: Path) -> str:
+    from detslurm.slurm.site import ADMIN_SITE_CONFIG
+
+    check = (
+        "Check it with `det site doctor` (any user; add --no-probe to submit no probe jobs): it names the "
+        "files it read, the file behind each limit, and each pool's partition and nodes, and exits 1 on a problem."
+    )
+    if path.absolute() == ADMIN_SITE_CONFIG:
+        return (
+            f"This is the admin's site file: its limits (poll_interval_s, limits:) hold for every user, whatever "
+            f"their own site file or environment says. Keep it root's and writable by no one else. {check}"
+        )
+    return (
+        f"detslurm reads {ADMIN_SITE_CONFIG} (the admin's limits), then $DETSLURM_SITE_CONFIG or "
+        f"~/.config/detslurm/site.yaml. {check}"
     )

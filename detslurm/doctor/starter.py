@@ -109,13 +109,18 @@ def write_starter(text: str, path: Path, force: bool) -> None:
     if path.exists() and not force:
         raise SiteInitError(f"{path} exists; use --force to overwrite it (or --output to write elsewhere)")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # Every user reads a site config: dirs made here are 0755 whatever the umask (root's
+        # may be 077, which would hide /etc/detslurm from everyone else).
+        for d in reversed([p for p in path.parents if not p.exists()]):
+            d.mkdir(exist_ok=True)
+            d.chmod(0o755)
         # A random temp name, created exclusively and never through a link: the config may go to
         # a dir others can write (a group's shared config dir), where a predictable name (the
         # pid) could be pre-planted as a symlink that this write would follow.
         tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
         # 0644: a site config is read by every user of the site; it holds no secret.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        os.fchmod(fd, 0o644)  # the umask took bits off the create's mode
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
         tmp.replace(path)

@@ -11,13 +11,14 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import IO, Optional, Protocol
 
 from detslurm import settings
 from detslurm.errors import DetSlurmError
 from detslurm.identity import os_user
 from detslurm.jobenv import daemon_env
 from detslurm.slurm import parse
+from detslurm.slurm.allocation import Allocation, parse_allocation
 from detslurm.slurm.parse import Capabilities, PartitionNodes, QueuedJob
 from detslurm.slurm.partitions import ASSOC_FIELDS, AssocLimit, PartitionInfo, parse_assoc_limits, parse_partitions
 
@@ -49,6 +50,12 @@ _TRY_AGAIN = "Resource temporarily unavailable"
 _RESENDABLE = (_RATE_LIMITED, _TRY_AGAIN)
 
 
+# What Slurm's commands print on a machine where no cluster is configured (no slurm.conf and no
+# configless DNS record; a config file named by SLURM_CONF that does not exist): no slurmctld to
+# ask at all, as opposed to one that is down.
+_NOT_CONFIGURED = ("Could not establish a configuration source", "Unable to process configuration file")
+
+
 class SlurmCommandError(DetSlurmError):
     def __init__(self, argv: Sequence[str], returncode: int, stderr: str) -> None:
         self.argv = list(argv)
@@ -60,6 +67,11 @@ class SlurmCommandError(DetSlurmError):
     def unreachable(self) -> bool:
         """slurmctld did not answer (down, restarting, overloaded): try again later."""
         return self.returncode == 124 or any(m in self.stderr for m in _UNREACHABLE)
+
+    @property
+    def not_configured(self) -> bool:
+        """No Slurm cluster is configured on this machine (local mode on a laptop)."""
+        return any(m in self.stderr for m in _NOT_CONFIGURED)
 
     @property
     def rate_limited(self) -> bool:
@@ -188,6 +200,29 @@ class SlurmClient:
         # sbatch prints its usage text after an option error: its first lines are the message.
         return "; ".join(message.splitlines()[:3]) or f"sbatch --test-only failed (exit {res.returncode})"
 
+    def start_step(self, script: str, log: IO[bytes], cwd: str) -> subprocess.Popen[bytes]:
+        """Run ``script``, whose srun line starts a job step of a job this user holds
+        (controller/step_executor.py), as a process of its own session that outlives this one.
+        Slurm checks that the job is ours before it creates the step. The script is given on
+        stdin and read whole before it runs: its exports never show on a command line."""
+        proc = subprocess.Popen(
+            ["bash", "-c", 'eval "$(cat)"'],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            # Like sbatch's jobs: nothing of an allocation this process may run in (SLURM_JOB_ID
+            # would make srun start the step there, whatever --jobid says).
+            env=daemon_env(os.environ).env,
+            start_new_session=True,
+            close_fds=True,
+        )
+        assert proc.stdin is not None
+        self.calls += 1
+        with proc.stdin:
+            proc.stdin.write(script.encode())
+        return proc
+
     # -- queries ---------------------------------------------------------------------------
     def squeue(self, all_users: bool = False) -> list[QueuedJob]:
         """One call for every job of this user (or all users): the only per-tick query."""
@@ -211,6 +246,16 @@ class SlurmClient:
         if res.returncode != 0:
             return {}
         return parse.parse_key_values(res.stdout.splitlines()[0] if res.stdout else "")
+
+    def allocation(self, job_id: str, gres_name: str = "gpu") -> Optional[Allocation]:
+        """A job this user holds, as a place for job steps: its state, end and nodes (one
+        ``scontrol -d show job``); None once Slurm no longer knows the job."""
+        res = self._run(["scontrol", "-d", "show", "job", job_id], check=False)
+        if res.returncode != 0:
+            if "Invalid job id" in res.stderr:
+                return None
+            raise SlurmCommandError(["scontrol", "show", "job"], res.returncode, res.stderr or res.stdout)
+        return parse_allocation(job_id, res.stdout, gres_name)
 
     def sinfo(self) -> list[PartitionNodes]:
         return parse.parse_sinfo(self._run(["sinfo", "-h", "-o", parse.SINFO_FORMAT]).stdout)
@@ -290,5 +335,5 @@ class SlurmClient:
         self._run(["scontrol", "top", job_id])
 
 
-def client_from_env() -> SlurmClient:
-    return SlurmClient(timeout_s=settings.SLURM_TIMEOUT_S.get())
+def client_from_env(runner: Runner = subprocess_runner) -> SlurmClient:
+    return SlurmClient(runner, timeout_s=settings.SLURM_TIMEOUT_S.get())

@@ -112,6 +112,8 @@ class SiteConfig(Strict):
     # $SLURM_TMPDIR, then a private per-job $TMPDIR, then $TMPDIR, then /tmp (exec/workdir.py).
     node_tmpdir: Optional[str] = None
     limits: Limits = Field(default_factory=Limits)
+    # Root's audit log of `det --all-users` (detslurm/audit.py); only the admin's file sets it.
+    audit_log: Optional[str] = None
     # Which file set each limit ("poll_interval_s", "limits.accounts", ...) and each pool
     # ("pools.NAME"): filled by load_site_config, read by origin().
     _origins: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -139,12 +141,13 @@ class SiteConfig(Strict):
             )
         return value
 
-    @field_validator("python")
+    @field_validator("python", "audit_log")
     @classmethod
-    def _safe_python(cls, value: Optional[str]) -> Optional[str]:
+    def _safe_python(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
         if value is not None and not _PYTHON.fullmatch(value):
             raise ValueError(
-                f"python {value!r} must be an absolute path made of letters, digits and _ . / + @ % , = - only"
+                f"{info.field_name} {value!r} must be an absolute path made of letters, digits and "
+                "_ . / + @ % , = - only"
             )
         return value
 
@@ -303,7 +306,7 @@ def merge(admin: SiteConfig, user: SiteConfig) -> SiteConfig:
     a_path, u_path = str(admin.files[0]), str(user.files[0])
     raw: dict[str, Any] = admin.model_dump(exclude_unset=True)
     mine = user.model_dump(exclude_unset=True)
-    for key in set(mine) - {"pools", "limits", "setup", "poll_interval_s"}:
+    for key in set(mine) - {"pools", "limits", "setup", "poll_interval_s", "audit_log"}:
         raw[key] = mine[key]
     # A pool of the admin's stays the admin's (a file `det site init` wrote before the admin
     # installed one names the same pools): the doctor names the user's pools left unused.

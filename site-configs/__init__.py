@@ -1,0 +1,1 @@
+"""Site-config templates shipped as package data: generic.yaml describes every key (`det site init --example`)."""
