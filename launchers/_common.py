@@ -177,7 +177,7 @@ def free_port(host: str = "", hold: bool = False) -> int:
     return port
 
 
-# Rendezvous ports whose listener is ours (core._distributed._listen sets SO_REUSEADDR): held.
+# Rendezvous ports whose listener is ours (core._wire._listen sets SO_REUSEADDR): held.
 HELD_PORTS = frozenset({"dist"})
 
 

@@ -23,7 +23,7 @@ from security_attacks import C1_COLLECTIVE_PORT, C1B_BAD_CLIENTS
 from security_harness import Attacker
 
 from detslurm.core import DistributedContext
-from detslurm.core._distributed import HANDSHAKE_TIMEOUT_S, DistributedError, _Group, _local_address
+from detslurm.core._wire import HANDSHAKE_TIMEOUT_S, DistributedError, _Group, _local_address
 from detslurm.launch._common import Nodes, free_port, run_secret_env
 from detslurm.protocol.secret import (
     SECRET_ENV,
@@ -46,7 +46,7 @@ rank, size, port, go = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys
 while rank != 0 and not os.path.exists(go):
     time.sleep(0.05)
 d = DistributedContext(rank=rank, size=size, local_rank=rank, local_size=size, cross_rank=0, cross_size=1,
-                       chief_ip="127.0.0.1", port=port)
+                       chief_ip="127.0.0.1", pub_port=port)
 print(json.dumps({"all": d.allgather(rank), "b": d.broadcast("from0" if rank == 0 else None)}), flush=True)
 d.close()
 """
@@ -54,7 +54,7 @@ d.close()
 # A node's local group alone (its abstract unix socket), held open the same way.
 VICTIM_LOCAL = """
 import json, os, sys, time
-from detslurm.core._distributed import _Group, _local_address
+from detslurm.core._wire import _Group, _local_address
 from detslurm.protocol.secret import secret_from_env
 rank, port, go = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 while rank != 0 and not os.path.exists(go):

@@ -54,7 +54,8 @@ def run_ranks(
                 cross_rank=rank // local_size,
                 cross_size=size // local_size,
                 chief_ip="127.0.0.1",
-                port=port,
+                pub_port=port,
+                pull_port=port + 1,
                 force_tcp=force_tcp,
             )
             try:
@@ -329,7 +330,7 @@ _RANK_SCRIPT = """
 import json, os, sys
 from detslurm.core import DistributedContext
 d = DistributedContext(rank=int(sys.argv[1]), size=4, local_rank=int(sys.argv[1]) % 2, local_size=2,
-                       cross_rank=int(sys.argv[1]) // 2, cross_size=2, chief_ip="127.0.0.1", port=int(sys.argv[2]))
+                       cross_rank=int(sys.argv[1]) // 2, cross_size=2, chief_ip="127.0.0.1", pub_port=int(sys.argv[2]))
 out = {"all": d.allgather(d.rank * d.rank), "local": d.allgather_local(d.rank), "b": d.broadcast(f"from{d.rank}")}
 d.close()
 print(json.dumps(out))

@@ -119,7 +119,7 @@ def test_the_dist_port_stays_ours_until_rank_0_listens_on_it(tmp_path: Path, hos
     seconds before rank 0 binds it (CI once saw "Address already in use" there), and rank 0's
     own listener still binds and serves it. torch's master port is not held (its store may bind
     without SO_REUSEADDR)."""
-    from detslurm.core._distributed import _listen
+    from detslurm.core._wire import _listen
 
     RunPaths(tmp_path, 1, 1).dir.mkdir(parents=True)
     env = {"DETSLURM_EXP_DIR": str(tmp_path), "DET_TRIAL_ID": "1", "DET_TRIAL_RUN_ID": "1", "SLURM_JOB_ID": "9"}
