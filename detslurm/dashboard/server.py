@@ -30,6 +30,7 @@ from detslurm.dashboard import logs as logs_mod
 from detslurm.errors import DetSlurmError, NotFoundError
 from detslurm.expconf.view import ConfigView
 from detslurm.identity import Scope
+from detslurm.slurm.client import SlurmCommandError, SlurmUnavailable
 from detslurm.store import Store
 
 STATIC = Path(__file__).parent / "static"
@@ -154,8 +155,8 @@ def build_app(d: Dashboard) -> Any:
             route("/api/trials/{trial_id}", lambda r: _trial(d, _int(r, "trial_id"))),
             route("/api/trials/{trial_id}/curves", lambda r: _trial_curves(d, r)),
             route("/api/trials/{trial_id}/logs", lambda r: _logs(d, r)),
-            route("/api/queue", lambda r: json_response(d.sources.jobs())),
-            route("/api/pools", lambda r: json_response(d.sources.pools())),
+            route("/api/queue", lambda r: _from_slurm(d.sources.jobs)),
+            route("/api/pools", lambda r: _from_slurm(d.sources.pools)),
             route("/api/experiments/{exp_id}/{action}", lambda r: _act(d, r), methods=("POST",)),
         ]
     )
@@ -239,6 +240,35 @@ def _trial(d: Dashboard, trial_id: int) -> Response:
         r["slurm_state"] = j["state"] if j else None
         r["pending_reason"] = j["reason"] if j else None
     return json_response(body)
+
+
+NO_SLURM = (
+    "No Slurm cluster is configured on this machine ({why}), so there is no queue and there are no "
+    "pools to show; experiments run with `det e create --local` are shown all the same."
+)
+
+
+def _no_slurm(e: DetSlurmError) -> str | None:
+    """Why there is no Slurm to ask here (no commands, no configuration), or None when there is
+    one (a slurmctld that is down is an error the page shows as such)."""
+    if isinstance(e, SlurmUnavailable):
+        return str(e).partition(":")[0]  # "squeue not found"
+    if isinstance(e, SlurmCommandError) and e.not_configured:
+        return f"{e.argv[0]}: {e.stderr.splitlines()[-1].split('fatal: ')[-1]}"
+    return None
+
+
+def _from_slurm(read: Callable[[], list[dict[str, Any]]]) -> Response:
+    """The queue's or the pools' rows as ``{"rows": [...], "notice": ...}``. Without a Slurm
+    cluster (local mode on a laptop) the rows are empty and the notice says why, with HTTP 200:
+    the page shows the notice where the table would be and everything else keeps working."""
+    try:
+        return json_response({"rows": read(), "notice": None})
+    except DetSlurmError as e:
+        why = _no_slurm(e)
+        if why is None:
+            raise
+        return json_response({"rows": [], "notice": NO_SLURM.format(why=why)})
 
 
 def _queued(d: Dashboard) -> dict[str, dict[str, Any]]:

@@ -163,3 +163,24 @@ def test_actions_appear_only_when_allowed(tmp_path: Path) -> None:
 
         WebDriverWait(driver, 30).until(lambda d: done)
     assert done == [("pause", exp_id)]
+
+
+def test_without_slurm_the_queue_and_pools_pages_say_so(tmp_path: Path) -> None:
+    """Local mode on a laptop: the queue and pools pages show why they are empty, and the
+    experiments page (and the navigation back to it) keeps working."""
+    from detslurm.slurm.client import SlurmUnavailable
+
+    def missing() -> list[dict[str, object]]:
+        raise SlurmUnavailable("squeue not found: is this a Slurm login node (or is the test cluster up)?")
+
+    store, exp_id = build_store(f"sqlite:///{tmp_path / 'db.sqlite'}", 2, 10, tmp_path / "exp")
+    with running_dashboard(store, Sources(jobs=missing, pools=missing)) as (base, cookie), chromium() as driver:
+        token = cookie.split("=", 1)[1]
+        for route in ("/queue", "/pools"):
+            open_page(driver, f"{base}/?token={token}#{route}", route)
+            (notice,) = texts(driver, "#notice")
+            assert notice.startswith("No Slurm cluster is configured on this machine (squeue not found)")
+            assert texts(driver, "#error") == []
+        shot(driver, "pools-without-slurm")
+        open_page(driver, f"{base}/#/", "/")
+        assert column(driver, "experiments", 0) == [str(exp_id)]

@@ -228,19 +228,24 @@ async function trialPage(id) {
   if (!TERMINAL.has(t.state)) timers.push(setInterval(() => chart.load().catch(() => {}), REFRESH_MS));
 }
 
+// The queue and the pools come from Slurm: without a cluster the server says so in `notice`.
+const notice = (data) => h("p", { class: "muted", id: "notice" }, data.notice);
+
 async function queuePage() {
-  const rows = await api("/api/queue");
+  const data = await api("/api/queue");
+  const rows = data.rows;
   show(h("h1", {}, "Job queue"),
-    rows.length === 0 ? h("p", { class: "muted" }, "The queue is empty.") :
+    data.notice ? notice(data) : rows.length === 0 ? h("p", { class: "muted" }, "The queue is empty.") :
       table("queue", ["#", "ID", "Type", "Job name", "#Priority", "Submitted", "Slots", "State", "User", "Pool", "Pending reason"],
         rows.map((r) => [String(r["#"]), r.id, r.type, r.name, r.priority === null ? "" : String(r.priority), r.submitted,
           r.slots, r.state, r.user, r.partition, r.reason])));
 }
 
 async function poolsPage() {
-  const rows = await api("/api/pools");
+  const data = await api("/api/pools");
+  const rows = data.rows;
   show(h("h1", {}, "Resource pools"),
-    table("pools", ["Pool", "Partition", "Slot type", "#Nodes", "Slots (used/total)", "State", "Default", "Description"],
+    data.notice ? notice(data) : table("pools", ["Pool", "Partition", "Slot type", "#Nodes", "Slots (used/total)", "State", "Default", "Description"],
       rows.map((r) => [r.name, r.partition, r.slot_type, String(r.nodes), `${r.slots_used}/${r.slots_total}`, r.state,
         r.default ? "yes" : "", r.description])));
 }

@@ -219,9 +219,63 @@ def test_store_without_a_cluster(tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
     with running_dashboard(store) as (base, cookie):
         assert get(base, "/api/experiments", {"Cookie": cookie})[1] == []
-        assert get(base, "/api/queue", {"Cookie": cookie})[1] == []
+        assert get(base, "/api/queue", {"Cookie": cookie})[1] == {"rows": [], "notice": None}
         code, body = get(base, "/api/experiments/notanumber", {"Cookie": cookie})
         assert code == 400 and "exp_id must be an integer" in body
+
+
+# What Slurm 22.05's squeue and sinfo print, and their exit code, on a machine with no
+# slurm.conf and no configless DNS record (a laptop with the Slurm client package installed).
+NO_CONF = """#!/bin/sh
+echo "$(basename "$0"): error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host" >&2
+echo "$(basename "$0"): error: _establish_config_source: failed to fetch config" >&2
+echo "$(basename "$0"): fatal: Could not establish a configuration source" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize("slurm", ["no commands", "no slurm.conf"])
+def test_without_a_slurm_cluster_the_queue_and_pools_say_so(
+    det_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slurm: str
+) -> None:
+    """`det dashboard`'s own sources (those of `det job list` and `det rp list`) on a machine
+    without Slurm: HTTP 200, no rows and a notice that says why, not squeue's fatal text with
+    HTTP 400; the experiments are served all the same."""
+    from detslurm.cli.app import App
+    from detslurm.cli.dashboard import _sources
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if slurm == "no slurm.conf":
+        for name in ("squeue", "sinfo"):
+            (bin_dir / name).write_text(NO_CONF)
+            (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    app = App()
+    store = app.store
+    with running_dashboard(store, _sources(app, allow_actions=False)) as (base, cookie):
+        for path, what in (("/api/queue", "squeue"), ("/api/pools", "sinfo")):
+            code, body = get(base, path, {"Cookie": cookie})
+            assert code == 200 and body["rows"] == [], body
+            assert body["notice"].startswith("No Slurm cluster is configured on this machine (")
+            reason = "not found" if slurm == "no commands" else "Could not establish a configuration source"
+            assert f"{what}: {reason}" in body["notice"] or f"{what} {reason}" in body["notice"], body
+            assert "error:" not in body["notice"]
+        assert get(base, "/api/experiments", {"Cookie": cookie}) == (200, [])
+
+
+def test_a_slurm_that_is_down_is_still_an_error(tmp_path: Path) -> None:
+    """Only a machine without Slurm gets the notice: slurmctld not answering is an error."""
+    from detslurm.slurm.client import SlurmCommandError
+
+    def down() -> list[dict[str, Any]]:
+        raise SlurmCommandError(["squeue"], 1, "squeue: error: Unable to contact slurm controller (connect failure)")
+
+    store = open_store(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    with running_dashboard(store, Sources(jobs=down, pools=list)) as (base, cookie):
+        code, body = get(base, "/api/queue", {"Cookie": cookie})
+        assert code == 400 and "Unable to contact slurm controller" in body
+        assert get(base, "/api/pools", {"Cookie": cookie}) == (200, {"rows": [], "notice": None})
 
 
 def test_det_dashboard_prints_its_url_once_and_serves_it(det: Any) -> None:
