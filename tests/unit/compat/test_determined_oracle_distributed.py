@@ -20,7 +20,7 @@ from determined_oracle import SCRIPT_RECORD, oracle_python, record_script
 
 from detslurm.protocol.secret import SECRET_ENV, new_secret
 
-STAND_IN_TF = '''
+STAND_IN_TF = """
 import os
 
 class _Strategy:
@@ -39,7 +39,7 @@ class config:
     @staticmethod
     def list_physical_devices(kind):
         return ["gpu"] * int(os.environ.get("STAND_IN_GPUS", "0"))
-'''
+"""
 
 SCRIPT = (
     r"""
@@ -83,7 +83,13 @@ def test_defaults_and_from_tf_config_as_determined(tmp_path: Path) -> None:
     env.pop("INTER_TRAIN_PROCESS_COMM_PORT_1", None)
     theirs = record_script(oracle_python(), SCRIPT, tmp_path / "determined", env=env)
     ours = record_script(sys.executable, SCRIPT, tmp_path / "detslurm", env=env)
-    assert theirs["defaults"] == {"chief_ip": None, "pub_port": 12360, "pull_port": 12376, "port_offset": 0, "force_tcp": False}
+    assert theirs["defaults"] == {
+        "chief_ip": None,
+        "pub_port": 12360,
+        "pull_port": 12376,
+        "port_offset": 0,
+        "force_tcp": False,
+    }
     assert theirs["no_tf_config_gpus"][-1] == "MirroredStrategy" and theirs["ps_task"] == "raised RuntimeError"
     assert ours == theirs
 
@@ -144,7 +150,9 @@ def test_launched_ranks_use_the_launchers_port_not_determineds(tmp_path: Path) -
         # TF_CONFIG of two workers: one rank per node, the chief the first worker's host.
         workers = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}
         got = run_two_ranks(
-            "tf", lambda r: {**base, "TF_CONFIG": json.dumps({**workers, "task": {"type": "worker", "index": r}})}, tmp_path
+            "tf",
+            lambda r: {**base, "TF_CONFIG": json.dumps({**workers, "task": {"type": "worker", "index": r}})},
+            tmp_path,
         )
         assert got == [{"rank": r, "size": 2, "port": port, "all": [0, 1]} for r in range(2)]
 
