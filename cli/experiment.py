@@ -46,7 +46,7 @@ def experiment() -> None:
 @experiment.command("create")
 # Not dir_okay=False: with --config-file, this one word is the context directory.
 @click.argument("config_file", type=click.Path(path_type=Path), required=False)
-@click.argument("context_dir", type=click.Path(file_okay=False, path_type=Path), default=".", required=False)
+@click.argument("context_dir", type=click.Path(file_okay=False, path_type=Path), required=False)
 @click.option(
     "--config-file",
     "config_opt",
@@ -72,7 +72,7 @@ def experiment() -> None:
 def create(
     app: App,
     config_file: Path | None,
-    context_dir: Path,
+    context_dir: Path | None,
     config_opt: Path | None,
     run_local: bool,
     test_mode: bool,
@@ -83,8 +83,9 @@ def create(
     template: str | None,
     dry_run: bool,
 ) -> None:
-    """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR."""
-    config_file, context_dir = _config_and_context(config_file, context_dir, config_opt, template)
+    """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR (`.` for the current
+    directory)."""
+    config_file, context_dir = config_and_context(config_file, context_dir, config_opt, template)
     # Without --include the context directory is packaged in place; staging costs a full copy.
     if includes:
         import tempfile
@@ -99,23 +100,37 @@ def create(
     _create(app, config_file, context_dir, run_local, test_mode, follow, paused, overrides, dry_run)
 
 
-def _config_and_context(
-    config_file: Path | None, context_dir: Path, config_opt: Path | None, template: str | None
+# Determined 0.38.1 takes the context as optional and, without it, sends no code at all; a
+# trial here runs from its context's snapshot, so a create without one could only fail later,
+# and quietly packaging the current directory (maybe a home directory) is worse: it is required.
+NO_CONTEXT = (
+    "missing the context directory (the code the trials run): "
+    "det e create {config} CONTEXT_DIR; pass `.` for the current directory"
+)
+
+
+def config_and_context(
+    config_file: Path | None, context_dir: Path | None, config_opt: Path | None, template: str | None
 ) -> tuple[Path, Path]:
-    """Determined's spellings -> (config, context); a clear usage error for what cannot be."""
+    """Determined's spellings -> (config, context); a clear usage error for what cannot be.
+    Also what remote mode's create uploads (cli/remote/transfer.py)."""
     if template is not None:
         raise click.UsageError(
             f"--template {template}: config templates are not supported (they live on Determined's master); "
             "merge the template into the config file or give its values with --config KEY=VALUE"
         )
     if config_opt is not None:
-        if config_file is not None and context_dir != Path("."):
+        if config_file is not None and context_dir is not None:
             raise click.UsageError("--config-file is given, so only one argument (the context directory) is expected")
         # With --config-file the single positional word is the context directory.
-        return config_opt, config_file if config_file is not None else context_dir
+        config_file, context_dir = config_opt, config_file
+        if context_dir is None:
+            raise click.UsageError(NO_CONTEXT.format(config=f"--config-file {config_opt}"))
+        return config_file, context_dir
     if config_file is None:
-        raise click.UsageError("missing the experiment config: det e create CONFIG_FILE [CONTEXT_DIR]")
-    # Determined's positional form: `det e create CONFIG [CONTEXT]`, context defaulting to ".".
+        raise click.UsageError("missing the experiment config: det e create CONFIG_FILE CONTEXT_DIR")
+    if context_dir is None:
+        raise click.UsageError(NO_CONTEXT.format(config=config_file))
     return config_file, context_dir
 
 
@@ -255,6 +270,9 @@ def _print_described(
     if e.get("error"):
         # Why it failed (a searcher metric the trials do not report, every trial errored).
         click.echo(f"Error: {printable(str(e['error']))}")
+    if e.get("notes"):
+        # The user's own text (the SDK's Experiment.set_notes); it may run over several lines.
+        click.echo(f"Notes:\n{printable(str(e['notes']))}")
     click.echo("\nTrials:")
     table(
         ["Trial ID", "Experiment ID", "State", "Reason", "Started", "Ended", "H-Params"],

@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from detslurm import context
+from detslurm.cli.experiment import config_and_context
 from detslurm.cli.remote.channel import collect
 from detslurm.cli.remote.command import capture_argv, note, run_argv
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
@@ -55,6 +56,12 @@ def _positionals(cmd: click.Command, args: Sequence[str]) -> tuple[list[int], li
         pos.append(i)
         i += 1
     return pos, [a for j, a in enumerate(args) if j not in pos and a != "--"]
+
+
+def _is_config_opt(options: list[str], i: int) -> bool:
+    """Whether ``options[i]`` is ``--config-file`` (or its ``=`` form) or that option's value."""
+    here = options[i] == "--config-file" or options[i].startswith("--config-file=")
+    return here or (i > 0 and options[i - 1] == "--config-file")
 
 
 def _sha256(path: Path) -> str:
@@ -192,11 +199,14 @@ def _upload_config(conn: Any, config: Path) -> str:
 
 
 def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], create_cmd: click.Command) -> int:
-    """`det e create CONFIG [CONTEXT]` remotely: upload what changed, then create there.
+    """`det e create CONFIG CONTEXT` remotely: upload what changed, then create there.
     ``create_cmd`` is the local `det e create`, whose declaration parses ``args``."""
     with create_cmd.make_context("create", args[2:]) as ctx:  # click's own usage errors, as locally
-        config, ctx_dir = Path(ctx.params["config_file"]), Path(ctx.params["context_dir"])
+        p = ctx.params
+        config, ctx_dir = config_and_context(p["config_file"], p["context_dir"], p["config_opt"], p["template"])
     _, options = _positionals(create_cmd, args[2:])
+    # The config goes as the uploaded file's positional argument, not as --config-file.
+    options = [o for i, o in enumerate(options) if not _is_config_opt(options, i)]
     bundle = context.package(ctx_dir)
     tree, uploaded, total = upload_context(conn, bundle)
     note(

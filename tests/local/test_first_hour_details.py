@@ -33,3 +33,21 @@ def test_sizes_read_as_people_read_them(det: Any, tmp_path: Path) -> None:
     code, out, err = det("e", "create", "--dry-run", "--local", CORE / "const.yaml", ctx)
     assert code == 0, err
     assert "(2 entries, 3.0 MiB, sha256 " in out
+
+
+def test_create_needs_the_context_directory(det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Determined's CLI takes the context as optional and then sends no code; packaging the
+    current directory instead (a home directory, say) is refused with the fix."""
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "train.py").write_text((CORE / "train.py").read_text())
+    (ctx / "const.yaml").write_text((CORE / "const.yaml").read_text())
+    monkeypatch.chdir(ctx)
+    for args in (["const.yaml"], ["--config-file", "const.yaml"]):
+        code, out, err = det("e", "create", "--local", "--dry-run", *args)
+        assert code == 2 and "missing the context directory" in err, err
+        assert "pass `.` for the current directory" in err and "Traceback" not in err
+    code, out, err = det("e", "create", "--local", "--dry-run", "const.yaml", ".")
+    assert code == 0 and "# dry run: nothing was created" in out, err
+    code, out, err = det("e", "create", "--local", "--dry-run", "--config-file", "const.yaml", ".")
+    assert code == 0 and "# dry run: nothing was created" in out, err
