@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
@@ -166,8 +166,28 @@ class _Note:
 
 def _note(time: datetime, level: str, message: str) -> _Note:
     # Controller notes (requeues, exit reasons) are store rows, not file lines; they are shown
-    # after the output in Determined's "[time] source || level: message" log format.
+    # among the runs' output in Determined's "[time] source || level: message" log format.
     return _Note(f"[{time:%Y-%m-%dT%H:%M:%SZ}] detslurm || {level}: {message}", time, level)
+
+
+def _utc(t: datetime) -> datetime:
+    # SQLite hands back naive datetimes; the store writes UTC.
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+def _in_time_order(runs: list[_Run], notes: list[_Note]) -> list[_Run | _Note]:
+    """Runs and notes in time order. A run's output lines carry no times, so the order is by
+    run: each note comes before the first run that started after it (a run's exit reason after
+    its output, before the next run's); a run not started yet comes after every note."""
+    pending = sorted(notes, key=lambda n: _utc(n.time))  # stable: notes of one second keep their order
+    out: list[_Run | _Note] = []
+    i = 0
+    for run in runs:
+        while i < len(pending) and (run.start is None or _utc(pending[i].time) < _utc(run.start)):
+            out.append(pending[i])
+            i += 1
+        out.append(run)
+    return out + pending[i:]
 
 
 def _trial_sources(app: App, trial_id: int) -> tuple[list[_Run], list[_Note]]:
@@ -186,11 +206,15 @@ def _header(trial_id: int, run: _Run) -> str:
 
 
 def lines(app: App, trial_id: int, ranks: LogFilter | Sequence[int] = ()) -> Iterator[str]:
-    """Every run's output (each after a header line), then the controller's notes; with a
-    filter, only the lines it keeps (and no headers)."""
+    """Every run's output (each after a header line) and the controller's notes, in time order;
+    with a filter, only the lines it keeps (and no headers)."""
     flt = _filter(ranks)
-    runs, notes = _trial_sources(app, trial_id)
-    for run in runs:
+    for item in _in_time_order(*_trial_sources(app, trial_id)):
+        if isinstance(item, _Note):
+            if flt.keeps_note(item.time, item.level):
+                yield item.text
+            continue
+        run = item
         if not flt.keeps_run(run.start, run.end):
             continue
         if flt.empty:
@@ -199,7 +223,6 @@ def lines(app: App, trial_id: int, ranks: LogFilter | Sequence[int] = ()) -> Ite
         # is_file: a run may have no output file (a detached run outside Slurm records none).
         if run.path and p.is_file():
             yield from (line for line in file_lines(p) if flt.keeps_line(line))
-    yield from (n.text for n in notes if flt.keeps_note(n.time, n.level))
 
 
 def tail(app: App, trial_id: int, n: int, ranks: LogFilter | Sequence[int] = ()) -> list[str]:
@@ -207,20 +230,23 @@ def tail(app: App, trial_id: int, n: int, ranks: LogFilter | Sequence[int] = ())
     if n <= 0:
         return []
     flt = _filter(ranks)
-    runs, notes = _trial_sources(app, trial_id)
-    # Built last line first: notes come after all runs, then each run's file from its end,
-    # then its header; the list is reversed once at the end.
-    out: list[str] = [x.text for x in notes if flt.keeps_note(x.time, x.level)][::-1][:n]
-    for run in reversed(runs):
-        if not flt.keeps_run(run.start, run.end):
-            continue
-        p = Path(run.path)
-        if len(out) < n and run.path and p.is_file():
-            out += islice((line for line in file_lines_reversed(p) if flt.keeps_line(line)), n - len(out))
-        if len(out) < n and flt.empty:
-            out.append(_header(trial_id, run))
+    # Built last line first: each run's file from its end, then its header, with the notes
+    # where they fall; the list is reversed once at the end.
+    out: list[str] = []
+    for item in reversed(_in_time_order(*_trial_sources(app, trial_id))):
         if len(out) >= n:
             break
+        if isinstance(item, _Note):
+            if flt.keeps_note(item.time, item.level):
+                out.append(item.text)
+            continue
+        if not flt.keeps_run(item.start, item.end):
+            continue
+        p = Path(item.path)
+        if item.path and p.is_file():
+            out += islice((line for line in file_lines_reversed(p) if flt.keeps_line(line)), n - len(out))
+        if len(out) < n and flt.empty:
+            out.append(_header(trial_id, item))
     return out[::-1]
 
 

@@ -51,3 +51,68 @@ def test_create_needs_the_context_directory(det: Any, tmp_path: Path, monkeypatc
     assert code == 0 and "# dry run: nothing was created" in out, err
     code, out, err = det("e", "create", "--local", "--dry-run", "--config-file", "const.yaml", ".")
     assert code == 0 and "# dry run: nothing was created" in out, err
+
+
+def test_controller_notes_come_in_time_order_among_the_runs(det: Any, tmp_path: Path) -> None:
+    """A trial whose first run failed and whose second completed: the note about the first
+    run's exit sits between the two runs' output, not after all of it (full listing and --tail)."""
+    from datetime import datetime, timedelta, timezone
+
+    from detslurm import settings
+    from detslurm.identity import os_user
+    from detslurm.store import Experiment, LogEntry, Trial, TrialRun, open_store
+
+    t0 = datetime(2026, 11, 1, 12, 0, tzinfo=timezone.utc)
+    at = lambda s: t0 + timedelta(seconds=s)  # noqa: E731
+    store = open_store(settings.load().db_url)
+    with store.tx() as s:
+        e = Experiment(
+            name="two-runs",
+            owner=os_user(),
+            config={"searcher": {"name": "single", "metric": "loss"}},
+            original_config="",
+            context_sha256="0",
+            exp_dir=str(tmp_path / "exp"),
+            executor="local",
+            resource_pool="cpu",
+            progress=1.0,
+            state="COMPLETED",
+        )
+        s.add(e)
+        s.flush()
+        t = Trial(experiment_id=e.id, request_id="r0", hparams={}, seed=0, state="COMPLETED", start_time=t0)
+        s.add(t)
+        s.flush()
+        trial_id = int(t.id)
+        for run_id, start, lines in ((1, 0, "[rank=0] first run\n[rank=0] boom\n"), (2, 20, "[rank=0] second run\n")):
+            log = tmp_path / f"run{run_id}.log"
+            log.write_text(lines)
+            s.add(
+                TrialRun(
+                    trial_id=trial_id,
+                    run_id=run_id,
+                    state="EXITED",
+                    executor="local",
+                    run_dir=str(tmp_path),
+                    log_path=str(log),
+                    start_time=at(start),
+                    end_time=at(start + 10),
+                )
+            )
+        # Added out of time order: the order shown comes from the times.
+        s.add(LogEntry(trial_id=trial_id, time=at(35), level="INFO", message="trial completed"))
+        s.add(LogEntry(trial_id=trial_id, time=at(12), level="WARNING", message="run 1 exited with code 1; restarting"))
+    code, out, err = det("t", "logs", str(trial_id))
+    assert code == 0, err
+    shown = [line.split(" (")[0] if line.startswith("===") else line.split("|| ")[-1] for line in out.splitlines()]
+    assert shown == [
+        f"=== trial {trial_id} run 1",
+        "[rank=0] first run",
+        "[rank=0] boom",
+        "WARNING: run 1 exited with code 1; restarting",
+        f"=== trial {trial_id} run 2",
+        "[rank=0] second run",
+        "INFO: trial completed",
+    ]
+    code, out, err = det("t", "logs", str(trial_id), "--tail", "5")
+    assert code == 0 and [line.split("|| ")[-1].split(" (")[0] for line in out.splitlines()] == shown[2:], out
