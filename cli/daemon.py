@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import socket
+import time
+
 import click
 
 from detslurm import daemon as daemon_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.render import dump_json, table
 
 
 @click.group(name="daemon")
@@ -41,13 +46,62 @@ def stop(app: App) -> None:
 
 
 @daemon.command("status")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document instead of text.")
 @pass_app
-def status(app: App) -> None:
-    """Say whether the daemon runs (here: a daemon on another login node is not "running")."""
+def status(app: App, as_json: bool) -> None:
+    """Say whether the daemon runs (here: a daemon on another login node is not "running"), its
+    polling interval and last tick. With root's `det --all-users`: every user's daemon here."""
+    if app.all_users:
+        _every_users(app, as_json)
+        return
     st = daemon_mod.daemon_status(app.settings)
-    click.echo(f"detslurm daemon: {st.detail}")
+    if as_json:
+        dump_json({"pid": st.pid, "detail": st.detail, "tick": dataclasses.asdict(st.tick) if st.tick else None})
+    else:
+        click.echo(f"detslurm daemon: {st.detail}")
     if st.pid is None:
         raise click.exceptions.Exit(1)
+
+
+def _every_users(app: App, as_json: bool) -> None:
+    from detslurm.daemon_scan import every_daemon
+    from detslurm.identity import Scope
+
+    Scope.all_users()  # only root may look at every user's daemons: anyone else is refused here
+    found = every_daemon()
+    if as_json:
+        dump_json(
+            [
+                {
+                    "user": d.user,
+                    "uid": d.uid,
+                    "pid": d.pid,
+                    "data_dir": str(d.data_dir),
+                    "started": d.started,
+                    "tick": dataclasses.asdict(d.tick) if d.tick else None,
+                }
+                for d in found
+            ]
+        )
+        return
+    if not found:
+        click.echo(f"no detslurm daemon runs on {socket.gethostname()}")
+        return
+    now = time.time()
+    table(
+        ["User", "PID", "Running for", "Experiments", "Polling and last tick", "Data dir"],
+        [
+            [
+                d.user,
+                d.pid,
+                f"{(now - d.started) / 60:.0f} min",
+                d.tick.experiments if d.tick else "",
+                d.tick.describe(now) if d.tick else "no status yet",
+                str(d.data_dir),
+            ]
+            for d in found
+        ],
+    )
 
 
 @daemon.command("logs")

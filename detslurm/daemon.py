@@ -50,6 +50,8 @@ class Paths:
         # held flock cannot outlive its holder.
         self.lock = s.data_dir / "daemon.lock"
         self.log = s.data_dir / "daemon.log"
+        # What the daemon last did (TickStatus): `det daemon status`, and root's for every user.
+        self.status = s.data_dir / "daemon.status"
 
 
 # psutil derives a create time from the boot time and the start tick (10 ms): the same process
@@ -90,11 +92,52 @@ class PidRecord:
 
 
 @dataclass(frozen=True)
+class TickStatus:
+    """What a running daemon last did, rewritten after every round of its loop."""
+
+    pid: int
+    poll_interval_s: float
+    last_tick: Optional[float]  # epoch seconds of the last round's end; None before the first
+    ok: bool  # whether that round's tick ran without an error (the error is in daemon.log)
+    experiments: int  # the active experiments it drives
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def parse(cls, text: str) -> Optional[TickStatus]:
+        """The status, or None for anything else (a torn, old or hostile file)."""
+        try:
+            d = json.loads(text)
+            last = d["last_tick"]
+            return cls(
+                int(d["pid"]),
+                float(d["poll_interval_s"]),
+                None if last is None else float(last),
+                bool(d["ok"]),
+                int(d["experiments"]),
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    def describe(self, now: Optional[float] = None) -> str:
+        """One line: 'polling every 10 s, last tick 3 s ago', and whether it failed or is late."""
+        out = f"polling every {self.poll_interval_s:g} s, "
+        if self.last_tick is None:
+            return out + "no tick yet"
+        ago = max(0.0, (time.time() if now is None else now) - self.last_tick)
+        out += f"last tick {ago:.0f} s ago" + ("" if self.ok else " (failed: see daemon.log)")
+        # A round sleeps one interval: much longer since the last one means a tick is stuck.
+        return out + (" (late)" if ago > 3 * self.poll_interval_s + 60 else "")
+
+
+@dataclass(frozen=True)
 class DaemonStatus:
     """Our daemon's pid on this host (None when it does not run here) and one line saying why."""
 
     pid: Optional[int]
     detail: str
+    tick: Optional[TickStatus] = None
 
 
 def daemon_status(s: Settings) -> DaemonStatus:
@@ -117,7 +160,19 @@ def daemon_status(s: Settings) -> DaemonStatus:
     if rec.uid != os.getuid():
         return DaemonStatus(None, f"not running (the pid file {path} was written by uid {rec.uid}, not by you)")
     pid = _live_pid(rec)
-    return DaemonStatus(pid, f"running (pid {pid})" if pid else "not running")
+    if pid is None:
+        return DaemonStatus(None, "not running")
+    tick = read_tick_status(Paths(s).status, pid)
+    return DaemonStatus(pid, f"running (pid {pid})" + (f", {tick.describe()}" if tick else ""), tick)
+
+
+def read_tick_status(path: Path, pid: int) -> Optional[TickStatus]:
+    """The status file of the daemon ``pid``, or None (none yet, another daemon's, unreadable)."""
+    try:
+        tick = TickStatus.parse(path.read_text())
+    except OSError:
+        return None
+    return tick if tick is not None and tick.pid == pid else None
 
 
 def _live_pid(rec: PidRecord) -> Optional[int]:
@@ -373,6 +428,7 @@ def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], lock_i
     # would load slurmctld for everyone.
     interval = max(site.poll_interval_s, s.poll_interval_s)
     log.info("daemon %d started: store %s, polling every %.1f s", os.getpid(), _safe_url(s.db_url), interval)
+    _write_status(s, TickStatus(os.getpid(), interval, None, True, 0))
     idle_since = time.monotonic()
     while not stopping():
         if lock_id is None or _file_id(Paths(s).lock) != lock_id:
@@ -381,6 +437,8 @@ def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], lock_i
             # started on the new store.
             log.warning("%s was removed or replaced: this daemon no longer drives that store; exiting", Paths(s).lock)
             return
+        ids: list[int] = []
+        ok = False
         try:
             ids = ctl.active_experiment_ids()
             if ids:
@@ -393,14 +451,25 @@ def _serve(s: Settings, idle_exit_s: float, stopping: Callable[[], bool], lock_i
             elif time.monotonic() - idle_since > idle_exit_s:
                 log.info("nothing to do for %.0f s: exiting", idle_exit_s)
                 return
+            ok = True
         # Any failure (slurmctld down, store locked, a bug on one experiment) is logged and the
         # next tick retries: the daemon must not die and leave every experiment undriven.
         except Exception:
             log.exception("tick failed; retrying in %.1f s", interval)
+        _write_status(s, TickStatus(os.getpid(), interval, time.time(), ok, len(ids)))
         end = time.monotonic() + interval
         while not stopping() and time.monotonic() < end:
             # Short sleeps so SIGTERM stops the daemon within 0.2 s, not after a whole interval.
             time.sleep(min(0.2, interval))
+
+
+def _write_status(s: Settings, status: TickStatus) -> None:
+    """Rewrite the status file; a failure to write it never stops the daemon."""
+    try:
+        # Private like the pid file; not fsynced: a status lost in a crash is stale anyway.
+        atomic_write_text(Paths(s).status, status.to_json(), mode=0o600, durable=False)
+    except OSError as e:
+        log.warning("cannot write %s: %s", Paths(s).status, e.strerror)
 
 
 def _file_id(path: Path) -> Optional[tuple[int, int]]:
