@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,11 @@ def experiment() -> None:
     help="The experiment config, as an option (then the one argument is the context directory).",
 )
 @click.option("--local", "run_local", is_flag=True, help="Run every trial as a local process, in the foreground.")
+@click.option(
+    "--in-allocation",
+    is_flag=True,
+    help="Run the trials as job steps of the Slurm allocation this runs in (slurm.in_allocation).",
+)
 @click.option("-t", "--test-mode", "--test", "test_mode", is_flag=True, help="One trial, one batch: a quick check.")
 @click.option("-f", "--follow-first-trial", "--follow", "follow", is_flag=True, help="Stream the first trial's logs.")
 @click.option("--paused", is_flag=True, help="Create the experiment without starting it.")
@@ -75,6 +81,7 @@ def create(
     context_dir: Path | None,
     config_opt: Path | None,
     run_local: bool,
+    in_allocation: bool,
     test_mode: bool,
     follow: bool,
     paused: bool,
@@ -86,6 +93,9 @@ def create(
     """Create an experiment from CONFIG_FILE and the code in CONTEXT_DIR (`.` for the current
     directory)."""
     config_file, context_dir = config_and_context(config_file, context_dir, config_opt, template)
+    if in_allocation:
+        # The switch is the config's: the flag is one more --config, checked with the rest.
+        overrides = (*overrides, "slurm.in_allocation=true")
     # Without --include the context directory is packaged in place; staging costs a full copy.
     if includes:
         import tempfile
@@ -150,7 +160,14 @@ def _create(
 
     try:
         plan = create_mod.plan_create(
-            app.settings, config_file, context_dir, overrides, test_mode=test_mode, paused=paused
+            app.settings,
+            config_file,
+            context_dir,
+            overrides,
+            test_mode=test_mode,
+            paused=paused,
+            # The allocation det runs in, if any: where an in-allocation experiment's trials run.
+            allocation=os.environ.get("SLURM_JOB_ID"),
         )
         backend = backend_mod.for_create(app, local=run_local)
         exp_id = create_mod.create(app.store, app.settings, backend.place(), plan, click.echo, dry_run=dry_run)
@@ -452,15 +469,31 @@ experiment.add_command(_state_change("kill", "Killed", now=True))
 @click.option("--detach", is_flag=True, help="Only mark it active; do not run it in this process.")
 @pass_app
 def activate(app: App, exp_id: int, detach: bool) -> None:
-    """Activate (resume) a paused experiment; local experiments run in the foreground."""
+    """Activate (resume) a paused experiment; local experiments run in the foreground. An
+    in-allocation experiment continues in the allocation this runs in, else in its own while
+    that runs, else as ordinary jobs."""
+    from detslurm.controller import in_allocation
+
+    # Moved while still paused: the daemon never starts a run in an allocation that has ended.
+    where = in_allocation.rebind(
+        app.store, exp_id, app.scope, os.environ.get("SLURM_JOB_ID"), lambda job: _still_held(app, job)
+    )
     ops.activate(app.store, exp_id, app.scope)
-    click.echo(f"Activated experiment {exp_id}")
+    click.echo(f"Activated experiment {exp_id}" + (f": {where}" if where else ""))
     # Mark it ACTIVE first: a local experiment is then driven in the foreground, a Slurm one
     # by the daemon this starts.
     backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
 
 
 experiment.add_command(activate, "unpause")
+
+
+def _still_held(app: App, job: str) -> bool:
+    """Whether trials may still start in held job ``job`` (one scontrol call)."""
+    from detslurm.controller.step_executor import StepExecutor
+
+    steps = StepExecutor(app.client, app.site())
+    return steps.ending(job, steps.allocation(job)) is None
 
 
 @experiment.command("wait")

@@ -30,6 +30,7 @@ from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
     Executor,
     ExitCause,
+    HoldingEnded,
     JobState,
     JobStatus,
     RunSpec,
@@ -414,12 +415,18 @@ class Controller:
     ) -> list[tuple[TrialRun, RunSpec]]:
         """New runs (PENDING in ``s``) and their plans: what ``_submit`` hands the executor,
         and what ``det e create --dry-run`` shows before rolling the session back."""
-        capacity = self.executor.capacity()
+        capacity = self.executor.capacity(stored_config(exp))
         return plan_runs(s, exp, capacity, self.executor.kind, self.executor.resources_type(), among)
 
     def _submit(self, exp_id: int, among: Among | None) -> None:
         self._held.discard(exp_id)
-        capacity = self.executor.capacity()
+        with self.store.read() as s:
+            config = stored_config(_get(s, exp_id))
+        try:
+            capacity = self.executor.capacity(config)
+        except HoldingEnded as e:
+            self._holding_ended(exp_id, e)
+            return
         if capacity is not None:
             among = None  # trials held back for capacity need a run without any change of theirs
         first = self._first_needing_run(exp_id, among)
@@ -463,7 +470,10 @@ class Controller:
         happen), then all in one transaction."""
         done: dict[int, str] = {}
         for run_pk, spec, result in results:
-            if isinstance(result, SchedulerUnavailable):
+            if isinstance(result, HoldingEnded):
+                self._unsubmit(run_pk, result)
+                self._holding_ended(spec.identity[0], result)
+            elif isinstance(result, SchedulerUnavailable):
                 self._unsubmit(run_pk, result)
             elif isinstance(result, SubmitUnknown):
                 self._submit_unknown(run_pk, result)
@@ -485,12 +495,28 @@ class Controller:
             assert run is not None
             run.trial.run_count -= 1
             self._deferred.add(run.trial.experiment_id)
-            if not isinstance(error, SubmitLater):
+            if isinstance(error, SubmitLater):
+                if error.warn:  # a submit limit: said once per throttled stretch, not per trial
+                    note(s, run.trial_id, str(error), "WARNING")
+            elif not isinstance(error, HoldingEnded):  # that one is said once, by _holding_ended
                 note(s, run.trial_id, f"Slurm is unreachable; will submit again: {error}", "WARNING")
-            elif error.warn:  # a submit limit: said once per throttled stretch, not per trial
-                note(s, run.trial_id, str(error), "WARNING")
             s.delete(run)
-        log.warning("submission deferred (Slurm unreachable): %s", error)
+        if not isinstance(error, HoldingEnded):
+            log.warning("submission deferred (Slurm unreachable): %s", error)
+
+    def _holding_ended(self, exp_id: int, error: HoldingEnded) -> None:
+        """The job its trials run in has ended (or is about to): the experiment is paused, as
+        after `det e pause`; its running trials checkpoint and stop, and `det e activate`
+        continues it (docs/user/allocation.md)."""
+        with self.store.tx() as s:
+            exp = _get(s, exp_id)
+            if exp.state != ExperimentState.ACTIVE:
+                return
+            exp.state = ExperimentState.PAUSED
+            first = s.scalar(select(Trial.id).where(Trial.experiment_id == exp_id).order_by(Trial.id).limit(1))
+            if first is not None:
+                note(s, first, f"{error}; experiment paused: `det e activate {exp_id}` continues it", "WARNING")
+        log.warning("experiment %d paused: %s", exp_id, error)
 
     def _submit_unknown(self, run_pk: int, error: Exception) -> None:
         """The submission's reply was lost: the job may exist. The run stays PENDING with no

@@ -28,6 +28,7 @@ import yaml
 from sqlalchemy.orm import Session
 
 from detslurm import context as ctxmod
+from detslurm.controller import in_allocation as in_allocation_mod
 from detslurm.controller.apply import apply_actions
 from detslurm.controller.controller import Controller, current_user
 from detslurm.controller.executor import Executor, RunSpec
@@ -117,15 +118,18 @@ def plan_create(
     overrides: Sequence[str] = (),
     test_mode: bool = False,
     paused: bool = False,
+    allocation: str | None = None,
 ) -> CreatePlan:
-    """Read, override, validate and package an experiment: the printable plan, with no side effects."""
+    """Read, override, validate and package an experiment: the printable plan, with no side effects.
+    ``allocation``: the job of the Slurm allocation `det` runs in (SLURM_JOB_ID), where the
+    trials run as job steps if the config's ``slurm.in_allocation`` asks."""
     try:
         text = Path(config_path).read_text()
     except OSError as e:
         from detslurm.errors import ConfigError
 
         raise ConfigError([f"{config_path}: cannot read the experiment config: {e.strerror}"]) from None
-    raw = apply_overrides(parse_yaml(text), overrides)
+    raw = in_allocation_mod.bind(apply_overrides(parse_yaml(text), overrides), allocation)
     cfg = validate(raw, default_storage(settings))
     if test_mode:
         # Sampled from the experiment seed, so a repeated test run with a fixed seed tries the same values.
@@ -218,6 +222,7 @@ def plan_fork(
     overrides: Sequence[str],
     staging: Path,
     patch: Mapping[str, Any] | None = None,
+    allocation: str | None = None,
 ) -> CreatePlan:
     """`det e fork`: a new experiment from an existing one's config (with ``overrides``) and the
     very context it ran with, unpacked into ``staging`` (a temporary dir the caller removes)."""
@@ -229,7 +234,9 @@ def plan_fork(
         tarball = ExpPaths(Path(parent.exp_dir)).context
     # The stored config already has the parent's --config overrides and defaults in it; the fork's
     # own overrides go on top and the result is validated like any new config.
-    cfg = validate(apply_overrides(merge_config(config, patch or {}), overrides), default_storage(settings))
+    raw = apply_overrides(merge_config(config, patch or {}), overrides)
+    # The parent's held job may have ended: an in-allocation fork runs in the one `det` runs in.
+    cfg = validate(in_allocation_mod.bind(raw, allocation, fresh=True), default_storage(settings))
     # Unpacked with the same safety checks as on a compute node, then packaged again: the fork's
     # context has the parent's sha256, and the parent's dir is never shared with the child.
     ctxmod.extract_as_packaged(tarball, staging)

@@ -114,6 +114,12 @@ class SubmitLater(SchedulerUnavailable):
         self.warn = warn
 
 
+class HoldingEnded(Exception):
+    """The job the experiment's trials run in as job steps (``slurm.in_allocation``) has ended,
+    or ends before a run could checkpoint: nothing more starts there. The controller pauses the
+    experiment, as the allocation's end is a preemption; ``det e activate`` continues it."""
+
+
 class SubmitUnknown(Exception):
     """The submission was sent but its reply never came: the job may exist. The controller
     must look for it (by its identity) before it may submit the run again."""
@@ -157,9 +163,10 @@ class Executor(Protocol):
     # for the controller to tell the waiting trials; None when it answered.
     unreachable: str | None
 
-    def capacity(self) -> int | None:
-        """How many more runs may start now (None: no limit, the scheduler decides); the rest
-        wait for a later tick."""
+    def capacity(self, config: ExperimentConfig | None = None) -> int | None:
+        """How many more runs (of ``config``, where the room depends on a run's shape) may
+        start now (None: no limit, the scheduler decides); the rest wait for a later tick.
+        Raises :class:`HoldingEnded` when runs of ``config`` can never start where they go."""
 
     def resources_type(self) -> str:
         """``DET_RESOURCES_TYPE`` for runs of this backend."""

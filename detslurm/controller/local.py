@@ -10,12 +10,15 @@ import stat
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import psutil
 
 from detslurm import settings
 from detslurm.controller.executor import ExitCause, JobState, JobStatus, RunSpec
+
+if TYPE_CHECKING:
+    from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import exit_outcome, exit_record_of
 
 
@@ -29,7 +32,7 @@ class LocalExecutor:
         self.max_parallel = max_parallel
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def capacity(self) -> int | None:
+    def capacity(self, config: ExperimentConfig | None = None) -> int | None:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.max_parallel - running)
 

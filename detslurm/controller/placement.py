@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from detslurm.controller.create import CreatePlan, Placement, dry_run
+from detslurm.controller.executor import SchedulerUnavailable
 from detslurm.controller.local import LocalExecutor
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.settings import Settings
@@ -69,6 +70,9 @@ class SlurmPlace:
 
     def check(self, plan: CreatePlan) -> Placement:
         site, config = self.site, plan.config
+        if config.slurm.in_allocation:
+            # Job steps of a held job: its nodes, not a pool's, are where the trials run.
+            return Placement(plan, tuple(_ignored_in_allocation(plan)))
         res = resource_plan(config, site)  # an unknown pool fails here, before anything exists
         if site.container_runtime != Runtime.NONE:
             # An image map without this pool's device kind fails here too, not in the daemon.
@@ -86,13 +90,15 @@ class SlurmPlace:
     def _executor(self, placed: Placement, *, offline: bool = False) -> SlurmExecutor:
         """An executor that plans the create's config with the resource plan its check made."""
         res = placed.resources
-        assert res is not None, "placed by another place's check"
-        return SlurmExecutor(self.client, self.site, offline=offline, planned=(placed.plan.config, res))
+        planned = (placed.plan.config, res) if res is not None else None
+        return SlurmExecutor(self.client, self.site, offline=offline, planned=planned)
 
     def refuse_impossible(self, store: Store, settings: Settings, placed: Placement, *, offline: bool) -> list[str]:
         # The jobs the create would submit, planned by the code that submits them; for a paused
         # experiment, the ones `det e activate` will queue. A dry run may be offline: with no
         # Slurm in reach it checks nothing rather than fail.
+        if placed.plan.config.slurm.in_allocation:
+            return self._refuse_in_allocation(placed, offline=offline)
         # The site's locks first: they need no Slurm, so an offline dry run refuses them too.
         locked = site_limit_refusals(placed.plan.config, self.site)
         if locked:
@@ -112,12 +118,27 @@ class SlurmPlace:
             notes.append(f"Warning: not checked against the cluster's limits ({executor.unchecked})")
         return notes
 
+    def _refuse_in_allocation(self, placed: Placement, *, offline: bool) -> list[str]:
+        """Trials that could never fit the held job are refused with its numbers."""
+        try:
+            refusals = self._executor(placed).steps.refusals(placed.plan.config)
+        except SchedulerUnavailable as e:
+            if not offline:
+                raise
+            return [f"Warning: not checked against the allocation ({e})"]
+        if refusals:
+            raise RequestRefused(refusals)
+        return []
+
     def show(self, store: Store, settings: Settings, placed: Placement) -> str:
-        """The sbatch command lines and scripts, as a runnable shell script (heredocs)."""
+        """The sbatch command lines and scripts, as a runnable shell script (heredocs); for an
+        in-allocation experiment, the shells that start its job steps, placed as they would be now."""
         # offline: render what would be submitted without calling sbatch, through the same plan
         # code as the real submission.
         executor = self._executor(placed, offline=True)
         specs = dry_run(store, settings, placed.plan, executor)
+        if placed.plan.config.slurm.in_allocation:
+            return executor.steps.show(specs)
         return "".join(sub.request.render() for sub in executor.plan_many(specs))
 
     def require_reachable(self) -> None:
@@ -127,6 +148,24 @@ class SlurmPlace:
 
     def submit(self, placed: Placement) -> None:
         self._submit(self._executor(placed))
+
+
+def _ignored_in_allocation(plan: CreatePlan) -> list[str]:
+    """Settings of a pool's jobs that job steps of a held job do not apply, one line each."""
+    config = plan.config
+    ignored = [
+        name
+        for name, value in (
+            ("resources.resource_pool", config.resources.resource_pool),
+            ("resources.priority", config.resources.priority),
+            ("resources.max_slots", config.resources.max_slots),
+            ("slurm.sbatch_args", config.slurm.sbatch_args),
+        )
+        if value
+    ]
+    if not ignored:
+        return []
+    return [f"{', '.join(ignored)}: not applied to job steps of allocation {config.slurm.allocation_id}"]
 
 
 class LocalPlace:

@@ -25,12 +25,12 @@ from detslurm.controller.executor import (
     SubmitUnknown,
 )
 from detslurm.controller.slurm_status import JOB_STATE, ended, in_queue, requeued_status, stop_signalled
+from detslurm.controller.step_executor import StepExecutor, container_paths, is_step
 from detslurm.expconf import ExperimentConfig
 from detslurm.protocol import IMAGE_SOURCE, ExpPaths, exit_outcome, exit_record_of
 from detslurm.queue import DEFAULT_PRIORITY
 from detslurm.slurm import container_lib
 from detslurm.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
-from detslurm.slurm.containers import Runtime
 from detslurm.slurm.limits import SubmitLimits, Throttle, count_queue, headroom, is_limit_refusal, submit_limits
 from detslurm.slurm.parse import AccountedJob, NodeInfo, QueuedJob, SlurmParseError, experiment_tag
 from detslurm.slurm.reasons import pending_reason
@@ -119,13 +119,19 @@ class SlurmExecutor:
         self._clock = clock  # a seam: tests age the cached limits and queue without sleeping
         self._throttle = Throttle()
         self.unreachable: Optional[str] = None
+        # The runs of in-allocation experiments: job steps of a job the user holds.
+        self.steps = StepExecutor(client, site, offline=offline)
 
     # -- how many more jobs Slurm takes -----------------------------------------------------
-    def capacity(self) -> Optional[int]:
+    def capacity(self, config: Optional[ExperimentConfig] = None) -> Optional[int]:
         """How many more jobs (an array's tasks one each) this user may queue now: Slurm's
         submit limits (read rarely) minus this user's jobs in the tick's squeue answer and what
         was submitted since, with a margin. Trials past it wait for a later tick with no run yet
-        (``plan_runs`` stops at it, in trial order), as trials past max_local_trials do."""
+        (``plan_runs`` stops at it, in trial order), as trials past max_local_trials do. Runs
+        of an in-allocation ``config`` are job steps, which no submit limit counts: the room
+        in its held job decides (StepExecutor.capacity)."""
+        if config is not None and config.slurm.in_allocation:
+            return self.steps.capacity(config)
         if self.offline:
             return None  # a dry run plans every trial, as Slurm would be asked to take them
         t = self._throttle
@@ -243,12 +249,7 @@ class SlurmExecutor:
         return Submission(req, tuple(specs), res, links)
 
     def _container_paths(self, spec: RunSpec) -> Optional[ContainerPaths]:
-        """Host paths a container trial needs (None when it runs no container). The in-job
-        library's path is content-addressed: computing it only stats files; execute() makes it."""
-        if not spec.config.environment.image or self.site.container_runtime == Runtime.NONE:
-            return None
-        lib = container_lib.lib_dir(ExpPaths(spec.exp_dir).container_lib)
-        return ContainerPaths(exp_dir=str(spec.exp_dir), lib_dir=str(lib))
+        return container_paths(spec.config, spec.exp_dir, self.site)
 
     def _may_raise_priority(self, config: ExperimentConfig) -> bool:
         # Asked only for a priority above the default (a negative nice), so an ordinary config
@@ -346,7 +347,14 @@ class SlurmExecutor:
     # -- execute ----------------------------------------------------------------------------
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
         """Execute the plan. Returns each spec's job id (``ARRAY_TASK`` for array tasks), or
-        the error that kept it from starting, in the order of ``specs``."""
+        the error that kept it from starting, in the order of ``specs``. Runs of in-allocation
+        experiments start as job steps (StepExecutor)."""
+        stepped = [s for s in specs if s.config.slurm.in_allocation]
+        if stepped:
+            out = dict(zip((s.identity for s in stepped), self.steps.submit_many(stepped), strict=True))
+            rest = [s for s in specs if not s.config.slurm.in_allocation]
+            out.update(zip((s.identity for s in rest), self.submit_many(rest) if rest else [], strict=True))
+            return [out[s.identity] for s in specs]
         try:
             subs = self.plan_many(specs)
         except Exception as e:  # planning needs the site's limits: nothing was submitted
@@ -442,6 +450,10 @@ class SlurmExecutor:
             raise _classify(e) from e
 
     def poll(self, jobs: Mapping[str, Path]) -> dict[str, JobStatus]:
+        steps = {j: d for j, d in jobs.items() if is_step(j)}
+        if steps:
+            rest = {j: d for j, d in jobs.items() if not is_step(j)}
+            return {**self.steps.poll(steps), **self.poll(rest)}
         if not jobs:
             return {}
         self._read_queue()
@@ -522,6 +534,10 @@ class SlurmExecutor:
     def signal(self, job_id: str, signum: int) -> None:
         import signal as sigmod
 
+        if is_step(job_id):
+            self.steps.signal(job_id, signum)
+            return
+
         name = sigmod.Signals(signum).name.removeprefix("SIG")
         self.client.scancel(job_id, signal=name, batch_too=True)
 
@@ -530,6 +546,11 @@ class SlurmExecutor:
         self.kill_many(job_ids, pending_only=True)
 
     def kill_many(self, job_ids: Sequence[str], pending_only: bool = False) -> None:
+        steps = [j for j in job_ids if is_step(j)]
+        if steps:
+            if not pending_only:  # a job step starts at once: none waits to be canceled
+                self.steps.kill_many(steps)
+            job_ids = [j for j in job_ids if not is_step(j)]
         for i in range(0, len(job_ids), 500):  # bounded command lines
             try:
                 self.client.scancel(job_ids[i : i + 500], pending_only=pending_only)

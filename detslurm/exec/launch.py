@@ -238,7 +238,8 @@ def slurm_env(env: dict[str, str]) -> dict[str, str]:
     nodes); the chief is the first node of the list.
     """
     out: dict[str, str] = {}
-    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST", ""))
+    # A job step's own nodes: a trial run as a step of a held job has only some of the job's.
+    nodes = expand_nodelist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
     if nodes:
         out["DET_CONTAINER_ADDRS"] = json.dumps(nodes)
         out["DET_CHIEF_IP"] = nodes[0]

@@ -241,6 +241,17 @@ class SlurmSection(Strict):
     sbatch_args: list[str] = Field(default_factory=list)
     gpu_type: str | None = None
     slots_per_node: int | None = Field(default=None, ge=1)
+    # detslurm's: run the trials as job steps of a job the user holds (docs/user/allocation.md).
+    # `det e create --in-allocation` sets it; the create records the job (SLURM_JOB_ID of the
+    # allocation it runs in) as allocation_id, and `det e activate` may move it to another.
+    in_allocation: bool = False
+    allocation_id: str | None = Field(default=None, pattern=r"^[0-9]+$")
+
+    @model_validator(mode="after")
+    def _allocation_needs_the_switch(self) -> SlurmSection:
+        if self.allocation_id is not None and not self.in_allocation:
+            raise ValueError("allocation_id is set but in_allocation is not: set slurm.in_allocation: true")
+        return self
 
 
 # Determined's PBS section; accepted so one config can serve both schedulers, and ignored here.

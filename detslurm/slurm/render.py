@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -296,14 +297,19 @@ def _check_env(env: dict[str, str]) -> None:
         raise ConfigError([f"environment variable name {k!r} is not a valid shell variable name" for k in bad])
 
 
-def _step_lines(res: ResourcePlan, python: str, container: ContainerCommand | None) -> tuple[str, str]:
-    """(the prepare line or "", the line that starts one launcher per node)."""
-    srun = ["srun", f"--nodes={res.nodes}", "--ntasks-per-node=1"]
+def _step_lines(
+    res: ResourcePlan, python: str, container: ContainerCommand | None, step: Sequence[str] | None = None
+) -> tuple[str, str]:
+    """(the prepare line or "", the line that starts one launcher per node). ``step``: srun's
+    options that make the run a job step of a job the user holds (:func:`plan_step`); every
+    line then runs through srun with them."""
+    srun = ["srun", *step] if step is not None else ["srun", f"--nodes={res.nodes}", "--ntasks-per-node=1"]
     if container is None:
         argv = [python, "-m", "detslurm.exec.launch"]
-        return "", shlex.join(argv if res.nodes == 1 else [*srun, "--kill-on-bad-exit=1", *argv])
+        on_step = step is not None or res.nodes > 1
+        return "", shlex.join([*srun, "--kill-on-bad-exit=1", *argv] if on_step else argv)
     argv = [*container.prefix, container.python, "-m", "detslurm.exec.launch"]
-    on_step = res.nodes > 1 or container.always_srun
+    on_step = step is not None or res.nodes > 1 or container.always_srun
     prepare = ""
     if container.prepare:
         # Every node needs the image (its own image store, or its own SIF cache): prepare on all.
@@ -322,11 +328,19 @@ def _script(
     python: str,
     tasks: list[tuple[int, list[tuple[str, str]]]] | None = None,
     container: ContainerCommand | None = None,
+    step: StepPlace | None = None,
 ) -> str:
     _check_env(env)
     for _, task_env in tasks or []:
         _check_env(dict(task_env))
-    prepare, launch = _step_lines(res, python, container)
+    prepare, launch = _step_lines(res, python, container, step.args if step else None)
+    if step is not None:
+        # Not a batch script: the shell runs where the daemon does, outside any job, so no
+        # signal of Slurm's reaches it and srun stays its child (the first branch of the template).
+        on_srun, job_ref = False, step.job_id
+    else:
+        on_srun = launch.startswith("srun ")
+        job_ref = "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" if tasks else "${SLURM_JOB_ID}"
     return _template("trial.sbatch.j2").render(
         ident=ident,
         env=sorted(env.items()),
@@ -335,6 +349,8 @@ def _script(
         nodes=res.nodes,
         prepare=prepare,
         launch=launch,
+        on_srun=on_srun,
+        job_ref=job_ref,
         runtime=site.container_runtime.value if container else "",
         signal=site.signal.upper().removeprefix("SIG"),
         node_tmpdir=site.node_tmpdir or "",
@@ -384,6 +400,65 @@ def plan_trial_run(
         env = {**env, **registry_env(config, site)}
     script = _script(site, res, ident, env, run_dir, python, container=cmd)
     return SbatchRequest(name=ident.job_name, args=args, script=script, env=env)
+
+
+@dataclass(frozen=True)
+class StepPlace:
+    """Where a run goes as a job step of a job the user holds: the job, and srun's options
+    that place the step on its nodes (controller/step_executor.py)."""
+
+    job_id: str
+    args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """What :func:`plan_step` returns: the srun options and the script that runs the step."""
+
+    name: str
+    args: list[str]
+    script: str
+
+    def render(self) -> str:
+        """A runnable shell command: the script the daemon runs, as a here-document."""
+        return f"bash <<'SCRIPT'\n{self.script}SCRIPT\n"
+
+
+def plan_step(
+    *,
+    config: ExperimentConfig,
+    site: SiteConfig,
+    res: ResourcePlan,
+    ident: Identity,
+    env: dict[str, str],
+    run_dir: str,
+    python: str,
+    job_id: str,
+    placement: Sequence[str],
+    container: ContainerPaths | None = None,
+) -> StepRequest:
+    """One trial run as a job step of held job ``job_id``, on the nodes and with the GPUs and
+    CPUs ``placement`` gives (srun options). The script is the batch script's, run by the daemon
+    outside the job: the same exports, setup, exit record and signal forwarding, with srun
+    starting the launchers in the held job."""
+    for a in placement:
+        if any(c in a for c in "\n\r\0"):
+            raise ConfigError([f"srun argument {a!r} contains a control character"])
+    args = [
+        f"--jobid={job_id}",
+        # The step's name in `squeue --steps` and sacct; the run's identity is its run dir.
+        f"--job-name={ident.job_name}",
+        f"--nodes={res.nodes}",
+        "--ntasks-per-node=1",
+        *placement,
+        # Only what the step asks for, so that steps share the job's nodes.
+        "--exact",
+    ]
+    cmd = _container(config, site, res, list(env), container)
+    if cmd is not None:
+        env = {**env, **registry_env(config, site)}
+    script = _script(site, res, ident, env, run_dir, python, container=cmd, step=StepPlace(job_id, tuple(args)))
+    return StepRequest(name=ident.job_name, args=args, script=script)
 
 
 def plan_array(
