@@ -11,21 +11,20 @@ from detslurm import queue as q
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, table
+from detslurm.errors import ConfigError, DetSlurmError
 from detslurm.slurm.reasons import describe_reason
 from detslurm.slurm.states import SlurmState
 
 # Loaded on first use (cli/lazy.py): `det job list` answers from the read layer (store.reads)
 # and must not pay for the ORM or the controller.
 if TYPE_CHECKING:
-    from detslurm.controller import edit
-    from detslurm.controller import ops as ops_mod
+    from detslurm.controller import queue_store as qs
 else:
-    edit = lazy_module("detslurm.controller.edit")
-    ops_mod = lazy_module("detslurm.controller.ops")
+    qs = lazy_module("detslurm.controller.queue_store")
 
 if TYPE_CHECKING:
     from detslurm.slurm.client import SlurmClient
-    from detslurm.slurm.parse import QueuedJob
+    from detslurm.slurm.parse import Capabilities, QueuedJob
 
 
 @click.group(name="job")
@@ -155,19 +154,110 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
 job.add_command(list_, "ls")
 
 
-def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove | q.SavePriority], dry_run: bool) -> None:
+def _shapes(app: App, job: QueuedJob, pool: str, trial: qs.Trial | None) -> tuple[q.Shape | None, q.Shape]:
+    """The job's shape in its pool and in ``pool`` (see queue.plan_pool); refuses a pool its
+    trial could never run in, as the create would."""
+    site = app.site()
+    config = trial.config() if trial is not None else None
+    if config is None:
+        return None, qs.pool_shape(site, pool)  # an unknown pool fails here
+    dst, locked = qs.trial_shape(config, site, pool)
+    never = locked or qs.never_runs(config, site, pool, app.client)
+    if never:
+        raise q.QueueError(
+            f"job {job.job_id} was not moved: its trial could never run in pool {pool}: {'; '.join(never)}"
+        )
+    try:
+        src = qs.trial_shape(config, site, config.resources.resource_pool)[0]
+    except ConfigError:
+        src = None  # its pool is gone from the site config: nothing to compare with
+    return src, dst
+
+
+Planned = list[q.Op | q.PoolMove | q.Replace | q.SavePriority | q.NotKept]
+
+
+def _plan(
+    app: App, queue: list[QueuedJob], job_id: str, caller: q.Caller, caps: Capabilities, **change: Any
+) -> tuple[Planned, qs.Trial | None]:
+    """The queue edit's operations, with the trial's experiment they are kept in (if any)."""
+    client = app.client
+    job = q.find_job(queue, job_id, caller)
+    pool = change.pop("resource_pool", None)
+    trial = None
+    if pool is not None or change.get("priority") is not None:
+        trial = qs.trial_of(job, caller.user, store=app.store, scope=app.scope, client=client)
+    target = None
+    if pool is not None:
+        shown = client.show_job(job.job_id) if job.state == SlurmState.PENDING else {}
+        target = (pool, _shapes(app, job, pool, trial), shown)
+    keeper = trial.keeper if trial else None
+    return q.plan_update(queue, job_id, caller, caps, keeper=keeper, pool=target, **change), trial
+
+
+def _apply(app: App, planned: tuple[Planned, qs.Trial | None], dry_run: bool) -> None:
+    ops, trial = planned
     for op in ops:
         click.echo(("would run: " if dry_run else "") + op.describe())
     if dry_run:
         return
-    # scontrol changes go first; pool moves are store changes the daemon acts on later
-    # (checkpoint, then resubmit in the new partition), not Slurm calls.
-    q.execute(client, [o for o in ops if isinstance(o, q.Op)])
-    for move in (o for o in ops if isinstance(o, q.PoolMove)):
-        ops_mod.move_to_pool(app.store, move.experiment_id, move.pool, tag=move.tag, scope=app.scope)
-    for save in (o for o in ops if isinstance(o, q.SavePriority)):
-        # Another store's trial (tag mismatch) keeps only the scontrol change above.
-        edit.save_priority(app.store, save.experiment_id, save.priority, tag=save.tag, scope=app.scope)
+    client = app.client
+    for op in ops:
+        if isinstance(op, q.NotKept):
+            click.echo(f"Warning: {op.text}", err=True)
+        elif isinstance(op, q.Op):
+            _scontrol(client, op, ops, trial)
+        else:
+            assert trial is not None, "store changes are planned for trials only"
+            _keep(trial.keeping, op)
+
+
+def _scontrol(client: SlurmClient, op: q.Op, ops: Planned, trial: qs.Trial | None) -> None:
+    """One scontrol call. A pool move Slurm refuses part way (it applies the fields it takes and
+    refuses the rest) is made whole: a trial's job is replaced instead, any other job's state is
+    reported field by field."""
+    from detslurm.slurm.client import SlurmCommandError
+
+    try:
+        q.execute(client, [op])
+    except SlurmCommandError as e:
+        move = next((o for o in ops if isinstance(o, q.PoolMove)), None)
+        if move is None or trial is None:
+            if op.verb == "release" and "permission denied" in e.stderr.lower():
+                raise q.QueueError(f"{e.stderr}: job {op.job_id} may be held by an administrator") from None
+            raise q.QueueError(f"Slurm refused: {e.stderr}{_now(client, op)}") from None
+        click.echo(f"Slurm refused the update in place ({e.stderr}); replacing the job instead", err=True)
+        _keep(trial.keeping, q.Replace(op.job_id, move.experiment_id, move.pool, "", move.tag, move.where))
+        ops.remove(move)  # done by the replacement
+
+
+def _now(client: SlurmClient, op: q.Op) -> str:
+    """What the job has now of the fields a failed update asked for."""
+    if not op.fields:
+        return ""
+    shown = client.show_job(op.job_id)
+    asked = {"CPUsPerTask": "CPUs/Task"}
+    now = " ".join(f"{k}={shown.get(asked.get(k, k), '?')}" for k, _ in op.fields)
+    return f"; job {op.job_id} now has {now}"
+
+
+def _keep(keeping: qs.Keeping, op: q.PoolMove | q.Replace | q.SavePriority) -> None:
+    """Keep a change in the trial's experiment; if that fails, say exactly what did change."""
+    try:
+        if isinstance(op, q.Replace):
+            keeping.replace(op.experiment_id, op.pool, op.tag, op.job_id)
+        elif isinstance(op, q.PoolMove):
+            keeping.move(op.experiment_id, op.pool, op.tag)
+        else:
+            keeping.save_priority(op.experiment_id, op.priority, op.tag)
+    except DetSlurmError as e:
+        if isinstance(op, q.Replace):
+            raise q.QueueError(f"job {op.job_id} was not moved: {e}; nothing changed") from None
+        what = f"pool {op.pool}" if isinstance(op, q.PoolMove) else f"priority {op.priority}"
+        raise q.QueueError(
+            f"the job's Slurm change above was made, but experiment {op.experiment_id} ({op.where}) did not keep "
+            f"{what}: {e}; its later submissions do not have it (run the update again)"
+        ) from None
 
 
 @job.command("update")
@@ -175,10 +265,10 @@ def _apply(app: App, client: SlurmClient, ops: list[q.Op | q.PoolMove | q.SavePr
 @click.option("-p", "--priority", type=int, default=None, help="1..99, smaller is higher (Determined's scale).")
 @click.option("--ahead-of", default=None, metavar="JOB_ID")
 @click.option("--behind-of", default=None, metavar="JOB_ID")
-@click.option("--resource-pool", default=None)
+@click.option("--resource-pool", default=None, help="Move to this pool, with its resources (docs/user/queue.md).")
 @click.option("--hold", is_flag=True)
 @click.option("--release", is_flag=True)
-@click.option("--dry-run", is_flag=True, help="Print the scontrol calls; change nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the scontrol calls and store changes; change nothing.")
 @pass_app
 def update(
     app: App,
@@ -193,13 +283,12 @@ def update(
 ) -> None:
     """Change one job in the queue."""
     client = app.client
-    queue = client.squeue(all_users=True)
-    ops = q.plan_update(
-        queue,
+    planned = _plan(
+        app,
+        client.squeue(all_users=True),
         job_id,
         _caller(client),
         client.capabilities(),
-        app.site(),
         priority=priority,
         ahead_of=ahead_of,
         behind_of=behind_of,
@@ -207,8 +296,8 @@ def update(
         hold=hold,
         release=release,
     )
-    _apply(app, client, ops, dry_run)
-    if not ops:
+    _apply(app, planned, dry_run)
+    if not planned[0]:
         click.echo(f"job {job_id}: nothing to change")
 
 
@@ -229,4 +318,4 @@ def update_batch(app: App, updates: tuple[str, ...], dry_run: bool) -> None:
         }
         if op == "priority" and not isinstance(kw["priority"], int):
             raise q.QueueError(f"{job_id}.priority={value}: priority must be an integer")
-        _apply(app, client, q.plan_update(queue, job_id, caller, caps, app.site(), **kw), dry_run)
+        _apply(app, _plan(app, queue, job_id, caller, caps, **kw), dry_run)

@@ -9,21 +9,26 @@ detslurm maps Determined's priority onto the job's *nice* value, which every Slu
 to raise on their own jobs (lowering their priority), and only admins to lower:
 ``nice = (priority - 42) * NICE_STEP``. So priority 50 lowers a job (nice 800), and priority 10
 raises it (nice -3200: admins only).
+
+Pool moves. A pending trial's job takes the target pool's resources, as a fresh submission
+there would get them (:class:`Shape`, from the same resource plan as sbatch's): one ``scontrol
+update`` where Slurm can change every field in place, else (taking a GRES off, a different node
+count, which its script fixes) the job is replaced: canceled while still queued and its trial
+resubmitted in the new pool. A job that is no detslurm trial is only ever changed in place.
+Either way the trial's experiment keeps the pool (and a priority) for its later submissions:
+a change that cannot be kept there is refused, or (a priority) said to be for this job only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from detslurm.errors import DetSlurmError
 from detslurm.slurm.client import SlurmClient
 from detslurm.slurm.parse import Capabilities, QueuedJob, comment_tag, experiment_tag
 from detslurm.slurm.states import SlurmState
-
-if TYPE_CHECKING:  # pydantic is not needed to list the queue
-    from detslurm.slurm.site import SiteConfig
 
 DEFAULT_PRIORITY = 42
 NICE_STEP = 100
@@ -70,17 +75,53 @@ class Op:
 
 
 @dataclass(frozen=True)
+class Keeper:
+    """Where the experiment a trial's job belongs to keeps queue edits for its later submissions.
+
+    ``where`` names the store in words; ``missing`` says why the experiment cannot be reached
+    there ("" when it can). ``tag`` is the job comment's experiment-dir tag: the id alone may be
+    another store's experiment, so only the experiment whose dir has this tag is changed."""
+
+    experiment_id: int
+    tag: str
+    where: str
+    missing: str = ""
+
+
+@dataclass(frozen=True)
 class PoolMove:
-    """A running detslurm trial moves pool by checkpointing and being resubmitted there."""
+    """The experiment keeps the new pool; its running trials checkpoint and are resubmitted there."""
 
     experiment_id: int
     pool: str
-    # The job comment's experiment-dir tag: the id alone may be another store's experiment
-    # so ops.move_to_pool moves only the experiment whose dir has this tag.
     tag: str = ""
+    where: str = "this store"
 
     def describe(self) -> str:
-        return f"move experiment {self.experiment_id} to pool {self.pool} (running trials checkpoint and resubmit)"
+        return (
+            f"move experiment {self.experiment_id} ({self.where}) to pool {self.pool}: its later submissions "
+            "go there, its running trials checkpoint and resubmit there"
+        )
+
+
+@dataclass(frozen=True)
+class Replace:
+    """A queued trial job whose resources scontrol cannot change in place: canceled while still
+    pending (``scancel --state=PENDING``), its trial resubmitted in the new pool by the owner's
+    controller, with no restart spent. The experiment moves as for :class:`PoolMove`."""
+
+    job_id: str
+    experiment_id: int
+    pool: str
+    why: str
+    tag: str = ""
+    where: str = "this store"
+
+    def describe(self) -> str:
+        return (
+            f"scancel --state=PENDING {self.job_id}, then resubmit its trial in pool {self.pool} "
+            f"(in place, {self.why}); move experiment {self.experiment_id} ({self.where}) to pool {self.pool}"
+        )
 
 
 @dataclass(frozen=True)
@@ -90,10 +131,41 @@ class SavePriority:
 
     experiment_id: int
     priority: int
-    tag: str = ""  # the job comment's experiment-dir tag, checked as for PoolMove
+    tag: str = ""
+    where: str = "this store"
 
     def describe(self) -> str:
-        return f"keep priority {self.priority} for experiment {self.experiment_id}'s later submissions"
+        return f"keep priority {self.priority} for experiment {self.experiment_id}'s later submissions ({self.where})"
+
+
+@dataclass(frozen=True)
+class NotKept:
+    """A change made to this job only: its experiment could not be reached (said, never silent)."""
+
+    text: str
+
+    def describe(self) -> str:
+        return f"not kept: {self.text}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a job asks of Slurm in a pool, in the terms ``scontrol update`` changes.
+
+    For a trial, what a fresh submission in the pool would ask (``nodes`` set): built from the
+    same resource plan as its sbatch (controller/queue_store.py). For a job that is no detslurm
+    trial only what the pool itself sets (``nodes`` None: its shape is its owner's)."""
+
+    partition: str
+    gpu_pool: bool = False
+    nodes: Optional[int] = None
+    gres: str = ""  # sbatch's --gres value ("gpu:2"), "" for none
+    cpus_per_task: int = 1
+    account: str = ""
+    qos: str = ""
+    time: str = ""  # sbatch's --time value, "" for the partition's default
+    extra: tuple[str, ...] = ()  # the pool's extra_sbatch_args
+    image: str = ""  # the container image the script names, "" for none
 
 
 def _find(queue: Sequence[QueuedJob], job_id: str) -> QueuedJob:
@@ -111,7 +183,9 @@ def _own(job: QueuedJob, caller: Caller) -> None:
         raise QueueError(f"job {job.job_id} belongs to {job.user}; you can only change your own jobs")
 
 
-def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op | SavePriority]:
+def plan_priority(
+    job: QueuedJob, priority: int, caller: Caller, keeper: Optional[Keeper]
+) -> list[Op | SavePriority | NotKept]:
     nice = nice_for(priority)
     # Check before calling scontrol: Slurm's own refusal ("Access/permission denied") would not say
     # that only the direction is the problem.
@@ -121,9 +195,20 @@ def plan_priority(job: QueuedJob, priority: int, caller: Caller) -> list[Op | Sa
             f"priority of their own jobs (Determined's scale: a larger number is lower; this job is at "
             f"{priority_for(job.nice)}). Ask a Slurm operator or admin to raise it."
         )
-    ops: list[Op | SavePriority] = [Op("update", job.job_id, (("Nice", str(nice)),))]
-    if job.identity is not None:
-        ops.append(SavePriority(job.identity[0], priority, comment_tag(job.comment)))
+    ops: list[Op | SavePriority | NotKept] = [Op("update", job.job_id, (("Nice", str(nice)),))]
+    if keeper is None:
+        return ops
+    if keeper.missing:
+        # The job's nice is worth changing alone (it is the job's place in the queue now), but
+        # the message must not claim more.
+        ops.append(
+            NotKept(
+                f"priority {priority} is for job {job.job_id} only: experiment {keeper.experiment_id}'s later "
+                f"submissions keep their priority ({keeper.missing})"
+            )
+        )
+    else:
+        ops.append(SavePriority(keeper.experiment_id, priority, keeper.tag, keeper.where))
     return ops
 
 
@@ -160,23 +245,144 @@ def plan_behind_of(job: QueuedJob, other: QueuedJob, caller: Caller) -> list[Op]
     return [Op("update", job.job_id, (("Nice", str(job.nice + delta)),))]
 
 
-def plan_pool(job: QueuedJob, pool: str, site: SiteConfig) -> list[Op | PoolMove]:
-    _name, p = site.pool(pool)
-    ids = job.identity
-    # A pending job can switch partition in place; the store must follow (PoolMove), or the next
-    # resubmission would go back to the old pool.
-    if job.state == SlurmState.PENDING:
-        ops: list[Op | PoolMove] = [Op("update", job.job_id, (("Partition", p.partition),))]
-        if ids is not None:
-            ops.append(PoolMove(ids[0], pool, comment_tag(job.comment)))
-        return ops
-    if ids is None:
-        raise QueueError(
-            f"job {job.job_id} is running: Slurm cannot move a running job to another partition; cancel and resubmit it"
+def _first_int(text: str, default: int) -> int:
+    head = text.split("-")[0]
+    return int(head) if head.isdigit() else default
+
+
+def _gres(tres_per_node: str) -> str:
+    """``gres:gpu:2`` (22.05) or ``gres/gpu:2`` (24.11) as sbatch's --gres spells it (``gpu:2``)."""
+    text = tres_per_node.strip()
+    if text in ("", "(null)"):
+        return ""
+    return text.removeprefix("gres:").removeprefix("gres/")
+
+
+def _seconds(text: str) -> Optional[int]:
+    from detslurm.slurm.partitions import parse_duration_s
+
+    try:
+        return parse_duration_s(text)
+    except ValueError:
+        return -1  # unreadable: differs from anything, so it is set and Slurm judges it
+
+
+def _shape_fields(shown: Mapping[str, str], dst: Shape) -> tuple[list[tuple[str, str]], list[str]]:
+    """The node shape of a trial's job: scontrol fields to set, and why it cannot be done in place."""
+    fields: list[tuple[str, str]] = []
+    why: list[str] = []
+    assert dst.nodes is not None
+    nodes = _first_int(shown.get("NumNodes", ""), dst.nodes)
+    if nodes != dst.nodes:
+        why.append(f"its script starts its launcher on {nodes} node(s) and this pool gives it {dst.nodes}")
+    have = _gres(shown.get("TresPerNode", ""))
+    if dst.gres and have != dst.gres:
+        # 22.05 reads only the gres: form (gres/ is "Invalid Trackable RESource"); 24.11 reads both.
+        fields.append(("TresPerNode", f"gres:{dst.gres}"))
+    elif have and not dst.gres:
+        why.append(
+            f"Slurm cannot take a GRES ({have}) off a pending job: it would keep asking for nodes with "
+            "that GRES and never start (BadConstraints)"
         )
-    # Running: Slurm cannot move it, but a detslurm trial can checkpoint and be resubmitted in the new
-    # pool, as Determined does (its master restarts the trials in the new pool).
-    return [PoolMove(ids[0], pool, comment_tag(job.comment))]
+    cpt = dst.cpus_per_task
+    want = {"CPUs/Task": cpt, "MinCPUsNode": cpt, "NumCPUs": cpt * dst.nodes}
+    if any(_first_int(shown.get(k, ""), -1) != v for k, v in want.items()):
+        fields += [("CPUsPerTask", str(cpt)), ("MinCPUsNode", str(cpt)), ("NumCPUs", str(cpt * dst.nodes))]
+    return fields, why
+
+
+def _limit_fields(
+    shown: Mapping[str, str], src: Optional[Shape], dst: Shape
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Account, QOS, time limit and the pool's extra arguments."""
+    fields: list[tuple[str, str]] = []
+    why: list[str] = []
+    for key, name, value, before in (
+        ("Account", "account", dst.account, src.account if src else ""),
+        ("QOS", "QOS", dst.qos, src.qos if src else ""),
+    ):
+        if value and shown.get(key) != value:
+            fields.append((key, value))
+        elif before and not value:
+            why.append(
+                f"this pool sets no {name} and Slurm cannot reset a pending job's {name} ({before}) to the default"
+            )
+    if dst.time and _seconds(dst.time) != _seconds(shown.get("TimeLimit", "")):
+        fields.append(("TimeLimit", dst.time))
+    elif src is not None and src.time and not dst.time:
+        why.append(
+            f"this pool sets no time limit and Slurm cannot reset a pending job's ({src.time}) to its "
+            "partition's default"
+        )
+    if dst.extra != (src.extra if src else ()):
+        why.append("the pools' extra_sbatch_args differ and have no scontrol form")
+    return fields, why
+
+
+def in_place(
+    shown: Mapping[str, str], src: Optional[Shape], dst: Shape
+) -> tuple[tuple[tuple[str, str], ...], list[str]]:
+    """The ``scontrol update`` fields that give a pending job ``dst`` (its shape in the target
+    pool; ``src`` its shape in its pool, None for a job that is no trial) and the reasons it
+    cannot be done in place ([] when it can). ``shown`` is ``scontrol show job``'s view of it."""
+    fields: list[tuple[str, str]] = []
+    why: list[str] = []
+    if shown.get("Partition") != dst.partition:
+        fields.append(("Partition", dst.partition))
+    if dst.nodes is not None:
+        f, w = _shape_fields(shown, dst)
+        fields, why = fields + f, why + w
+        if src is not None and src.image != dst.image:
+            why.append(f"its script runs image {src.image or '(none)'} and this pool's is {dst.image or '(none)'}")
+    elif _gres(shown.get("TresPerNode", "")) and not dst.gpu_pool:
+        why.append(
+            "it asks for a GRES this CPU pool's nodes may not have, and Slurm cannot take a GRES off a pending job"
+        )
+    f, w = _limit_fields(shown, src, dst)
+    return tuple(fields + f), why + w
+
+
+def plan_pool(
+    job: QueuedJob,
+    pool: str,
+    keeper: Optional[Keeper],
+    shapes: tuple[Optional[Shape], Shape],
+    shown: Mapping[str, str],
+) -> list[Op | PoolMove | Replace]:
+    """``shapes``: the job's shape in its pool (None for a job that is no trial) and in ``pool``."""
+    if keeper is not None and keeper.missing:
+        # Never half done: the partition must not change while the experiment stays (its later
+        # submissions would go back to the old pool).
+        raise QueueError(
+            f"job {job.job_id} was not moved: it is a trial of experiment {keeper.experiment_id}, which cannot "
+            f"be moved with it ({keeper.missing}); nothing changed"
+        )
+    if job.state != SlurmState.PENDING:
+        if keeper is None:
+            raise QueueError(
+                f"job {job.job_id} is {job.state.value.lower()}: Slurm cannot move a running job to another "
+                "partition; cancel and resubmit it"
+            )
+        # Running: Slurm cannot move it, but a detslurm trial can checkpoint and be resubmitted in the
+        # new pool, as Determined does (its master restarts the trials in the new pool).
+        return [PoolMove(keeper.experiment_id, pool, keeper.tag, keeper.where)]
+    src, dst = shapes
+    fields, why = in_place(shown, src, dst)
+    if why and keeper is None:
+        raise QueueError(f"job {job.job_id} cannot move to pool {pool} in place: {'; '.join(why)}; nothing changed")
+    if keeper is None:
+        return [Op("update", job.job_id, fields)] if fields else []
+    if why:
+        return [Replace(job.job_id, keeper.experiment_id, pool, "; ".join(why), keeper.tag, keeper.where)]
+    ops: list[Op | PoolMove | Replace] = [Op("update", job.job_id, fields)] if fields else []
+    return [*ops, PoolMove(keeper.experiment_id, pool, keeper.tag, keeper.where)]
+
+
+def find_job(queue: Sequence[QueuedJob], job_id: str, caller: Caller) -> QueuedJob:
+    """The job ``job_id`` names, if it is still in the queue and the caller may change it."""
+    job = _find(queue, job_id)
+    _own(job, caller)
+    return job
 
 
 def plan_update(
@@ -184,31 +390,38 @@ def plan_update(
     job_id: str,
     caller: Caller,
     caps: Capabilities,
-    site: SiteConfig,
     *,
+    keeper: Optional[Keeper] = None,
     priority: Optional[int] = None,
     ahead_of: Optional[str] = None,
     behind_of: Optional[str] = None,
-    resource_pool: Optional[str] = None,
+    pool: Optional[tuple[str, tuple[Optional[Shape], Shape], Mapping[str, str]]] = None,
     hold: bool = False,
     release: bool = False,
-) -> list[Op | PoolMove | SavePriority]:
-    job = _find(queue, job_id)
-    _own(job, caller)
+) -> list[Op | PoolMove | Replace | SavePriority | NotKept]:
+    """``keeper``: the job's experiment, for a detslurm trial. ``pool``: the target pool's name,
+    the job's shapes (see :func:`plan_pool`) and ``scontrol show job``'s fields of the job."""
+    job = find_job(queue, job_id, caller)
     # One change per call, as Determined's ``det job update`` takes one of its options.
-    chosen = [x for x in (priority, ahead_of, behind_of, resource_pool) if x is not None] + [1] * (hold + release)
+    chosen = [x for x in (priority, ahead_of, behind_of, pool) if x is not None] + [1] * (hold + release)
     if len(chosen) != 1:
         raise QueueError("give exactly one of --priority, --ahead-of, --behind-of, --resource-pool, --hold, --release")
     if priority is not None:
-        return list(plan_priority(job, priority, caller))
+        return list(plan_priority(job, priority, caller, keeper))
     if ahead_of is not None:
         return list(plan_ahead_of(job, _find(queue, ahead_of), caller, caps))
     if behind_of is not None:
         return list(plan_behind_of(job, _find(queue, behind_of), caller))
-    if resource_pool is not None:
-        return list(plan_pool(job, resource_pool, site))
+    if pool is not None:
+        return list(plan_pool(job, pool[0], keeper, pool[1], pool[2]))
     if job.state != SlurmState.PENDING:
         raise QueueError(f"job {job.job_id} is {job.state.value.lower()}: only pending jobs can be held or released")
+    if release and job.reason == "JobHeldAdmin" and not caller.admin:
+        # Slurm's own answer is a bare "Access/permission denied".
+        raise QueueError(
+            f"job {job.job_id} is held by an administrator (Slurm's reason: JobHeldAdmin): only an "
+            "administrator (root or the SlurmUser) can release it; ask yours"
+        )
     return [Op("hold" if hold else "release", job.job_id)]
 
 

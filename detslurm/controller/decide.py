@@ -204,11 +204,14 @@ def decide_exit(
     if trial.state in _STOPPING:
         _after_stop_request(session, exp, trial, ok, status.exit_code, searcher)
     elif cause == ExitCause.CANCELED_BY_DETSLURM and status.cause == ExitCause.CANCELED_BY_USER:
-        # Our own scancel of a job still waiting in the queue (`det e pause`): nothing ran, so
-        # nothing is lost and no restart is spent; the trial resumes on `det e activate`.
-        note(session, trial.id, "queued job canceled at once: the experiment was paused before it started")
+        # Our own scancel of a job still waiting in the queue (`det e pause`, or a pool move Slurm
+        # could not make in place): nothing ran, so nothing is lost and no restart is spent; the
+        # trial resumes on `det e activate`, or at once in its new pool.
         if exp.state == ExperimentState.PAUSED:
+            note(session, trial.id, "queued job canceled at once: the experiment was paused before it started")
             trial.state = TrialState.PAUSED
+        else:
+            note(session, trial.id, f"queued job canceled before it started; resubmitting in pool {exp.resource_pool}")
     elif status.cause == ExitCause.CANCELED_BY_USER:
         # scancel from outside detslurm (ours goes through STOPPING_KILLED above): the user's call.
         why = ExitCause.CANCELED_BY_USER.text

@@ -9,7 +9,7 @@ scope (`det --all-users`), and even then only changes rows: the owner's daemon c
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -213,26 +213,79 @@ def move_to_pool(store: Store, exp_id: int, pool: str, *, tag: str, scope: Scope
     alone.
     """
     with store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        if exp is None or not (scope or Scope.mine()).sees(exp.owner):
-            raise StateError(f"experiment {exp_id} is not in your detslurm store, so it was not moved")
-        if tag != experiment_tag(exp.exp_dir):
-            raise StateError(
-                f"the job is not a trial of experiment {exp_id} of this detslurm store (its comment's tag "
-                f"{tag or '(none)'} does not match); it was submitted from another store, so its experiment "
-                "was not moved"
-            )
-        # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
-        exp.config = merge_config(exp.config, {"resources": {"resource_pool": pool}})
-        exp.resource_pool = pool
-        running = [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING]
+        exp = _tagged(s, exp_id, tag, scope)
+        running = _set_pool(exp, pool)
+    _preempt(running)
+
+
+def replace_queued_job(
+    store: Store,
+    exp_id: int,
+    pool: str,
+    job_id: str,
+    *,
+    tag: str,
+    cancel_pending: Callable[[Sequence[str]], None],
+    scope: Scope | None = None,
+) -> None:
+    """:func:`move_to_pool`, and the queued job ``job_id`` of one of its trials canceled while
+    still pending, so that the controller resubmits the trial in the new pool: for what
+    `scontrol update` cannot change on a pending job. The run is marked first, as a pause marks
+    them, so its end reads as detslurm's own cancel of a job that never ran (no restart spent);
+    if the cancel does not reach Slurm, the run and the experiment are as they were."""
+    with store.tx() as s:
+        exp = _tagged(s, exp_id, tag, scope)
         if exp.owner != os_user():
-            # Root moving another user's experiment (--all-users) changes its rows only: writing
-            # files as root into run dirs named by editable rows is not safe. Its running trials
-            # move when they next restart.
-            log.warning("experiment %d belongs to %s: its running trials were not preempted", exp_id, exp.owner)
-            running = []
-    for run_dir in running:
+            raise StateError(f"experiment {exp_id} belongs to {exp.owner}; only its owner's det cancels its jobs")
+        run = next((r for t in exp.trials for r in t.runs if r.job_id == job_id), None)
+        if run is None or run.state != RunState.QUEUED:
+            raise StateError(
+                f"job {job_id} is not a queued run of experiment {exp_id} (it may have started since); nothing changed"
+            )
+        config, old_pool = exp.config, exp.resource_pool
+        running = _set_pool(exp, pool)
+        run.exit_reason = ExitCause.CANCELED_BY_DETSLURM.value
+    try:
+        cancel_pending([job_id])
+    except Exception:
+        with store.tx() as s:
+            exp = _tagged(s, exp_id, tag, scope)
+            exp.config, exp.resource_pool = config, old_pool
+        _unmark(store, [job_id])
+        raise
+    _preempt(running)
+
+
+def _tagged(s: Session, exp_id: int, tag: str, scope: Scope | None) -> Experiment:
+    """The experiment whose dir the job comment's ``tag`` names (see :func:`move_to_pool`)."""
+    exp = s.get(Experiment, exp_id)
+    if exp is None or not (scope or Scope.mine()).sees(exp.owner):
+        raise StateError(f"experiment {exp_id} is not in your detslurm store, so it was not moved")
+    if tag != experiment_tag(exp.exp_dir):
+        raise StateError(
+            f"the job is not a trial of experiment {exp_id} of this detslurm store (its comment's tag "
+            f"{tag or '(none)'} does not match); it was submitted from another store, so its experiment "
+            "was not moved"
+        )
+    return exp
+
+
+def _set_pool(exp: Experiment, pool: str) -> list[Path]:
+    """Set the experiment's pool; the run dirs of its running trials, to preempt after the commit."""
+    # A fresh dict: the JSON column notices a reassignment, not an in-place edit.
+    exp.config = merge_config(exp.config, {"resources": {"resource_pool": pool}})
+    exp.resource_pool = pool
+    if exp.owner != os_user():
+        # Root moving another user's experiment (--all-users) changes its rows only: writing
+        # files as root into run dirs named by editable rows is not safe. Its running trials
+        # move when they next restart.
+        log.warning("experiment %d belongs to %s: its running trials were not preempted", exp.id, exp.owner)
+        return []
+    return [Path(r.run_dir) for t in exp.trials for r in t.runs if r.state == RunState.RUNNING]
+
+
+def _preempt(run_dirs: list[Path]) -> None:
+    for run_dir in run_dirs:
         # Written after the commit: the trial checkpoints and exits, and the controller resubmits it
         # with the new pool read from the updated config; it is a preemption, not a failure.
         ControlRecord(preempt=True, reason="pool_move").write(RunPaths.from_run_dir(run_dir).control)

@@ -1,6 +1,6 @@
-"""`det job update --resource-pool` on a running trial, on the real cluster: its own experiment
+"""`det job update --resource-pool` on the real cluster. A running trial: its own experiment
 moves (checkpoint, resubmit in the new partition); another store's experiment with the same id
-is left alone."""
+is left alone. A queued trial takes the target pool's resources, as Slurm shows its job."""
 
 from __future__ import annotations
 
@@ -65,3 +65,72 @@ def test_pool_move_of_own_and_foreign_experiment(det: Any, tmp_path: Path, monke
     wait_for(lambda: "gpu" in running_jobs().values())  # checkpointed, resubmitted there
     assert det("e", "kill", "1")[0] == 0
     assert det("e", "wait", "1")[0] == 1
+
+
+def blockers() -> list[str]:
+    """A job on every node (all their CPUs), so that trials stay queued."""
+    out = []
+    for node, part in (("c1", "cpu"), ("c2", "cpu"), ("g1", "gpu"), ("g2", "gpu")):
+        argv = ["sbatch", "--parsable", "-o", "/dev/null", "-p", part, "-w", node, "-c", "2", "--wrap", "sleep 600"]
+        out.append(subprocess.run(argv, capture_output=True, text=True, check=True, cwd="/tmp").stdout.strip())
+    wait_for(lambda: all(squeue_field(j, "%T") == "RUNNING" for j in out), what="the blockers to run")
+    return out
+
+
+def squeue_field(job: str, fmt: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", fmt], capture_output=True, text=True).stdout.strip()
+
+
+def shown(job: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of the real job."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return dict(w.split("=", 1) for w in out.split() if "=" in w)
+
+
+def trial_job(exp_id: int) -> str:
+    """The queued job of experiment ``exp_id``'s one trial (by the comment detslurm gives it)."""
+    out = subprocess.run(["squeue", "-h", "-t", "PD,R", "-o", "%i|%k"], capture_output=True, text=True).stdout
+    jobs = [j for j, _, c in (line.partition("|") for line in out.splitlines()) if f"exp={exp_id}," in c]
+    return jobs[0] if len(jobs) == 1 else ""
+
+
+def test_queued_trials_take_the_target_pools_resources(det: Any) -> None:
+    blocking = blockers()
+    fast = ["--config", "hyperparameters.sleep=0", "--config", "resources.slots_per_trial=1"]
+    assert det("e", "create", CORE / "const.yaml", CORE, *fast)[0] == 0  # cpu, the default pool
+    assert det("e", "create", CORE / "const.yaml", CORE, *fast, "--config", "resources.resource_pool=gpu")[0] == 0
+    wait_for(lambda: trial_job(1) and trial_job(2), what="both trials' jobs")
+    cpu_job, gpu_job = trial_job(1), trial_job(2)
+    assert "TresPerNode" not in shown(cpu_job) and shown(gpu_job)["TresPerNode"] == "gres:gpu:1"
+
+    # The dry run prints the exact scontrol call and changes nothing.
+    code, out, err = det("job", "update", cpu_job, "--resource-pool", "gpu", "--dry-run")
+    assert code == 0, err
+    call = f"scontrol update JobId={cpu_job} Partition=gpu TresPerNode=gres:gpu:1"
+    assert f"would run: {call}" in out and "move experiment 1 (your store) to pool gpu" in out
+    assert shown(cpu_job)["Partition"] == "cpu" and pool_of(1) != "gpu"
+
+    # A CPU trial moved to the GPU pool gets the GRES a fresh submission there would ask for.
+    code, out, err = det("job", "update", cpu_job, "--resource-pool", "gpu")
+    assert code == 0, out + err
+    now = shown(cpu_job)
+    assert (now["Partition"], now["TresPerNode"], now["CPUs/Task"], now["NumCPUs"]) == ("gpu", "gres:gpu:1", "1", "1")
+    assert pool_of(1) == "gpu"
+
+    # A GPU trial moved to the CPU pool loses its GRES: Slurm cannot take it off a pending job, so
+    # the job is replaced by a fresh submission there (no restart spent).
+    code, out, err = det("job", "update", gpu_job, "--resource-pool", "cpu", "--dry-run")
+    assert code == 0 and f"scancel --state=PENDING {gpu_job}, then resubmit its trial in pool cpu" in out
+    assert "cannot take a GRES (gpu:1) off a pending job" in out and squeue_field(gpu_job, "%T") == "PENDING"
+    code, out, err = det("job", "update", gpu_job, "--resource-pool", "cpu")
+    assert code == 0, out + err
+    wait_for(lambda: trial_job(2) not in ("", gpu_job), what="the GPU trial's job in the cpu pool")
+    now = shown(trial_job(2))
+    assert now["Partition"] == "cpu" and "TresPerNode" not in now and now["CPUs/Task"] == "1"
+    assert pool_of(2) == "cpu"
+
+    subprocess.run(["scancel", *blocking], check=True)
+    assert det("e", "wait", "1")[0] == 0 and det("e", "wait", "2")[0] == 0
+    with open_store(settings.load().db_url).tx() as s:
+        (trial,) = views.get_experiment(s, 2, Scope.mine()).trials
+        assert trial.restarts == 0 and len(trial.runs) == 2

@@ -13,8 +13,7 @@ from detslurm import views
 from detslurm.controller import ops
 from detslurm.errors import StateError
 from detslurm.identity import Scope, os_user
-from detslurm.slurm.parse import Capabilities, QueuedJob, experiment_tag, trial_comment
-from detslurm.slurm.site import Pool, SiteConfig
+from detslurm.slurm.parse import QueuedJob, experiment_tag, trial_comment
 from detslurm.slurm.states import SlurmState
 from detslurm.store import Experiment, Store, Trial, TrialRun, open_store
 from detslurm.store.reads import Reads
@@ -183,22 +182,64 @@ def test_move_to_pool_refuses_another_stores_or_users_experiment(store: Store, t
     assert not (tmp_path / "a/run/control.json").exists()
 
 
-def test_pool_move_plan_carries_the_jobs_tag() -> None:
-    site = SiteConfig(default_pool="cpu", pools={"cpu": Pool(partition="cpu"), "gpu": Pool(partition="gpu")})
-    job = queued("7", trial_comment(5, 2, 1, tag="abc123"))
-    caller = q.Caller(user="alice", admin=False)
-    caps = Capabilities(
-        version="22.05.8",
-        accounting=False,
-        enable_user_top=True,
-        preemption=True,
-        max_array_size=1001,
-        cluster_name="t",
-        slurm_user="root",
-    )
-    assert q.plan_update([job], "7", caller, caps, site, resource_pool="gpu") == [q.PoolMove(5, "gpu", "abc123")]
-    pending = replace(job, state=SlurmState.PENDING)
-    assert q.plan_update([pending], "7", caller, caps, site, resource_pool="gpu")[-1] == q.PoolMove(5, "gpu", "abc123")
+class Cancels:
+    """What replace_queued_job asks of Slurm: scancel --state=PENDING, recorded (or refused)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[list[str]] = []
+        self.fail = fail
+
+    def __call__(self, jobs: object) -> None:
+        self.calls.append(list(jobs))  # type: ignore[call-overload]
+        if self.fail:
+            raise StateError("slurmctld did not answer")
+
+
+def test_a_trials_job_is_found_by_its_tag_in_the_callers_store(store: Store, tmp_path: Path) -> None:
+    from detslurm.controller import queue_store
+
+    exp = add_experiment(store, tmp_path / "a", owner=os_user())
+    job = replace(queued("7", trial_comment(exp, 2, 1, tag=experiment_tag(str(tmp_path / "a")))), user=os_user())
+    found = queue_store.trial_of(job, os_user(), store=store, scope=Scope.mine(), client=None)  # type: ignore[arg-type]
+    assert found is not None and found.keeper == q.Keeper(exp, experiment_tag(str(tmp_path / "a")), "your store")
+    stranger = replace(job, comment=trial_comment(exp, 2, 1, tag=experiment_tag("/elsewhere")))
+    lost = queue_store.trial_of(stranger, os_user(), store=store, scope=Scope.mine(), client=None)  # type: ignore[arg-type]
+    assert lost is not None and lost.keeper.missing == f"experiment {exp} of your store did not submit this job"
+    # Another user's trial: root must say --all-users before anything of theirs is changed.
+    theirs = replace(job, user="bob")
+    asked = queue_store.trial_of(theirs, os_user(), store=store, scope=Scope.mine(), client=None)  # type: ignore[arg-type]
+    assert asked is not None and "takes det --all-users" in asked.keeper.missing
+    assert (
+        queue_store.trial_of(replace(job, comment=""), os_user(), store=store, scope=Scope.mine(), client=None) is None
+    )  # type: ignore[arg-type]
+
+
+def test_replacing_a_queued_job_moves_the_experiment_and_cancels_only_that_job(store: Store, tmp_path: Path) -> None:
+    exp_dir = tmp_path / "a"
+    exp = add_experiment(store, exp_dir, owner=os_user())
+    t = add_trial(store, exp, exp_dir / "trials/1/runs/1", "QUEUED")
+    tag = experiment_tag(str(exp_dir))
+    cancels = Cancels()
+    ops.replace_queued_job(store, exp, "gpu", f"10{t}", tag=tag, cancel_pending=cancels)
+    assert cancels.calls == [[f"10{t}"]]
+    with store.read() as s:
+        e = views.get_experiment(s, exp, Scope.mine())
+        assert e.resource_pool == "gpu" and e.trials[0].runs[0].exit_reason == "canceled by detslurm"
+
+
+def test_a_replacement_slurm_did_not_take_leaves_everything_as_it_was(store: Store, tmp_path: Path) -> None:
+    exp_dir = tmp_path / "a"
+    exp = add_experiment(store, exp_dir, owner=os_user())
+    t = add_trial(store, exp, exp_dir / "trials/1/runs/1", "QUEUED")
+    tag = experiment_tag(str(exp_dir))
+    with pytest.raises(StateError, match="did not answer"):
+        ops.replace_queued_job(store, exp, "gpu", f"10{t}", tag=tag, cancel_pending=Cancels(fail=True))
+    with pytest.raises(StateError, match="is not a queued run of experiment"):
+        ops.replace_queued_job(store, exp, "gpu", "999", tag=tag, cancel_pending=Cancels())
+    with store.read() as s:
+        e = views.get_experiment(s, exp, Scope.mine())
+        assert e.resource_pool == "cpu" and e.config["resources"]["resource_pool"] == "cpu"
+        assert e.trials[0].runs[0].exit_reason is None
 
 
 def test_controller_refuses_to_drive_another_users_experiment(store: Store, tmp_path: Path) -> None:
