@@ -141,3 +141,34 @@ def _next_steps(path: Path) -> str:
         f"detslurm reads {ADMIN_SITE_CONFIG} (the admin's limits), then $DETSLURM_SITE_CONFIG or "
         f"~/.config/detslurm/site.yaml. {check}"
     )
+
+
+@site.command("postgres-rls")
+@click.argument("users", nargs=-1, required=True)
+@click.option("--dry-run", is_flag=True, help="Print the SQL and roll it back: change nothing.")
+@pass_app
+def postgres_rls(app: App, users: tuple[str, ...], dry_run: bool) -> None:
+    """Give each of USERS (Unix login names) a role of their own on the shared PostgreSQL store,
+    with row-level security: each then reads and changes only their own rows, whatever client
+    they use. Run it as the store's admin (DETSLURM_DB_URL naming the role that owns the
+    tables), after every upgrade of detslurm too."""
+    from detslurm.store import rls
+
+    store = app.store  # opened with the admin's URL: the schema is created or migrated first
+    with store.engine.connect() as conn:
+        tx = conn.begin()
+        result = rls.install(conn, users)
+        if dry_run:
+            tx.rollback()
+            click.echo(";\n".join(result.statements) + ";")
+            return
+        tx.commit()
+    from sqlalchemy.engine import make_url
+
+    theirs = make_url(store.url).set(username="USER", password=None).render_as_string(hide_password=True)
+    click.echo(f"Row-level security on {len(result.tables)} tables of {store.display_url}; roles: {', '.join(users)}.")
+    click.echo(
+        f"Each user connects as their own role: DETSLURM_DB_URL={theirs}, with a "
+        "password of their own in ~/.pgpass (mode 0600), or peer, GSSAPI or certificate authentication in "
+        "pg_hba.conf. A role that trust authentication lets anyone take protects nothing."
+    )
