@@ -469,9 +469,10 @@ experiment.add_command(_state_change("kill", "Killed", now=True))
 @click.option("--detach", is_flag=True, help="Only mark it active; do not run it in this process.")
 @pass_app
 def activate(app: App, exp_id: int, detach: bool) -> None:
-    """Activate (resume) a paused experiment; local experiments run in the foreground. An
-    in-allocation experiment continues in the allocation this runs in, else in its own while
-    that runs, else as ordinary jobs."""
+    """Activate (resume) a paused experiment; local experiments run in the foreground. This also
+    resumes a local experiment whose foreground ended (a closed terminal, an SSH drop, a kill),
+    from its trials' checkpoints. An in-allocation experiment continues in the allocation this
+    runs in, else in its own while that runs, else as ordinary jobs."""
     from detslurm.controller import in_allocation
 
     # Moved while still paused: the daemon never starts a run in an allocation that has ended.

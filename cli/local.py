@@ -1,26 +1,56 @@
-"""Driving a local experiment in the foreground (``det e create --local``)."""
+"""Driving a local experiment in the foreground (``det e create --local``).
+
+The `det` process that drives a local experiment is the only thing that starts and watches its
+trials: no daemon does. So the experiment lives as long as its foreground, and every way the
+foreground ends pauses it with a checkpoint, never strands it:
+
+- Ctrl-C, SIGHUP (a closed terminal, an SSH session that dropped), SIGTERM (``kill``), and an
+  output that went away (``| head`` closed its end of the pipe): the driver pauses the
+  experiment as `det e pause` does, waits until the trials have checkpointed and exited, and
+  leaves. A second Ctrl-C kills instead (see :class:`_Stops`).
+- Any other end, SIGKILL included: the kernel sends each trial's launcher the preemption signal
+  (controller/local.py), so the trials checkpoint and exit all the same, and the next read
+  (`det e list`, `det e describe`, ...) finds the experiment without a driver and pauses it
+  (:func:`settle_undriven`).
+
+`det e activate` resumes it from the checkpoints in a new foreground. A driver started with
+SIGHUP ignored (``nohup det e create --local ... &``) outlives the terminal.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import select
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-import filelock
 
-from detslurm import views
 from detslurm.cli import logs as logs_mod
 from detslurm.cli import outcome
 from detslurm.cli.app import App
-from detslurm.controller import ops
+from detslurm.cli.lazy import lazy_module
 from detslurm.errors import StateError
 from detslurm.identity import os_user
-from detslurm.store.models import ExperimentState, TrialState
+from detslurm.store.states import ExperimentState, TrialState
 
+# Loaded on first use: every read asks settle_undriven, which needs none of them unless a local
+# experiment has runs that have not ended.
 if TYPE_CHECKING:
+    import filelock
+
+    from detslurm import views
+    from detslurm.controller import ops
     from detslurm.controller.controller import Controller
+else:
+    filelock = lazy_module("filelock")
+    views = lazy_module("detslurm.views")
+    ops = lazy_module("detslurm.controller.ops")
 
 # The executor name `det e create --local` stores.
 EXECUTOR = "local"
@@ -37,9 +67,7 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         owner, exp_dir = exp.owner, exp.exp_dir
     if owner != os_user():
         raise StateError(f"experiment {exp_id} belongs to {owner}; only its owner's detslurm runs its trials")
-    # A file lock in the experiment's own dir, not a store row: it is released by the kernel
-    # when a driver dies, so a crashed `det` never leaves the experiment undrivable.
-    lock = filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
+    lock = _driver_lock(exp_dir)
     try:
         # Fail at once rather than wait: two drivers would each start the same trials.
         lock.acquire(timeout=0)
@@ -51,23 +79,33 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         lock.release()
 
 
+def _driver_lock(exp_dir: str) -> filelock.FileLock:
+    # A file lock in the experiment's own dir, not a store row: it is released by the kernel
+    # when a driver dies, so a crashed `det` never leaves the experiment undrivable, and a read
+    # can tell that nothing drives it any more (settle_undriven).
+    return filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
+
+
 class _Round:
     """One polling round of the driver: tick, report trial state changes, pump the follower."""
 
-    def __init__(self, app: App, ctl: Controller, exp_id: int, follow: bool, quiet: bool, presses: _Presses) -> None:
+    def __init__(self, app: App, ctl: Controller, exp_id: int, follow: bool, quiet: bool, stops: _Stops) -> None:
         self.app, self.ctl, self.exp_id = app, ctl, exp_id
         self.follow, self.quiet = follow, quiet
-        self.presses = presses
+        self.stops = stops
         # Last state printed per trial: a line is printed only on a change, not every poll.
         self.seen: dict[int, str] = {}
         self.follower: logs_mod.Follower | None = None
 
     def __call__(self) -> ExperimentState | None:
-        # First Ctrl-C: pause (trials checkpoint and stop; polling goes on until they did).
-        # Second: kill the processes now, and poll on until the kill is recorded.
-        while (press := self.presses.take()) is not None:
-            if press == 1:
-                _pause(self.app, self.exp_id)
+        if _silence_closed_outputs():
+            self.stops.end("its output was closed")
+        # First stop request (Ctrl-C, or the foreground's end): pause (trials checkpoint and
+        # stop; polling goes on until they did). Second: kill the processes now, and poll on
+        # until the kill is recorded.
+        while (request := self.stops.take()) is not None:
+            if request == 1:
+                _pause(self.app, self.exp_id, self.stops.ended)
             else:
                 _kill_all(self.app, self.ctl, self.exp_id)
         # Only this experiment: other local experiments belong to the `det` processes driving them.
@@ -75,27 +113,32 @@ class _Round:
         with self.app.store.read() as s:
             state, trials, busy = views.drive_snapshot(s, self.exp_id, self.app.scope)
         if not self.quiet:
-            for tid, st in sorted(trials.items()):
-                if self.seen.get(tid) != st:
-                    # A failure is told with why and the trial's last traceback lines.
-                    shown = [f"trial {tid}: {st}"]
-                    if st == TrialState.ERROR:
-                        shown = outcome.trial_failure(self.app, self.app.reads.trial(tid, self.app.scope.owner))
-                    click.echo("\n".join(shown))
-                    self.seen[tid] = st
+            _say(lambda: self._report(trials), self.stops)
         if self.follow and self.follower is None and trials:
             # The lowest id is the first trial created, the one Determined's --follow-first-trial shows.
             self.follower = logs_mod.Follower(self.app, min(trials))
-            click.echo(f"Following first trial with ID {min(trials)}")
+            _say(lambda: click.echo(f"Following first trial with ID {min(trials)}"), self.stops)
         if self.follower is not None:
-            self.follower.pump()
+            _say(self.follower.pump, self.stops)
         # Paused counts as done only once its trials have checkpointed and exited.
         if not (state.is_terminal or (state == ExperimentState.PAUSED and not busy)):
             return None
         if self.follower is not None:
-            self.follower.pump()
-            click.echo(f"Trial log stream ended. To reopen log stream, run: det trial logs -f {self.follower.trial_id}")
+            follower = self.follower
+            _say(follower.pump, self.stops)
+            told = f"Trial log stream ended. To reopen log stream, run: det trial logs -f {follower.trial_id}"
+            _say(lambda: click.echo(told), self.stops)
         return state
+
+    def _report(self, trials: dict[int, TrialState]) -> None:
+        for tid, st in sorted(trials.items()):
+            if self.seen.get(tid) != st:
+                # A failure is told with why and the trial's last traceback lines.
+                shown = [f"trial {tid}: {st}"]
+                if st == TrialState.ERROR:
+                    shown = outcome.trial_failure(self.app, self.app.reads.trial(tid, self.app.scope.owner))
+                click.echo("\n".join(shown))
+                self.seen[tid] = st
 
 
 def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
@@ -105,67 +148,180 @@ def _loop(app: App, exp_id: int, follow: bool, quiet: bool) -> ExperimentState:
 
     # max_local_trials caps concurrent trial processes: this machine has no scheduler to queue them.
     ctl = Controller(app.store, LocalExecutor(app.settings.max_local_trials))
-    with _Presses() as presses:
-        return app.poll_until(_Round(app, ctl, exp_id, follow, quiet, presses))
+    with _Stops() as stops:
+        told = (
+            f"Experiment {exp_id} runs in this process: Ctrl-C, closing the terminal or the SSH session, or "
+            f"ending this process pauses it once its trials checkpoint (det e activate {exp_id} resumes it)."
+        )
+        _say(lambda: click.echo(told, err=True), stops)
+        return app.poll_until(_Round(app, ctl, exp_id, follow, quiet, stops))
 
 
-class _Presses:
-    """Ctrl-C presses while a driver runs, counted by a SIGINT handler and acted on between
-    rounds (_Round): a KeyboardInterrupt raised inside a store transaction could leave the store
-    locked for the very pause or kill the press asks for. The third press leaves at once."""
+class _Stops:
+    """Requests to stop, noted by signal handlers and acted on between rounds (_Round): a
+    KeyboardInterrupt raised inside a store transaction could leave the store locked for the
+    very pause or kill the request asks for.
+
+    The first request pauses, the second kills, a third leaves at once. Ctrl-C is a request each
+    time. The foreground's end (SIGHUP, SIGTERM, its output closed) is the first request when it
+    comes first, and nothing more: a terminal that closes while the trials checkpoint must not
+    turn the pause into a kill."""
 
     LEAVE = 3
 
     def __init__(self) -> None:
         self.count = 0
         self.handled = 0
-        self.previous: Any = None
+        self.ended: str | None = None  # why the foreground ended, once it has
+        self.previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _Presses:
-        # Not where Ctrl-C cannot reach us anyway: a thread other than the main one (signal refuses),
-        # or a process started with SIGINT ignored (a background job of a script).
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
-            self.previous = signal.signal(signal.SIGINT, self._press)
+    def __enter__(self) -> _Stops:
+        # Only in the main thread (signal refuses others), and never over an ignored signal: a
+        # background job of a script ignores SIGINT, and `nohup det ...` asks to outlive the terminal.
+        if threading.current_thread() is threading.main_thread():
+            handlers: dict[int, Callable[[int, object], None]] = {
+                signal.SIGINT: self._press,
+                signal.SIGHUP: self._signalled,
+                signal.SIGTERM: self._signalled,
+            }
+            for signum, handler in handlers.items():
+                if signal.getsignal(signum) != signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, handler)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
     def _press(self, signum: int, frame: object) -> None:
         self.count += 1
         if self.count >= self.LEAVE:
             raise KeyboardInterrupt
 
+    def _signalled(self, signum: int, frame: object) -> None:
+        self.end(f"it got {signal.Signals(signum).name}")
+
+    def end(self, why: str) -> None:
+        """The foreground ended (``why``): a first request, unless one came before."""
+        if self.ended is None:
+            self.ended = why
+            self.count = max(self.count, 1)
+
     def take(self) -> int | None:
-        """The number of the next press not acted on yet (1 for the first), or None."""
+        """The number of the next request not acted on yet (1 for the first), or None."""
         if self.handled >= self.count:
             return None
         self.handled += 1
         return self.handled
 
 
-def _pause(app: App, exp_id: int) -> None:
+def _say(write: Callable[[], None], stops: _Stops) -> None:
+    """Run ``write`` (output to the user); an output that has gone (a closed pipe: EPIPE, a
+    hung-up terminal: EIO) ends the foreground instead of the driver."""
+    try:
+        write()
+    except OSError as e:
+        if e.errno not in (errno.EPIPE, errno.EIO):
+            raise
+        _silence_closed_outputs(all_of_them=True)
+        stops.end("its output was closed")
+
+
+def _silence_closed_outputs(all_of_them: bool = False) -> bool:
+    """Point stdout and stderr at /dev/null where their reader has gone (a pipe whose reader
+    closed it, a hung-up terminal), so that what the driver still writes while the trials
+    checkpoint, and at its end, cannot fail; whether one had gone. ``all_of_them``: both, for
+    a write that failed where poll could not tell which."""
+    closed = [1, 2] if all_of_them else _closed_fds((1, 2))
+    if closed:
+        with contextlib.suppress(ValueError, OSError):
+            click.get_text_stream("stdout").flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in closed:
+            os.dup2(null, fd)
+        os.close(null)
+    return bool(closed)
+
+
+def _closed_fds(fds: tuple[int, ...]) -> list[int]:
+    # Linux reports POLLERR on a pipe's write end once no reader is left, and POLLHUP on a
+    # terminal that hung up: known without writing (the driver may write nothing for hours).
+    if not hasattr(select, "poll"):
+        return []
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLOUT)
+    return [fd for fd, ev in poller.poll(0) if ev & (select.POLLERR | select.POLLHUP)]
+
+
+def _pause(app: App, exp_id: int, ended: str | None) -> None:
     # Pausing goes through the store, like `det e pause`: the next tick asks the trials to
     # checkpoint (preemption), so the experiment can be activated later without lost work.
+    why = f"This process is ending ({ended})" if ended is not None else "Ctrl-C"
     try:
         ops.pause(app.store, exp_id)
     except StateError:
         # Already stopping (a cancel, a failed search): there is nothing to pause, only to wait for.
         with app.store.read() as s:
             state = views.experiment_state(s, exp_id, app.scope)
-        what = f"Experiment {exp_id} is {state.value}: waiting for its trials to stop"
-        click.echo(f"\n{what} (Ctrl-C again to kill them).", err=True)
+        what = f"{why}: experiment {exp_id} is {state.value}, waiting for its trials to stop"
+        _tell(f"\n{what} (Ctrl-C again to kill them).")
         return
-    click.echo("\nPausing: trials checkpoint and stop (Ctrl-C again to kill them).", err=True)
+    _tell(
+        f"\n{why}: pausing experiment {exp_id}: trials checkpoint and stop (Ctrl-C again to kill them; "
+        f"det e activate {exp_id} resumes it)."
+    )
+
+
+def _tell(text: str) -> None:
+    # stderr may be as gone as stdout (`2>&1 | head`, a closed terminal): the pause goes on unsaid.
+    with contextlib.suppress(OSError):
+        click.echo(text, err=True)
 
 
 def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
     """The second Ctrl-C: `det e kill`, carried out at once. Recorded before the processes die,
     so their ends read as this kill (the trials end CANCELED, no restart spent), never as
     crashes found by the next `det e activate`."""
-    click.echo(f"\nKilling experiment {exp_id} (Ctrl-C again to leave without waiting for it).", err=True)
+    _tell(f"\nKilling experiment {exp_id} (Ctrl-C again to leave without waiting for it).")
     ops.kill(app.store, exp_id)
     with app.store.read() as s:
         jobs = views.active_job_ids(s, exp_id, app.scope)
     ctl.executor.kill_many(jobs)
+
+
+def settle_undriven(app: App) -> None:
+    """A read's step for the caller's local experiments whose driver has ended without pausing
+    them (SIGKILL, a crash, a third Ctrl-C): each is paused (a kill in progress goes on) and
+    stepped once, so that its state says what happened instead of ACTIVE with nothing behind
+    it. Its trials were sent the preemption signal when the driver ended; runs still
+    checkpointing are stepped again by the next read. Costs one query when nothing is undriven."""
+    for exp_id, exp_dir in app.reads.with_live_runs(EXECUTOR, os_user()):
+        lock = _driver_lock(exp_dir)
+        try:
+            lock.acquire(timeout=0)
+        except (filelock.Timeout, OSError):
+            continue  # driven: its driver steps it (or its dir is gone: nothing to step)
+        try:
+            _settle(app, exp_id)
+        finally:
+            lock.release()
+
+
+def _settle(app: App, exp_id: int) -> None:
+    from detslurm.controller.apply import note
+    from detslurm.controller.controller import Controller
+    from detslurm.controller.local import LocalExecutor
+
+    with app.store.read() as s:
+        was = views.experiment_state(s, exp_id, app.scope)
+    if was == ExperimentState.ACTIVE:
+        ops.pause(app.store, exp_id)
+        why = f"the det process that ran experiment {exp_id} ended: paused (det e activate {exp_id} resumes it)"
+        with app.store.tx() as s:
+            for t in views.get_experiment(s, exp_id, app.scope).trials:
+                if not t.state.is_terminal:
+                    note(s, t.id, why, "WARNING")
+        _tell(f"Experiment {exp_id}: {why}")
+    # A paused experiment submits nothing: this step only reads how the runs ended.
+    Controller(app.store, LocalExecutor(app.settings.max_local_trials)).tick_experiment(exp_id)

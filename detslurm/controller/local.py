@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import signal
 import stat
 import subprocess
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -66,6 +68,7 @@ class LocalExecutor:
                 stdin=subprocess.DEVNULL,
                 # Its own session: a Ctrl-C at the user's terminal reaches the CLI, not the trial directly.
                 start_new_session=True,
+                preexec_fn=_stop_with_parent(),
             )
         create = psutil.Process(proc.pid).create_time()
         # pid plus start time survives a controller restart and cannot match a later process that reuses
@@ -117,7 +120,13 @@ class LocalExecutor:
             elif code is not None:
                 out[jid] = JobStatus(JobState.EXITED, code, ExitCause.FAILED, "killed before recording its exit")
             else:
-                out[jid] = JobStatus(JobState.UNKNOWN, None, ExitCause.LOST, "process gone without an exit record")
+                # Started by a driver that has ended: its end sent the launcher the preemption signal
+                # (_stop_with_parent), which ends a launcher still setting up (extracting the context,
+                # running the startup hook) before it can write a record. Free, as a preemption is;
+                # decide.py still charges a streak of them that never checkpoints.
+                out[jid] = JobStatus(
+                    JobState.UNKNOWN, None, ExitCause.PREEMPTED, "its driver ended before it recorded an exit"
+                )
             self._procs.pop(jid, None)
         return out
 
@@ -147,6 +156,30 @@ class LocalExecutor:
         for p in procs:
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
+
+
+# PR_SET_PDEATHSIG from <linux/prctl.h>.
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent() -> Callable[[], None] | None:
+    """For the launcher's child side of the fork, on Linux: the kernel sends the launcher the
+    preemption signal (SIGTERM, which it forwards to the trial) when the thread that started it
+    ends (the driver's main thread: its end is the process's), however it ends (SIGKILL
+    included). The trial then checkpoints and exits as after a pause, and no trial outlives the
+    `det` that drives it (cli/local.py). Elsewhere None: a read that finds the driver gone
+    pauses the experiment, and the trials stop at its control file."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    parent = os.getpid()
+
+    def child() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the driver ended between the fork and the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return child
 
 
 def _open_log(path: Path) -> BinaryIO:

@@ -58,6 +58,11 @@ SQL = {
     "revision": "SELECT version_num FROM alembic_version",
     "unfinished": "SELECT 1 FROM experiments WHERE executor = :executor AND owner = :owner "
     f"AND state NOT IN ({', '.join(f':t{j}' for j in range(len(_TERMINAL_EXPERIMENT)))}) LIMIT 1",
+    # Unfinished experiments with a run not ended yet: the local ones whose driver may have died.
+    "with_live_runs": "SELECT e.id, e.exp_dir FROM experiments e WHERE e.executor = :executor AND e.owner = :owner "
+    f"AND e.state NOT IN ({', '.join(f':t{j}' for j in range(len(_TERMINAL_EXPERIMENT)))}) "
+    "AND EXISTS (SELECT 1 FROM trial_runs r JOIN trials t ON r.trial_id = t.id WHERE t.experiment_id = e.id "
+    f"AND r.state IN ({', '.join(repr(st.value) for st in RunState if not st.is_terminal)})) ORDER BY e.id",
     "experiment_rows": "SELECT id, owner, name, parent_id, state, progress, start_time, end_time, resource_pool, "
     "archived FROM experiments e WHERE {where} ORDER BY id",
     "experiments": f"SELECT {_EXPERIMENT_COLUMNS} FROM experiments e WHERE {{where}} ORDER BY e.id",
@@ -215,6 +220,13 @@ class Reads:
         params = {"executor": executor, "owner": owner} | {f"t{j}": st for j, st in enumerate(_TERMINAL_EXPERIMENT)}
         with self._begin() as run:
             return bool(run(SQL["unfinished"], params))
+
+    def with_live_runs(self, executor: str, owner: str) -> list[tuple[int, str]]:
+        """(id, experiment dir) of this executor and owner's unfinished experiments that have a
+        run not ended yet."""
+        params = {"executor": executor, "owner": owner} | {f"t{j}": st for j, st in enumerate(_TERMINAL_EXPERIMENT)}
+        with self._begin() as run:
+            return [(int(i), str(d)) for i, d in run(SQL["with_live_runs"], params)]
 
     def experiment_rows(self, owner: str | None, include_archived: bool = False) -> list[ExperimentRow]:
         """The listed columns of ``owner``'s experiments (every owner's for None), by id: whole
