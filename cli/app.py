@@ -8,7 +8,7 @@ SQLAlchemy, pydantic or the Slurm client before they use them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import click
@@ -20,7 +20,7 @@ from detslurm.identity import Scope
 if TYPE_CHECKING:
     from detslurm.audit import AuditLog
     from detslurm.settings import Settings
-    from detslurm.slurm.client import SlurmClient
+    from detslurm.slurm.client import Result, SlurmClient
     from detslurm.slurm.site import SiteConfig
     from detslurm.store import Store
     from detslurm.store.reads import Reads
@@ -31,10 +31,11 @@ T = TypeVar("T")
 class App:
     """One per `det` process: the one place the CLI opens the store, Slurm and the configs."""
 
-    def __init__(self, all_users: bool = False) -> None:
+    def __init__(self, all_users: bool = False, argv: Sequence[str] = ()) -> None:
         # The --all-users flag is only recorded here; whether the caller may use it is decided
         # lazily in `scope`, so commands that never touch the store never fail on it.
         self.all_users = all_users
+        self.argv = list(argv)  # the command line, for root's audit log
         self._scope: Scope | None = None
         self._settings: Settings | None = None
         self._store: Store | None = None
@@ -44,13 +45,16 @@ class App:
         # Root's audit log, for an --all-users command (start_audit); None otherwise.
         self.audit: AuditLog | None = None
 
-    def start_audit(self, argv: list[str]) -> None:
-        """Record this command in root's audit log (detslurm/audit.py), and every Slurm call
-        its client makes that can change a job from now on."""
+    def start_audit(self) -> None:
+        """Record this command in root's audit log (detslurm/audit.py), once, and from now on
+        every Slurm call its client makes that can change a job: for root's `det --all-users`,
+        and for an admin's change to another user's job (cli/job.py)."""
         from detslurm.audit import AuditLog, audit_log_path
 
-        self.audit = AuditLog(audit_log_path(self.site().audit_log))
-        self.audit.command(argv)
+        if self.audit is None:
+            audit = AuditLog(audit_log_path(self.site().audit_log))
+            audit.command(self.argv)
+            self.audit = audit
 
     @property
     def settings(self) -> Settings:
@@ -99,10 +103,19 @@ class App:
     def client(self) -> SlurmClient:
         """The process's one Slurm client (it caches `scontrol show config` for the process)."""
         if self._client is None:
-            from detslurm.slurm.client import client_from_env, subprocess_runner
+            from detslurm.slurm.client import client_from_env
 
-            self._client = client_from_env(self.audit.runner(subprocess_runner) if self.audit else subprocess_runner)
+            self._client = client_from_env(self._run_slurm)
         return self._client
+
+    def _run_slurm(
+        self, argv: Sequence[str], *, input: str | None = None, timeout: float, env: Mapping[str, str] | None = None
+    ) -> Result:
+        """The client's runner: through the audit log once one is started (start_audit)."""
+        from detslurm.slurm.client import subprocess_runner
+
+        run = self.audit.runner(subprocess_runner) if self.audit else subprocess_runner
+        return run(argv, input=input, timeout=timeout, env=env)
 
     # Read lazily: commands that never submit or list pools do not read the site file at all.
     def site(self) -> SiteConfig:

@@ -183,6 +183,8 @@ def _plan(
     """The queue edit's operations, with the trial's experiment they are kept in (if any)."""
     client = app.client
     job = q.find_job(queue, job_id, caller)
+    if os.geteuid() == 0 and job.user != caller.user:
+        app.start_audit()  # root's change to another user's job is recorded (docs/admin/audit.md)
     pool = change.pop("resource_pool", None)
     trial = None
     if pool is not None or change.get("priority") is not None:

@@ -91,10 +91,10 @@ def cli(ctx: click.Context, all_users: bool) -> None:
 
     # main() hands its argv in as the context's first obj: root's audit log records it.
     argv = ctx.obj if isinstance(ctx.obj, list) else []
-    app = App(all_users=all_users)
+    app = App(all_users=all_users, argv=argv)
     if all_users and os.geteuid() == 0:
         # Before anything else runs: an --all-users command the log cannot record is refused.
-        app.start_audit(argv)
+        app.start_audit()
     ctx.obj = app
 
 

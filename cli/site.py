@@ -163,9 +163,7 @@ def postgres_rls(app: App, users: tuple[str, ...], dry_run: bool) -> None:
             click.echo(";\n".join(result.statements) + ";")
             return
         tx.commit()
-    from sqlalchemy.engine import make_url
-
-    theirs = make_url(store.url).set(username="USER", password=None).render_as_string(hide_password=True)
+    theirs = rls.role_url(store.url, "USER")
     click.echo(f"Row-level security on {len(result.tables)} tables of {store.display_url}; roles: {', '.join(users)}.")
     click.echo(
         f"Each user connects as their own role: DETSLURM_DB_URL={theirs}, with a "

@@ -112,3 +112,10 @@ def install(conn: Connection, users: Sequence[str]) -> Plan:
     for stmt in p.statements:
         conn.execute(text(stmt))
     return p
+
+
+def role_url(url: str, role: str) -> str:
+    """The store's URL as ``role`` would give it (no password: theirs stays in ~/.pgpass)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(username=role, password=None).render_as_string(hide_password=True)

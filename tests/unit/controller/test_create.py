@@ -82,7 +82,7 @@ def slurm(monkeypatch: pytest.MonkeyPatch) -> Slurm:
     from detslurm.slurm import client
 
     fake = Slurm()
-    monkeypatch.setattr(client, "client_from_env", lambda: client.SlurmClient(fake, user="alice"))
+    monkeypatch.setattr(client, "client_from_env", lambda runner=None: client.SlurmClient(fake, user="alice"))
     monkeypatch.setattr(daemon, "start", lambda settings: 0)
     return fake
 
