@@ -94,6 +94,12 @@ def apply_actions(session: Session, exp: Experiment, searcher: SearchMethod, act
     trials = _named_trials(session, exp, actions)
     for a in actions:
         if isinstance(a, Create):
+            # ExperimentState(): an experiment being created holds its state as the plain value.
+            if ExperimentState(exp.state).is_stopping or ExperimentState(exp.state).is_terminal:
+                # A killed, canceled or ending experiment starts nothing: the replacement the
+                # searcher asks for when the stop ends a trial is dropped (Determined's searcher
+                # stops with its experiment), so no trial is created after a kill.
+                continue
             t = Trial(
                 experiment_id=exp.id,
                 request_id=a.request_id,

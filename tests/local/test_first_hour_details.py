@@ -5,6 +5,8 @@ messages of remote mode when paramiko or the login node's SFTP is missing."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,40 @@ def test_controller_notes_come_in_time_order_among_the_runs(det: Any, tmp_path: 
     ]
     code, out, err = det("t", "logs", str(trial_id), "--tail", "5")
     assert code == 0 and [line.split("|| ")[-1].split(" (")[0] for line in out.splitlines()] == shown[2:], out
+
+
+def test_a_killed_experiment_creates_no_trial_after_the_kill(det: Any, tmp_path: Path) -> None:
+    """A random search of 3 trials, one at a time: killing it while the first runs ends the
+    search there. Before, the searcher's replacement for the killed trial was created (and
+    canceled) after the kill, and `det e list-trials` showed it."""
+    from helpers import store, wait_for
+    from sqlalchemy import select
+
+    from detslurm.store import Trial
+
+    def trial_states() -> list[str]:
+        with store().read() as s:
+            return [str(t.state.value) for t in s.scalars(select(Trial).order_by(Trial.id))]
+
+    cfg = tmp_path / "random.yaml"
+    cfg.write_text(
+        (CORE / "const.yaml")
+        .read_text()
+        .replace("name: single", "name: random\n  max_trials: 3\n  max_concurrent_trials: 1")
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "detslurm.cli.main", "e", "create", "--local", str(cfg), str(CORE)]
+        + ["--config", "hyperparameters.sleep=0.2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: trial_states() == ["ACTIVE"], interval=0.1)
+        assert det("e", "kill", "1")[0] == 0
+        out, _ = proc.communicate(timeout=300)
+    finally:  # a failed wait must not leave the driver running
+        if proc.poll() is None:
+            proc.kill()
+    assert "Experiment 1 CANCELED" in out, out
+    assert trial_states() == ["CANCELED"]
