@@ -6,8 +6,13 @@ Determined's contract, which this module keeps:
   one training step of the trial consumes ``world size`` consecutive batches of the epoch's
   batch sequence, batch ``i`` going to rank ``i % world``. So step ``s`` of a W-rank run sees
   exactly the records of step ``s`` of a 1-rank run whose batch size is the global one.
-* The epoch order is a permutation drawn from (trial seed, epoch) alone, never from the global
-  RNG, so every rank draws the same order and a restarted run draws it again.
+* ``shuffle=True`` draws each epoch's order as Determined's Trainer does (torch's RandomSampler
+  under one training iterator): at the epoch's first batch, from the loader's ``generator``, else
+  from a generator seeded by one draw of the global RNG, which the trial seeds with its trial
+  seed. Every rank draws the same order because every rank's RNG is seeded alike and drawn from
+  alike, as in Determined. The global RNG's state at the epoch's start is saved with a
+  checkpoint's RNG states (:func:`epoch_start_state`), so a run resumed mid-epoch draws that
+  epoch's order again, where Determined draws a new one.
 * Resuming skips batches by index (nothing is loaded for them).
 """
 
@@ -27,6 +32,47 @@ log = logging.getLogger("detslurm.pytorch")
 # Mixes (seed, epoch) into one generator seed; any fixed odd constant keeps epochs distinct.
 _EPOCH_MIX = 1_000_003
 
+# The order's RNG state at the start of the epoch in progress ({"epoch", "generator_state"}): one
+# per process, as the global RNG it extends is; a checkpoint saves it beside torch's (_state.py).
+_EPOCH_START: dict[str, Any] = {}
+
+
+def epoch_start_state() -> dict[str, Any]:
+    return dict(_EPOCH_START)
+
+
+def set_epoch_start_state(state: dict[str, Any]) -> None:
+    _EPOCH_START.clear()
+    _EPOCH_START.update(state)
+
+
+def _draw_seed(generator: Optional[torch.Generator]) -> int:
+    """One int64, drawn as torch draws a RandomSampler's seed or a loader iterator's base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def _shuffled(n: int, own: Optional[torch.Generator], global_rng: Optional[torch.Generator] = None) -> list[int]:
+    """An epoch's order as torch's RandomSampler draws it: a permutation from the loader's ``own``
+    generator, else from a fresh generator seeded by one draw of the global RNG (or of
+    ``global_rng`` standing in for it). The sampler draws a second, unused permutation when it
+    runs out; from a loader's own generator that draw shows in the next epoch, so it is made too."""
+    if own is None:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(_draw_seed(global_rng))).tolist()
+    order = torch.randperm(n, generator=own).tolist()
+    torch.randperm(n, generator=own)
+    return order
+
+
+def _replayed(n: int, own: Optional[torch.Generator], state: torch.Tensor) -> list[int]:
+    """The order :func:`_shuffled` drew from RNG state ``state``, again: the loader's own
+    generator is left where that draw left it; the global RNG is not touched."""
+    if own is not None:
+        own.set_state(state)
+        return _shuffled(n, own)
+    stand_in = torch.Generator()
+    stand_in.set_state(state)
+    return _shuffled(n, None, stand_in)
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -42,15 +88,15 @@ class _EpochBatches(Sampler[list[int]]):
     The Trainer calls :meth:`position` before each ``iter(loader)``; torch draws indices in the
     main process, so this works with ``num_workers > 0`` and persistent workers alike."""
 
-    def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
+    def __init__(self, source: DataLoader, shard: Shard) -> None:
         self._source = source
         self._shard = shard
-        self._seed = seed
-        self._epoch = 0
+        self._order: Optional[list[int]] = None
         self._skip_steps = 0
 
-    def position(self, epoch: int, skip_steps: int) -> None:
-        self._epoch, self._skip_steps = epoch, skip_steps
+    def position(self, order: Optional[list[int]], skip_steps: int) -> None:
+        """The next iteration: the epoch of ``order`` (a shuffled loader's), from step ``skip_steps`` on."""
+        self._order, self._skip_steps = order, skip_steps
 
     def steps_per_epoch(self) -> int:
         """Full steps (one batch per rank) in an epoch; a last incomplete round is dropped so
@@ -61,7 +107,7 @@ class _EpochBatches(Sampler[list[int]]):
         return max(0, self.steps_per_epoch() - self._skip_steps)
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = self._source._epoch_batches(self._seed, self._epoch)
+        batches = self._source._batches(self._order)
         size, rank = self._shard.size, self._shard.rank
         # Resuming skips whole steps of all ranks: indices are skipped, no sample is loaded for them.
         start = self._skip_steps * size + rank
@@ -73,9 +119,10 @@ class DataLoader:
     """Records torch DataLoader arguments; the Trainer builds the real loader for each rank.
 
     Accepts torch.utils.data.DataLoader's arguments. ``sampler`` and ``batch_sampler`` may be
-    given as in torch: a RandomSampler/SequentialSampler is replaced by the reproducible order
-    (seeded from the trial seed and the epoch); any other sampler is iterated once per epoch and
-    its batches are sharded and skipped like the built-in ones (its order is then its own)."""
+    given as in torch: a plain RandomSampler or SequentialSampler becomes ``shuffle`` (drawn as
+    the module doc says, from the sampler's generator) or the records in order; any other
+    sampler is iterated once per epoch and its batches are sharded and skipped like the
+    built-in ones (its order is then its own)."""
 
     def __init__(
         self,
@@ -118,8 +165,11 @@ class DataLoader:
         # torch's own samplers only say "in order" or "shuffled": we draw that order ourselves.
         # A RandomSampler drawing with replacement or a fixed number of samples is not a plain
         # shuffle: it stays a custom sampler and keeps its own semantics.
+        # The order's generator is the loader's (Determined builds its RandomSampler with it), or
+        # the given RandomSampler's own.
+        self._order_generator = generator
         if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
-            shuffle, sampler = True, None
+            shuffle, sampler, self._order_generator = True, None, sampler.generator
         elif isinstance(sampler, SequentialSampler):
             sampler = None
         self.shuffle = shuffle
@@ -143,20 +193,20 @@ class DataLoader:
         # Ceiling division without floats: the last, short batch counts unless drop_last.
         return n // bs if self.drop_last else -(-n // bs)
 
-    def _epoch_batches(self, seed: int, epoch: int) -> Iterator[list[int]]:
+    def _draw_order(self) -> Optional[list[int]]:
+        """A shuffled loader's next epoch order; None for any other loader (its sampler's order)."""
+        if not self.shuffle:
+            return None
+        return _shuffled(len(self.dataset), self._order_generator)  # type: ignore[arg-type]
+
+    def _batches(self, order: Optional[list[int]]) -> Iterator[list[int]]:
+        """One epoch's batches: of ``order`` when shuffled (see :meth:`_draw_order`), else of the
+        batch sampler, the sampler, or the records in order."""
         if self.batch_sampler is not None:
             return (list(b) for b in self.batch_sampler)
-        order: Iterator[int]
-        if self.sampler is not None:
-            order = iter(self.sampler)
-        elif self.shuffle:
-            # A fresh generator per epoch: the order depends only on (seed, epoch), so a run resumed
-            # mid-epoch draws the same permutation as the run it continues. Modulo keeps it in int64.
-            g = torch.Generator().manual_seed((seed * _EPOCH_MIX + epoch) % (2**63))
-            order = iter(torch.randperm(len(self.dataset), generator=g).tolist())  # type: ignore[arg-type]
-        else:
-            order = iter(range(len(self.dataset)))  # type: ignore[arg-type]
-        return iter(BatchSampler(list(order), int(self.batch_size or 1), self.drop_last))
+        if order is None:
+            order = list(self.sampler) if self.sampler is not None else list(range(len(self.dataset)))  # type: ignore[arg-type]
+        return iter(BatchSampler(order, int(self.batch_size or 1), self.drop_last))
 
     def __len__(self) -> int:
         """Batches in one epoch, before sharding (as torch's len(DataLoader))."""
@@ -203,18 +253,17 @@ class DataLoader:
 
 
 class _PassBatches(Sampler[list[int]]):
-    """A DataLoader's batches, pass after pass: each iteration is the next epoch's order."""
+    """A DataLoader's batches, pass after pass: a shuffled one draws a new order at each pass's
+    first batch, as torch's RandomSampler does."""
 
     def __init__(self, source: DataLoader) -> None:
         self.source = source
-        self.passes = 0
 
     def __len__(self) -> int:
         return self.source._num_batches()
 
     def __iter__(self) -> Iterator[list[int]]:
-        epoch, self.passes = self.passes, self.passes + 1
-        return self.source._epoch_batches(0, epoch)
+        yield from self.source._batches(self.source._draw_order())
 
 
 class ShardedLoader:
@@ -222,16 +271,15 @@ class ShardedLoader:
 
     def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
         self.source = source
-        self.batches = _EpochBatches(source, shard, seed)
+        self.batches = _EpochBatches(source, shard)
         self._seed = seed
+        self._started = False
         kwargs = source._torch_kwargs()
-        # torch draws each iterator's base seed (worker seeds) from the loader's generator, or
-        # from the global RNG without one: a private generator keeps the global RNG (dropout,
-        # augmentations) untouched, so a resumed run draws the same numbers as an uninterrupted one.
-        self._own_generator = kwargs["generator"] is None
-        if self._own_generator:
-            kwargs["generator"] = torch.Generator()
-        self._generator: torch.Generator = kwargs["generator"]
+        # Each epoch's torch iterator draws its workers' base seed from the loader's generator: a
+        # private one, re-seeded per epoch, so that these draws touch neither the global RNG nor
+        # the user's generator (Determined's one iterator drew once: see _epoch_order).
+        self._generator = torch.Generator()
+        kwargs["generator"] = self._generator
         self.loader: torch.utils.data.DataLoader[Any] = torch.utils.data.DataLoader(
             source.dataset, batch_sampler=self.batches, **kwargs
         )
@@ -253,30 +301,59 @@ class ShardedLoader:
         return self.batches.steps_per_epoch()
 
     def epoch(self, epoch: int, skip_steps: int = 0) -> Iterator[Any]:
-        """This rank's batches of ``epoch``, after the first ``skip_steps`` steps."""
-        self.batches.position(epoch, skip_steps)
-        if self._own_generator:
-            # Re-seeded per epoch (offset by one from the order's seed) so worker seeds, like the
-            # order, depend on (seed, epoch) only and a resumed epoch repeats them.
-            self._generator.manual_seed((self._seed * _EPOCH_MIX + epoch + 1) % (2**63))
+        """This rank's batches of ``epoch``, after the first ``skip_steps`` steps. Called when the
+        epoch's first batch is due: a shuffled order is drawn then, as Determined draws it."""
+        self.batches.position(self._epoch_order(epoch, skip_steps), skip_steps)
+        # Worker seeds, like the order, repeat when an epoch is resumed.
+        self._generator.manual_seed((self._seed * _EPOCH_MIX + epoch + 1) % (2**63))
         return iter(self.loader)
+
+    def _epoch_order(self, epoch: int, skip_steps: int) -> Optional[list[int]]:
+        first, self._started = not self._started, True
+        own = self.source._order_generator
+        if first and (epoch, skip_steps) == (0, 0):
+            # A fresh run: Determined's training iterator, made once, drew its workers' base seed
+            # from the same RNG just before the first order.
+            _draw_seed(own)
+        if not self.source.shuffle:
+            return None
+        n = len(self.source.dataset)  # type: ignore[arg-type]
+        if skip_steps and _EPOCH_START.get("epoch") == epoch:
+            return _replayed(n, own, _EPOCH_START["generator_state"])  # resumed mid-epoch
+        # Otherwise a new epoch, or a resume from a checkpoint without it (Determined's or an older
+        # one): drawn from the RNG as it is now, which is what Determined does on a resume.
+        state = own.get_state() if own is not None else torch.get_rng_state()
+        set_epoch_start_state({"epoch": epoch, "generator_state": state})
+        return _shuffled(n, own)
 
 
 def evaluation_loader(source: Any, shard: Shard, seed: int) -> Any:
     """The validation loader for one rank: a det DataLoader is sharded by batch (every batch
-    once, the last round may leave some ranks without one); a plain torch loader is used as is."""
+    once, the last round may leave some ranks without one); a plain torch loader is used as is.
+
+    Like Determined's, each pass draws its iterator's base seed (and a shuffled order) from the
+    loader's generator or the global RNG, on every rank that validates. Where only the chief
+    iterates it (evaluate_full_dataset on several ranks) it draws from a private generator
+    instead: a draw on one rank alone would set the ranks' training orders apart."""
     if not isinstance(source, DataLoader):
         return source
-    batches = _ValidationBatches(source, shard, seed)
+    chief_only = shard.size == 1 and _world_size() > 1
+    private = torch.Generator().manual_seed(seed) if chief_only else None
+    batches = _ValidationBatches(source, shard, private)
     kwargs = source._torch_kwargs()
-    if kwargs["generator"] is None:  # as for training: leave the global RNG alone
-        kwargs["generator"] = torch.Generator().manual_seed(seed)
+    if private is not None:
+        kwargs["generator"] = private
     return torch.utils.data.DataLoader(source.dataset, batch_sampler=batches, **kwargs)
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class _ValidationBatches(Sampler[list[int]]):
-    def __init__(self, source: DataLoader, shard: Shard, seed: int) -> None:
-        self._source, self._shard, self._seed = source, shard, seed
+    def __init__(self, source: DataLoader, shard: Shard, private: Optional[torch.Generator]) -> None:
+        self._source, self._shard, self._private = source, shard, private
 
     def __len__(self) -> int:
         n, size = self._source._num_batches(), self._shard.size
@@ -285,8 +362,11 @@ class _ValidationBatches(Sampler[list[int]]):
         return n // size + (1 if self._shard.rank < n % size else 0)
 
     def __iter__(self) -> Iterator[list[int]]:
-        # Always epoch 0's order: validation results must not depend on when it runs.
-        batches = self._source._epoch_batches(self._seed, 0)
+        if self._private is not None and self._source.shuffle:
+            order: Optional[list[int]] = _shuffled(len(self._source.dataset), self._private)  # type: ignore[arg-type]
+        else:
+            order = self._source._draw_order()
+        batches = self._source._batches(order)
         yield from itertools.islice(batches, self._shard.rank, None, self._shard.size)
 
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from detslurm.pytorch._context import CheckpointLoadContext, PyTorchTrialContext
+from detslurm.pytorch._data import epoch_start_state, set_epoch_start_state
 
 STATE_FILE = "state_dict.pth"
 TRIAL_STATE_FILE = "trial_state.pkl"
@@ -40,6 +41,9 @@ def rng_state() -> dict[str, Any]:
     # on a CPU node.
     if torch.cuda.is_available():
         state["gpu_rng_state"] = torch.cuda.get_rng_state()
+    # The shuffled det DataLoader's order for the epoch in progress (detslurm/pytorch/_data.py);
+    # Determined reads only its own keys.
+    state["detslurm_epoch_start"] = epoch_start_state()
     return state
 
 
@@ -57,6 +61,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     # A checkpoint saved on a GPU node may be loaded on a CPU one; its GPU RNG is then unused.
     if "gpu_rng_state" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["gpu_rng_state"].cpu())
+    set_epoch_start_state(state.get("detslurm_epoch_start") or {})
 
 
 def trial_state_dict(ctx: PyTorchTrialContext, callbacks: dict[str, Any]) -> dict[str, Any]:

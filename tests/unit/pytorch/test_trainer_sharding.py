@@ -33,12 +33,12 @@ def steps(ds_len: int, per_slot: int, world: int, **kw: Any) -> list[list[list[i
 
     ds = torch.utils.data.TensorDataset(torch.arange(ds_len))
     src = DataLoader(ds, batch_size=per_slot, **kw)
-    loaders = [ShardedLoader(src, Shard(r, world), seed=5) for r in range(world)]
-    out: list[list[list[int]]] = []
-    for epoch in range(2):
-        per_rank = [[b[0].tolist() for b in ld.epoch(epoch)] for ld in loaders]
-        out.extend([list(x) for x in zip(*per_rank, strict=True)])
-    return out
+    per_rank = []
+    for rank in range(world):
+        loader = ShardedLoader(src, Shard(rank, world), seed=5)
+        torch.manual_seed(5)  # a shuffled order comes from the global RNG, seeded alike on every rank
+        per_rank.append([[b[0].tolist() for b in loader.epoch(epoch)] for epoch in range(2)])
+    return [list(x) for epoch in range(2) for x in zip(*(r[epoch] for r in per_rank), strict=True)]
 
 
 def test_ranks_get_disjoint_shards_that_make_up_the_global_batches() -> None:
