@@ -76,13 +76,13 @@ def bracket_max_concurrent(mct: int, divisor: float, trials: list[int]) -> list[
     return out
 
 
-def rung_units(num_rungs: int, max_time: int, divisor: float, cumulative: bool = False) -> list[int]:
-    """The training length (in time_metric units) a trial must reach to enter each rung."""
-    units = [max(int(max_time / divisor ** (num_rungs - 1 - i)), 1) for i in range(num_rungs)]
-    # 0.37 rungs are cumulative: a promoted trial is told to train the difference to the next rung.
-    if cumulative:
-        return [sum(units[: i + 1]) for i in range(num_rungs)]
-    return units
+def rung_units(num_rungs: int, max_time: int, divisor: float) -> list[int]:
+    """The training length (in time_metric units, or max_length's) a trial must reach to enter
+    each rung: max_time / divisor**k, the top rung at max_time itself. In the 0.37 style these
+    are the lengths of the searcher ops, which count from the trial's start, so a promoted trial
+    of the top rung trains exactly max_length. (Determined's code keeps cumulative sums and
+    hands out their differences, which comes to the same absolute lengths.)"""
+    return [max(int(max_time / divisor ** (num_rungs - 1 - i)), 1) for i in range(num_rungs)]
 
 
 class _Bracket:
@@ -167,7 +167,7 @@ class AdaptiveASHA(SearchMethod):
         trials = bracket_max_trials(max_trials, divisor, rungs)
         mcts = bracket_max_concurrent(max_concurrent, divisor, trials)
         self.brackets = [
-            _Bracket(r, rung_units(r, max_time, divisor, cumulative=promotion), t, c, divisor)
+            _Bracket(r, rung_units(r, max_time, divisor), t, c, divisor)
             for r, t, c in zip(rungs, trials, mcts, strict=False)
         ]
         self.owner: dict[str, int] = {}

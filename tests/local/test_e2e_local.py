@@ -198,6 +198,8 @@ searcher: {name: adaptive_asha, metric: loss, max_trials: 6, max_length: {batche
     assert len(ts) == 6 and all(t.state == "COMPLETED" for t in ts)
     ops = sorted(len(t.searcher_ops) for t in ts)
     assert ops[0] == 1 and ops[-1] >= 2  # some stopped at the first rung, some were promoted
+    # Determined's rung lengths, counted from the trial's start: 4, 8, then max_length itself.
+    assert {tuple(t.searcher_ops) for t in ts} <= {(4,), (4, 8), (4, 8, 16)}
     promoted = [t for t in ts if len(t.searcher_ops) > 1]
     for t in promoted:  # a promoted trial resumed from its checkpoint: each step once
         assert [s for s, _ in metrics(t.id, "training")] == list(range(1, max(t.searcher_ops) + 1))

@@ -40,7 +40,6 @@ def test_bracket_concurrency(args: tuple, expected: list[int]) -> None:
 def test_rungs() -> None:
     assert rung_units(3, 9, 3) == [1, 3, 9]
     assert rung_units(4, 10, 2) == [1, 2, 5, 10]
-    assert rung_units(3, 9, 3, cumulative=True) == [1, 4, 13]
 
 
 def test_make_brackets_vector() -> None:
@@ -195,23 +194,46 @@ def test_asha_maximize_and_missing_metric() -> None:
 def test_asha_promotion_037() -> None:
     s = asha(max_trials=4, max_concurrent=4, promotion=True, time_metric=None)
     br = s.brackets[0]
-    assert br.units == [4, 12, 28]  # cumulative
+    assert br.units == [4, 8, 16]  # op lengths count from the trial's start
     creates = s.initial_trials()
     assert all(c.ops == (4,) for c in creates)
     ids = [c.request_id for c in creates]
     assert s.op_completed(ids[0], 4, 1.0) == [Idle(ids[0])]  # numPromote int(1/2)=0
     out = s.op_completed(ids[1], 4, 0.5)  # numPromote 1: the new best is promoted
-    assert out == [ValidateAfter(ids[1], 12)]
+    assert out == [ValidateAfter(ids[1], 8)]
     out = s.op_completed(ids[2], 4, 2.0)
     assert out == [Idle(ids[2])]
     out = s.op_completed(ids[3], 4, 3.0)  # numPromote grows to 2: index 1 (ids[0]) promoted
-    assert ValidateAfter(ids[0], 12) in out and Idle(ids[3]) in out
-    assert s.op_completed(ids[1], 12, 0.4) == [Idle(ids[1])]
-    out = s.op_completed(ids[0], 12, 0.3)
-    assert ValidateAfter(ids[0], 28) in out
-    out = s.op_completed(ids[0], 28, 0.2)
+    assert ValidateAfter(ids[0], 8) in out and Idle(ids[3]) in out
+    assert s.op_completed(ids[1], 8, 0.4) == [Idle(ids[1])]
+    out = s.op_completed(ids[0], 8, 0.3)
+    assert ValidateAfter(ids[0], 16) in out
+    out = s.op_completed(ids[0], 16, 0.2)
     assert Close(ids[0]) in out
     assert {a.request_id for a in out if isinstance(a, Close)} == set(ids)  # nothing left to promote
+
+
+@pytest.mark.parametrize("max_length,divisor,max_trials", [(200, 4, 8), (3000, 4, 16), (100, 3, 27), (1000, 2, 5)])
+def test_asha_037_top_rung_trains_max_length(max_length: int, divisor: float, max_trials: int) -> None:
+    """Determined's rungs (0.37, searcher ops): rung k at max_length / divisor**(top-k), the
+    top rung at max_length itself, and op lengths count from the trial's start; a promoted trial
+    once trained 50 + 200 = 250 batches against max_length 200."""
+    for mode in ("aggressive", "standard", "conservative"):
+        s = asha(
+            max_time=max_length, divisor=divisor, max_trials=max_trials, promotion=True, time_metric=None, mode=mode
+        )
+        for br in s.brackets:
+            assert br.units == [max(int(max_length / divisor**k), 1) for k in reversed(range(br.num_rungs))]
+            assert br.units[-1] == max_length
+    # Driven to the end: no op is ever longer than max_length, and the best trial reaches it.
+    s = asha(max_time=200, divisor=4, max_trials=8, max_rungs_cfg=2, promotion=True, time_metric=None)
+    lengths: dict[str, list[int]] = {c.request_id: list(c.ops) for c in s.initial_trials()}
+    best = next(iter(lengths))
+    for rid in list(lengths):
+        for a in s.op_completed(rid, lengths[rid][-1], 0.0 if rid == best else 1.0):
+            if isinstance(a, ValidateAfter):
+                lengths[a.request_id].append(a.length)
+    assert lengths[best] == [50, 200] and max(x for ops in lengths.values() for x in ops) == 200
 
 
 def test_state_round_trip_gives_same_decisions() -> None:
