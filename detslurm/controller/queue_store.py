@@ -74,7 +74,10 @@ class InStore:
             if exp is None or not self.scope.sees(exp.owner):
                 return Found(self.where, None, f"{self.where} has no experiment {exp_id}")
             if tag != experiment_tag(exp.exp_dir):
-                return Found(self.where, None, f"experiment {exp_id} of {self.where} did not submit this job")
+                why = (
+                    f"experiment {exp_id} of {self.where} did not submit this job: it was submitted from another store"
+                )
+                return Found(self.where, None, why)
             return Found(self.where, dict(exp.config))
 
     def move(self, exp_id: int, pool: str, tag: str) -> None:
@@ -225,7 +228,7 @@ def trial_shape(config: ExperimentConfig, site: SiteConfig, pool: str | None) ->
     moved = _in_pool(config, pool)
     res = resource_plan(moved, site)  # an unknown pool fails here
     shape = job_shape(moved, site, res)
-    _, p = site.pool(pool)
+    _, p = site.pool(pool or "")
     image = ""
     if site.runs_containers:
         from detslurm.slurm.containers import Gpu
