@@ -15,7 +15,8 @@ import pytest
 from conftest import write
 from helpers import store, wait_for
 from sqlalchemy import select
-from test_slurm_cluster import squeue_ids
+from test_slurm_cluster import CORE, squeue_ids, steps, trials
+from test_time_limit_cluster import use_lead
 
 from detslurm.store import Metric, Trial, TrialRun
 
@@ -97,3 +98,63 @@ def test_four_one_slot_trials_share_two_gpu_nodes(det: Any, tmp_path: Path, insi
         ids = list(s.scalars(select(TrialRun.job_id)))
     assert len(ids) == 4 and all(str(i).startswith(f"{job}/") for i in ids), ids
     assert squeue_ids() == {job}
+
+
+def test_time_limit_end_pauses_and_activate_continues_as_jobs(
+    det: Any, tmp_path: Path, inside: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The allocation's time limit is a preemption: the running trial gets the warning signal
+    the site's lead before it and checkpoints, the experiment pauses, and `det e activate`
+    outside any allocation continues it as an ordinary job with no step lost or repeated."""
+    use_lead(tmp_path, monkeypatch, 90)  # a 2-minute allocation warns 30 s in
+    job = hold(1, minutes=2)
+    inside(job)
+    batches = 120  # 60 s: more than the allocation leaves it
+    code, out, err = det(
+        "e",
+        "create",
+        CORE / "const.yaml",
+        CORE,
+        "--in-allocation",
+        "--config",
+        "hyperparameters.sleep=0.5",
+        "--config",
+        f"environment.environment_variables=[EXAMPLE_TOTAL_BATCHES={batches}]",
+        "--config",
+        "max_restarts=0",
+    )
+    assert code == 0, out + err
+    wait_for(lambda: det("e", "list", "--json")[1].count('"PAUSED"') > 0, 150)
+    (t,) = trials(1)
+    wait_for(lambda: trials(1)[0].state == "PAUSED", 60)
+    with store().tx() as s:
+        (first,) = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id))
+        assert first.job_id is not None and first.job_id.startswith(f"{job}/")
+        assert first.preempt_acked and first.exit_code == 0, (first.exit_reason, first.exit_code)
+        assert (Path(first.run_dir) / "signals").read_text().split() == ["USR2"]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    code, out, err = det("e", "activate", "1")
+    assert code == 0 and "continue as ordinary Slurm jobs" in out, out + err
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+    (t,) = trials(1)
+    assert t.state == "COMPLETED" and t.restarts == 0 and t.run_count == 2
+    assert [s for s, _ in steps(t.id)] == list(range(1, batches + 1))  # nothing lost, nothing twice
+    with store().tx() as s:
+        last = s.scalars(select(TrialRun).where(TrialRun.trial_id == t.id).order_by(TrialRun.run_id)).all()[-1]
+    assert last.job_id is not None and "/" not in last.job_id  # an ordinary job
+
+
+def test_trials_that_cannot_fit_are_refused(det: Any, tmp_path: Path, inside: Any) -> None:
+    args = ("e", "create", CORE / "const.yaml", CORE, "--in-allocation")
+    code, _, err = det(*args)
+    assert code == 1 and "det e create runs outside a Slurm allocation (SLURM_JOB_ID is not set)" in err
+    job = hold(2)
+    inside(job)
+    code, _, err = det(*args, "--config", "resources.slots_per_trial=6")
+    assert code == 1, err
+    assert (
+        f"const.yaml: resources.slots_per_trial: a trial needs 3 nodes with 2 GPUs each, but allocation {job} holds "
+        "2 nodes (g1, g2) with 2 GPUs and 2 CPUs each" in err
+    ), err
+    assert det("e", "list", "--json")[1].strip() == "[]" and squeue_ids() == {job}
