@@ -14,7 +14,14 @@ import click
 
 from detslurm.cli.remote import forward, holder, transfer
 from detslurm.cli.remote.command import run_argv
-from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, load_remote_settings, parse_url
+from detslurm.cli.remote.target import (
+    RemoteError,
+    RemoteSettings,
+    Target,
+    load_remote_settings,
+    parse_url,
+    require_ssh,
+)
 
 _EXPERIMENT = {"e", "experiment"}
 _CHECKPOINT = {"c", "checkpoint"}
@@ -29,6 +36,7 @@ def run_remote(url: str, argv: Sequence[str], commands: Commands) -> int:
     """cli.main's entry for remote mode: connect (through the holder when enabled), then run."""
     target = parse_url(url)
     rs = load_remote_settings(os.environ)
+    require_ssh()
     with _clear_errors(target):
         conn = holder.connection(target, rs)
         try:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, runtime_dir
+from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, missing_extra, runtime_dir
 
 # A frame is one type byte and a 4-byte big-endian length, then the payload. Exec needs framing
 # to keep stdout, stderr and the exit code apart on one stream; SFTP is already a framed byte
@@ -191,8 +191,11 @@ def connection(target: Target, rs: RemoteSettings) -> Any:
     """A held connection when ``remote.persist_s`` > 0 (starting the holder, which logs in, if
     none is running), else a fresh direct one."""
     if rs.persist_s <= 0:
-        from detslurm.cli.remote.connect import connect
-
+        # Imported here: paramiko is an extra, and a broken install fails at its import.
+        try:
+            from detslurm.cli.remote.connect import connect
+        except ImportError as e:
+            raise missing_extra(e) from None
         return connect(target)
     path = socket_path(target)
     # A stale socket (the holder idled out, crashed, or the laptop slept past persist_s) is

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from detslurm.cli.remote.channel import relay
-from detslurm.cli.remote.connect import connect
 from detslurm.cli.remote.holder import EOF, ERR, EXIT, IN, OUT, REQ, recv_frame, send_frame
-from detslurm.cli.remote.target import parse_url
+from detslurm.cli.remote.target import missing_extra, parse_url
 from detslurm.errors import DetSlurmError
 from detslurm.terminal import guarded
 
@@ -140,6 +139,12 @@ def main(argv: Sequence[str]) -> int:
     """argv: URL PERSIST_S SOCKET. Writes "ready" or "error MESSAGE" to stdout, then detaches."""
     url, persist_s, path = argv[0], float(argv[1]), Path(argv[2])
     try:
+        # Imported here so that a broken SSH install (paramiko's own dependencies) is reported
+        # as one line through the "error" protocol, not as a traceback on the user's terminal.
+        try:
+            from detslurm.cli.remote.connect import connect
+        except ImportError as e:
+            raise missing_extra(e) from None
         # The login's prompts (a site's two-factor text, sent by the server) reach the user's
         # terminal through the same cleaner as everything det prints.
         with guarded():

@@ -7,6 +7,7 @@ The URL names the login node and optionally how to find `det` there:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import stat
@@ -29,6 +30,23 @@ DEFAULT_PERSIST_S = 600.0
 
 class RemoteError(DetSlurmError):
     """Remote mode cannot reach or use the login node (bad URL, SSH failure, refused host key)."""
+
+
+# What remote mode needs on the laptop and is not installed by default (pyproject's extras).
+EXTRA = "pip install 'detslurm[remote]'"
+
+
+def missing_extra(e: ImportError | None = None) -> RemoteError:
+    """The one-line error for an SSH library that is missing (or whose import fails)."""
+    why = f" ({e})" if e is not None else " (paramiko is not installed)"
+    return RemoteError(f"remote mode needs its extra: {EXTRA}{why}")
+
+
+def require_ssh() -> None:
+    """Refuse at once, naming the extra, when paramiko is not installed: before a holder process
+    is started (it would die of the ImportError) and without paying for the import here."""
+    if importlib.util.find_spec("paramiko") is None:
+        raise missing_extra()
 
 
 @dataclass(frozen=True)

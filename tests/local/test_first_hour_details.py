@@ -155,3 +155,38 @@ def test_a_killed_experiment_creates_no_trial_after_the_kill(det: Any, tmp_path:
             proc.kill()
     assert "Experiment 1 CANCELED" in out, out
     assert trial_states() == ["CANCELED"]
+
+
+@pytest.mark.parametrize("persist", ["600", "0"])
+@pytest.mark.parametrize("paramiko", ["not installed", "broken"])
+def test_remote_mode_without_paramiko_names_the_extra(
+    det_env: Path, tmp_path: Path, paramiko: str, persist: str
+) -> None:
+    """`det -m ssh://...` on a laptop without the remote extra: one line naming
+    `pip install 'detslurm[remote]'`, with the connection holder (persist_s > 0) or without;
+    no ImportError traceback and no "holder exited" message. A broken install (paramiko present,
+    its import failing) says the same, with the import's own error."""
+    import os
+
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    if paramiko == "not installed":
+        # As if absent: find_spec answers None and the import fails.
+        (hide / "sitecustomize.py").write_text("import sys\nsys.modules['paramiko'] = None\n")
+    else:
+        (hide / "paramiko").mkdir()
+        (hide / "paramiko" / "__init__.py").write_text("raise ImportError(\"No module named 'cryptography'\")\n")
+    env = dict(os.environ, PYTHONPATH=str(hide), DETSLURM_REMOTE_PERSIST_S=persist)
+    p = subprocess.run(
+        [sys.executable, "-m", "detslurm.cli.main", "-m", "ssh://127.0.0.1:1", "e", "list"],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "remote mode needs its extra: pip install 'detslurm[remote]'" in line
+    assert ("cryptography" in line) == (paramiko == "broken")
+    assert "Traceback" not in p.stderr and "holder" not in p.stderr
