@@ -199,7 +199,7 @@ def torch_batch_process(
         )
     with _core_context(distributed_context, info) as core_context:
         run = _Run(core_context, info, checkpoint_interval)
-        processor = batch_processor_cls(context=run.context)  # type: ignore[call-arg]
+        processor = batch_processor_cls(context=run.context)
         loader = DataLoader(dataset, batch_size=size_of_batch, shuffle=False, **kwargs).get_data_loader(
             repeat=False, skip=run.skip, num_replicas=run.size, rank=run.rank
         )
