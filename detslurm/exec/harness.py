@@ -22,6 +22,7 @@ from typing import Any
 
 from detslurm import settings
 from detslurm.core import get_cluster_info
+from detslurm.errors import DetSlurmError
 from detslurm.expconf.view import ConfigView
 
 
@@ -144,20 +145,26 @@ def main(argv: list[str]) -> int:
 
         # The engine accumulates gradients itself (its gradient_accumulation_steps).
         api, init = deepspeed, deepspeed.init()
-    with init as ctx:
-        trial = trial_cls(ctx)
-        api.Trainer(trial, ctx).fit(
-            checkpoint_period=period("min_checkpoint_period"),
-            validation_period=period("min_validation_period"),
-            # scheduling_unit is Determined's reporting period for legacy trials (default 100 batches).
-            reporting_period=pytorch.Batch(cfg.scheduling_unit),
-            checkpoint_policy=cfg.checkpoint_policy,
-            # The checkpoint the controller chose to resume from (after a requeue, a pause or a restart);
-            # None on a trial's first run.
-            latest_checkpoint=info.latest_checkpoint,
-            step_zero_validation=cfg.perform_initial_validation,
-            test_mode=os.environ.get("DET_TEST_MODE") == "1",
-        )
+    # The one boundary for the trial's own setup errors that say what to do (a DetSlurmError,
+    # e.g. configure_apex_amp without apex): one line in the trial's log, not a traceback.
+    try:
+        with init as ctx:
+            trial = trial_cls(ctx)
+            api.Trainer(trial, ctx).fit(
+                checkpoint_period=period("min_checkpoint_period"),
+                validation_period=period("min_validation_period"),
+                # scheduling_unit is Determined's reporting period for legacy trials (default 100 batches).
+                reporting_period=pytorch.Batch(cfg.scheduling_unit),
+                checkpoint_policy=cfg.checkpoint_policy,
+                # The checkpoint the controller chose to resume from (after a requeue, a pause or a restart);
+                # None on a trial's first run.
+                latest_checkpoint=info.latest_checkpoint,
+                step_zero_validation=cfg.perform_initial_validation,
+                test_mode=os.environ.get("DET_TEST_MODE") == "1",
+            )
+    except DetSlurmError as e:
+        print(f"detslurm harness: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     return 0
 
 

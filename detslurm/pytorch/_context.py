@@ -5,15 +5,16 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from detslurm.core import Context as CoreContext
 from detslurm.core import DistributedContext, DummyDistributedContext
 from detslurm.expconf.view import ConfigView
-from detslurm.pytorch._amp import autocast_forward
+from detslurm.pytorch._amp import ApexAmp, ApexError, autocast_forward, import_apex_amp
 from detslurm.pytorch._reducer import ReducerContext
 
 log = logging.getLogger("detslurm.pytorch")
@@ -109,6 +110,7 @@ class PyTorchTrialContext(ReducerContext):
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[LRScheduler] = []
         self._scaler: Any = None
+        self._apex: Optional[ApexAmp] = None  # set by configure_apex_amp()
         self._scaler_stepped = False
         self._stop_requested = False
         self.experimental = PyTorchExperimentalContext(self)
@@ -262,14 +264,97 @@ class PyTorchTrialContext(ReducerContext):
         steps through it, the Trainer calls update() after each batch and checkpoints it."""
         if self._scaler is not None:
             raise ValueError("wrap_scaler() may be called once per trial")
+        if self._apex is not None:
+            raise ApexError("Do not mix APEX with PyTorch AMP (configure_apex_amp was called).")
         self._scaler = scaler
         return scaler
 
-    def configure_apex_amp(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            "context.configure_apex_amp() (NVIDIA apex) is not supported by detslurm: use torch.autocast and "
-            "context.wrap_scaler(torch.amp.GradScaler(...))"
+    def configure_apex_amp(
+        self,
+        models: Union[torch.nn.Module, list[torch.nn.Module]],
+        optimizers: Union[torch.optim.Optimizer, list[torch.optim.Optimizer]],
+        enabled: Optional[bool] = True,
+        opt_level: Optional[str] = "O1",
+        cast_model_type: Optional[torch.dtype] = None,
+        patch_torch_functions: Optional[bool] = None,
+        keep_batchnorm_fp32: Optional[Union[bool, str]] = None,
+        master_weights: Optional[bool] = None,
+        loss_scale: Optional[Union[float, str]] = None,
+        cast_model_outputs: Optional[torch.dtype] = None,
+        num_losses: Optional[int] = 1,
+        verbosity: Optional[int] = 1,
+        min_loss_scale: Optional[float] = None,
+        max_loss_scale: Optional[float] = 2.0**24,
+    ) -> tuple[Any, Any]:
+        """NVIDIA apex's mixed precision for models and optimizers already wrapped:
+        ``apex.amp.initialize`` with these arguments, then every backward() scales its loss and
+        step_optimizer() steps apex's master parameters. As in Determined: deprecated in favour
+        of torch's AMP, GPU slots only, and ``enabled=False`` returns them untouched."""
+        if not enabled:
+            return models, optimizers
+        if self._scaler is not None and self._scaler.is_enabled():
+            raise ApexError("Do not mix APEX with PyTorch AMP (context.wrap_scaler or use_amp was called).")
+        warnings.warn(
+            "PyTorchTrial support for NVIDIA/apex has been deprecated and will be removed in a future version. "
+            "We recommend users to migrate to Torch AMP (`torch.cuda.amp`).",
+            FutureWarning,
+            stacklevel=2,
         )
+        if self._apex is not None:
+            raise ApexError("Please only call configure_apex_amp once.")
+        if self.distributed.size > 1 and num_losses != 1:
+            raise ApexError("With several slots, configure_apex_amp takes num_losses=1 only (as in Determined).")
+        if self.distributed.size > 1 and self._aggregation_frequency > 1:
+            raise ApexError("configure_apex_amp does not work with several slots and aggregation_frequency > 1.")
+        amp = import_apex_amp()
+        if not torch.cuda.is_available():
+            raise ApexError("context.configure_apex_amp is supported only on GPU slots.")
+        many = isinstance(models, list)
+        bare = [self._bare_model(m) for m in _as_list(models)]
+        log.info("Enabling mixed precision training with opt_level: %s.", opt_level)
+        new_models, new_optimizers = amp.initialize(
+            models=bare if many else bare[0],
+            optimizers=optimizers,
+            enabled=enabled,
+            opt_level=opt_level,
+            cast_model_type=cast_model_type,
+            patch_torch_functions=patch_torch_functions,
+            keep_batchnorm_fp32=keep_batchnorm_fp32,
+            master_weights=master_weights,
+            loss_scale=loss_scale,
+            cast_model_outputs=cast_model_outputs,
+            num_losses=num_losses,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            verbosity=verbosity if self.distributed.rank == 0 else 0,
+        )
+        self._apex = ApexAmp(amp, int(num_losses or 1))
+        # apex's modules and optimizers replace those it was given (the same objects unless the
+        # opt_level made new ones), so that the Trainer steps and checkpoints them.
+        out = [self._rewrap(old, new) for old, new in zip(bare, _as_list(new_models), strict=True)]
+        for old_opt, new_opt in zip(_as_list(optimizers), _as_list(new_optimizers), strict=True):
+            self.optimizers = [new_opt if o is old_opt else o for o in self.optimizers]
+        return (out if many else out[0]), new_optimizers
+
+    def _bare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module wrap_model() was given, for what it returned (apex initializes the module
+        itself, then DDP wraps it again)."""
+        for i, w in enumerate(self._wrapped_models):
+            if w is model:
+                return self.models[i]
+        if not any(m is model for m in self.models):
+            raise ApexError("configure_apex_amp() takes the models that context.wrap_model() returned")
+        return model
+
+    def _rewrap(self, old: torch.nn.Module, new: torch.nn.Module) -> torch.nn.Module:
+        """Put apex's module where ``old`` was; under DDP, a new wrapper around it (returned)."""
+        i = next(i for i, m in enumerate(self.models) if m is old)
+        self.models[i] = new
+        if not self._use_ddp:
+            return new
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self._wrapped_models[i] = torch.nn.parallel.DistributedDataParallel(new, device_ids=ids)
+        return self._wrapped_models[i]
 
     def _should_communicate_and_update(self) -> bool:
         return (self._current_batch_idx + 1) % self._aggregation_frequency == 0
@@ -281,7 +366,10 @@ class PyTorchTrialContext(ReducerContext):
         retain_graph: bool = False,
         create_graph: bool = False,
     ) -> None:
-        """loss.backward(), through the wrapped GradScaler when there is one."""
+        """loss.backward(), through the wrapped GradScaler or apex's amp when there is one."""
+        if self._apex is not None:
+            args = {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph}
+            return self._apex.backward(loss, self.optimizers, self._current_batch_idx, **args)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         loss.backward(gradient=gradient, retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
@@ -302,6 +390,8 @@ class PyTorchTrialContext(ReducerContext):
             return
 
         def params() -> list[torch.nn.Parameter]:
+            if self._apex is not None:  # apex keeps fp32 master copies: those are stepped and clipped
+                return self._apex.master_params(optimizer)
             return [p for g in optimizer.param_groups for p in g["params"]]
 
         average = self._per_optimizer_average.get(id(optimizer), self._average_aggregated)
@@ -401,6 +491,10 @@ class PyTorchTrialContext(ReducerContext):
         if self._core is None:
             raise NotImplementedError("context.get_tensorboard_path() needs a trial context (det.pytorch.init())")
         return self._core.train.get_tensorboard_path()
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
 
 
 class CheckpointLoadContext(PyTorchTrialContext):
