@@ -351,10 +351,10 @@ class SlurmExecutor:
         experiments start as job steps (StepExecutor)."""
         stepped = [s for s in specs if s.config.slurm.in_allocation]
         if stepped:
-            out = dict(zip((s.identity for s in stepped), self.steps.submit_many(stepped), strict=True))
+            results = dict(zip((s.identity for s in stepped), self.steps.submit_many(stepped), strict=True))
             rest = [s for s in specs if not s.config.slurm.in_allocation]
-            out.update(zip((s.identity for s in rest), self.submit_many(rest) if rest else [], strict=True))
-            return [out[s.identity] for s in specs]
+            results.update(zip((s.identity for s in rest), self.submit_many(rest) if rest else [], strict=True))
+            return [results[s.identity] for s in specs]
         try:
             subs = self.plan_many(specs)
         except Exception as e:  # planning needs the site's limits: nothing was submitted
