@@ -11,7 +11,7 @@ foreground ends pauses it with a checkpoint, never strands it:
 - Any other end, SIGKILL included: the kernel sends each trial's launcher the preemption signal
   (controller/local.py), so the trials checkpoint and exit all the same, and the next read
   (`det e list`, `det e describe`, ...) finds the experiment without a driver and pauses it
-  (:func:`settle_undriven`).
+  (cli/undriven.py).
 
 `det e activate` resumes it from the checkpoints in a new foreground. A driver started with
 SIGHUP ignored (``nohup det e create --local ... &``) outlives the terminal.
@@ -26,7 +26,6 @@ import select
 import signal
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -35,12 +34,15 @@ from detslurm.cli import logs as logs_mod
 from detslurm.cli import outcome
 from detslurm.cli.app import App
 from detslurm.cli.lazy import lazy_module
+
+# The executor name `det e create --local` stores (cli/backend.py reads it here).
+from detslurm.cli.undriven import EXECUTOR as EXECUTOR
+from detslurm.cli.undriven import driver_lock
 from detslurm.errors import StateError
 from detslurm.identity import os_user
 from detslurm.store.states import ExperimentState, TrialState
 
-# Loaded on first use: every read asks settle_undriven, which needs none of them unless a local
-# experiment has runs that have not ended.
+# Loaded on first use: `det e create` and the other commands that import this module may never drive.
 if TYPE_CHECKING:
     import filelock
 
@@ -51,9 +53,6 @@ else:
     filelock = lazy_module("filelock")
     views = lazy_module("detslurm.views")
     ops = lazy_module("detslurm.controller.ops")
-
-# The executor name `det e create --local` stores.
-EXECUTOR = "local"
 
 
 def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> ExperimentState:
@@ -67,7 +66,7 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         owner, exp_dir = exp.owner, exp.exp_dir
     if owner != os_user():
         raise StateError(f"experiment {exp_id} belongs to {owner}; only its owner's detslurm runs its trials")
-    lock = _driver_lock(exp_dir)
+    lock = driver_lock(exp_dir)
     try:
         # Fail at once rather than wait: two drivers would each start the same trials.
         lock.acquire(timeout=0)
@@ -77,13 +76,6 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
         return _loop(app, exp_id, follow, quiet)
     finally:
         lock.release()
-
-
-def _driver_lock(exp_dir: str) -> filelock.FileLock:
-    # A file lock in the experiment's own dir, not a store row: it is released by the kernel
-    # when a driver dies, so a crashed `det` never leaves the experiment undrivable, and a read
-    # can tell that nothing drives it any more (settle_undriven).
-    return filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
 
 
 class _Round:
@@ -288,40 +280,3 @@ def _kill_all(app: App, ctl: Controller, exp_id: int) -> None:
     with app.store.read() as s:
         jobs = views.active_job_ids(s, exp_id, app.scope)
     ctl.executor.kill_many(jobs)
-
-
-def settle_undriven(app: App) -> None:
-    """A read's step for the caller's local experiments whose driver has ended without pausing
-    them (SIGKILL, a crash, a third Ctrl-C): each is paused (a kill in progress goes on) and
-    stepped once, so that its state says what happened instead of ACTIVE with nothing behind
-    it. Its trials were sent the preemption signal when the driver ended; runs still
-    checkpointing are stepped again by the next read. Costs one query when nothing is undriven."""
-    for exp_id, exp_dir in app.reads.with_live_runs(EXECUTOR, os_user()):
-        lock = _driver_lock(exp_dir)
-        try:
-            lock.acquire(timeout=0)
-        except (filelock.Timeout, OSError):
-            continue  # driven: its driver steps it (or its dir is gone: nothing to step)
-        try:
-            _settle(app, exp_id)
-        finally:
-            lock.release()
-
-
-def _settle(app: App, exp_id: int) -> None:
-    from detslurm.controller.apply import note
-    from detslurm.controller.controller import Controller
-    from detslurm.controller.local import LocalExecutor
-
-    with app.store.read() as s:
-        was = views.experiment_state(s, exp_id, app.scope)
-    if was == ExperimentState.ACTIVE:
-        ops.pause(app.store, exp_id)
-        why = f"the det process that ran experiment {exp_id} ended: paused (det e activate {exp_id} resumes it)"
-        with app.store.tx() as s:
-            for t in views.get_experiment(s, exp_id, app.scope).trials:
-                if not t.state.is_terminal:
-                    note(s, t.id, why, "WARNING")
-        _tell(f"Experiment {exp_id}: {why}")
-    # A paused experiment submits nothing: this step only reads how the runs ended.
-    Controller(app.store, LocalExecutor(app.settings.max_local_trials)).tick_experiment(exp_id)

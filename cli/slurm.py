@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from detslurm import daemon as daemon_mod
-from detslurm.cli import local as local_mod
+from detslurm.cli import undriven
 from detslurm.cli.app import App
 from detslurm.cli.lazy import lazy_module
 from detslurm.identity import os_user
@@ -28,8 +28,8 @@ def reconcile(app: App) -> None:
     """Reads with no daemon running do one reconcile step themselves (so state is current),
     on the store, client and site this command has open already."""
     # Local experiments whatever runs: no daemon drives them, and one whose driver died is paused
-    # here rather than listed ACTIVE with nothing behind it (cli/local.py).
-    local_mod.settle_undriven(app)
+    # here rather than listed ACTIVE with nothing behind it.
+    undriven.settle_undriven(app)
     # A running daemon keeps the store current; a second reconcile would only compete for
     # the controller lock and add Slurm calls.
     if daemon_mod.running_pid(app.settings) is not None:
