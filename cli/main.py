@@ -44,6 +44,8 @@ _COMMANDS: dict[str, tuple[str, str, str]] = {
     "config": ("config", "config", "Show every setting's effective value and where it came from."),
 }
 _ALIASES = {"e": "experiment", "t": "trial", "c": "checkpoint", "rp": "resource-pool"}
+# Not listed by `det --help`: the login node's side of the Python SDK over ssh:// (cli/sdk.py).
+_HIDDEN = {"sdk-call": ("sdk", "sdk_call", "Answer one request of the Python SDK over ssh://.")}
 
 
 class LazyGroup(click.Group):
@@ -51,7 +53,7 @@ class LazyGroup(click.Group):
         return sorted([*_COMMANDS, *_ALIASES])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        entry = _COMMANDS.get(_ALIASES.get(cmd_name, cmd_name))
+        entry = _COMMANDS.get(_ALIASES.get(cmd_name, cmd_name)) or _HIDDEN.get(cmd_name)
         if entry is None:
             return None
         module = importlib.import_module(f"detslurm.cli.{entry[0]}")

@@ -230,8 +230,22 @@ def download_checkpoint(
     if code != 0:
         click.echo(err, nl=False, err=True)
         return code
-    src = _checked_source(conn, out)
-    dst = Path(out_dir) if out_dir is not None else Path("checkpoints") / PurePosixPath(src).name
+    dst, src, files, total = fetch_checkpoint(conn, out, Path(out_dir) if out_dir is not None else None)
+    note(f"Downloaded {len(files)} files ({format_size(total)}) from {conn.login}:{src}")
+    click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
+    return 0
+
+
+def fetch_checkpoint(
+    conn: Any, answer: str, out_dir: Path | None
+) -> tuple[Path, str, list[tuple[str, Path, int]], int]:
+    """Copy the checkpoint that the login node's answer to `det checkpoint locate-for-download`
+    names (checked again here) into ``out_dir`` (default checkpoints/<uuid>), a fresh
+    directory: (that directory, the remote one, the files copied, their bytes). `det checkpoint
+    download` and the Python SDK's ``Checkpoint.download`` over ssh:// both copy through here."""
+    src = _checked_source(conn, answer)
+    uuid = PurePosixPath(src).name
+    dst = out_dir if out_dir is not None else Path("checkpoints") / uuid
     sftp = conn.sftp()
     try:
         # lstat: a link in the checkpoint's place is not the checkpoint, whatever it points to.
@@ -241,14 +255,12 @@ def download_checkpoint(
         total = sum(size for _, _, size in files)
         _check_room(dst, total)
         with fresh_download_dir(dst) as tmp:
-            _copy(sftp, [(r, tmp / rel, size) for r, rel, size in files], PurePosixPath(src).name)
+            _copy(sftp, [(r, tmp / rel, size) for r, rel, size in files], uuid)
     except FileNotFoundError:
         raise RemoteError(f"checkpoint files for {uuid} not found on {conn.login} ({src})") from None
     finally:
         sftp.close()
-    note(f"Downloaded {len(files)} files ({format_size(total)}) from {conn.login}:{src}")
-    click.echo(str(dst) if quiet else f"Local checkpoint path:\n{dst}")
-    return 0
+    return dst, src, files, total
 
 
 def _checked_source(conn: Any, answer: str) -> str:

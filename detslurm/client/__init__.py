@@ -18,8 +18,9 @@ module, whose public names are compared with Determined's); every name is export
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, Optional
+import pathlib
+from collections.abc import Iterable, Iterator
+from typing import Any, Optional, Union
 
 from detslurm.client._checkpoint import DEFAULT_DOWNLOAD_DIR, Checkpoint, CheckpointTrainingMetadata
 from detslurm.client._determined import Client, Determined
@@ -66,6 +67,7 @@ __all__ = [
     "TrialSortBy",
     "TrialState",
     "ValidationMetrics",
+    "create_experiment",
     "get_checkpoint",
     "get_experiment",
     "get_trial",
@@ -106,6 +108,17 @@ def _client() -> Determined:
     if _default is None:
         _default = Determined()
     return _default
+
+
+def create_experiment(
+    config: Union[str, pathlib.Path, dict[str, Any]],
+    model_dir: Optional[str] = None,
+    includes: Optional[Iterable[Union[str, pathlib.Path]]] = None,
+    project_id: Optional[int] = None,
+    template: Optional[str] = None,
+) -> Experiment:
+    """Create an experiment (see :meth:`Determined.create_experiment`)."""
+    return _client().create_experiment(config, model_dir, includes, project_id, template)
 
 
 def get_experiment(experiment_id: int) -> Experiment:

@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from detslurm.client._enums import (
     CheckpointOrderBy,
@@ -18,9 +18,11 @@ from detslurm.client._enums import (
     _state,
 )
 from detslurm.client._metrics import TrialMetrics, _trial_metrics
-from detslurm.client._session import Session
 from detslurm.errors import DetSlurmError, NotFoundError, StateError
 from detslurm.expconf.view import ConfigView
+
+if TYPE_CHECKING:
+    from detslurm.client._session import Session
 
 # Where `download()` puts a checkpoint when no path is given: ./checkpoints/<uuid>.
 DEFAULT_DOWNLOAD_DIR = Path("checkpoints")
@@ -87,17 +89,8 @@ class Checkpoint:
         """Copy the checkpoint to ``path`` (default ``./checkpoints/<uuid>``), a new or empty
         directory; the path written. Every ``mode`` is a plain copy: the files are on a shared
         filesystem."""
-        from detslurm.download_dir import fresh_download_dir
-
         DownloadMode(mode)
-        src = self.checked_source()
-        dst = Path(path) if path is not None else _default_destination(self.uuid)
-        # symlinks=True: a link the trial left in its checkpoint is copied as a link, never
-        # followed to read (and copy out) whatever file it names. A fresh dir: never through a
-        # link an earlier download left.
-        with fresh_download_dir(dst) as tmp:
-            shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True, ignore=_without_mark(src))
-        return str(dst)
+        return str(self._session.download_checkpoint(self, Path(path) if path is not None else None))
 
     def checked_source(self) -> Path:
         """The checkpoint's own directory, ``<storage base>/<uuid>``, once checked: a COMPLETED
@@ -145,39 +138,19 @@ class Checkpoint:
         self._set_metadata({k: v for k, v in self.metadata.items() if k not in set(keys)})
 
     def _set_metadata(self, metadata: dict[str, Any]) -> None:
-        import json
-
-        from detslurm.identity import os_user
-        from detslurm.store.models import Trial as TrialRow
-        from detslurm.views import get_checkpoint
-
-        try:
-            stored = json.loads(json.dumps(metadata))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"checkpoint {self.uuid}: the metadata must be JSON-serializable ({e})") from None
-        with self._session.store.tx() as s:
-            ck = get_checkpoint(s, self.uuid, self._session.scope)
-            trial = s.get(TrialRow, ck.trial_id)
-            if trial is None or trial.experiment.owner != os_user():
-                raise StateError(f"checkpoint {self.uuid} is not yours; only its owner can change its metadata")
-            ck.metadata_ = stored
-        self.metadata = stored
+        self.metadata = self._session.set_checkpoint_metadata(self.uuid, metadata)
 
     def delete(self) -> None:
         """Delete the checkpoint's files; its row stays, DELETED (as `det checkpoint delete`)."""
-        from detslurm.controller import ckpt_ops
-
-        ckpt_ops.delete_checkpoints(self._session.store, [self.uuid], self._session.scope)
+        self._session.delete_checkpoint(self.uuid)
         self.reload()
 
     def remove_files(self, globs: list[str]) -> None:
         """Remove the checkpoint's files matching any of ``globs`` (relative to its top); it is
         then PARTIALLY_DELETED, or DELETED when nothing is left (as `det checkpoint rm`)."""
-        from detslurm.controller import ckpt_ops
-
         if isinstance(globs, str):
             raise TypeError("remove_files() takes a list of glob patterns, not one string")
-        ckpt_ops.remove_files(self._session.store, [self.uuid], list(globs), self._session.scope)
+        self._session.remove_checkpoint_files(self.uuid, list(globs))
         self.reload()
 
     def write_metadata_file(self, path: str) -> None:
@@ -190,6 +163,21 @@ class Checkpoint:
         return f"Checkpoint(uuid={self.uuid})"
 
 
+def copy_checkpoint(checkpoint: Checkpoint, dst: Path | None) -> Path:
+    """Copy the checkpoint's checked directory into ``dst`` (default ``./checkpoints/<uuid>``),
+    a new or empty directory; the path written."""
+    from detslurm.download_dir import fresh_download_dir
+
+    src = checkpoint.checked_source()
+    dst = dst if dst is not None else default_destination(checkpoint.uuid)
+    # symlinks=True: a link the trial left in its checkpoint is copied as a link, never
+    # followed to read (and copy out) whatever file it names. A fresh dir: never through a
+    # link an earlier download left.
+    with fresh_download_dir(dst) as tmp:
+        shutil.copytree(src, tmp, symlinks=True, dirs_exist_ok=True, ignore=_without_mark(src))
+    return dst
+
+
 def _without_mark(top: Path) -> Callable[[str, list[str]], list[str]]:
     """A copytree ``ignore`` leaving out the delete mark at the checkpoint's top
     (protocol/ckmark.py): it is the run's, not one of the checkpoint's files."""
@@ -198,7 +186,7 @@ def _without_mark(top: Path) -> Callable[[str, list[str]], list[str]]:
     return lambda d, names: [MARKER_NAME] if Path(d) == top and MARKER_NAME in names else []
 
 
-def _default_destination(uuid: str) -> Path:
+def default_destination(uuid: str) -> Path:
     """``./checkpoints/<uuid>``, checked to stay directly under ./checkpoints."""
     base = DEFAULT_DOWNLOAD_DIR.resolve()
     # resolve() so that a checkpoints/<uuid> symlink pointing elsewhere is caught too.

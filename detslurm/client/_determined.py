@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+import pathlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from detslurm.client._checkpoint import Checkpoint
 from detslurm.client._enums import ExperimentSortBy, ExperimentState, OrderBy, _descending, _sorted_experiments, _state
@@ -42,7 +43,31 @@ class Determined:
             )
         if user or password or cert_path or cert_name:
             log.info("client: user, password and certificates are not used (the store belongs to the Unix user)")
-        self._session = Session(master)
+        self._session = _session_for(master)
+
+    def create_experiment(
+        self,
+        config: Union[str, pathlib.Path, dict[str, Any]],
+        model_dir: Union[str, pathlib.Path, None] = None,
+        includes: Optional[Iterable[Union[str, pathlib.Path]]] = None,
+        project_id: Optional[int] = None,
+        template: Optional[str] = None,
+    ) -> Experiment:
+        """Create an experiment from ``config`` (a YAML file's path, or the config as a dict) and
+        the code in ``model_dir`` (plus ``includes``, each under its own name), as `det e create`
+        does on Slurm, and return it; the user's daemon then runs it. Determined's projects and
+        templates live on its master: ``project_id`` and ``template`` are refused."""
+        if not isinstance(config, (str, pathlib.Path, dict)):
+            raise ValueError("create_experiment(): config must be a dict or the path of a YAML file")
+        if project_id is not None:
+            raise ValueError("create_experiment(): detslurm has no projects; leave project_id out")
+        if template is not None:
+            raise ValueError(
+                f"create_experiment(): template {template!r}: config templates live on Determined's master; "
+                "merge the template into the config"
+            )
+        exp_id = self._session.create_experiment(config, model_dir, list(includes or ()))
+        return Experiment(exp_id, self._session)
 
     def get_experiment(self, experiment_id: int) -> Experiment:
         return Experiment(experiment_id, self._session)
@@ -97,7 +122,8 @@ class Determined:
         return self.iter_trials_metrics(trial_ids, "validation")
 
     def logout(self) -> None:
-        """Nothing to end: the store needs no session (kept for Determined's scripts)."""
+        """End the session's SSH connection over ssh://; nothing to end on this machine's store."""
+        self._session.close()
 
 
 class Client(Determined):
@@ -106,3 +132,12 @@ class Client(Determined):
 
     def __init__(self, store: Store | None = None, scope: Scope | None = None) -> None:
         self._session = Session(store=store, scope=scope)
+
+
+def _session_for(master: Optional[str]) -> Session:
+    """This machine's store (``master`` None or a database URL), or a login node's (``ssh://``)."""
+    if master is not None and master.startswith("ssh://"):
+        from detslurm.client._remote import RemoteSession
+
+        return RemoteSession(master)
+    return Session(master)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from detslurm.client._checkpoint import Checkpoint, _smaller_is_better, _sorted_checkpoints
 from detslurm.client._enums import (
@@ -21,9 +21,12 @@ from detslurm.client._enums import (
     _descending,
     _state,
 )
-from detslurm.client._session import Session
+from detslurm.client._session import Edit, Verb
 from detslurm.client._trial import Trial
 from detslurm.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from detslurm.client._session import Session
 
 
 class Experiment:
@@ -44,6 +47,7 @@ class Experiment:
         self.state = _state(ExperimentState, info["state"])
         self.progress: float = info["progress"]
         self.description: str | None = info["description"]
+        self.notes: str | None = info["notes"]
         self.archived: bool = info["archived"]
         self.labels: list[str] = list(info["labels"] or [])
         self.config = config
@@ -153,47 +157,41 @@ class Experiment:
         return found[0]
 
     # -- changing (row changes the owner's daemon carries out, as the `det e` commands) -------------
-    def _op(self, name: str) -> None:
-        from detslurm.controller import ops
-
-        getattr(ops, name)(self._session.store, self._id, self._session.scope)
+    def _change(self, verb: Verb) -> None:
+        self._session.change_state(verb, self._id)
         self.reload()
 
     def activate(self) -> None:
-        self._op("activate")
+        self._change(Verb.ACTIVATE)
 
     def pause(self) -> None:
-        self._op("pause")
+        self._change(Verb.PAUSE)
 
     def cancel(self) -> None:
-        self._op("cancel")
+        self._change(Verb.CANCEL)
 
     def kill(self) -> None:
-        self._op("kill")
+        self._change(Verb.KILL)
 
     def delete(self) -> None:
         """Delete the ended experiment, its checkpoints and its dir (as `det e delete`)."""
-        from detslurm.controller import ops
+        self._session.delete_experiment(self._id)
 
-        ops.delete(self._session.store, self._id, self._session.scope)
-
-    def _edit(self, name: str, *args: Any) -> None:
-        from detslurm.controller import edit
-
-        getattr(edit, name)(self._session.store, self._id, *args, scope=self._session.scope)
+    def _edit(self, change: Edit, *args: Any) -> None:
+        self._session.edit(change, self._id, *args)
         self.reload()
 
     def archive(self) -> None:
-        self._edit("set_archived", True)
+        self._edit(Edit.ARCHIVED, True)
 
     def unarchive(self) -> None:
-        self._edit("set_archived", False)
+        self._edit(Edit.ARCHIVED, False)
 
     def add_label(self, label: str) -> None:
-        self._edit("set_labels", label, True)
+        self._edit(Edit.LABELS, label, True)
 
     def remove_label(self, label: str) -> None:
-        self._edit("set_labels", label, False)
+        self._edit(Edit.LABELS, label, False)
 
     def set_labels(self, labels: Iterable[str]) -> None:
         wanted = list(dict.fromkeys(labels))
@@ -203,10 +201,20 @@ class Experiment:
             self.add_label(label)
 
     def set_description(self, description: str) -> None:
-        self._edit("set_description", description)
+        self._edit(Edit.DESCRIPTION, description)
 
     def set_name(self, name: str) -> None:
-        self._edit("set_name", name)
+        self._edit(Edit.NAME, name)
+
+    def set_notes(self, notes: str) -> None:
+        """Replace the experiment's notes (shown by `det e describe`)."""
+        self._session.set_notes(self._id, notes)
+        self.reload()
+
+    def delete_tensorboard_files(self) -> None:
+        """Delete the TensorBoard files of the experiment's trials (what `det tensorboard` shows);
+        its metrics stay in the store, so later reports start new event files."""
+        self._session.delete_tensorboard_files(self._id)
 
     def __repr__(self) -> str:
         return f"Experiment(id={self._id})"

@@ -1,15 +1,53 @@
-"""The session: the store as one user sees it, which every SDK object reads and changes through."""
+"""The session: the store as one user sees it, which every SDK object reads and changes through.
+
+The objects (Experiment, Trial, Checkpoint) hold a session and never the store: they read
+through ``session.reads`` and change through the session's methods below, so the same objects
+work on this machine's store (:class:`Session`) and on a login node's over ssh://
+(``_remote.RemoteSession``, which runs these same methods there).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
+import json
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import yaml
 
 from detslurm import settings
-from detslurm.identity import Scope
+from detslurm.client import _logs, _tensorboard
+from detslurm.client._checkpoint import copy_checkpoint
+from detslurm.errors import ConfigError, StateError
+from detslurm.identity import Scope, os_user
 
 if TYPE_CHECKING:
+    from detslurm.client._checkpoint import Checkpoint
     from detslurm.store import Store
     from detslurm.store.reads import Reads
+
+# A config as Determined's create_experiment takes it: a YAML file's path, or the config itself.
+ConfigArg = Union[str, Path, dict[str, Any]]
+
+
+class Verb(str, enum.Enum):
+    """The experiment state changes, each the controller operation of `det e <verb>`."""
+
+    ACTIVATE = "activate"
+    PAUSE = "pause"
+    CANCEL = "cancel"
+    KILL = "kill"
+
+
+class Edit(str, enum.Enum):
+    """The experiment edits, each the controller/edit.py function of its `det e` command."""
+
+    ARCHIVED = "set_archived"
+    LABELS = "set_labels"
+    DESCRIPTION = "set_description"
+    NAME = "set_name"
 
 
 class Session:
@@ -46,3 +84,133 @@ class Session:
                 url = self._url or settings.load().db_url
                 self._reads = Reads.open_sqlite(url) or Reads.of_store(self.store)
         return self._reads
+
+    def close(self) -> None:
+        """Nothing held here: the store's connections are the process's (kept for logout())."""
+
+    # -- experiments: the same row changes as the `det e` commands ---------------------------
+    def change_state(self, verb: Verb, exp_id: int) -> None:
+        from detslurm.controller import ops
+
+        getattr(ops, Verb(verb).value)(self.store, exp_id, self.scope)
+
+    def edit(self, change: Edit, exp_id: int, *args: Any) -> None:
+        from detslurm.controller import edit
+
+        getattr(edit, Edit(change).value)(self.store, exp_id, *args, scope=self.scope)
+
+    def set_notes(self, exp_id: int, notes: str) -> None:
+        """The experiment's notes (Determined's free text beside the description), replaced."""
+        from detslurm.views import get_experiment
+
+        if not isinstance(notes, str):
+            raise TypeError(f"set_notes() takes a str, not {type(notes).__name__}")
+        with self.store.tx() as s:
+            get_experiment(s, exp_id, self.scope).notes = notes
+
+    def delete_experiment(self, exp_id: int) -> None:
+        from detslurm.controller import ops
+
+        ops.delete(self.store, exp_id, self.scope)
+
+    def delete_tensorboard_files(self, exp_id: int) -> None:
+        """Remove the TensorBoard files of the experiment's trials (their `det tensorboard` dirs
+        and each run's own); nothing else."""
+        info, _ = self.reads.experiment(exp_id, self.owner)
+        trials = self.reads.trial_dicts(exp_id, self.owner)
+        runs = {t["id"]: [r["run_id"] for r in self.reads.run_dicts(t["id"])] for t in trials}
+        _tensorboard.remove_files(Path(info["exp_dir"]), runs)
+
+    def create_experiment(self, config: ConfigArg, model_dir: str | Path | None, includes: Iterable[str | Path]) -> int:
+        """Create and submit an experiment as `det e create` does (controller/create.py), on
+        Slurm; its id. ``model_dir`` None: an empty context, as Determined sends no model
+        definition then; ``includes`` are added to the context under their own names."""
+        from detslurm import daemon
+        from detslurm.cli.context_include import stage_context
+        from detslurm.controller import create
+        from detslurm.controller.placement import SlurmPlace
+        from detslurm.slurm.client import client_from_env
+        from detslurm.slurm.site import load_site_config
+
+        st = settings.load()
+        store, client, site = self.store, client_from_env(), load_site_config()
+        with tempfile.TemporaryDirectory(prefix="detslurm-sdk-") as tmp:
+            config_path = _config_file(config, Path(tmp))
+            if model_dir is None:
+                context = Path(tmp) / "context"
+                context.mkdir()
+            else:
+                context = Path(model_dir)
+            extra = [Path(i) for i in includes]
+            if extra:
+                context = stage_context(context, tuple(extra), Path(tmp) / "staged" / context.resolve().name)
+            plan = create.plan_create(st, config_path, context)
+
+            def submit(executor: Any) -> None:
+                daemon.reconcile_once(st, store=store, client=client, site=site, executor=executor)
+
+            exp_id = create.create(store, st, SlurmPlace(client, site, submit), plan, _log_echo)
+        assert exp_id is not None  # not a dry run
+        daemon.start(st)  # the daemon carries it on, as after `det e create`
+        return exp_id
+
+    # -- trials ----------------------------------------------------------------------------
+    def kill_trial(self, trial_id: int) -> None:
+        from detslurm.controller import ops
+
+        ops.kill_trial(self.store, trial_id, self.scope)
+
+    def trial_log_lines(self, trial_id: int, options: Mapping[str, Any]) -> Iterator[str]:
+        return _logs.log_lines(self, trial_id, options)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def set_checkpoint_metadata(self, uuid: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's stored metadata replaced by ``metadata`` (its owner only); what was stored."""
+        from detslurm.store.models import Trial as TrialRow
+        from detslurm.views import get_checkpoint
+
+        try:
+            stored: dict[str, Any] = json.loads(json.dumps(metadata))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint {uuid}: the metadata must be JSON-serializable ({e})") from None
+        with self.store.tx() as s:
+            ck = get_checkpoint(s, uuid, self.scope)
+            trial = s.get(TrialRow, ck.trial_id)
+            if trial is None or trial.experiment.owner != os_user():
+                raise StateError(f"checkpoint {uuid} is not yours; only its owner can change its metadata")
+            ck.metadata_ = stored
+        return stored
+
+    def delete_checkpoint(self, uuid: str) -> None:
+        from detslurm.controller import ckpt_ops
+
+        ckpt_ops.delete_checkpoints(self.store, [uuid], self.scope)
+
+    def remove_checkpoint_files(self, uuid: str, globs: Sequence[str]) -> None:
+        from detslurm.controller import ckpt_ops
+
+        ckpt_ops.remove_files(self.store, [uuid], list(globs), self.scope)
+
+    def download_checkpoint(self, checkpoint: Checkpoint, dst: Path | None) -> Path:
+        """Copy the checkpoint's checked directory into ``dst`` (default ``./checkpoints/<uuid>``),
+        a new or empty directory; the path written."""
+        return copy_checkpoint(checkpoint, dst)
+
+
+def _config_file(config: ConfigArg, tmp: Path) -> Path:
+    """The config as a file plan_create reads: a path as given, a dict written as YAML."""
+    if not isinstance(config, dict):
+        return Path(config)
+    path = tmp / "config.yaml"
+    try:
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+    except yaml.YAMLError as e:
+        raise ConfigError([f"the config dict cannot be written as YAML: {e}"]) from None
+    return path
+
+
+def _log_echo(message: str, *, nl: bool = True, err: bool = False) -> None:
+    """The create's lines (what `det e create` prints) as log records: the SDK prints nothing."""
+    import logging
+
+    logging.getLogger("detslurm.client").log(logging.WARNING if err else logging.INFO, "%s", message.rstrip("\n"))

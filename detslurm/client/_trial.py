@@ -2,71 +2,19 @@
 
 from __future__ import annotations
 
-import collections
-import itertools
 import warnings
-from collections.abc import Iterable, Iterator
-from datetime import datetime, timezone
+from collections.abc import Iterator
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 from detslurm.client._checkpoint import Checkpoint, _smaller_is_better, _sorted_checkpoints
 from detslurm.client._enums import CheckpointOrderBy, CheckpointSortBy, OrderBy, TrialState, _state
 from detslurm.client._metrics import TrialMetrics, _trial_metrics
-from detslurm.client._session import Session
-from detslurm.errors import DetSlurmError, NotFoundError
+from detslurm.errors import NotFoundError
 
 if TYPE_CHECKING:
     from detslurm.client._experiment import Experiment
-
-
-def _log_time(value: Union[str, int, None], what: str) -> Optional[datetime]:
-    from detslurm.cli.log_filter import parse_time
-
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise ValueError(f"{what} must be an RFC 3339 string or epoch seconds (int), not {type(value).__name__}")
-    if isinstance(value, int):
-        return datetime.fromtimestamp(value, tz=timezone.utc)
-    return parse_time(value, what)
-
-
-def _log_filter(
-    follow: bool,
-    head: Optional[int],
-    tail: Optional[int],
-    container_ids: Optional[list[str]],
-    rank_ids: Optional[list[int]],
-    stdtypes: Optional[list[str]],
-    min_level: Any,
-    timestamp_before: Union[str, int, None],
-    timestamp_after: Union[str, int, None],
-    sources: Optional[list[str]],
-) -> Any:
-    """Trial.iter_logs' arguments checked, as the filter of `det trial logs`."""
-    from detslurm.cli.log_filter import LEVELS, LogFilter
-
-    if follow:
-        raise DetSlurmError("iter_logs(follow=True) is not built in the SDK: `det trial logs -f` follows a trial")
-    if head is not None and tail is not None:
-        raise ValueError("iter_logs(): head and tail are mutually exclusive")
-    for name, n in (("head", head), ("tail", tail)):
-        if n is not None and n < 0:
-            raise ValueError(f"iter_logs(): {name} must be non-negative, got {n}")
-    # One output file per run holds stdout and stderr of every rank on every node.
-    if container_ids or sources or (stdtypes and not {"stdout", "stderr"} <= set(stdtypes)):
-        raise ValueError(
-            "iter_logs(): container_ids, sources and stdtypes do not apply here (a run's stdout and stderr "
-            "are one file); filter by rank_ids, min_level or the timestamps"
-        )
-    level = getattr(min_level, "name", min_level)
-    if level is not None and level not in LEVELS:
-        raise ValueError(f"iter_logs(): min_level must be one of {', '.join(LEVELS)} (got {min_level!r})")
-    # A filter with a time always set: the reader then prints no "=== run" header lines, which
-    # are not lines of the trial's log.
-    since = _log_time(timestamp_after, "timestamp_after") or datetime.min.replace(tzinfo=timezone.utc)
-    until = _log_time(timestamp_before, "timestamp_before")
-    return LogFilter(ranks=tuple(rank_ids or ()), min_level=level, since=since, until=until)
+    from detslurm.client._session import Session
 
 
 class Trial:
@@ -182,22 +130,21 @@ class Trial:
         then detslurm's notes, read as `det trial logs` reads them. ``rank_ids``, ``min_level``
         (a LogLevel or its name) and the timestamps (RFC 3339 or epoch seconds) filter as its
         options do; ``search_text`` keeps the lines that contain it."""
-        from detslurm.cli import logs as reader
-
-        flt = _log_filter(
-            follow, head, tail, container_ids, rank_ids, stdtypes, min_level, timestamp_before, timestamp_after, sources
-        )
-        # The reader takes the CLI's app; a session has what it reads (reads, scope).
-        app: Any = self._session
-        if tail is not None and not search_text:
-            found: Iterable[str] = reader.tail(app, self.id, tail, flt)
-        else:
-            found = (line for line in reader.lines(app, self.id, flt) if not search_text or search_text in line)
-            if tail is not None:
-                found = collections.deque(found, maxlen=tail)
-            elif head is not None:
-                found = itertools.islice(found, head)
-        return (line + "\n" for line in found)
+        options = {
+            "follow": follow,
+            "head": head,
+            "tail": tail,
+            "container_ids": container_ids,
+            "rank_ids": rank_ids,
+            "stdtypes": stdtypes,
+            # A LogLevel by its name: the options cross to the login node as JSON over ssh://.
+            "min_level": getattr(min_level, "name", min_level),
+            "timestamp_before": timestamp_before,
+            "timestamp_after": timestamp_after,
+            "sources": sources,
+            "search_text": search_text,
+        }
+        return (line + "\n" for line in self._session.trial_log_lines(self.id, options))
 
     def logs(
         self,
@@ -232,9 +179,7 @@ class Trial:
 
     def kill(self) -> None:
         """Stop the trial now (as `det trial kill`); the searcher sees it as ended early."""
-        from detslurm.controller import ops
-
-        ops.kill_trial(self._session.store, self.id, self._session.scope)
+        self._session.kill_trial(self.id)
 
     def __repr__(self) -> str:
         return f"Trial(id={self.id})"

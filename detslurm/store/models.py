@@ -70,6 +70,8 @@ class Experiment(Base):
     owner: Mapped[str] = mapped_column(String(128))
     state: Mapped[ExperimentState] = mapped_column(EnumColumn(ExperimentState, 32), default=ExperimentState.ACTIVE)
     description: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Free text the user keeps with the experiment (the SDK's Experiment.set_notes).
+    notes: Mapped[str | None] = mapped_column(Text, nullable=True)
     # The validated config with defaults (expconf.ExperimentConfig.as_dict); read back through
     # expconf.from_stored, which validates it again. original_config is the YAML as the user wrote it.
     config: Mapped[dict[str, Any]] = mapped_column(JSON)

@@ -52,7 +52,7 @@ _TRIAL_COLUMNS = (
 )
 _EXPERIMENT_COLUMNS = (
     "e.id, e.name, e.owner, e.state, e.progress, e.description, e.start_time, e.end_time, e.resource_pool, "
-    "e.archived, e.config, e.executor, e.exp_dir, e.error_message, e.parent_id, e.context_sha256"
+    "e.archived, e.config, e.executor, e.exp_dir, e.error_message, e.parent_id, e.context_sha256, e.notes"
 )
 SQL = {
     "revision": "SELECT version_num FROM alembic_version",
@@ -256,7 +256,8 @@ class Reads:
         return self._experiment(rows[0])
 
     def _experiment(self, row: tuple[Any, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-        i, name, owner, state, progress, desc, t0, t1, pool, archived, config, executor, exp_dir, err, parent, sha = row
+        i, name, owner, state, progress, desc, t0, t1, pool, archived, config, executor, exp_dir, err, parent = row[:15]
+        sha, notes = row[15:]
         cfg = self._json(config)
         d = {
             "id": i,
@@ -275,6 +276,7 @@ class Reads:
             "error": err,
             "parent_id": parent,
             "context_sha256": sha,
+            "notes": notes,
         }
         return d, cfg
 
