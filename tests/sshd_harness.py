@@ -96,7 +96,8 @@ class Sshd:
             self.proc.wait()
 
 
-def start_sshd(d: Path, authorized_keys: Path) -> Sshd:
+def start_sshd(d: Path, authorized_keys: Path, sftp: bool = True) -> Sshd:
+    """With ``sftp=False`` the server has no SFTP subsystem, as some login nodes are configured."""
     d.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
     host_key = keygen(d / "host_ed25519", "host")
@@ -106,7 +107,7 @@ def start_sshd(d: Path, authorized_keys: Path) -> Sshd:
         f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\nPidFile {d / 'sshd.pid'}\n"
         f"AuthorizedKeysFile {authorized_keys}\nStrictModes no\nUsePAM no\nPasswordAuthentication no\n"
         "KbdInteractiveAuthentication no\nPubkeyAuthentication yes\nAllowTcpForwarding yes\n"
-        f"AllowUsers {USER}\nSubsystem sftp internal-sftp\nLogLevel DEBUG1\nMaxStartups 50\n"
+        f"AllowUsers {USER}\n{'Subsystem sftp internal-sftp' if sftp else ''}\nLogLevel DEBUG1\nMaxStartups 50\n"
     )
     with open(d / "sshd.log", "wb") as log:  # sshd keeps its own copy of the fd
         proc = subprocess.Popen([str(SSHD), "-D", "-e", "-f", str(conf)], stderr=log)

@@ -177,15 +177,32 @@ class Connection:
         except (paramiko.SSHException, OSError) as e:
             raise RemoteError(f"{self.login}: cannot open a connection to its port {port}: {e}") from None
 
+    def open_sftp(self) -> paramiko.Channel:
+        """A channel running the login node's SFTP subsystem, or a RemoteError that says how to
+        do without one (an sshd configured without `Subsystem sftp` refuses the request)."""
+        chan = self.transport.open_session()
+        try:
+            chan.invoke_subsystem("sftp")
+        except (paramiko.SSHException, EOFError, OSError):
+            chan.close()
+            raise RemoteError(no_sftp(self.login)) from None
+        return chan
+
     def sftp(self) -> paramiko.SFTPClient:
-        client = paramiko.SFTPClient.from_transport(self.transport)
-        if client is None:
-            raise RemoteError(f"{self.login}: the SFTP subsystem is not available")
-        return client
+        return paramiko.SFTPClient(self.open_sftp())
 
     def close(self) -> None:
         for t in reversed(self.transports):
             t.close()
+
+
+def no_sftp(login: str) -> str:
+    return (
+        f"{login}: its sshd offers no SFTP subsystem, which remote mode needs to upload contexts "
+        "and download checkpoints. Ask the cluster's admins to enable it (`Subsystem sftp "
+        "internal-sftp` in sshd_config), or work on the login node itself: copy the context there "
+        "(rsync or git) and run det in an SSH session"
+    )
 
 
 def connect(target: Target, prompt: Prompt = tty_prompt) -> Connection:

@@ -31,6 +31,9 @@ from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target, miss
 # protocol, so its channel is relayed raw.
 _HEAD = struct.Struct("!cI")
 REQ, OUT, ERR, EXIT, IN, EOF = b"R", b"O", b"E", b"X", b"I", b"C"
+# In the socket's name: a holder left running by a det that spoke an older protocol (version 1:
+# no reply frame before SFTP's bytes) is never used by this one, which starts its own.
+PROTOCOL = b"2"
 
 
 def send_frame(sock: socket.socket, kind: bytes, data: bytes) -> None:
@@ -56,7 +59,7 @@ def socket_path(target: Target) -> Path:
     """One holder per URL and SSH config (a changed config must not reuse an old route)."""
     cfg = Path(os.path.expanduser("~/.ssh/config"))
     salt = cfg.read_bytes() if cfg.is_file() else b""
-    digest = hashlib.sha256(target.url.encode() + b"\0" + salt).hexdigest()[:20]
+    digest = hashlib.sha256(PROTOCOL + target.url.encode() + b"\0" + salt).hexdigest()[:20]
     name = f"ssh-{digest}.sock"
     return runtime_dir(len(name)) / name
 
@@ -161,7 +164,16 @@ class HeldConnection:
     def sftp(self) -> Any:
         import paramiko
 
-        return paramiko.SFTPClient(self._open({"op": "sftp"}, _SftpSocket))
+        sock = self._open({"op": "sftp"}, _SftpSocket)
+        try:
+            kind, data = recv_frame(sock)
+        except (EOFError, OSError) as e:
+            sock.close()
+            raise RemoteError(f"the SSH connection holder at {self.path} went away: {e}") from None
+        if kind == ERR:
+            sock.close()
+            raise RemoteError(data.decode(errors="replace"))
+        return paramiko.SFTPClient(sock)
 
     def close(self) -> None:
         pass  # the holder stays for later commands

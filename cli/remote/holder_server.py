@@ -87,8 +87,14 @@ class Holder:
         relay(client, self.conn.open_tcp(port, host))
 
     def _sftp(self, client: socket.socket) -> None:
-        chan = self.conn.transport.open_session()
-        chan.invoke_subsystem("sftp")
+        # One frame says whether the subsystem opened (an empty OUT) or why not (ERR); the
+        # SFTP protocol's own bytes follow raw.
+        try:
+            chan = self.conn.open_sftp()
+        except DetSlurmError as e:
+            send_frame(client, ERR, str(e).encode())
+            return
+        send_frame(client, OUT, b"")
         relay(client, chan)  # closes both when either side ends
 
 

@@ -190,3 +190,55 @@ def test_remote_mode_without_paramiko_names_the_extra(
     assert "remote mode needs its extra: pip install 'detslurm[remote]'" in line
     assert ("cryptography" in line) == (paramiko == "broken")
     assert "Traceback" not in p.stderr and "holder" not in p.stderr
+
+
+@pytest.mark.parametrize("persist", ["0", "60"])
+def test_a_login_node_without_sftp_says_so(
+    det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, persist: str
+) -> None:
+    """A real sshd configured without the SFTP subsystem (tests/sshd_harness.py): `det e create`
+    over ssh:// says that SFTP is missing and what to do, directly and through the connection
+    holder (which reset the connection: "[Errno 104] Connection reset by peer")."""
+    import os
+    import shutil
+    import tempfile
+
+    pytest.importorskip("paramiko")
+    import sshd_harness as sh
+
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the remote-mode tests start sshd as root, and CI runs as root")
+        pytest.skip("the remote-mode tests start sshd as root")
+    sh.ensure_openssh()
+    sh.ensure_user()
+    key = sh.keygen(tmp_path / "laptop_key")
+    # sshd reads the keys as the ssh user: a file of their own, outside root's private tmp.
+    keys = Path(tempfile.mkdtemp(prefix="ds-keys-"))
+    keys.chmod(0o755)
+    (keys / "authorized_keys").write_text(Path(f"{key}.pub").read_text())
+    (keys / "authorized_keys").chmod(0o644)
+    run = Path(tempfile.mkdtemp(prefix="ds-run-"))  # short: the holder's socket path must fit
+    srv = sh.start_sshd(tmp_path / "nosftp", keys / "authorized_keys", sftp=False)
+    try:
+        home = tmp_path / "home"
+        (home / ".ssh").mkdir(parents=True)
+        (home / ".ssh/config").write_text(
+            f"Host nosftp\n  HostName 127.0.0.1\n  Port {srv.port}\n  User {sh.USER}\n  IdentityFile {key}\n"
+        )
+        (home / ".ssh/known_hosts").write_text(srv.known_hosts_line())
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+        monkeypatch.setenv("DETSLURM_REMOTE_PERSIST_S", persist)
+        code, out, err = det("-m", "ssh://nosftp", "e", "create", CORE / "const.yaml", CORE)
+        assert code == 1, out + err
+        assert "its sshd offers no SFTP subsystem" in err and "Subsystem sftp internal-sftp" in err, err
+        assert "Errno" not in err and "Traceback" not in err
+        assert "subsystem request for sftp" in srv.log  # the server was asked, and refused
+    finally:
+        for sock in run.glob("detslurm/*.sock"):
+            sock.unlink()  # a holder whose socket is gone exits within a second
+        srv.stop()
+        shutil.rmtree(keys, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
