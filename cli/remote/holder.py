@@ -7,7 +7,8 @@ terminal only to ask for the login, then detaches. Later commands talk to it ove
 per-user directory, the socket itself 0600 and owned by the user; the holder also checks each
 peer's uid (SO_PEERCRED; where the platform lacks it, that the socket's directory is still
 private). Per request it opens one SSH channel: an exec (framed stdout, stderr
-and exit code back, stdin forth) or the SFTP subsystem (raw bytes both ways).
+and exit code back, stdin forth) or the SFTP subsystem (one frame saying whether it
+opened, then raw bytes both ways).
 """
 
 from __future__ import annotations
