@@ -242,3 +242,46 @@ def test_a_login_node_without_sftp_says_so(
         srv.stop()
         shutil.rmtree(keys, ignore_errors=True)
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_the_local_demo_installs_only_what_it_runs(tmp_path: Path) -> None:
+    """`DEMO_LOCAL=1 scripts/demo` installs detslurm alone: not the development setup
+    (scripts/bootstrap: torch, DeepSpeed and Horovod builds, Chromium). Run on a copy of the
+    checkout's scripts whose venv and package tools record what they were asked to do."""
+    import os
+    import shutil
+
+    from conftest import ROOT
+
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts/demo", repo / "scripts/demo")
+    for name in ("pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, repo / name)
+    log = tmp_path / "calls.log"
+    record = f'#!/bin/sh\necho "$(basename "$0") $*" >> {log}\n'
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (repo / ".venv/bin").mkdir(parents=True)
+    stubs = {
+        repo / "scripts/bootstrap": record + "exit 1\n",
+        repo / "scripts/bootstrap-launchers": record + "exit 1\n",
+        bin_dir / "apt-get": record + "exit 1\n",
+        # The venv's python: pip calls are recorded; the demo's one-line JSON readers run for real.
+        repo / ".venv/bin/python": record + f'[ "$1" = -c ] && exec {sys.executable} "$@"\nexit 0\n',
+        repo / ".venv/bin/det": record + 'case "$*" in *--json*) echo \'[{"id": 1}]\';; esac\n',
+    }
+    for path, text in stubs.items():
+        path.write_text(text)
+        path.chmod(0o755)
+    env = dict(os.environ, DEMO_LOCAL="1", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    p = subprocess.run(["bash", str(repo / "scripts/demo")], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    calls = log.read_text().splitlines()
+    assert [c for c in calls if c.startswith(("bootstrap", "apt-get"))] == []
+    (pip,) = [c for c in calls if " pip install" in c]
+    assert pip.endswith(" -e . -c constraints.txt") and "[" not in pip, pip
+    assert "det experiment create --local examples/core_api/adaptive.yaml examples/core_api" in calls
+    # A second run finds the venv current and installs nothing.
+    assert subprocess.run(["bash", str(repo / "scripts/demo")], env=env, capture_output=True).returncode == 0
+    assert sum(" pip install" in c for c in log.read_text().splitlines()) == 1
