@@ -134,8 +134,9 @@ def serve(request_text: str, session: Session) -> str:
     """The answer to one request, as JSON: ``{"ok": value}`` or an error of a known kind."""
     try:
         request = json.loads(request_text)
-        call = CALLS.get(request.get("call")) if isinstance(request, dict) else None
-        args = request.get("args") if isinstance(request, dict) else None
+        if not isinstance(request, dict):
+            request = {}
+        call, args = CALLS.get(str(request.get("call"))), request.get("args")
         if call is None or not isinstance(args, list):
             raise DetSlurmError(f"{COMMAND}: not a request this detslurm answers: {request_text[:200]!r}")
         return json.dumps({"ok": encode(call(session, *decode(args)))})
