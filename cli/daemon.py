@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import time
+from pathlib import Path
 
 import click
 
@@ -12,6 +14,7 @@ from detslurm import daemon as daemon_mod
 from detslurm.cli import logs as logs_mod
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.render import dump_json, table
+from detslurm.util import printable
 
 
 @click.group(name="daemon")
@@ -97,11 +100,17 @@ def _every_users(app: App, as_json: bool) -> None:
                 f"{(now - d.started) / 60:.0f} min",
                 d.tick.experiments if d.tick else "",
                 d.tick.describe(now) if d.tick else "no status yet",
-                str(d.data_dir),
+                _shown(d.data_dir),
             ]
             for d in found
         ],
     )
+
+
+def _shown(path: Path) -> str:
+    """A directory another user named, as one line on root's terminal: no escape sequences, no
+    line of its own, and bytes that are not UTF-8 replaced (printing them would fail)."""
+    return printable(os.fsencode(path).decode("utf-8", "replace")).replace("\n", " ")
 
 
 @daemon.command("logs")

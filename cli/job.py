@@ -154,21 +154,25 @@ def list_(app: App, resource_pool: str | None, as_json: bool) -> None:
 job.add_command(list_, "ls")
 
 
-def _shapes(app: App, job: QueuedJob, pool: str, trial: qs.Trial | None) -> tuple[q.Shape | None, q.Shape]:
+def _shapes(
+    app: App, job: QueuedJob, pool: str, trial: qs.Trial | None, caller: q.Caller
+) -> tuple[q.Shape | None, q.Shape]:
     """The job's shape in its pool and in ``pool`` (see queue.plan_pool); refuses a pool its
-    trial could never run in, as the create would."""
+    trial could never run in, as the create would. Another user's job takes the account, QOS
+    and time of the site's pools only (queue_store.trial_shape says why)."""
     site = app.site()
     config = trial.config() if trial is not None else None
     if config is None:
         return None, qs.pool_shape(site, pool)  # an unknown pool fails here
-    dst, locked = qs.trial_shape(config, site, pool)
+    owners = job.user == caller.user
+    dst, locked = qs.trial_shape(config, site, pool, owners_limits=owners)
     never = locked or qs.never_runs(config, site, pool, app.client)
     if never:
         raise q.QueueError(
             f"job {job.job_id} was not moved: its trial could never run in pool {pool}: {'; '.join(never)}"
         )
     try:
-        src = qs.trial_shape(config, site, config.resources.resource_pool)[0]
+        src = qs.trial_shape(config, site, config.resources.resource_pool, owners_limits=owners)[0]
     except ConfigError:
         src = None  # its pool is gone from the site config: nothing to compare with
     return src, dst
@@ -192,7 +196,7 @@ def _plan(
     target = None
     if pool is not None:
         shown = client.show_job(job.job_id) if job.state == SlurmState.PENDING else {}
-        target = (pool, _shapes(app, job, pool, trial), shown)
+        target = (pool, _shapes(app, job, pool, trial, caller), shown)
     keeper = trial.keeper if trial else None
     return q.plan_update(queue, job_id, caller, caps, keeper=keeper, pool=target, **change), trial
 

@@ -26,6 +26,7 @@ from detslurm import queue as q
 from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import Scope, os_user
 from detslurm.slurm.parse import comment_tag, experiment_tag
+from detslurm.util import printable
 
 if TYPE_CHECKING:
     from detslurm.expconf import ExperimentConfig
@@ -127,6 +128,10 @@ class AsOwner:
                 timeout=_CHILD_TIMEOUT_S,
                 env=env,
                 cwd="/",
+                # A session of its own, with no controlling terminal: the owner may ptrace their
+                # own process, and one holding root's terminal could type into root's shell
+                # (TIOCSTI) or write to it.
+                start_new_session=True,
                 user=pw.pw_uid,
                 group=pw.pw_gid,
                 extra_groups=os.getgrouplist(self.owner, pw.pw_gid),
@@ -137,12 +142,13 @@ class AsOwner:
         try:
             answer = json.loads(done.stdout[:_MAX_ANSWER].strip().splitlines()[-1])
             assert isinstance(answer, dict)
-        except (ValueError, IndexError, AssertionError):
-            said = (done.stderr.strip().splitlines() or ["no answer"])[-1][:500]
+        except (ValueError, IndexError, AssertionError, RecursionError):
+            said = printable((done.stderr.strip().splitlines() or ["no answer"])[-1][:500])
             raise StateError(f"cannot open {self.where} as {self.owner}: {said}") from None
-        self.where = str(answer.get("where", self.where))[:500]
+        # The owner's words (their paths, their store's messages) are shown on root's terminal.
+        self.where = _one_line(answer.get("where", self.where), 500)
         if answer.get("error"):
-            raise StateError(str(answer["error"])[:2000])
+            raise StateError(_one_line(answer["error"], 2000))
         return answer
 
     def find(self, exp_id: int, tag: str) -> Found:
@@ -151,7 +157,7 @@ class AsOwner:
         except StateError as e:
             return Found(self.where, None, str(e))
         config = a.get("config")
-        missing = str(a.get("missing", ""))[:2000]
+        missing = _one_line(a.get("missing", ""), 2000)
         return Found(self.where, config if isinstance(config, dict) else None, missing)
 
     def move(self, exp_id: int, pool: str, tag: str) -> None:
@@ -162,6 +168,11 @@ class AsOwner:
 
     def save_priority(self, exp_id: int, priority: int, tag: str) -> None:
         self._ask({"op": "priority", "experiment_id": exp_id, "tag": tag, "priority": priority})
+
+
+def _one_line(text: object, limit: int) -> str:
+    """Text from the owner's child, cut to ``limit`` and safe on root's terminal."""
+    return printable(str(text)[:limit]).replace("\n", " ")
 
 
 @dataclass(frozen=True)
@@ -211,23 +222,37 @@ def trial_of(job: QueuedJob, caller_user: str, *, store: Store, scope: Scope, cl
 # -- shapes -------------------------------------------------------------------------------------
 
 
-def _in_pool(config: ExperimentConfig, pool: str | None) -> ExperimentConfig:
-    """``config`` as it would be stored after a move to ``pool`` (validated again)."""
+def _in_pool(config: ExperimentConfig, pool: str | None, **slurm: Any) -> ExperimentConfig:
+    """``config`` as it would be stored after a move to ``pool`` (validated again), with the
+    ``slurm`` section's keys given here replaced."""
     from detslurm.expconf import from_stored
     from detslurm.expconf.view import merge_config
 
-    return from_stored(merge_config(config.as_dict(), {"resources": {"resource_pool": pool}}), "<moved config>")
+    patch: dict[str, Any] = {"resources": {"resource_pool": pool}}
+    if slurm:
+        patch["slurm"] = slurm
+    return from_stored(merge_config(config.as_dict(), patch), "<moved config>")
 
 
-def trial_shape(config: ExperimentConfig, site: SiteConfig, pool: str | None) -> tuple[q.Shape, list[str]]:
+def trial_shape(
+    config: ExperimentConfig, site: SiteConfig, pool: str | None, *, owners_limits: bool = True
+) -> tuple[q.Shape, list[str]]:
     """What a fresh submission of a trial of ``config`` asks for in ``pool`` (the resource plan
-    sbatch gets), and why it could never run there (the create's refusal check: sizes, limits)."""
+    sbatch gets), and why it could never run there (the create's refusal check: sizes, limits).
+
+    ``owners_limits=False`` (root changing another user's job): the account, QOS and time are
+    only those the site's pool sets, never the ones in the owner's sbatch_args. The stored config
+    is the owner's to write, and root's ``scontrol update`` is not held to the owner's rights
+    (an administrator may raise a time limit or set any QOS): the owner's own values were
+    judged by Slurm with the owner's rights when they submitted, and are left as they are."""
     from detslurm.slurm.refusals import job_shape, site_limit_refusals
     from detslurm.slurm.render import image_for, resource_plan
 
     moved = _in_pool(config, pool)
     res = resource_plan(moved, site)  # an unknown pool fails here
     shape = job_shape(moved, site, res)
+    if not owners_limits:
+        shape = job_shape(_in_pool(config, pool, sbatch_args=[]), site, res)
     _, p = site.pool(pool or "")
     image = ""
     if site.runs_containers:
