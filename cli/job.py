@@ -192,7 +192,7 @@ def _plan(
     pool = change.pop("resource_pool", None)
     trial = None
     if pool is not None or change.get("priority") is not None:
-        trial = qs.trial_of(job, caller.user, store=app.store, scope=app.scope, client=client)
+        trial = qs.trial_of(job, caller.user, store=app.store, scope=app.scope, client=client, audit=app.audit)
     target = None
     if pool is not None:
         shown = client.show_job(job.job_id) if job.state == SlurmState.PENDING else {}

@@ -29,6 +29,7 @@ from detslurm.slurm.parse import comment_tag, experiment_tag
 from detslurm.util import printable
 
 if TYPE_CHECKING:
+    from detslurm.audit import AuditLog
     from detslurm.expconf import ExperimentConfig
     from detslurm.slurm.client import SlurmClient
     from detslurm.slurm.parse import QueuedJob
@@ -104,11 +105,26 @@ class InStore:
 class AsOwner:
     """Another user's store, reached by a child process that runs as that user (module doc)."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, audit: AuditLog | None = None) -> None:
         self.owner = owner
         self.where = f"{owner}'s store"
+        self.audit = audit
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        if self.audit is None or request["op"] == "find":
+            return self._child(request)
+        # A change to another user's experiment, and the scancel its replacement makes as them,
+        # are root's actions too: recorded before, then with their outcome (detslurm/audit.py).
+        self.audit.write("as_owner", owner=self.owner, request=request)
+        try:
+            answer = self._child(request)
+        except StateError as e:
+            self.audit.write("as_owner_result", owner=self.owner, request=request, error=str(e))
+            raise
+        self.audit.write("as_owner_result", owner=self.owner, request=request, error=None)
+        return answer
+
+    def _child(self, request: dict[str, Any]) -> dict[str, Any]:
         try:
             pw = pwd.getpwnam(self.owner)
         except KeyError:
@@ -193,10 +209,19 @@ class Trial:
         return from_stored(self.stored, where)
 
 
-def trial_of(job: QueuedJob, caller_user: str, *, store: Store, scope: Scope, client: SlurmClient) -> Trial | None:
+def trial_of(
+    job: QueuedJob,
+    caller_user: str,
+    *,
+    store: Store,
+    scope: Scope,
+    client: SlurmClient,
+    audit: AuditLog | None = None,
+) -> Trial | None:
     """The experiment ``job`` is a trial of (None for a job that is no detslurm trial): in the
     caller's store for the caller's own jobs (and for another owner's rows of a shared store
-    under root's --all-users), else in the owner's store through :class:`AsOwner`."""
+    under root's --all-users), else in the owner's store through :class:`AsOwner` (whose
+    changes go to root's ``audit`` log)."""
     ids = job.identity
     if ids is None:
         return None
@@ -209,7 +234,7 @@ def trial_of(job: QueuedJob, caller_user: str, *, store: Store, scope: Scope, cl
             why = f"it is {job.user}'s; changing another user's experiment takes det --all-users"
             return Trial(q.Keeper(exp_id, tag, f"{job.user}'s store", why), own, None)
         # A shared store holds the owner's rows (root's --all-users sees them); else the owner's own.
-        keepings.append(AsOwner(job.user))
+        keepings.append(AsOwner(job.user, audit))
     missing: list[str] = []
     for keeping in keepings:
         found = keeping.find(exp_id, tag)

@@ -167,6 +167,35 @@ def test_the_owners_words_reach_roots_terminal_without_control_characters(
     assert not [c for c in CONTROL if c in shown], shown
 
 
+def test_roots_changes_through_the_owners_child_are_in_the_audit_log(
+    mallory: Attacker, owner_config: Path, shared_python: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """docs/admin/audit.md: every change root's command makes to another user's jobs is
+    recorded; the child's (a kept priority or pool, the scancel of a replaced job) too."""
+    from detslurm.audit import AuditLog
+    from detslurm.controller import queue_store as qs
+    from detslurm.errors import StateError
+
+    home = owner_config.parents[2]
+    r = run_as(mallory.user, ["sh", "-c", f"cat > '{owner_config}'"], input=f"data_dir: {home}/data\n")
+    assert r.returncode == 0, r.stderr
+    logs = tmp_path / "logs"
+    logs.mkdir(mode=0o700)
+    monkeypatch.setattr(sys, "executable", str(shared_python))
+    name = mallory.user.pw_name
+    owner = qs.AsOwner(name, AuditLog(logs / "audit.log", env={}))
+    assert owner.find(1, "tag").config is None  # a read: the command's own record covers it
+    assert not (logs / "audit.log").exists()
+    with pytest.raises(StateError, match="has no experiment 1|did not submit this job"):
+        owner.save_priority(1, 10, "tag")
+    recs = [json.loads(line) for line in (logs / "audit.log").read_text().splitlines()]
+    assert [(r["event"], r["owner"], r["request"]) for r in recs] == [
+        (event, name, {"op": "priority", "experiment_id": 1, "tag": "tag", "priority": 10})
+        for event in ("as_owner", "as_owner_result")
+    ]
+    assert recs[1]["error"] and recs[1]["user"] == "root"
+
+
 # -- the owner's stored config behind root's pool move ----------------------------------------
 
 
