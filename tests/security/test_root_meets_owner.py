@@ -332,3 +332,20 @@ def test_site_install_refuses_a_prefix_its_module_files_cannot_hold(prefix: str,
     )
     assert r.returncode == 2 and "PREFIX may hold only" in r.stderr, r.stderr
     assert not target.exists() and not target.parent.exists()
+
+
+@pytest.mark.parametrize("planted", ["prefix", "parent"])
+def test_site_install_refuses_a_prefix_another_user_controls(planted: str, mallory: Attacker, tmp_path: Path) -> None:
+    """She pre-creates the install dir (or owns the one above it): she could then swap the venv
+    whose det every user, root included, runs."""
+    hers = tmp_path / "sw"
+    hers.mkdir()
+    os.chown(hers, mallory.uid, mallory.user.pw_gid)
+    prefix = hers if planted == "prefix" else hers / "detslurm"
+    r = subprocess.run(
+        [str(ROOT / "scripts/site-install"), str(prefix), "--python", "/nonexistent/python3"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and f"{hers} is owned by uid {mallory.uid}, not by root or by you" in r.stderr, r.stderr
+    assert not prefix.exists() or not any(prefix.iterdir())
