@@ -31,14 +31,22 @@ T = TypeVar("T")
 class App:
     """One per `det` process: the one place the CLI opens the store, Slurm and the configs."""
 
-    def __init__(self, all_users: bool = False, argv: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        all_users: bool = False,
+        argv: Sequence[str] = (),
+        *,
+        store: Store | None = None,
+        scope: Scope | None = None,
+    ) -> None:
         # The --all-users flag is only recorded here; whether the caller may use it is decided
-        # lazily in `scope`, so commands that never touch the store never fail on it.
+        # lazily in `scope`, so commands that never touch the store never fail on it. A store and
+        # a scope given: the Python SDK's session's (detslurm/client), whose changes are the CLI's.
         self.all_users = all_users
         self.argv = list(argv)  # the command line, for root's audit log
-        self._scope: Scope | None = None
+        self._scope: Scope | None = scope
         self._settings: Settings | None = None
-        self._store: Store | None = None
+        self._store: Store | None = store
         self._client: SlurmClient | None = None
         self._site: SiteConfig | None = None
         self._reads: Reads | None = None

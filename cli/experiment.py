@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 import yaml
 
-from detslurm.cli import experiment_verbs
+from detslurm.cli import experiment_verbs, state_change
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
@@ -442,26 +441,21 @@ def logs(app: App, /, exp_id: int, **opts: Any) -> None:
 
 # pause, cancel and kill record the wish in the store; the daemon (or the `det` that drives a
 # local experiment) carries it out at its next tick. kill and pause also reach Slurm at once
-# for jobs that need no checkpoint: every job on kill, the ones still queued on pause.
-def _state_change(verb: str, past: str, now: bool = False) -> click.Command:
+# for jobs that need no checkpoint: every job on kill, the ones still queued on pause. The
+# Python SDK's Experiment.pause() and friends are these same changes (cli/state_change.py).
+def _state_change(verb: str) -> click.Command:
     @click.command(verb, help=f"{verb.capitalize()} an experiment.")
     @click.argument("exp_id", type=int)
     @pass_app
     def cmd(app: App, exp_id: int) -> None:
-        # controller.ops has pause, cancel and kill under the verbs' names; looked up when the
-        # command runs, so that defining the commands does not load the controller.
-        fn: Callable[[Any, int, Any], None] = getattr(ops, verb)
-        fn(app.store, exp_id, app.scope)
-        click.echo(f"{past} experiment {exp_id}")
-        if now:
-            backend_mod.stop_now(app, exp_id, kill=verb == "kill")
+        state_change.change_state(app, state_change.Verb(verb), exp_id, detach=False, echo=click.echo)
 
     return cmd
 
 
-experiment.add_command(_state_change("pause", "Paused", now=True))
-experiment.add_command(_state_change("cancel", "Canceled"))
-experiment.add_command(_state_change("kill", "Killed", now=True))
+experiment.add_command(_state_change("pause"))
+experiment.add_command(_state_change("cancel"))
+experiment.add_command(_state_change("kill"))
 
 
 @experiment.command("activate")
@@ -473,28 +467,10 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
     resumes a local experiment whose foreground ended (a closed terminal, an SSH drop, a kill),
     from its trials' checkpoints. An in-allocation experiment continues in the allocation this
     runs in, else in its own while that runs, else as ordinary jobs."""
-    from detslurm.controller import in_allocation
-
-    # Moved while still paused: the daemon never starts a run in an allocation that has ended.
-    where = in_allocation.rebind(
-        app.store, exp_id, app.scope, os.environ.get("SLURM_JOB_ID"), lambda job: _still_held(app, job)
-    )
-    ops.activate(app.store, exp_id, app.scope)
-    click.echo(f"Activated experiment {exp_id}" + (f": {where}" if where else ""))
-    # Mark it ACTIVE first: a local experiment is then driven in the foreground, a Slurm one
-    # by the daemon this starts.
-    backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=detach)
+    state_change.change_state(app, state_change.Verb.ACTIVATE, exp_id, detach=detach, echo=click.echo)
 
 
 experiment.add_command(activate, "unpause")
-
-
-def _still_held(app: App, job: str) -> bool:
-    """Whether trials may still start in held job ``job`` (one scontrol call)."""
-    from detslurm.controller.step_executor import StepExecutor
-
-    steps = StepExecutor(app.client, app.site())
-    return steps.ending(job, steps.allocation(job)) is None
 
 
 @experiment.command("wait")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from detslurm.cli import logs as logs_mod
+from detslurm.cli import state_change
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_time, table
@@ -19,17 +20,13 @@ from detslurm.store.reads import trial_reason
 # the controller or pydantic (the read layer, store.reads, needs none of them).
 if TYPE_CHECKING:
     from detslurm import client, views
-    from detslurm.cli import backend as backend_mod
     from detslurm.cli import slurm as slurm_mod
     from detslurm.cli import stop_time
-    from detslurm.controller import ops
 else:
     client = lazy_module("detslurm.client")
     views = lazy_module("detslurm.views")
-    backend_mod = lazy_module("detslurm.cli.backend")
     slurm_mod = lazy_module("detslurm.cli.slurm")
     stop_time = lazy_module("detslurm.cli.stop_time")
-    ops = lazy_module("detslurm.controller.ops")
 
 
 @click.group(name="trial")
@@ -115,12 +112,8 @@ def logs(app: App, /, trial_id: int, **opts: Any) -> None:
 def kill(app: App, trial_id: int) -> None:
     """Kill a trial (the searcher treats it as canceled)."""
     # Recorded in the store like the experiment commands, and the trial's live job is canceled
-    # at once (the daemon would at its next tick); the searcher sees the trial as ended early.
-    ops.kill_trial(app.store, trial_id, app.scope)
-    click.echo(f"Killed trial {trial_id}")
-    with app.store.read() as s:
-        exp_id = views.get_trial(s, trial_id, app.scope).experiment_id
-    backend_mod.stop_now(app, exp_id, kill=True, trial_id=trial_id)
+    # at once (the daemon would at its next tick); the SDK's Trial.kill() is this same change.
+    state_change.kill_trial(app, trial_id, click.echo)
 
 
 @trial.command("download")

@@ -18,27 +18,20 @@ from typing import TYPE_CHECKING, Any, Union
 import yaml
 
 from detslurm import settings
+from detslurm.cli.state_change import Verb, log_echo
 from detslurm.client import _logs, _tensorboard
 from detslurm.client._checkpoint import copy_checkpoint
 from detslurm.errors import ConfigError, StateError
 from detslurm.identity import Scope, os_user
 
 if TYPE_CHECKING:
+    from detslurm.cli.app import App
     from detslurm.client._checkpoint import Checkpoint
     from detslurm.store import Store
     from detslurm.store.reads import Reads
 
 # A config as Determined's create_experiment takes it: a YAML file's path, or the config itself.
 ConfigArg = Union[str, Path, dict[str, Any]]
-
-
-class Verb(str, enum.Enum):
-    """The experiment state changes, each the controller operation of `det e <verb>`."""
-
-    ACTIVATE = "activate"
-    PAUSE = "pause"
-    CANCEL = "cancel"
-    KILL = "kill"
 
 
 class Edit(str, enum.Enum):
@@ -58,6 +51,7 @@ class Session:
         self._url = db_url
         self._store = store
         self._reads: Reads | None = None
+        self._app: App | None = None
         self.scope = scope or Scope.mine()
 
     @property
@@ -88,11 +82,23 @@ class Session:
     def close(self) -> None:
         """Nothing held here: the store's connections are the process's (kept for logout())."""
 
-    # -- experiments: the same row changes as the `det e` commands ---------------------------
-    def change_state(self, verb: Verb, exp_id: int) -> None:
-        from detslurm.controller import ops
+    @property
+    def app(self) -> App:
+        """The CLI's view of this session's store and scope, for the changes that are `det`
+        commands' (cli/state_change.py): Slurm and the daemon are reached as they reach them."""
+        if self._app is None:
+            from detslurm.cli.app import App
 
-        getattr(ops, Verb(verb).value)(self.store, exp_id, self.scope)
+            self._app = App(store=self.store, scope=self.scope)
+        return self._app
+
+    # -- experiments: the changes of the `det e` commands, through the same code ---------------
+    def change_state(self, verb: Verb, exp_id: int) -> None:
+        """`det e <verb>`: a kill cancels the jobs at once, a pause the queued ones, an activate
+        starts the daemon; a local experiment is only marked active (`det e activate --detach`)."""
+        from detslurm.cli import state_change
+
+        state_change.change_state(self.app, Verb(verb), exp_id, detach=True, echo=_echo)
 
     def edit(self, change: Edit, exp_id: int, *args: Any) -> None:
         from detslurm.controller import edit
@@ -149,16 +155,17 @@ class Session:
             def submit(executor: Any) -> None:
                 daemon.reconcile_once(st, store=store, client=client, site=site, executor=executor)
 
-            exp_id = create.create(store, st, SlurmPlace(client, site, submit), plan, _log_echo)
+            exp_id = create.create(store, st, SlurmPlace(client, site, submit), plan, _echo)
         assert exp_id is not None  # not a dry run
         daemon.start(st)  # the daemon carries it on, as after `det e create`
         return exp_id
 
     # -- trials ----------------------------------------------------------------------------
     def kill_trial(self, trial_id: int) -> None:
-        from detslurm.controller import ops
+        """`det t kill`: the trial's live job is canceled at once."""
+        from detslurm.cli import state_change
 
-        ops.kill_trial(self.store, trial_id, self.scope)
+        state_change.kill_trial(self.app, trial_id, _echo)
 
     def trial_log_lines(self, trial_id: int, options: Mapping[str, Any]) -> Iterator[str]:
         return _logs.log_lines(self, trial_id, options)
@@ -209,8 +216,6 @@ def _config_file(config: ConfigArg, tmp: Path) -> Path:
     return path
 
 
-def _log_echo(message: str, *, nl: bool = True, err: bool = False) -> None:
-    """The create's lines (what `det e create` prints) as log records: the SDK prints nothing."""
-    import logging
-
-    logging.getLogger("detslurm.client").log(logging.WARNING if err else logging.INFO, "%s", message.rstrip("\n"))
+# What `det` would print (the create's lines, the jobs a kill canceled) goes to the log: the SDK
+# prints nothing.
+_echo = log_echo("detslurm.client")

@@ -24,11 +24,39 @@ from detslurm.controller.create import execute_create, plan_create
 from detslurm.errors import ConfigError, DetSlurmError, NotFoundError, StateError
 from detslurm.identity import Scope
 from detslurm.protocol import ExpPaths
+from detslurm.slurm.client import Result
+from detslurm.slurm.parse import REC_END, SEP, SQUEUE_FIELDS
 from detslurm.store import Trial, open_store
 from detslurm.store.models import Experiment, TrialRun
 
 CORE = EXAMPLES / "core_api"
 CONFIG = "name: sdk-made\nentrypoint: python3 train.py\nsearcher: {name: single, metric: loss, max_length: 1}\n"
+
+
+class QueuedSlurm(Slurm):
+    """The fake Slurm whose queue holds every job submitted, PENDING, until it is canceled (a
+    read's tick then finds it queued, not lost)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[str] = []
+
+    def answer(self, argv: list[str], input: str | None) -> Result:
+        got = super().answer(argv, input)
+        if argv[:2] == ["sbatch", "--parsable"]:
+            self.pending.append(got.stdout.strip())
+        elif argv[0] == "scancel" and not self.scancel:
+            self.pending = [j for j in self.pending if j not in argv]
+        elif argv[0] == "squeue":
+            return Result(0, "".join(_pending_record(j) for j in self.pending), "")
+        return got
+
+
+def _pending_record(job: str) -> str:
+    fields = dict.fromkeys(SQUEUE_FIELDS, "")
+    fields.update({"JobArrayID": job, "JobID": job, "State": "PENDING", "Reason": "Resources", "NumNodes": "1"})
+    fields.update({"NumCPUs": "1", "RestartCnt": "0"})
+    return SEP.join(fields[k] for k in SQUEUE_FIELDS) + REC_END
 
 
 @pytest.fixture
@@ -37,7 +65,7 @@ def sdk(det_env: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     from detslurm import daemon
     from detslurm.slurm import client as slurm_client
 
-    fake = Slurm()
+    fake = QueuedSlurm()
     monkeypatch.setattr(slurm_client, "client_from_env", lambda *_, **__: slurm_client.SlurmClient(fake, user="alice"))
     started: list[object] = []
     monkeypatch.setattr(daemon, "start", lambda st: started.append(st) or 0)
