@@ -17,7 +17,7 @@ from detslurm import daemon as daemon_mod
 from detslurm import views
 from detslurm.cli import local as local_mod
 from detslurm.cli import logs as logs_mod
-from detslurm.cli import outcome
+from detslurm.cli import outcome, undriven
 from detslurm.cli import slurm as slurm_mod
 from detslurm.cli.app import App
 from detslurm.errors import DetSlurmError
@@ -187,6 +187,9 @@ class LocalBackend:
 
     def wait(self, exp_id: int) -> ExperimentState:
         """Drive it here while nobody else does; otherwise watch the store (another `det` drives it)."""
+        # As every read: one whose driver ended is paused first (it waits for `det e activate`
+        # then), not resumed in this waiter's foreground.
+        undriven.settle_undriven(self.app)
 
         def step() -> ExperimentState | None:
             with self.app.store.read() as s:

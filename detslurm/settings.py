@@ -161,7 +161,7 @@ DATA_DIR = _pathvar(
     "DETSLURM_DATA_DIR",
     S,
     BOTH,
-    "The SQLite store and the daemon's files; on a local disk. Off-cluster checkpoints go under it.",
+    "The SQLite store and the daemon's files; on a local disk.",
     key="data_dir",
     default_doc="<user data dir>/detslurm",
 )
@@ -186,7 +186,7 @@ CHECKPOINT_DIR = _pathvar(
     "DETSLURM_CHECKPOINT_DIR",
     S,
     BOTH,
-    "Checkpoints of experiments that name no storage; on a filesystem every compute node mounts.",
+    "Checkpoints of experiments and off-cluster scripts that name no storage; on a filesystem all nodes mount.",
     key="checkpoint_dir",
     default_doc="<experiments_dir>/../checkpoints",
 )

@@ -10,9 +10,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from detslurm import settings
 from detslurm.ckpt_settings import checkpoint_modes
 from detslurm.core._checkpoint import CheckpointContext, DummyCheckpointContext, ensure_base
+from detslurm.core._dirs import user_dirs
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
 from detslurm.core._events import EventWriter, NullWriter
 from detslurm.core._experimental import DummyExperimentalCoreContext, ExperimentalCoreContext
@@ -146,10 +146,9 @@ def _dummy_init(
 ) -> Context:
     dist = distributed or DummyDistributedContext()
     writer = NullWriter()
-    # Off-cluster checkpoints go where the login-side settings keep data, so a script run by
-    # hand finds them where `det` would look.
-    data_dir = settings.DATA_DIR.get() or settings.default_data_dir()
-    base = _storage_base(checkpoint_storage, data_dir / "checkpoints")
+    # Off-cluster checkpoints go where the settings put checkpoints (DETSLURM_CHECKPOINT_DIR, the
+    # config file's checkpoint_dir, or their default), as a detached run's do.
+    base = _storage_base(checkpoint_storage, user_dirs(os.environ).checkpoints)
     ensure_base(base, checkpoint_modes(os.environ))
     log.info("off-cluster: checkpoints go to %s", base)
     return Context(

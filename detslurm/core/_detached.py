@@ -19,15 +19,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from detslurm import settings
 from detslurm.core._checkpoint import CheckpointContext
 from detslurm.core._context import Context
+from detslurm.core._dirs import user_dirs
 from detslurm.core._distributed import DistributedContext, DummyDistributedContext
 from detslurm.core._events import EventWriter, NullWriter
 from detslurm.core._preempt import PreemptContext, PreemptMode
 from detslurm.core._searcher import SearcherContextMissing
 from detslurm.core._train import TrainContext, Writer
-from detslurm.errors import ConfigError
 from detslurm.protocol.detached import (
     DetachedLayout,
     DetachedRun,
@@ -87,26 +86,6 @@ def env_rank(env: Mapping[str, str]) -> int:
         if raw.isdigit():
             return int(raw)
     return 0
-
-
-@dataclass(frozen=True)
-class UserDirs:
-    """The experiments and checkpoint dirs, resolved as the login side's settings do."""
-
-    experiments: Path
-    checkpoints: Path
-
-
-def user_dirs(env: Mapping[str, str]) -> UserDirs:
-    """The environment, then the user config file, then the defaults, as ``detslurm.settings``
-    resolves them for the login side."""
-    try:
-        cfg = settings.read_user_config(env)
-    except ConfigError as e:
-        # A broken config file is the login side's error to report; a job falls back to defaults.
-        log.warning("ignoring the detslurm config: %s", e)
-        cfg = {}
-    return UserDirs(*settings.experiment_dirs(cfg, env))
 
 
 def storage_base(storage: str | dict[str, Any] | None, default: Path) -> Path:

@@ -77,12 +77,16 @@ class TrainContext:
         if self._tb_auto and self._tb_used and time.monotonic() - self._tb_last >= TB_AUTO_INTERVAL_S:
             self.upload_tensorboard_files()
 
+    # Each report is logged at INFO, in Determined's words, on a cluster and off it alike: what a
+    # script that configures logging prints as it trains (the Trainer's reports go through here).
     def report_training_metrics(
         self, steps_completed: int, metrics: dict[str, Any], batch_metrics: list[dict[str, Any]] | None = None
     ) -> None:
+        log.info("report_training_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
         self._metrics("training", steps_completed, metrics, batch_metrics)
 
     def report_validation_metrics(self, steps_completed: int, metrics: dict[str, Any]) -> None:
+        log.info("report_validation_metrics(steps_completed=%s, metrics=%s)", steps_completed, metrics)
         clean = {}
         for k, v in metrics.items():
             if isinstance(v, bytes):
@@ -95,6 +99,7 @@ class TrainContext:
         self._metrics("validation", steps_completed, clean)
 
     def report_metrics(self, group: str, steps_completed: int, metrics: dict[str, Any]) -> None:
+        log.info("report_metrics(group=%s, steps_completed=%s, metrics=%s)", group, steps_completed, metrics)
         self._metrics(group, steps_completed, metrics)
 
     def report_progress(self, progress: float) -> None:

@@ -144,10 +144,16 @@ class PyTorchTrialContext(ReducerContext):
         return dict(self._hparams)
 
     def get_hparam(self, name: str) -> Any:
-        if name not in self._hparams:
+        if name in self._hparams:
+            return self._hparams[name]
+        # ValueError, as Determined raises. Off-cluster with none given, say where they come from.
+        if self._hparams or (self._core is not None and self._core.info is not None):
             have = ", ".join(sorted(self._hparams)) or "none"
-            raise KeyError(f"hyperparameter {name!r} not found; the trial has: {have}")
-        return self._hparams[name]
+            raise ValueError(f"hyperparameter {name!r} not found; the trial has: {have}")
+        raise ValueError(
+            f"hyperparameter {name!r} is not set: off-cluster, hyperparameters come from "
+            "det.pytorch.init(hparams={...}); under det e create, from the config's hyperparameters"
+        )
 
     def get_experiment_config(self) -> dict[str, Any]:
         return dict(self._config)

@@ -257,7 +257,7 @@ def test_reducers_and_callback_hooks(det_env: Path) -> None:
 
 
 def latest_checkpoint(det_env: Path) -> Path:
-    dirs = [p for p in (det_env / "data" / "checkpoints").iterdir() if not p.name.startswith(".")]
+    dirs = [p for p in (det_env / "ckpts").iterdir() if not p.name.startswith(".")]
     return max(dirs, key=lambda p: json.loads((p / "metadata.json").read_text())["steps_completed"])
 
 

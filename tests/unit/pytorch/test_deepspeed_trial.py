@@ -147,7 +147,7 @@ def test_validation_hands_evaluate_batch_the_micro_batch_iterator(det_env: Path)
 
 
 def checkpoints(det_env: Path) -> list[Path]:
-    root = det_env / "data" / "checkpoints"
+    root = det_env / "ckpts"
     return sorted((p for p in root.iterdir() if not p.name.startswith(".")), key=lambda p: p.stat().st_mtime)
 
 

@@ -185,7 +185,7 @@ def hand_loop(batches: int, amp: bool = False) -> tuple[nn.Module, dict[str, lis
 
 
 def checkpoint_at(det_env: Path, steps: int) -> Path:
-    dirs = [p for p in (det_env / "data" / "checkpoints").iterdir() if not p.name.startswith(".")]
+    dirs = [p for p in (det_env / "ckpts").iterdir() if not p.name.startswith(".")]
     (path,) = [p for p in dirs if json.loads((p / "metadata.json").read_text())["steps_completed"] == steps]
     return path
 
