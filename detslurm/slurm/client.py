@@ -61,6 +61,14 @@ class SlurmCommandError(DetSlurmError):
         self.argv = list(argv)
         self.returncode = returncode
         self.stderr = stderr.strip()
+        if self.not_configured:
+            # Slurm's own lines here are DNS SRV errors that send a newcomer the wrong way.
+            fatal = self.stderr.splitlines()[-1].split("fatal: ")[-1]
+            super().__init__(
+                f"no Slurm cluster is configured on this machine ({argv[0]}: {fatal}); "
+                "run this on a Slurm login node, or use local mode: det e create --local CONFIG DIR"
+            )
+            return
         super().__init__(f"{argv[0]} failed (exit {returncode}): {self.stderr or 'no message'}")
 
     @property
