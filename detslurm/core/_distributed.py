@@ -13,13 +13,14 @@ a port no other job on the node holds (``launchers/_common.rendezvous_ports``), 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypedDict
 
 from detslurm import settings
 from detslurm.core._wire import _Group, _local_address
@@ -177,7 +178,7 @@ class DistributedContext:
         worker per node, MultiWorkerMirroredStrategy across nodes; on one node (no TF_CONFIG, or
         one worker) MirroredStrategy over several GPUs, else TensorFlow's default strategy."""
         try:
-            import tensorflow as tf
+            tf: Any = importlib.import_module("tensorflow")  # the user's, never a dependency of detslurm
         except ModuleNotFoundError as e:
             if e.name != "tensorflow":
                 raise
@@ -229,11 +230,16 @@ def _tf_config_ranks(env: Mapping[str, str]) -> dict[str, Any] | None:
     }
 
 
-def _launcher_ports() -> dict[str, int]:
+class _Ports(TypedDict, total=False):
+    pub_port: int
+    pull_port: int
+
+
+def _launcher_ports() -> _Ports:
     """The ports this job's launcher chose (DETSLURM_DIST_PORT, and the next one for node groups
     over TCP); none outside a launched job, where Determined's defaults apply."""
     port = settings.DIST_PORT.get()
-    return {"pub_port": port, "pull_port": port + 1} if port else {}
+    return _Ports(pub_port=port, pull_port=port + 1) if port else _Ports()
 
 
 @contextmanager

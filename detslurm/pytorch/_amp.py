@@ -10,6 +10,7 @@ loss is computed outside the autocast region without the user wrapping it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any, Optional
 
@@ -83,10 +84,9 @@ APEX_MISSING = (
 def import_apex_amp() -> Any:
     """apex.amp, or ApexError naming what to install and torch's own AMP."""
     try:
-        from apex import amp
+        return importlib.import_module("apex.amp")  # by name: apex is the user's, never a dependency
     except ImportError:
         raise ApexError(APEX_MISSING) from None
-    return amp
 
 
 class ApexAmp:

@@ -169,7 +169,8 @@ class DataLoader:
         # the given RandomSampler's own.
         self._order_generator = generator
         if isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
-            shuffle, sampler, self._order_generator = True, None, sampler.generator
+            shuffle, self._order_generator = True, sampler.generator
+            sampler = None
         elif isinstance(sampler, SequentialSampler):
             sampler = None
         self.shuffle = shuffle

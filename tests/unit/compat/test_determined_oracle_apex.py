@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +96,15 @@ def test_apex_is_driven_as_determined_drives_it(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def apex_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def apex_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.syspath_prepend(str(stand_in(tmp_path)))
     for name in ("apex", "apex.amp"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     from detslurm.pytorch._context import CheckpointLoadContext
 
-    return CheckpointLoadContext({"global_batch_size": 1})
+    yield CheckpointLoadContext({"global_batch_size": 1})
+    for name in ("apex", "apex.amp"):
+        sys.modules.pop(name, None)  # the stand-in stays out of the tests that follow
 
 
 def test_the_optimizer_steps_and_clips_apexs_master_params(apex_context: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,7 +134,8 @@ def test_without_apex_the_error_names_what_to_install(monkeypatch: pytest.Monkey
     from detslurm.errors import DetSlurmError
     from detslurm.pytorch._context import CheckpointLoadContext
 
-    monkeypatch.setitem(sys.modules, "apex", None)  # not importable, even if a site has it
+    for name in ("apex", "apex.amp"):
+        monkeypatch.setitem(sys.modules, name, None)  # not importable, even if a site has it
     ctx = CheckpointLoadContext({"global_batch_size": 1})
     model = ctx.wrap_model(torch.nn.Linear(2, 1))
     opt = ctx.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
