@@ -28,8 +28,10 @@ from detslurm.controller.changes import (
 from detslurm.controller.config import stored_config
 from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
+    Demand,
     Executor,
     ExitCause,
+    ExpRef,
     HoldingEnded,
     JobState,
     JobStatus,
@@ -40,7 +42,7 @@ from detslurm.controller.executor import (
 )
 from detslurm.controller.files import prepare_runs, read_marker, sync_files, write_marker
 from detslurm.controller.gc import Doomed, collect_garbage, remove_dirs
-from detslurm.controller.submit import ACTIVE_RUN, Among, plan_runs, runless_trials
+from detslurm.controller.submit import ACTIVE_RUN, Among, needs_run, plan_runs, runless_trials
 from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import os_user
 from detslurm.protocol import RunPaths, read_lines
@@ -103,6 +105,7 @@ class Controller:
         # no change of ours (the user's other jobs end), so their submission is tried every tick.
         self._held: set[int] = set()
         self._outage_noted: set[int] = set()  # experiments told of the outage delaying them
+        self._pilot_problems: dict[int, str] = {}  # the last problem of each one's pilot workers
         self._full = True
 
     # -- the tick -------------------------------------------------------------------------
@@ -143,6 +146,37 @@ class Controller:
                 log.error("experiment %d: tick failed: %s", exp_id, e, exc_info=not isinstance(e, _EXPECTED))
         # Only where the runs' ends were recorded: elsewhere the next tick decides them first.
         self._cancel_replaced([job for exp_id in done for _, job, _ in runs[exp_id] if job], statuses or {})
+        if statuses is not None:
+            self._settle(ids)
+
+    def _settle(self, exp_ids: list[int]) -> None:
+        """Tell the executor what the experiments' runs need kept for them (pilot workers,
+        controller/pilots.py): their runs that run or wait for a place, none once paused or
+        ended. Its problems go to the experiment's first trial, once per distinct message."""
+        demands: list[Demand] = []
+        with self.store.read() as s:
+            for exp_id in exp_ids:
+                exp = _get(s, exp_id)
+                try:
+                    config = stored_config(exp)
+                except DetSlurmError:
+                    continue  # its own step has said so already
+                if config.slurm.pilots is None:
+                    continue
+                active = select(func.count(TrialRun.id)).join(Trial).where(Trial.experiment_id == exp_id)
+                runs = s.scalar(active.where(TrialRun.state.in_(ACTIVE_RUN))) or 0
+                if exp.state == ExperimentState.ACTIVE:
+                    runs += sum(needs_run(t, set()) for t in s.scalars(runless_trials(exp_id)))
+                demands.append(Demand(ExpRef(exp_id, Path(exp.exp_dir)), config, runs))
+        for exp_id, problem in self.executor.settle(demands):
+            if self._pilot_problems.get(exp_id) == problem:
+                continue
+            self._pilot_problems[exp_id] = problem
+            with self.store.tx() as s:
+                first = s.scalar(select(Trial.id).where(Trial.experiment_id == exp_id).order_by(Trial.id).limit(1))
+                if first is not None:
+                    note(s, first, problem, "WARNING")
+            log.warning("experiment %d: %s", exp_id, problem)
 
     def tick_experiment(
         self, exp_id: int, runs: ActiveRuns | None = None, statuses: dict[str, JobStatus] | None = None
@@ -415,15 +449,16 @@ class Controller:
     ) -> list[tuple[TrialRun, RunSpec]]:
         """New runs (PENDING in ``s``) and their plans: what ``_submit`` hands the executor,
         and what ``det e create --dry-run`` shows before rolling the session back."""
-        capacity = self.executor.capacity(stored_config(exp))
+        capacity = self.executor.capacity(stored_config(exp), ExpRef(exp.id, Path(exp.exp_dir)))
         return plan_runs(s, exp, capacity, self.executor.kind, self.executor.resources_type(), among)
 
     def _submit(self, exp_id: int, among: Among | None) -> None:
         self._held.discard(exp_id)
         with self.store.read() as s:
-            config = stored_config(_get(s, exp_id))
+            exp = _get(s, exp_id)
+            config, where = stored_config(exp), ExpRef(exp_id, Path(exp.exp_dir))
         try:
-            capacity = self.executor.capacity(config)
+            capacity = self.executor.capacity(config, where)
         except HoldingEnded as e:
             self._holding_ended(exp_id, e)
             return

@@ -141,6 +141,25 @@ class JobStatus:
 
 
 @dataclass(frozen=True)
+class ExpRef:
+    """An experiment, as an executor that keeps places for its runs (pilot workers) tells its
+    jobs apart: its id and its dir (whose tag is in the jobs' comments)."""
+
+    id: int
+    dir: Path
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What one experiment with pilot workers needs of them after its step: ``runs`` of its
+    trial runs are in workers or wait for a place (0 once it is paused or has ended)."""
+
+    exp: ExpRef
+    config: ExperimentConfig
+    runs: int
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """Everything needed to start one trial run (pure data: the plan)."""
 
@@ -163,10 +182,16 @@ class Executor(Protocol):
     # for the controller to tell the waiting trials; None when it answered.
     unreachable: str | None
 
-    def capacity(self, config: ExperimentConfig | None = None) -> int | None:
-        """How many more runs (of ``config``, where the room depends on a run's shape) may
-        start now (None: no limit, the scheduler decides); the rest wait for a later tick.
-        Raises :class:`HoldingEnded` when runs of ``config`` can never start where they go."""
+    def capacity(self, config: ExperimentConfig | None = None, exp: ExpRef | None = None) -> int | None:
+        """How many more runs (of ``config``, where the room depends on a run's shape; of
+        experiment ``exp``, where its own pilot workers hold them) may start now (None: no
+        limit, the scheduler decides); the rest wait for a later tick. Raises
+        :class:`HoldingEnded` when runs of ``config`` can never start where they go."""
+
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+        """After a tick: keep the places that experiments' runs need (pilot workers: submit the
+        missing, end the idle); (experiment, problem) for each that failed. An executor that
+        keeps no places does nothing."""
 
     def resources_type(self) -> str:
         """``DET_RESOURCES_TYPE`` for runs of this backend."""

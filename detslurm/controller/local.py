@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import psutil
 
 from detslurm import settings
-from detslurm.controller.executor import ExitCause, JobState, JobStatus, RunSpec
+from detslurm.controller.executor import Demand, ExitCause, ExpRef, JobState, JobStatus, RunSpec
 
 if TYPE_CHECKING:
     from detslurm.expconf import ExperimentConfig
@@ -34,9 +34,12 @@ class LocalExecutor:
         self.max_parallel = max_parallel
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
 
-    def capacity(self, config: ExperimentConfig | None = None) -> int | None:
+    def capacity(self, config: ExperimentConfig | None = None, exp: ExpRef | None = None) -> int | None:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.max_parallel - running)
+
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+        return []  # local processes need no place kept for them
 
     def resources_type(self) -> str:
         return "local-process"

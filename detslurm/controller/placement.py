@@ -10,11 +10,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from detslurm.controller.create import CreatePlan, Placement, dry_run
-from detslurm.controller.executor import SchedulerUnavailable
+from detslurm.controller.executor import RunSpec, SchedulerUnavailable
 from detslurm.controller.local import LocalExecutor
-from detslurm.controller.slurm_executor import SlurmExecutor
+from detslurm.controller.slurm_executor import SlurmExecutor, Submission
+from detslurm.errors import ConfigError
 from detslurm.settings import Settings
+from detslurm.slurm import pilot_job
 from detslurm.slurm.containers import Gpu, Runtime
+from detslurm.slurm.parse import experiment_tag
 from detslurm.slurm.refusals import RequestRefused, site_limit_refusals
 from detslurm.slurm.render import container_warnings, image_for, resource_plan
 from detslurm.store import Store
@@ -73,6 +76,12 @@ class SlurmPlace:
         if config.slurm.in_allocation:
             # Job steps of a held job: its nodes, not a pool's, are where the trials run.
             return Placement(plan, tuple(_ignored_in_allocation(plan)))
+        if config.slurm.pilots is not None:
+            errors = pilot_job.shape_errors(config, site)
+            if errors:
+                raise ConfigError(errors)
+            # The workers' jobs are what Slurm is asked for: their shape is checked.
+            config = pilot_job.worker_config(config)
         res = resource_plan(config, site)  # an unknown pool fails here, before anything exists
         if site.container_runtime != Runtime.NONE:
             # An image map without this pool's device kind fails here too, not in the daemon.
@@ -107,7 +116,8 @@ class SlurmPlace:
         active = dataclasses.replace(placed.plan, paused=False)
         # One shape, sampled: the create's first runs all share it (see create.dry_run).
         specs = dry_run(store, settings, active, executor, sample=True)
-        refusals = executor.refusals(executor.plan_many(specs))
+        subs = _workers(executor, specs) if active.config.slurm.pilots else executor.plan_many(specs)
+        refusals = executor.refusals(subs)
         if refusals:
             raise RequestRefused(refusals)
         notes: list[str] = []
@@ -139,6 +149,9 @@ class SlurmPlace:
         specs = dry_run(store, settings, placed.plan, executor)
         if placed.plan.config.slurm.in_allocation:
             return executor.steps.show(specs)
+        if placed.plan.config.slurm.pilots:
+            steps = "".join(f"# trial run {s.name}: a job step (srun --jobid) of a running worker\n" for s in specs)
+            return "".join(sub.request.render() for sub in _workers(executor, specs)) + steps
         return "".join(sub.request.render() for sub in executor.plan_many(specs))
 
     def require_reachable(self) -> None:
@@ -148,6 +161,27 @@ class SlurmPlace:
 
     def submit(self, placed: Placement) -> None:
         self._submit(self._executor(placed))
+
+
+def _workers(executor: SlurmExecutor, specs: list[RunSpec]) -> list[Submission]:
+    """The pilot workers' array that the first runs of ``specs`` (one experiment) wait for, as
+    one submission: what the create's refusal check and its dry run look at."""
+    if not specs:
+        return []
+    first = specs[0]
+    config = pilot_job.worker_config(first.config)
+    assert first.config.slurm.pilots is not None
+    res = executor.resources(config)
+    exp_dir = first.exp_dir
+    request = pilot_job.plan_workers(
+        config=config,
+        res=res,
+        exp_id=first.identity[0],
+        exp_dir=exp_dir,
+        tag=experiment_tag(str(exp_dir)),
+        count=first.config.slurm.pilots.count,
+    )
+    return [Submission(request, (dataclasses.replace(first, config=config),), res)]
 
 
 def _ignored_in_allocation(plan: CreatePlan) -> list[str]:

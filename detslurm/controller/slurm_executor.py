@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Optional
 
 from detslurm.controller.executor import (
+    Demand,
     ExitCause,
+    ExpRef,
     JobState,
     JobStatus,
     RunSpec,
@@ -24,6 +26,7 @@ from detslurm.controller.executor import (
     SubmitLater,
     SubmitUnknown,
 )
+from detslurm.controller.pilots import PilotPool
 from detslurm.controller.slurm_status import JOB_STATE, ended, in_queue, requeued_status, stop_signalled
 from detslurm.controller.step_executor import StepExecutor, container_paths, is_step
 from detslurm.expconf import ExperimentConfig
@@ -121,17 +124,29 @@ class SlurmExecutor:
         self.unreachable: Optional[str] = None
         # The runs of in-allocation experiments: job steps of a job the user holds.
         self.steps = StepExecutor(client, site, offline=offline)
+        # Experiments with pilot workers: their runs are job steps of workers kept here.
+        self.pilots = PilotPool(client, self.steps, self._tick_queue, self._may_raise_priority)
+        self._queue_read = False  # whether this tick has read the queue (settle() ends a tick)
 
     # -- how many more jobs Slurm takes -----------------------------------------------------
-    def capacity(self, config: Optional[ExperimentConfig] = None) -> Optional[int]:
+    def capacity(self, config: Optional[ExperimentConfig] = None, exp: Optional[ExpRef] = None) -> Optional[int]:
         """How many more jobs (an array's tasks one each) this user may queue now: Slurm's
         submit limits (read rarely) minus this user's jobs in the tick's squeue answer and what
         was submitted since, with a margin. Trials past it wait for a later tick with no run yet
         (``plan_runs`` stops at it, in trial order), as trials past max_local_trials do. Runs
         of an in-allocation ``config`` are job steps, which no submit limit counts: the room
-        in its held job decides (StepExecutor.capacity)."""
+        in its held job decides (StepExecutor.capacity); those of an experiment with pilot
+        workers, the room in its running workers."""
         if config is not None and config.slurm.in_allocation:
             return self.steps.capacity(config)
+        if config is not None and config.slurm.pilots is not None:
+            if self.offline or exp is None:
+                return None  # a dry run plans every trial
+            try:
+                return self.steps.room_in(self.pilots.running(exp), config)
+            except SchedulerUnavailable as e:
+                self.unreachable = str(e)
+                return 0
         if self.offline:
             return None  # a dry run plans every trial, as Slurm would be asked to take them
         t = self._throttle
@@ -350,9 +365,11 @@ class SlurmExecutor:
         the error that kept it from starting, in the order of ``specs``. Runs of in-allocation
         experiments start as job steps (StepExecutor)."""
         stepped = [s for s in specs if s.config.slurm.in_allocation]
-        if stepped:
+        piloted = [s for s in specs if s.config.slurm.pilots is not None]
+        if stepped or piloted:
             results = dict(zip((s.identity for s in stepped), self.steps.submit_many(stepped), strict=True))
-            rest = [s for s in specs if not s.config.slurm.in_allocation]
+            results.update(self._start_in_workers(piloted))
+            rest = [s for s in specs if not (s.config.slurm.in_allocation or s.config.slurm.pilots is not None)]
             results.update(zip((s.identity for s in rest), self.submit_many(rest) if rest else [], strict=True))
             return [results[s.identity] for s in specs]
         try:
@@ -379,6 +396,34 @@ class SlurmExecutor:
                     ids = [e] * len(sub.specs)
             out.update(zip((s.identity for s in sub.specs), ids, strict=True))
         return [out[s.identity] for s in specs]
+
+    def _start_in_workers(self, specs: Sequence[RunSpec]) -> dict[tuple[int, int, int], str | Exception]:
+        """Runs of experiments with pilot workers, as job steps of their running workers."""
+        by_exp: dict[ExpRef, list[RunSpec]] = {}
+        for spec in specs:
+            by_exp.setdefault(ExpRef(spec.identity[0], spec.exp_dir), []).append(spec)
+        out: dict[tuple[int, int, int], str | Exception] = {}
+        for exp, group in by_exp.items():
+            try:
+                started = self.steps.start_in(self.pilots.running(exp), group)
+            except SchedulerUnavailable as e:
+                started = [e] * len(group)
+            out.update(zip((s.identity for s in group), started, strict=True))
+        return out
+
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+        """Keep the pilot workers the experiments need (PilotPool.settle); the tick ends here,
+        so the next one reads the queue afresh."""
+        try:
+            return self.pilots.settle(demands) if demands and not self.offline else []
+        finally:
+            self._queue_read = False
+
+    def _tick_queue(self) -> Mapping[str, QueuedJob]:
+        """This tick's squeue answer: the one poll() read, else read now (once per tick)."""
+        if not self._queue_read:
+            self._read_queue()
+        return self.last_queue
 
     def execute(self, sub: Submission) -> str:
         """Make the dirs the job writes to, then one sbatch; returns Slurm's job id."""
@@ -438,6 +483,7 @@ class SlurmExecutor:
     def _read_queue(self) -> None:
         """The tick's one squeue: every job of this user, kept for capacity() and recover()."""
         self.last_queue = {j.job_id: j for j in self._squeue()}
+        self._queue_read = True
         self.unreachable = None
         self._recover_queue = (time.monotonic(), list(self.last_queue.values()))
         # What was submitted before this answer is in it now.

@@ -19,6 +19,7 @@ survives a daemon restart) and its shell: ``JOB/NODES/GPUS/CPUS/MEM/HOST/PID@STA
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -171,6 +172,54 @@ class StepExecutor:
     def _taken(self, job: str) -> list[Share]:
         return [r.share for r in self._live.values() if r.job == job]
 
+    def busy(self, job: str) -> bool:
+        """Whether a run placed in held job ``job`` has not been seen ended."""
+        return any(r.job == job for r in self._live.values())
+
+    def observe(self, job: str, state: str) -> None:
+        """What the tick's squeue said of held job ``job`` (a pilot worker): its state
+        replaces the cached answer's, so a worker is read once when it starts, not every
+        ALLOCATION_TTL_S. A job not read yet, or read while it was not running, is left to
+        :meth:`allocation`."""
+        cached = self._allocations.get(job)
+        if cached is None:
+            return
+        if cached[1] is None or not cached[1].nodes:
+            del self._allocations[job]  # read before it ran: read again when next asked
+            return
+        alloc = dataclasses.replace(cached[1], state=state)
+        self._allocations[job] = (self._clock(), alloc)
+
+    def open_jobs(self, jobs: Sequence[str]) -> list[tuple[str, Allocation]]:
+        """Those of held jobs ``jobs`` where runs may start now, with what Slurm says of them."""
+        out: list[tuple[str, Allocation]] = []
+        for job in jobs:
+            alloc = self.allocation(job)
+            if alloc is not None and self.ending(job, alloc) is None:
+                out.append((job, alloc))
+        return out
+
+    def room_in(self, jobs: Sequence[str], config: ExperimentConfig) -> int:
+        """How many more runs of ``config`` fit in held jobs ``jobs`` (pilot workers) now."""
+        return sum(room(alloc, self.shape(config, alloc), self._taken(job)) for job, alloc in self.open_jobs(jobs))
+
+    def start_in(self, jobs: Sequence[str], specs: Sequence[RunSpec]) -> list[str | Exception]:
+        """Start ``specs`` as job steps of the first of held jobs ``jobs`` with room for each."""
+        out: list[str | Exception] = []
+        opened = self.open_jobs(jobs)
+        for spec in specs:
+            try:
+                for job, alloc in opened:
+                    share = place(alloc, self.shape(spec.config, alloc), self._taken(job))
+                    if share is not None:
+                        out.append(self._start_at(spec, job, alloc, share))
+                        break
+                else:
+                    raise SubmitLater("no room in a running pilot worker now; waiting", warn=False)
+            except Exception as e:  # this run did not start; the others may
+                out.append(e)
+        return out
+
     # -- how many more runs fit -----------------------------------------------------------------
     def capacity(self, config: ExperimentConfig) -> Optional[int]:
         """How many more runs of ``config`` fit in its held job beside those running there;
@@ -264,6 +313,9 @@ class StepExecutor:
         share = place(alloc, self.shape(spec.config, alloc), self._taken(job))
         if share is None:  # a run of several slots that the free ones, scattered, do not fit
             raise SubmitLater(f"no room in allocation {job} now; waiting", warn=False)
+        return self._start_at(spec, job, alloc, share)
+
+    def _start_at(self, spec: RunSpec, job: str, alloc: Allocation, share: Share) -> str:
         request = self.plan(spec, job, alloc, share)
         paths = container_paths(spec.config, spec.exp_dir, self.site)
         if paths is not None:

@@ -237,6 +237,19 @@ class BindMount(Strict):
         return self
 
 
+# detslurm's: pilot workers (docs/user/allocation.md): worker jobs that hold their nodes and
+# run the experiment's trial runs as job steps, so the queue wait is paid once per worker.
+class PilotsSection(Strict):
+    count: int = Field(ge=1)
+    # Slots each worker holds (the trial's resources.slots_per_trial when unset): a worker of 4
+    # slots runs four 1-slot trials at once.
+    slots: int | None = Field(default=None, ge=0)
+    time_limit: int = Field(default=60, ge=1)  # minutes: each worker job's --time
+    # A worker whose daemon has not renewed its lease for this long, with no trial running in
+    # it, ends itself: no allocation is held idle when the daemon is gone.
+    idle_timeout: int = Field(default=60, ge=10)
+
+
 class SlurmSection(Strict):
     sbatch_args: list[str] = Field(default_factory=list)
     gpu_type: str | None = None
@@ -246,11 +259,14 @@ class SlurmSection(Strict):
     # allocation it runs in) as allocation_id, and `det e activate` may move it to another.
     in_allocation: bool = False
     allocation_id: str | None = Field(default=None, pattern=r"^[0-9]+$")
+    pilots: PilotsSection | None = None
 
     @model_validator(mode="after")
     def _allocation_needs_the_switch(self) -> SlurmSection:
         if self.allocation_id is not None and not self.in_allocation:
             raise ValueError("allocation_id is set but in_allocation is not: set slurm.in_allocation: true")
+        if self.pilots is not None and self.in_allocation:
+            raise ValueError("pilots and in_allocation exclude each other: trials run in workers or in your allocation")
         return self
 
 
