@@ -6,7 +6,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 from detslurm.client._enums import (
     CheckpointOrderBy,
@@ -47,8 +47,18 @@ class Checkpoint:
         self.uuid = uuid
         self.reload()
 
+    @classmethod
+    def _of(cls, session: Session, info: dict[str, Any]) -> Checkpoint:
+        """One made from a listing's row, with no read of its own (over ssh:// a read is a call)."""
+        ck = cls.__new__(cls)
+        ck._session, ck.uuid = session, info["uuid"]
+        ck._load(info)
+        return ck
+
     def reload(self) -> None:
-        info = self._session.reads.checkpoint(self.uuid, self._session.owner)
+        self._load(self._session.reads.checkpoint(self.uuid, self._session.owner))
+
+    def _load(self, info: dict[str, Any]) -> None:
         # The store's dict of it, as `det c list` shows it (the CLI prints its row from this).
         self.info = info
         self.metadata: dict[str, Any] = info["metadata"]
@@ -195,10 +205,24 @@ def default_destination(uuid: str) -> Path:
     return DEFAULT_DOWNLOAD_DIR / uuid
 
 
+class CheckpointListing(NamedTuple):
+    """An experiment's checkpoints (or one trial's) as a listing sorts them, read at once."""
+
+    infos: list[dict[str, Any]]
+    smaller_is_better: bool  # the searcher's metric's direction
+    # Each completed checkpoint's value of the validation metric a listing sorts by (by uuid;
+    # empty when it sorts by no metric name).
+    metric: dict[str, Optional[float]]
+
+
+def _metric_name(sort_by: Union[str, CheckpointSortBy, None]) -> Optional[str]:
+    """The validation metric a listing sorts by: a str ``sort_by`` (None for the others)."""
+    return sort_by if isinstance(sort_by, str) else None
+
+
 def _sorted_checkpoints(
     session: Session,
-    infos: list[dict[str, Any]],
-    smaller_is_better: bool,
+    listing: CheckpointListing,
     sort_by: Union[str, CheckpointSortBy, None],
     order_by: Union[CheckpointOrderBy, OrderBy, None],
     max_results: Optional[int],
@@ -208,15 +232,13 @@ def _sorted_checkpoints(
     checkpoints are listed."""
     if (sort_by is None) != (order_by is None):
         raise ValueError("sort_by and order_by must be given together, or neither")
-    done = [i for i in infos if i["state"] == "COMPLETED"]
+    done = [i for i in listing.infos if i["state"] == "COMPLETED"]
     if sort_by is None or sort_by == CheckpointSortBy.SEARCHER_METRIC:
-        descending = not smaller_is_better if order_by is None else _descending(order_by)
+        descending = not listing.smaller_is_better if order_by is None else _descending(order_by)
         key: Any = lambda i: i["validation_metric"]  # noqa: E731
     elif isinstance(sort_by, str):
-        metric = sort_by
         descending = _descending(order_by)
-        values = {i["uuid"]: session.reads.validation_metric(i["uuid"], metric) for i in done}
-        key = lambda i: values[i["uuid"]]  # noqa: E731
+        key = lambda i: listing.metric.get(i["uuid"])  # noqa: E731
     else:
         field = {
             CheckpointSortBy.UUID: "uuid",
@@ -231,7 +253,7 @@ def _sorted_checkpoints(
     known = sorted((i for i in done if key(i) is not None), key=key, reverse=descending)
     ordered = known + [i for i in done if key(i) is None]
     chosen = ordered if max_results is None else ordered[:max_results]
-    return [Checkpoint(session, i["uuid"]) for i in chosen]
+    return [Checkpoint._of(session, i) for i in chosen]
 
 
 def _smaller_is_better(config: dict[str, Any]) -> bool:

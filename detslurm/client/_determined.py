@@ -93,11 +93,12 @@ class Determined:
         (an ExperimentSortBy; default ID) in ``order_by``'s order (default ascending)."""
         if project_id is not None:
             raise ValueError("list_experiments(): detslurm has no projects; leave project_id out")
-        rows = self._session.reads.experiment_dicts(self._session.owner, include_archived=True)
+        rows = self._session.reads.experiments(self._session.owner, include_archived=True)
+        configs = {d["id"]: config for d, config in rows}
         wanted = {ExperimentState(s).name for s in states} if states else None
         kept = [
             d
-            for d in rows
+            for d, _ in rows
             if (experiment_ids is None or d["id"] in experiment_ids)
             and (labels is None or set(labels) & set(d["labels"] or []))
             and (users is None or d["owner"] in users)
@@ -106,7 +107,7 @@ class Determined:
         ]
         descending = order_by is not None and _descending(order_by)
         ordered = _sorted_experiments(kept, ExperimentSortBy.ID if sort_by is None else sort_by, descending)
-        return [Experiment(d["id"], self._session) for d in ordered]
+        return [Experiment._of(self._session, d, configs[d["id"]]) for d in ordered]
 
     def iter_trials_metrics(self, trial_ids: list[int], group: str) -> Iterator[TrialMetrics]:
         for trial_id in trial_ids:

@@ -10,7 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from detslurm.client._checkpoint import Checkpoint, _smaller_is_better, _sorted_checkpoints
+from detslurm.client._checkpoint import Checkpoint, _metric_name, _sorted_checkpoints
 from detslurm.client._enums import (
     CheckpointOrderBy,
     CheckpointSortBy,
@@ -37,12 +37,22 @@ class Experiment:
         self._session = session
         self.reload()
 
+    @classmethod
+    def _of(cls, session: Session, info: dict[str, Any], config: dict[str, Any]) -> Experiment:
+        """One made from a listing's row, with no read of its own (over ssh:// a read is a call)."""
+        exp = cls.__new__(cls)
+        exp._id, exp._session = info["id"], session
+        exp._load(info, config)
+        return exp
+
     @property
     def id(self) -> int:
         return self._id
 
     def reload(self) -> None:
-        info, config = self._session.reads.experiment(self._id, self._session.owner)
+        self._load(*self._session.reads.experiment(self._id, self._session.owner))
+
+    def _load(self, info: dict[str, Any], config: dict[str, Any]) -> None:
         self.name: str = info["name"]
         self.state = _state(ExperimentState, info["state"])
         self.progress: float = info["progress"]
@@ -80,17 +90,15 @@ class Experiment:
         tmp.replace(dest)
         return str(dest)
 
-    # -- reading ---------------------------------------------------------------------------
-    def _trial_ids(self) -> list[int]:
-        return [t["id"] for t in self._session.reads.trial_dicts(self._id, self._session.owner)]
-
+    # -- reading (a listing is one read, whatever its length) ---------------------------------
     def iter_trials(
         self,
         sort_by: TrialSortBy = TrialSortBy.ID,
         order_by: Union[OrderBy, TrialOrderBy] = OrderBy.ASCENDING,
         limit: Optional[int] = None,
     ) -> Iterator[Trial]:
-        trials = [Trial(i, self._session) for i in self._trial_ids()]
+        infos = self._session.reads.trial_dicts(self._id, self._session.owner)
+        trials = [Trial._of(self._session, info) for info in infos]
         key = {
             TrialSortBy.ID: lambda t: t.id,
             TrialSortBy.START_TIME: lambda t: t.start_time or datetime.min,
@@ -138,9 +146,8 @@ class Experiment:
     ) -> list[Checkpoint]:
         """Completed checkpoints of every trial, best first by the searcher metric unless
         ``sort_by`` (a CheckpointSortBy or a validation metric's name) and ``order_by`` say otherwise."""
-        infos = self._session.reads.checkpoint_dicts(self._id, self._session.owner)
-        smaller = _smaller_is_better(self.config)
-        return _sorted_checkpoints(self._session, infos, smaller, sort_by, order_by, max_results)
+        listing = self._session.checkpoint_listing(self._id, None, _metric_name(sort_by))
+        return _sorted_checkpoints(self._session, listing, sort_by, order_by, max_results)
 
     def top_n_checkpoints(
         self, limit: int, sort_by: Optional[str] = None, smaller_is_better: Optional[bool] = None

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from detslurm.client._checkpoint import CheckpointListing
 from detslurm.client._session import ConfigArg, Edit, Session, Verb
 from detslurm.errors import ConfigError, DetSlurmError, NotFoundError, StateError
 
@@ -82,11 +83,8 @@ def _reads_call(name: str) -> Callable[..., Any]:
         if name == "metrics":
             reads.trial(args[0], owner)  # the scope check: another user's trial is "not found"
             return reads.metrics(args[0])
-        if name == "validation_metric":
-            reads.checkpoint(args[0], owner)
-            return reads.validation_metric(*args)
-        if name == "experiment_dicts":
-            return reads.experiment_dicts(owner, *args)
+        if name == "experiments":
+            return reads.experiments(owner, *args)
         return getattr(reads, name)(*args, owner)
 
     return call
@@ -104,18 +102,9 @@ def _location(session: Session, uuid: str) -> str:
 CALLS: dict[str, Callable[..., Any]] = {
     **{
         f"reads.{name}": _reads_call(name)
-        for name in (
-            "experiment",
-            "experiment_dicts",
-            "trial",
-            "trial_dicts",
-            "first_trial_id",
-            "metrics",
-            "checkpoint",
-            "checkpoint_dicts",
-            "validation_metric",
-        )
+        for name in ("experiment", "experiments", "trial", "trial_dicts", "first_trial_id", "metrics", "checkpoint")
     },
+    "checkpoint_listing": Session.checkpoint_listing,
     "change_state": lambda s, verb, exp_id: s.change_state(Verb(verb), exp_id),
     "edit": lambda s, change, exp_id, *args: s.edit(Edit(change), exp_id, *args),
     "set_notes": Session.set_notes,
@@ -156,8 +145,10 @@ class RemoteReads:
         info, config = self._call("reads.experiment", exp_id)
         return info, config
 
-    def experiment_dicts(self, owner: str | None, include_archived: bool = False) -> list[dict[str, Any]]:
-        return list(self._call("reads.experiment_dicts", include_archived))
+    def experiments(
+        self, owner: str | None, include_archived: bool = False
+    ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        return [(info, config) for info, config in self._call("reads.experiments", include_archived)]
 
     def trial(self, trial_id: int, owner: str | None) -> dict[str, Any]:
         return dict(self._call("reads.trial", trial_id))
@@ -174,13 +165,6 @@ class RemoteReads:
 
     def checkpoint(self, uuid: str, owner: str | None) -> dict[str, Any]:
         return dict(self._call("reads.checkpoint", uuid))
-
-    def checkpoint_dicts(self, exp_id: int, owner: str | None) -> list[dict[str, Any]]:
-        return list(self._call("reads.checkpoint_dicts", exp_id))
-
-    def validation_metric(self, uuid: str, metric: str) -> float | None:
-        found = self._call("reads.validation_metric", uuid, metric)
-        return None if found is None else float(found)
 
 
 class RemoteSession(Session):
@@ -261,6 +245,10 @@ class RemoteSession(Session):
             f"client: create_experiment over {self.url} is not built yet; "
             f"`det -m {self.url} experiment create CONFIG CONTEXT` uploads the code and creates it"
         )
+
+    def checkpoint_listing(self, exp_id: int, trial_id: int | None, metric: str | None) -> CheckpointListing:
+        infos, smaller, values = self._call("checkpoint_listing", exp_id, trial_id, metric)
+        return CheckpointListing(infos, bool(smaller), values)
 
     def kill_trial(self, trial_id: int) -> None:
         self._call("kill_trial", trial_id)

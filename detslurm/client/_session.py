@@ -20,7 +20,7 @@ import yaml
 from detslurm import settings
 from detslurm.cli.state_change import Verb, log_echo
 from detslurm.client import _logs, _tensorboard
-from detslurm.client._checkpoint import copy_checkpoint
+from detslurm.client._checkpoint import CheckpointListing, _smaller_is_better, copy_checkpoint
 from detslurm.errors import ConfigError, StateError
 from detslurm.identity import Scope, os_user
 
@@ -159,6 +159,19 @@ class Session:
         assert exp_id is not None  # not a dry run
         daemon.start(st)  # the daemon carries it on, as after `det e create`
         return exp_id
+
+    # -- listings: one read each, whatever their length (over ssh:// a read is a call) --------
+    def checkpoint_listing(self, exp_id: int, trial_id: int | None, metric: str | None) -> CheckpointListing:
+        """The experiment's checkpoints (``trial_id``: that trial's only), the searcher's
+        direction, and with ``metric`` each completed one's value of that validation metric."""
+        reads, owner = self.reads, self.owner
+        infos = reads.checkpoint_dicts(exp_id, owner)  # NotFoundError for another user's
+        if trial_id is not None:
+            infos = [i for i in infos if i["trial_id"] == trial_id]
+        smaller = _smaller_is_better(reads.experiment(exp_id, owner)[1])
+        done = [i["uuid"] for i in infos if i["state"] == "COMPLETED"]
+        values = {uuid: reads.validation_metric(uuid, metric) for uuid in done} if metric is not None else {}
+        return CheckpointListing(infos, smaller, values)
 
     # -- trials ----------------------------------------------------------------------------
     def kill_trial(self, trial_id: int) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-from detslurm.client._checkpoint import Checkpoint, _smaller_is_better, _sorted_checkpoints
+from detslurm.client._checkpoint import Checkpoint, CheckpointListing, _metric_name, _sorted_checkpoints
 from detslurm.client._enums import CheckpointOrderBy, CheckpointSortBy, OrderBy, TrialState, _state
 from detslurm.client._metrics import TrialMetrics, _trial_metrics
 from detslurm.errors import NotFoundError
@@ -25,8 +25,18 @@ class Trial:
         self._session = session
         self.reload()
 
+    @classmethod
+    def _of(cls, session: Session, info: dict[str, Any]) -> Trial:
+        """One made from a listing's row, with no read of its own (over ssh:// a read is a call)."""
+        trial = cls.__new__(cls)
+        trial.id, trial._session = info["id"], session
+        trial._load(info)
+        return trial
+
     def reload(self) -> None:
-        info = self._session.reads.trial(self.id, self._session.owner)
+        self._load(self._session.reads.trial(self.id, self._session.owner))
+
+    def _load(self, info: dict[str, Any]) -> None:
         self.experiment_id: int = info["experiment_id"]
         self.hparams: dict[str, Any] = info["hparams"]
         self.state = _state(TrialState, info["state"])
@@ -55,12 +65,8 @@ class Trial:
     def stream_validation_metrics(self) -> Iterator[TrialMetrics]:
         return self.iter_metrics("validation")
 
-    def _checkpoint_infos(self) -> list[dict[str, Any]]:
-        reads = self._session.reads
-        return [c for c in reads.checkpoint_dicts(self.experiment_id, self._session.owner) if c["trial_id"] == self.id]
-
-    def _smaller(self) -> bool:
-        return _smaller_is_better(self._session.reads.experiment(self.experiment_id, self._session.owner)[1])
+    def _checkpoints(self, sort_by: Union[str, CheckpointSortBy, None] = None) -> CheckpointListing:
+        return self._session.checkpoint_listing(self.experiment_id, self.id, _metric_name(sort_by))
 
     def list_checkpoints(
         self,
@@ -69,8 +75,7 @@ class Trial:
         max_results: Optional[int] = None,
     ) -> list[Checkpoint]:
         """The trial's completed checkpoints, best first by the searcher metric unless sorted otherwise."""
-        infos = self._checkpoint_infos()
-        return _sorted_checkpoints(self._session, infos, self._smaller(), sort_by, order_by, max_results)
+        return _sorted_checkpoints(self._session, self._checkpoints(sort_by), sort_by, order_by, max_results)
 
     def get_checkpoints(
         self, sort_by: Union[str, CheckpointSortBy, None] = None, order_by: Optional[OrderBy] = None
@@ -98,15 +103,15 @@ class Trial:
             raise ValueError("select_checkpoint(): sort_by and smaller_is_better are for best=True")
         if uuid is not None:
             return Checkpoint(self._session, uuid)
-        infos = self._checkpoint_infos()
+        listing = self._checkpoints(sort_by)
         if latest:
-            done = [i for i in infos if i["state"] == "COMPLETED"]
+            done = [i for i in listing.infos if i["state"] == "COMPLETED"]
             if not done:
                 raise NotFoundError("completed checkpoint of trial", self.id)
-            return Checkpoint(self._session, max(done, key=lambda i: i["steps_completed"])["uuid"])
-        smaller = self._smaller() if smaller_is_better is None else smaller_is_better
-        order = CheckpointOrderBy.ASC if smaller else CheckpointOrderBy.DESC
-        found = _sorted_checkpoints(self._session, infos, smaller, sort_by, order if sort_by else None, max_results=1)
+            return Checkpoint._of(self._session, max(done, key=lambda i: i["steps_completed"]))
+        # With sort_by, smaller_is_better (given with it) orders; without, the searcher's metric.
+        order = CheckpointOrderBy.ASC if smaller_is_better else CheckpointOrderBy.DESC
+        found = _sorted_checkpoints(self._session, listing, sort_by, order if sort_by else None, max_results=1)
         if not found:
             raise NotFoundError("completed checkpoint of trial", self.id)
         return found[0]

@@ -241,9 +241,15 @@ class Reads:
 
     def experiment_dicts(self, owner: str | None, include_archived: bool = False) -> list[dict[str, Any]]:
         """Every experiment of ``owner`` as :meth:`experiment` gives one (`det e list --json`)."""
+        return [d for d, _ in self.experiments(owner, include_archived)]
+
+    def experiments(
+        self, owner: str | None, include_archived: bool = False
+    ) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """Every experiment of ``owner`` with its stored config, as :meth:`experiment` gives one."""
         where, params = _scope(owner, include_archived)
         with self._begin() as run:
-            return [self._experiment(r)[0] for r in run(SQL["experiments"].format(where=where), params)]
+            return [self._experiment(r) for r in run(SQL["experiments"].format(where=where), params)]
 
     def experiment(self, exp_id: int, owner: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """The experiment's dict and its stored config; NotFoundError for a missing one and for

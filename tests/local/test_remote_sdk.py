@@ -6,14 +6,17 @@ node", as in test_remote_ssh.py: what is tested is the SDK's path over SSH."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import write
 from test_remote_ssh import _chatty_context, _context, _laptop_det, _wait_for_output, hold, laptop, servers
 
 from detslurm import client
+from detslurm.client._remote import RemoteSession
 from detslurm.download_dir import DestinationExists
 from detslurm.errors import NotFoundError
 
@@ -40,7 +43,12 @@ def _described(det: Any, exp_id: int) -> dict[str, Any]:
 
 
 def test_reads_edits_logs_and_download_over_ssh(
-    det: Any, sdk: Any, servers: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    det: Any,
+    sdk: Any,
+    servers: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     ctx = _context(tmp_path)
     code, out, err = det(
@@ -113,3 +121,56 @@ def test_pause_activate_kill_and_wait_over_ssh(det: Any, sdk: Any, laptop: Path,
                 p.kill()
             if p is not None:
                 p.communicate()
+
+
+GRID = """name: grid
+entrypoint: python3 train.py
+hyperparameters: {lr: {type: categorical, vals: [0.1, 0.2]}, noise: 0.1, sleep: 0}
+searcher: {name: grid, metric: validation_loss, smaller_is_better: true}
+"""
+
+
+def test_a_listing_is_one_call_over_ssh_whatever_its_length(
+    det: Any,
+    sdk: Any,
+    servers: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    ctx = _context(tmp_path)
+    write(ctx / "grid.yaml", GRID)
+    # Every checkpoint kept: 8 a trial (one each 5 of its 40 batches), in the ssh user's home.
+    where = Path(servers["user"].pw_dir) / f"ckpts-{tmp_path.name}"
+    request.addfinalizer(lambda: shutil.rmtree(where, ignore_errors=True))
+    keep = f"checkpoint_storage={{type: shared_fs, host_path: {where}, save_trial_latest: 8}}"
+    for config in ("grid.yaml", "const.yaml"):
+        code, out, err = det("-m", URL, "e", "create", "--local", ctx / config, ctx, "--config", keep)
+        assert code == 0 and "COMPLETED" in out, err
+    calls: list[str] = []
+    real = RemoteSession._call
+    monkeypatch.setattr(RemoteSession, "_call", lambda self, name, *args: calls.append(name) or real(self, name, *args))
+    sdk.login(master=URL)  # after the count starts: the session's reads hold its _call
+
+    def one_call(listing: Any) -> Any:
+        calls.clear()
+        got = listing()
+        assert len(calls) == 1, calls
+        return got
+
+    grid, const = one_call(sdk.list_experiments)
+    assert (grid.name, const.name) == ("grid", "core-api-const") and grid.config["searcher"]["name"] == "grid"
+    trials = one_call(grid.list_trials)
+    assert sorted(t.hparams["lr"] for t in trials) == [0.1, 0.2] and trials[1].steps_completed == 40
+    # Two trials of 8 checkpoints each, best first by validation_loss.
+    best = one_call(grid.list_checkpoints)
+    assert len(best) == 16 and [c.searcher_metric for c in best] == sorted(c.searcher_metric for c in best)
+    by_metric = one_call(lambda: grid.list_checkpoints(sort_by="batches", order_by=client.CheckpointOrderBy.DESC))
+    assert [c.steps_completed for c in by_metric[:2]] == [40, 40]
+    assert len(one_call(trials[0].list_checkpoints)) == 8
+    latest = one_call(lambda: trials[1].select_checkpoint(latest=True))
+    assert (latest.trial_id, latest.steps_completed) == (trials[1].id, 40)
+    top = one_call(trials[0].top_checkpoint)
+    # Built from the listing's rows, each is what a read of its own gives.
+    fresh = sdk.get_checkpoint(top.uuid)
+    assert (top.metadata, top.state, top.report_time) == (fresh.metadata, fresh.state, fresh.report_time)

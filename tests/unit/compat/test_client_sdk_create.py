@@ -251,7 +251,7 @@ def test_requests_run_with_the_login_nodes_own_scope(det_env: Path, tmp_path: Pa
     # Another user's experiment is "not found", and an owner smuggled in is no parameter.
     assert _ask("reads.experiment", theirs) == {"error": "not_found", "kind": "experiment", "ident": theirs}
     assert _ask("reads.experiment", theirs, None)["error"] == "type"
-    assert [d["id"] for d in _remote.decode(_ask("reads.experiment_dicts", True)["ok"])] == [mine]
+    assert [d["id"] for d, _ in _remote.decode(_ask("reads.experiments", True)["ok"])] == [mine]
     # Changes are the session's methods; anything else is refused by name.
     assert _ask("change_state", "pause", mine) == {"ok": None}
     assert _remote.decode(_ask("reads.experiment", mine)["ok"])[0]["state"] == "PAUSED"
