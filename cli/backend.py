@@ -117,8 +117,13 @@ class SlurmBackend:
         return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
 
     def reprioritize(self, job_ids: list[str], priority: int) -> None:
+        from detslurm.controller.step_executor import is_step
         from detslurm.queue import nice_for
 
+        # Job steps of a held job have no priority of their own (the job's is the user's).
+        job_ids = [j for j in job_ids if not is_step(j)]
+        if not job_ids:
+            return
         nice = nice_for(priority)
         client = self.app.client
         if nice < 0 and not client.may_raise_priority():
@@ -132,11 +137,13 @@ class SlurmBackend:
         client.update(job_ids, Nice=str(nice))  # one scontrol call for all of them
 
     def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
+        from detslurm.controller.step_executor import is_step
         from detslurm.slurm.render import array_throttle
 
         # Array tasks are "ARRAY_TASK"; the throttle belongs to the array, so one update per array
-        # (0 lifts the limit, as an array submitted without max_slots has none).
-        arrays = sorted({j.split("_", 1)[0] for j in job_ids if "_" in j}, key=int)
+        # (0 lifts the limit, as an array submitted without max_slots has none). Job steps of a
+        # held job belong to no array.
+        arrays = sorted({j.split("_", 1)[0] for j in job_ids if "_" in j and not is_step(j)}, key=int)
         if arrays:
             n = array_throttle(max_slots, slots_per_trial)
             self.app.client.update(arrays, ArrayTaskThrottle=str(n))

@@ -7,6 +7,7 @@ module does not import that one, so either can be read on its own).
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,11 @@ def fork(app: App, exp_id: int, overrides: tuple[str, ...], config_file: Path | 
     # The unpacked context must outlive the create: the new experiment's tarball is written from it.
     with tempfile.TemporaryDirectory(prefix="detslurm-fork-") as staging:
         ctx = Path(staging) / "context"
-        plan = plan_fork(app.settings, app.store, exp_id, app.scope, overrides, ctx, _patch(config_file))
+        # As `det e create`: an in-allocation fork runs in the allocation this runs in.
+        allocation = os.environ.get("SLURM_JOB_ID")
+        plan = plan_fork(
+            app.settings, app.store, exp_id, app.scope, overrides, ctx, _patch(config_file), allocation=allocation
+        )
         # Checked and submitted as `det e create` is: an unknown pool in an override fails before
         # anything exists.
         new_id = create(app.store, app.settings, backend.place(), replace(plan, paused=paused), click.echo)

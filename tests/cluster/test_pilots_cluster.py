@@ -192,13 +192,14 @@ def test_asha_in_an_allocation_promotes_as_steps_and_takes_queue_verbs(
 ) -> None:
     """An adaptive ASHA search inside an allocation: promoted trials train on as job steps, no
     job is queued, and `det e set priority` / `max-slots` change the config without touching
-    the steps (no scontrol update of a step id)."""
+    the steps (no scontrol update of a step id); a fork inside a later allocation runs there."""
     job = hold(2)
     monkeypatch.setenv("SLURM_JOB_ID", job)
     code, out, err = det(
         "e", "create", CORE / "adaptive.yaml", CORE, "--in-allocation",
         "--config", "searcher.max_trials=4", "--config", "searcher.max_time=20",
-        "--config", "hyperparameters.sleep=0.05", "--config", "resources.slots_per_trial=1",
+        "--config", "hyperparameters.sleep=0.2", "--config", "resources.slots_per_trial=1",
+        "--config", "environment.environment_variables=[EXAMPLE_TOTAL_BATCHES=20]",
     )  # fmt: skip
     assert code == 0, out + err
     wait_for(lambda: any("/" in j for j in run_jobs(1)), 60)
@@ -214,3 +215,13 @@ def test_asha_in_an_allocation_promotes_as_steps_and_takes_queue_verbs(
     assert all(j.startswith(f"{job}/") for j in run_jobs(1)), run_jobs(1)
     out = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout.split()
     assert out == [job], out
+    # A fork inside another allocation runs there, as a create would (its parent's has ended).
+    subprocess.run(["scancel", job], check=True)
+    wait_for(lambda: not subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True).stdout, 30)
+    other = hold(1)
+    monkeypatch.setenv("SLURM_JOB_ID", other)
+    code, out, err = det("e", "fork", "1", "--paused")
+    assert code == 0, out + err
+    with store().tx() as s:
+        forked = s.get(Experiment, 2)
+        assert forked is not None and forked.config["slurm"]["allocation_id"] == other, forked and forked.config
