@@ -24,6 +24,7 @@ import errno
 import os
 import select
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -122,7 +123,7 @@ class _Round:
             _say(lambda: click.echo(told), self.stops)
         return state
 
-    def _report(self, trials: dict[int, TrialState]) -> None:
+    def _report(self, trials: dict[int, str]) -> None:
         for tid, st in sorted(trials.items()):
             if self.seen.get(tid) != st:
                 # A failure is told with why and the trial's last traceback lines.
@@ -226,8 +227,9 @@ def _silence_closed_outputs(all_of_them: bool = False) -> bool:
     a write that failed where poll could not tell which."""
     closed = [1, 2] if all_of_them else _closed_fds((1, 2))
     if closed:
+        # What is buffered goes first, so that it cannot fail again later (at exit, say).
         with contextlib.suppress(ValueError, OSError):
-            click.get_text_stream("stdout").flush()
+            sys.stdout.flush()
         null = os.open(os.devnull, os.O_WRONLY)
         for fd in closed:
             os.dup2(null, fd)
