@@ -129,7 +129,7 @@ def _source_copy(tmp_path: Path) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    for name in ("detslurm", "cli", "launchers", "templates"):
+    for name in ("detslurm", "cli", "launchers", "templates", "site-configs"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     return src
 
