@@ -136,10 +136,9 @@ class PilotPool:
 
     def _submit(self, demand: Demand, count: int) -> None:
         config, exp = demand.config, demand.exp
-        wcfg = worker_config(config)
         request = plan_workers(
-            config=wcfg,
-            res=resource_plan(wcfg, self.steps.site),
+            config=config,
+            res=resource_plan(worker_config(config), self.steps.site),
             exp_id=exp.id,
             exp_dir=exp.dir,
             tag=experiment_tag(str(exp.dir)),

@@ -174,7 +174,7 @@ def _workers(executor: SlurmExecutor, specs: list[RunSpec]) -> list[Submission]:
     res = executor.resources(config)
     exp_dir = first.exp_dir
     request = pilot_job.plan_workers(
-        config=config,
+        config=first.config,
         res=res,
         exp_id=first.identity[0],
         exp_dir=exp_dir,

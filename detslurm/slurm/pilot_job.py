@@ -99,8 +99,8 @@ def plan_workers(
     count: int,
     may_raise_priority: bool = False,
 ) -> SbatchRequest:
-    """One sbatch of ``count`` workers (an array) shaped by ``res``, the resource plan of
-    :func:`worker_config`, for experiment ``exp_id``."""
+    """One sbatch of ``count`` workers (an array) for the trials of ``config`` (experiment
+    ``exp_id``), shaped by ``res``, the resource plan of its :func:`worker_config`."""
     pilots = config.slurm.pilots
     assert pilots is not None and count >= 1
     where = pilots_dir(exp_dir)

@@ -8,6 +8,7 @@ job steps, with the queue verbs (`det e set priority`, `max-slots`) working on i
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,46 @@ def test_asha_in_an_allocation_promotes_as_steps_and_takes_queue_verbs(
     with store().tx() as s:
         forked = s.get(Experiment, 2)
         assert forked is not None and forked.config["slurm"]["allocation_id"] == other, forked and forked.config
+
+
+def test_a_worker_without_its_daemon_ends_itself_once_no_step_runs(tmp_path: Path) -> None:
+    """The worker's own script, with no daemon renewing its lease: it keeps its nodes while a
+    step runs in it, and ends within its idle timeout plus one check once none does."""
+    from detslurm.expconf import validate
+    from detslurm.slurm.pilot_job import CHECK_EVERY_S, lease_path, plan_workers
+    from detslurm.slurm.render import resource_plan
+    from detslurm.slurm.site import load_site_config
+
+    config = validate(
+        {
+            "entrypoint": "true",
+            "searcher": {"name": "single", "metric": "x", "max_length": 1},
+            "slurm": {"pilots": {"count": 1, "idle_timeout": 10}},
+            "checkpoint_storage": {"type": "shared_fs", "host_path": str(tmp_path)},
+        }
+    )
+    exp_dir = tmp_path / "exp"
+    lease_path(exp_dir).parent.mkdir(parents=True)
+    lease_path(exp_dir).touch()
+    request = plan_workers(
+        config=config, res=resource_plan(config, load_site_config()), exp_id=1, exp_dir=exp_dir, tag="ab", count=1
+    )
+    array = subprocess.run(
+        ["sbatch", "--parsable", *request.args], input=request.script, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    task = f"{array}_0"
+
+    def state() -> str:
+        return subprocess.run(["squeue", "-h", "-j", task, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+    wait_for(lambda: state() == "RUNNING", 30)
+    job = subprocess.run(["squeue", "-h", "-j", task, "-o", "%A"], capture_output=True, text=True).stdout.strip()
+    step = subprocess.Popen(["srun", f"--jobid={job}", "--overlap", "sleep", "20"])  # a trial's step
+    try:
+        time.sleep(10 + 2 * CHECK_EVERY_S)  # the lease is stale now; the step keeps the worker
+        assert state() == "RUNNING"
+    finally:
+        step.wait(timeout=60)
+    started = time.monotonic()
+    wait_for(lambda: state() in ("", "COMPLETED", "COMPLETING"), 10 + 3 * CHECK_EVERY_S)
+    assert time.monotonic() - started < 10 + 3 * CHECK_EVERY_S

@@ -1,0 +1,156 @@
+"""Pilot workers (controller/pilots.py, slurm/pilot_job.py, docs/user/allocation.md): the config,
+the workers' array and script, and how many workers the pool keeps for what the runs need."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+from fake_runner import FakeRunner
+from test_refusals import SITE
+from test_step_executor import SHOW
+
+from detslurm.controller.executor import Demand, ExpRef
+from detslurm.controller.pilots import PilotPool
+from detslurm.controller.step_executor import StepExecutor, StepRun
+from detslurm.errors import ConfigError
+from detslurm.expconf import ExperimentConfig, validate
+from detslurm.slurm.allocation import Share
+from detslurm.slurm.client import Result, SlurmClient
+from detslurm.slurm.parse import QueuedJob, experiment_tag, parse_comment, trial_comment
+from detslurm.slurm.pilot_job import (
+    lease_path,
+    plan_workers,
+    shape_errors,
+    worker_comment,
+    worker_config,
+    worker_of,
+)
+from detslurm.slurm.render import resource_plan
+from detslurm.slurm.states import SlurmState
+
+NOW = datetime.fromisoformat("2026-11-28T22:53:00").timestamp()  # while the captured job runs
+
+
+def config(count: int = 2, trial_slots: int = 1, pool: str = "gpu", **pilots: Any) -> ExperimentConfig:
+    raw = {
+        "entrypoint": "python3 train.py",
+        "searcher": {"name": "single", "metric": "loss", "max_length": 1},
+        "resources": {"slots_per_trial": trial_slots, "resource_pool": pool},
+        "slurm": {"pilots": {"count": count, **pilots}},
+    }
+    return validate(raw, {"type": "shared_fs", "host_path": "/tmp"})
+
+
+def test_the_config_and_its_refusals() -> None:
+    assert config(3).slurm.pilots is not None and config(3).slurm.pilots.time_limit == 60
+    with pytest.raises(ConfigError) as e:
+        validate(
+            {
+                "entrypoint": "x",
+                "searcher": {"name": "single", "metric": "loss", "max_length": 1},
+                "slurm": {"pilots": {"count": 1}, "in_allocation": True},
+            },
+            {"type": "shared_fs", "host_path": "/tmp"},
+        )
+    assert "pilots and in_allocation exclude each other" in str(e.value)
+    assert shape_errors(config(1, trial_slots=2, slots=1), SITE) == [
+        "<config>.slurm.pilots.slots: a worker of 1 slots cannot run a trial of resources.slots_per_trial 2"
+    ]
+    assert "leaves no time to run" in shape_errors(config(1, time_limit=1), SITE)[0]  # the site's lead is 60 s
+    assert shape_errors(config(1, slots=4), SITE) == []
+
+
+def test_workers_comment_is_no_trials() -> None:
+    comment = worker_comment(7, "abc123")
+    assert worker_of(comment) == (7, "abc123")
+    assert parse_comment(comment) is None  # never read as a trial run's job
+    assert worker_of(trial_comment(7, 1, 1, "abc123")) is None
+
+
+def test_the_workers_array(tmp_path: Path) -> None:
+    exp_dir = tmp_path / "50%" / "exp"
+    cfg = config(2, slots=2, time_limit=30, idle_timeout=20)
+    wcfg = worker_config(cfg)
+    assert wcfg.resources.slots_per_trial == 2 and cfg.resources.slots_per_trial == 1
+    req = plan_workers(config=cfg, res=resource_plan(wcfg, SITE), exp_id=5, exp_dir=exp_dir, tag="ab", count=2)
+    args = req.args
+    assert "--array=0-1" in args and "--time=30" in args and "--gres=gpu:2" in args
+    assert f"--comment={worker_comment(5, 'ab')}" in args and "--job-name=det-e5-pilot" in args
+    assert f"--output={tmp_path}/50%%/exp/pilots/worker-%A_%a.log" in args  # sbatch's % doubled
+    # Two 1-slot trials per GPU node of the worker: a CPU for each.
+    assert "--cpus-per-task=2" in args
+    # The script reads only its lease's time, and runs nothing it reads.
+    assert str(lease_path(exp_dir)) in req.script and "eval" not in req.script and "source" not in req.script
+    assert "-le 20 ]" in req.script
+
+
+class Slurm(FakeRunner):
+    """scontrol answers with a running 2-node job (every worker looks the same); sbatch and
+    scancel succeed; the lease must exist before any worker is submitted."""
+
+    def __init__(self, lease: Path) -> None:
+        super().__init__()
+        self.lease = lease
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if argv[:4] == ["scontrol", "-d", "show", "job"]:
+            return Result(0, SHOW, "")
+        if argv[0] == "sbatch":
+            assert self.lease.exists(), "a worker submitted before its lease"
+            return Result(0, "300\n", "")
+        if argv[0] == "scancel":
+            return Result(0, "", "")
+        return Result(1, "", f"{argv[0]}: unexpected")
+
+
+def queued(task: str, raw: int, state: SlurmState, exp: int, tag: str) -> QueuedJob:
+    return QueuedJob(
+        job_id=task, raw_id=raw, array_job_id=200, array_task_id=int(task.split("_")[1]), state=state,
+        state_text=state.value, partition="gpu", user="root", priority=1, reason="None", nodelist="",
+        num_nodes=1, num_cpus=1, gres="", submit_time="", start_time="", time_limit="", nice=0,
+        name=f"det-e{exp}-pilot", comment=worker_comment(exp, tag),
+    )  # fmt: skip
+
+
+def pool(tmp_path: Path, jobs: list[QueuedJob]) -> tuple[PilotPool, Slurm, ExpRef]:
+    exp = ExpRef(1, tmp_path / "exp")
+    exp.dir.mkdir(parents=True)
+    fake = Slurm(lease_path(exp.dir))
+    client = SlurmClient(fake, user="root")
+    steps = StepExecutor(client, SITE, clock=lambda: NOW)
+    return PilotPool(client, steps, lambda: {j.job_id: j for j in jobs}, lambda _: False, clock=lambda: NOW), fake, exp
+
+
+def test_missing_workers_go_as_one_array(tmp_path: Path) -> None:
+    p, fake, exp = pool(tmp_path, [])
+    assert p.settle([Demand(exp, config(2), runs=5)]) == []
+    (sbatch,) = [c for c in fake.calls if c[0] == "sbatch"]
+    assert "--array=0-1" in sbatch  # at most count, whatever the runs
+    # Two 1-slot trials per worker of 2 slots: three runs need two workers.
+    p, fake, exp = pool(tmp_path / "b", [])
+    p.settle([Demand(exp, config(5, slots=2), runs=3)])
+    assert "--array=0-1" in next(c for c in fake.calls if c[0] == "sbatch")
+
+
+def test_surplus_goes_waiting_first_then_idle_never_busy(tmp_path: Path) -> None:
+    tag = experiment_tag(str(tmp_path / "exp"))
+    jobs = [
+        queued("200_0", 201, SlurmState.RUNNING, 1, tag),
+        queued("200_1", 202, SlurmState.RUNNING, 1, tag),
+        queued("200_2", 203, SlurmState.PENDING, 1, tag),
+        queued("200_3", 204, SlurmState.RUNNING, 2, tag),  # another experiment's
+        queued("200_4", 205, SlurmState.RUNNING, 1, "0ther"),  # another store's
+    ]
+    p, fake, exp = pool(tmp_path, jobs)
+    p.steps._live["r"] = StepRun("201", Share(("g1",), 1, 1), "h", 1, 0.0)  # a run in the first
+    assert p.running(exp) == ["201", "202"]
+    p.settle([Demand(exp, config(3), runs=2)])
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2"]]
+    fake.calls.clear()
+    # Paused (or ended): none needed but the one a run is still in.
+    p.settle([Demand(exp, config(3), runs=1)])
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2", "200_1"]]
+    assert not [c for c in fake.calls if c[0] == "sbatch"]
