@@ -12,6 +12,7 @@ import yaml
 
 from detslurm.cli import experiment_verbs, state_change
 from detslurm.cli.app import App, pass_app
+from detslurm.cli.create_args import config_and_context
 from detslurm.cli.lazy import lazy_module
 from detslurm.cli.render import dump_json, fmt_pct, fmt_time, table, write_csv
 from detslurm.errors import ConfigError, DetSlurmError
@@ -112,37 +113,6 @@ def create(
 # Determined 0.38.1 takes the context as optional and, without it, sends no code at all; a
 # trial here runs from its context's snapshot, so a create without one could only fail later,
 # and quietly packaging the current directory (maybe a home directory) is worse: it is required.
-NO_CONTEXT = (
-    "missing the context directory (the code the trials run): "
-    "det e create {config} CONTEXT_DIR; pass `.` for the current directory"
-)
-
-
-def config_and_context(
-    config_file: Path | None, context_dir: Path | None, config_opt: Path | None, template: str | None
-) -> tuple[Path, Path]:
-    """Determined's spellings -> (config, context); a clear usage error for what cannot be.
-    Also what remote mode's create uploads (cli/remote/transfer.py)."""
-    if template is not None:
-        raise click.UsageError(
-            f"--template {template}: config templates are not supported (they live on Determined's master); "
-            "merge the template into the config file or give its values with --config KEY=VALUE"
-        )
-    if config_opt is not None:
-        if config_file is not None and context_dir is not None:
-            raise click.UsageError("--config-file is given, so only one argument (the context directory) is expected")
-        # With --config-file the single positional word is the context directory.
-        config_file, context_dir = config_opt, config_file
-        if context_dir is None:
-            raise click.UsageError(NO_CONTEXT.format(config=f"--config-file {config_opt}"))
-        return config_file, context_dir
-    if config_file is None:
-        raise click.UsageError("missing the experiment config: det e create CONFIG_FILE CONTEXT_DIR")
-    if context_dir is None:
-        raise click.UsageError(NO_CONTEXT.format(config=config_file))
-    return config_file, context_dir
-
-
 def _create(
     app: App,
     config_file: Path,

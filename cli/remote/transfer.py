@@ -23,7 +23,7 @@ from typing import Any
 import click
 
 from detslurm import context
-from detslurm.cli.experiment import config_and_context
+from detslurm.cli.create_args import config_and_context
 from detslurm.cli.remote.channel import collect
 from detslurm.cli.remote.command import capture_argv, note, run_argv
 from detslurm.cli.remote.target import RemoteError, RemoteSettings, Target
