@@ -26,6 +26,7 @@ EXAMPLES: dict[str, str] = {
     "config": "det config --json",
     "site doctor": "det site doctor -p gpu --json",
     "site init": "det site init --print",
+    "site postgres-rls": "det site postgres-rls --dry-run alice bob",
     "experiment activate": "det e activate 7",
     "experiment archive": "det e archive 7",
     "experiment cancel": "det e cancel 7",
