@@ -315,9 +315,8 @@ def test_full_dataset_evaluation_and_a_plain_torch_loader(det_env: Path) -> None
 
 
 def test_what_is_not_built_fails_at_once_naming_itself() -> None:
+    # configure_apex_amp is built now (tests/unit/compat/test_determined_oracle_apex.py).
     ctx = pytorch.CheckpointLoadContext({"global_batch_size": 4})
-    with pytest.raises(NotImplementedError, match="configure_apex_amp"):
-        ctx.configure_apex_amp(models=None, optimizers=None)
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
         ctx.wrap_optimizer(opt, backward_passes_per_step=2)
