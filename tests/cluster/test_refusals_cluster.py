@@ -86,9 +86,7 @@ def until(what: str, probe: Callable[[], T | None], timeout: float = 40) -> T:
 @pytest.mark.slurm24_smoke
 def test_more_slots_than_the_pool_is_refused_with_the_numbers(det: Any, slurm_env: Path, tmp_path: Path) -> None:
     err = refused(det, config(tmp_path, "{slots_per_trial: 100}"), CORE)
-    assert (
-        ": resources.slots_per_trial: slots_per_trial=100 needs 50 nodes; pool cpu has 2 nodes x 2 slots" in err
-    )
+    assert ": resources.slots_per_trial: slots_per_trial=100 needs 50 nodes; pool cpu has 2 nodes x 2 slots" in err
     err = refused(det, config(tmp_path, "{slots_per_trial: 6, resource_pool: gpu}"), CORE)
     assert "slots_per_trial=6 needs 3 nodes; pool gpu has 2 nodes x 2 slots" in err
     assert_nothing_created(det, slurm_env)

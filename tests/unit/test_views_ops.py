@@ -204,7 +204,9 @@ def test_a_trials_job_is_found_by_its_tag_in_the_callers_store(store: Store, tmp
     assert found is not None and found.keeper == q.Keeper(exp, experiment_tag(str(tmp_path / "a")), "your store")
     stranger = replace(job, comment=trial_comment(exp, 2, 1, tag=experiment_tag("/elsewhere")))
     lost = queue_store.trial_of(stranger, os_user(), store=store, scope=Scope.mine(), client=None)  # type: ignore[arg-type]
-    assert lost is not None and lost.keeper.missing.startswith(f"experiment {exp} of your store did not submit this job")
+    assert lost is not None and lost.keeper.missing.startswith(
+        f"experiment {exp} of your store did not submit this job"
+    )
     # Another user's trial: root must say --all-users before anything of theirs is changed.
     theirs = replace(job, user="bob")
     asked = queue_store.trial_of(theirs, os_user(), store=store, scope=Scope.mine(), client=None)  # type: ignore[arg-type]
