@@ -180,7 +180,8 @@ def _materialize(conn: Any, base: str, tree: str, bundle: context.ContextBundle,
         raise RemoteError(f"{conn.login}: could not unpack the uploaded context in {tree}: {err.strip()}")
 
 
-def _upload_config(conn: Any, config: Path) -> str:
+def upload_config(conn: Any, config: Path) -> str:
+    """Put the config file in the login node's upload cache; its path there."""
     try:
         data = config.read_bytes()
     except OSError as e:
@@ -200,7 +201,8 @@ def _upload_config(conn: Any, config: Path) -> str:
 
 def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], create_cmd: click.Command) -> int:
     """`det e create CONFIG CONTEXT` remotely: upload what changed, then create there.
-    ``create_cmd`` is the local `det e create`, whose declaration parses ``args``."""
+    ``create_cmd`` is the local `det e create`, whose declaration parses ``args``. The Python
+    SDK's ``create_experiment`` over ssh:// uploads through the same two functions."""
     with create_cmd.make_context("create", args[2:]) as ctx:  # click's own usage errors, as locally
         p = ctx.params
         config, ctx_dir = config_and_context(p["config_file"], p["context_dir"], p["config_opt"], p["template"])
@@ -213,7 +215,7 @@ def create(conn: Any, target: Target, rs: RemoteSettings, args: list[str], creat
         f"Uploaded {uploaded} of {total} context files to {conn.login}:{tree} "
         f"({total - uploaded} already there, {format_size(bundle.total_bytes)} in all)"
     )
-    remote_config = _upload_config(conn, config)
+    remote_config = upload_config(conn, config)
     return run_argv(conn, target, rs, [*args[:2], remote_config, tree, *options])
 
 
@@ -261,6 +263,31 @@ def fetch_checkpoint(
     finally:
         sftp.close()
     return dst, src, files, total
+
+
+def fetch_file(conn: Any, remote: str, dest: Path) -> int:
+    """Copy the login node's regular file ``remote`` to ``dest``, replacing it (through a
+    temporary name beside it); its bytes. A link or anything else in its place is refused: the
+    Python SDK's ``Experiment.download_code`` over ssh:// copies the code snapshot through here."""
+    if not PurePosixPath(remote).is_absolute():
+        raise RemoteError(f"{conn.login}: {remote!r} is not an absolute path; refusing to download it")
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    sftp = conn.sftp()
+    try:
+        attrs = sftp.lstat(remote)
+        if not stat.S_ISREG(attrs.st_mode or 0):
+            raise RemoteError(f"{conn.login}:{remote} is not a regular file; refusing to download it")
+        size = int(attrs.st_size or 0)
+        _check_room(dest, size)
+        tmp.unlink(missing_ok=True)
+        _get(sftp, remote, tmp, size)
+        tmp.replace(dest)
+    except FileNotFoundError:
+        raise RemoteError(f"{remote} not found on {conn.login}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+        sftp.close()
+    return size
 
 
 def _checked_source(conn: Any, answer: str) -> str:

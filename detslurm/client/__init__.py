@@ -8,9 +8,9 @@ path = best.download()
 There is no master: ``login()`` and ``Determined()`` open the store named by the user's settings
 (or the database URL given as ``master``, or a login node's store for ``ssh://user@login``, see
 ``_remote``) and see only the calling user's experiments, as every `det` command does. Reads
-go through the one read layer (``detslurm.store.reads``); a state change (pause, kill,
-labels...) changes the experiment's row through the same controller operations as `det e pause`
-and friends, and the owner's daemon (or local driver) carries it out.
+go through the one read layer (``detslurm.store.reads``); a change runs the code of its `det`
+command: pause, activate, cancel and kill are `det e pause` and friends (cli/state_change.py:
+Slurm is told at once, activate starts the daemon), labels and the rest controller/edit.py's.
 Importing this module opens nothing: the default session is made on first use.
 
 One module per object (their names start with ``_``: this package is Determined's ``client``

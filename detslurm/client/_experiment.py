@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -67,27 +65,12 @@ class Experiment:
     def download_code(self, output_dir: Optional[str] = None) -> str:
         """The experiment's code as submitted (the context snapshot taken at create) saved as
         ``exp-<id>_model_def.tar.gz`` in ``output_dir`` (created if missing; default the current
-        dir), replacing a file of that name; the path written."""
-        from detslurm.protocol import ExpPaths
-        from detslurm.util import open_regular
-
-        info, _ = self._session.reads.experiment(self._id, self._session.owner)
-        src = ExpPaths(Path(info["exp_dir"])).context
+        dir), replacing a file of that name; the path written. Over ssh:// it is copied from the
+        login node."""
         out_dir = Path(output_dir).expanduser() if output_dir else Path()
         out_dir.mkdir(parents=True, exist_ok=True)
         dest = out_dir / f"exp-{self._id}_model_def.tar.gz"
-        try:
-            # The snapshot lies in the experiment dir, which the trials can write: only a regular
-            # file is copied, never what a link in its place names.
-            opened = open_regular(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            raise NotFoundError("code snapshot of experiment", self._id) from e
-        if opened is None:
-            raise NotFoundError("code snapshot of experiment", self._id)
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        with opened[0] as f, open(tmp, "wb") as out:
-            shutil.copyfileobj(f, out)
-        tmp.replace(dest)
+        self._session.download_code(self._id, dest)
         return str(dest)
 
     # -- reading (a listing is one read, whatever its length) ---------------------------------

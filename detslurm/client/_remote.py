@@ -6,20 +6,23 @@ Each read and each change is one call of the hidden `det sdk-call` on the login 
 request on its stdin, a JSON answer on its stdout), which runs it there with a local
 :class:`~detslurm.client._session.Session` of the ssh user: the objects and their checks are the
 same on both sides, and the scope is always the login node's own user, whatever the request says.
-A checkpoint's files come back over SFTP as `det checkpoint download` copies them.
+A listing is one call whatever its length (the objects are made from its rows). A checkpoint's
+files and an experiment's code snapshot come back over SFTP, and create_experiment's code goes
+up, as `det -m ssh://...` copies them (cli/remote/transfer.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from detslurm.client._checkpoint import CheckpointListing
-from detslurm.client._session import ConfigArg, Edit, Session, Verb
+from detslurm.client._session import ConfigArg, Edit, Session, Verb, _config_file, _context_dir
 from detslurm.errors import ConfigError, DetSlurmError, NotFoundError, StateError
 
 if TYPE_CHECKING:
@@ -110,6 +113,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "set_notes": Session.set_notes,
     "delete_experiment": Session.delete_experiment,
     "delete_tensorboard_files": Session.delete_tensorboard_files,
+    "code_snapshot": Session.code_snapshot,
+    "create_experiment": Session.create_experiment,
     "kill_trial": Session.kill_trial,
     "trial_log_lines": lambda s, trial_id, options: list(s.trial_log_lines(trial_id, options)),
     "set_checkpoint_metadata": Session.set_checkpoint_metadata,
@@ -240,11 +245,27 @@ class RemoteSession(Session):
     def delete_tensorboard_files(self, exp_id: int) -> None:
         self._call("delete_tensorboard_files", exp_id)
 
+    def download_code(self, exp_id: int, dest: Path) -> None:
+        """The login node checks the snapshot and names it; it comes back over SFTP, checked
+        again here (cli/remote/transfer.py)."""
+        from detslurm.cli.remote import transfer
+
+        transfer.fetch_file(self._connection(), str(self._call("code_snapshot", exp_id)), dest)
+
     def create_experiment(self, config: ConfigArg, model_dir: str | Path | None, includes: Iterable[str | Path]) -> int:
-        raise DetSlurmError(
-            f"client: create_experiment over {self.url} is not built yet; "
-            f"`det -m {self.url} experiment create CONFIG CONTEXT` uploads the code and creates it"
-        )
+        """As `det -m ssh://... e create`: the code and the config go to the login node's upload
+        cache (only the files it lacks, cli/remote/transfer.py), and the login node creates the
+        experiment from them as its own `det e create` would."""
+        from detslurm import context
+        from detslurm.cli.remote import transfer
+
+        conn = self._connection()
+        with tempfile.TemporaryDirectory(prefix="detslurm-sdk-") as tmp:
+            config_path = _config_file(config, Path(tmp))
+            bundle = context.package(_context_dir(model_dir, includes, Path(tmp)))
+            tree, _, _ = transfer.upload_context(conn, bundle)
+            remote_config = transfer.upload_config(conn, config_path)
+        return int(self._call("create_experiment", remote_config, tree, []))
 
     def checkpoint_listing(self, exp_id: int, trial_id: int | None, metric: str | None) -> CheckpointListing:
         infos, smaller, values = self._call("checkpoint_listing", exp_id, trial_id, metric)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import enum
 import json
+import os
+import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Union
 
 import yaml
 
@@ -21,8 +23,10 @@ from detslurm import settings
 from detslurm.cli.state_change import Verb, log_echo
 from detslurm.client import _logs, _tensorboard
 from detslurm.client._checkpoint import CheckpointListing, _smaller_is_better, copy_checkpoint
-from detslurm.errors import ConfigError, StateError
+from detslurm.errors import ConfigError, NotFoundError, StateError
 from detslurm.identity import Scope, os_user
+from detslurm.protocol import ExpPaths
+from detslurm.util import open_regular
 
 if TYPE_CHECKING:
     from detslurm.cli.app import App
@@ -128,37 +132,50 @@ class Session:
         _tensorboard.remove_files(Path(info["exp_dir"]), runs)
 
     def create_experiment(self, config: ConfigArg, model_dir: str | Path | None, includes: Iterable[str | Path]) -> int:
-        """Create and submit an experiment as `det e create` does (controller/create.py), on
-        Slurm; its id. ``model_dir`` None: an empty context, as Determined sends no model
-        definition then; ``includes`` are added to the context under their own names."""
+        """Create and submit an experiment as `det e create` does on Slurm (controller/create.py,
+        placed by the CLI's Slurm backend), and start the daemon; its id. ``model_dir`` None: an
+        empty context, as Determined sends no model definition then; ``includes`` are added to
+        the context under their own names."""
         from detslurm import daemon
-        from detslurm.cli.context_include import stage_context
+        from detslurm.cli.backend import SlurmBackend
         from detslurm.controller import create
-        from detslurm.controller.placement import SlurmPlace
-        from detslurm.slurm.client import client_from_env
-        from detslurm.slurm.site import load_site_config
 
-        st = settings.load()
-        store, client, site = self.store, client_from_env(), load_site_config()
+        app = self.app
         with tempfile.TemporaryDirectory(prefix="detslurm-sdk-") as tmp:
             config_path = _config_file(config, Path(tmp))
-            if model_dir is None:
-                context = Path(tmp) / "context"
-                context.mkdir()
-            else:
-                context = Path(model_dir)
-            extra = [Path(i) for i in includes]
-            if extra:
-                context = stage_context(context, tuple(extra), Path(tmp) / "staged" / context.resolve().name)
-            plan = create.plan_create(st, config_path, context)
-
-            def submit(executor: Any) -> None:
-                daemon.reconcile_once(st, store=store, client=client, site=site, executor=executor)
-
-            exp_id = create.create(store, st, SlurmPlace(client, site, submit), plan, _echo)
+            plan = create.plan_create(app.settings, config_path, _context_dir(model_dir, includes, Path(tmp)))
+            exp_id = create.create(app.store, app.settings, SlurmBackend(app).place(), plan, _echo)
         assert exp_id is not None  # not a dry run
-        daemon.start(st)  # the daemon carries it on, as after `det e create`
+        daemon.start(app.settings)  # the daemon carries it on, as after `det e create`
         return exp_id
+
+    def code_snapshot(self, exp_id: int) -> str:
+        """Where the experiment's code snapshot lies, once checked to be a regular file."""
+        with self._open_snapshot(exp_id)[0]:
+            pass
+        info, _ = self.reads.experiment(exp_id, self.owner)
+        return str(ExpPaths(Path(info["exp_dir"])).context)
+
+    def download_code(self, exp_id: int, dest: Path) -> None:
+        """Copy the experiment's code snapshot (its context tarball) to ``dest``, replacing it."""
+        f, _ = self._open_snapshot(exp_id)
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        with f, open(tmp, "wb") as out:
+            shutil.copyfileobj(f, out)
+        tmp.replace(dest)
+
+    def _open_snapshot(self, exp_id: int) -> tuple[BinaryIO, os.stat_result]:
+        info, _ = self.reads.experiment(exp_id, self.owner)
+        src = ExpPaths(Path(info["exp_dir"])).context
+        try:
+            # The snapshot lies in the experiment dir, which the trials can write: only a regular
+            # file is opened, never what a link in its place names.
+            opened = open_regular(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            raise NotFoundError("code snapshot of experiment", exp_id) from e
+        if opened is None:
+            raise NotFoundError("code snapshot of experiment", exp_id)
+        return opened
 
     # -- listings: one read each, whatever their length (over ssh:// a read is a call) --------
     def checkpoint_listing(self, exp_id: int, trial_id: int | None, metric: str | None) -> CheckpointListing:
@@ -215,6 +232,20 @@ class Session:
         """Copy the checkpoint's checked directory into ``dst`` (default ``./checkpoints/<uuid>``),
         a new or empty directory; the path written."""
         return copy_checkpoint(checkpoint, dst)
+
+
+def _context_dir(model_dir: str | Path | None, includes: Iterable[str | Path], tmp: Path) -> Path:
+    """The experiment's code: ``model_dir`` (None: an empty dir) with ``includes`` staged
+    beside its files under their own names, as `det e create --include` stages them."""
+    from detslurm.cli.context_include import stage_context
+
+    if model_dir is None:
+        context = tmp / "context"
+        context.mkdir()
+    else:
+        context = Path(model_dir)
+    extra = tuple(Path(i) for i in includes)
+    return stage_context(context, extra, tmp / "staged" / context.resolve().name) if extra else context
 
 
 def _config_file(config: ConfigArg, tmp: Path) -> Path:

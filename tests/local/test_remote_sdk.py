@@ -6,19 +6,24 @@ node", as in test_remote_ssh.py: what is tested is the SDK's path over SSH."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import tarfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import write
+import sshd_harness as sh
+import yaml
+from conftest import ROOT, write
 from test_remote_ssh import _chatty_context, _context, _laptop_det, _wait_for_output, hold, laptop, servers
 
 from detslurm import client
 from detslurm.client._remote import RemoteSession
 from detslurm.download_dir import DestinationExists
-from detslurm.errors import NotFoundError
+from detslurm.errors import ConfigError, DetSlurmError, NotFoundError
 
 pytest.importorskip("paramiko")
 pytestmark = pytest.mark.heavy  # the remote venv's build, as test_remote_ssh.py
@@ -86,8 +91,13 @@ def test_reads_edits_logs_and_download_over_ssh(
     assert json.loads((path / "metadata.json").read_text())["steps_completed"] == best.steps_completed
     with pytest.raises(DestinationExists):
         best.download(str(path))  # a download never writes into one made before
-    # One SSH login for the SDK's whole session (every call is a channel of one connection),
-    # and one for the `det -m ... e describe` above.
+    # The code as submitted, copied over SFTP from the login node's experiment dir.
+    code_tar = Path(exp.download_code(str(tmp_path / "code")))
+    assert code_tar == tmp_path / "code" / "exp-1_model_def.tar.gz"
+    with tarfile.open(code_tar) as tar:
+        assert {"train.py", "const.yaml"} <= {Path(n).name for n in tar.getnames()}
+    # One SSH login for the SDK's whole session (every call and SFTP copy is a channel of one
+    # connection), and one for the `det -m ... e describe` above.
     assert servers["login"].log.count("Accepted publickey") == logins + 2
 
 
@@ -174,3 +184,70 @@ def test_a_listing_is_one_call_over_ssh_whatever_its_length(
     # Built from the listing's rows, each is what a read of its own gives.
     fresh = sdk.get_checkpoint(top.uuid)
     assert (top.metadata, top.state, top.report_time) == (fresh.metadata, fresh.state, fresh.report_time)
+
+
+def test_create_experiment_over_ssh_uploads_the_code_and_creates_on_the_login_node(
+    det: Any, sdk: Any, servers: dict[str, Any], tmp_path: Path
+) -> None:
+    """Without Slurm on this login node the create stops at the login node's Slurm check, after
+    the upload: what `det -m ... e create` would say there (the test on the cluster goes on)."""
+    ctx = _context(tmp_path)
+    extra = write(tmp_path / "shared" / "helpers.py", "X = 1\n")
+    sdk.login(master=URL)
+    config = {"name": "sdk-remote", "entrypoint": "python3 train.py", "searcher": {"name": "single", "metric": "x"}}
+    with pytest.raises(DetSlurmError, match="no Slurm cluster is configured on this machine"):
+        sdk.create_experiment(config, str(ctx), [extra])
+    cache = Path(servers["user"].pw_dir) / ".cache/detslurm/contexts"
+    (tree,) = [p for p in (cache / "trees").iterdir() if p.is_dir()]
+    assert {"train.py", "const.yaml", "helpers.py"} <= {p.name for p in tree.iterdir()}
+    (uploaded,) = (cache / "configs").iterdir()
+    assert yaml.safe_load(uploaded.read_text())["name"] == "sdk-remote"
+    # A bad config is the login node's ConfigError, raised here as one.
+    with pytest.raises(ConfigError, match="searcher"):
+        sdk.create_experiment({"name": "x", "entrypoint": "python3 train.py"}, str(ctx))
+    assert sdk.list_experiments() == []
+
+
+def _squeue(slurm_cluster: Path, *args: str) -> str:
+    env = dict(os.environ, SLURM_CONF=str(slurm_cluster / "etc/slurm.conf"))
+    return subprocess.run(["squeue", "-h", *args], capture_output=True, text=True, check=True, env=env).stdout
+
+
+@pytest.mark.slurm
+def test_on_the_slurm_test_cluster_create_and_kill_over_ssh_end_the_job_at_once(
+    det: Any, sdk: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path, hold: Path
+) -> None:
+    """create_experiment over ssh:// submits the laptop's code on the cluster; kill() cancels
+    its running job at once, with no daemon left to do it at a tick (as `det e kill`)."""
+    cfg_path = Path(os.environ["DETSLURM_CONFIG"])
+    cfg = json.loads(cfg_path.read_text())
+    cfg["remote"]["setup"].append(
+        f"export SLURM_CONF={slurm_cluster / 'etc/slurm.conf'} DETSLURM_SITE_CONFIG={ROOT / 'site-configs/test-cluster.yaml'}"
+        " DETSLURM_DAEMON_IDLE_EXIT_S=30"
+    )
+    cfg_path.write_text(json.dumps(cfg))
+    ctx = _chatty_context(tmp_path)
+    config = yaml.safe_load((ctx / "const.yaml").read_text())
+    config["hyperparameters"].update(sleep=0.2, hold=str(hold))  # it waits at batch 3 while hold exists
+    try:
+        sdk.login(master=URL)
+        exp = sdk.create_experiment(config, str(ctx))
+        assert (exp.name, exp.state) == ("core-api-const", sdk.ExperimentState.ACTIVE)
+        deadline = time.time() + 120
+        while not (running := _squeue(slurm_cluster, "-u", sh.USER, "--states=RUNNING", "-o", "%i").split()):
+            assert time.time() < deadline, "the experiment's job never started"
+            time.sleep(0.5)
+        (job,) = running
+        # No daemon from here on: what happens at once is the SDK's own doing.
+        assert det("-m", URL, "daemon", "stop")[0] == 0
+        started = time.monotonic()
+        exp.kill()
+        assert exp.state == sdk.ExperimentState.STOPPING_KILLED
+        while _squeue(slurm_cluster, "--states=all", "-j", job, "-o", "%T").strip() in ("RUNNING", "COMPLETING"):
+            assert time.monotonic() - started < 10, "the killed job still runs"
+            time.sleep(0.2)
+        assert _squeue(slurm_cluster, "--states=all", "-j", job, "-o", "%T").strip() in ("CANCELLED", "")
+    finally:
+        det("-m", URL, "daemon", "stop")
+        env = dict(os.environ, SLURM_CONF=str(slurm_cluster / "etc/slurm.conf"))
+        subprocess.run(["scancel", "-u", sh.USER], check=False, env=env)

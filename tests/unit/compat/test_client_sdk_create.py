@@ -270,3 +270,19 @@ def test_answers_raise_the_errors_the_login_node_raised() -> None:
         assert str(raised.value) == str(e)
     with pytest.raises(DetSlurmError, match="x"):
         _remote.raise_error({"error": "detslurm", "message": "x"})
+
+
+def test_the_login_node_creates_from_the_uploaded_code_and_names_its_snapshot(sdk: Any, tmp_path: Path) -> None:
+    """What RemoteSession.create_experiment and download_code ask after their uploads and
+    before their SFTP copies (the whole path runs against sshd in tests/local/test_remote_sdk.py)."""
+    _, fake, started = sdk
+    tree = write(tmp_path / "tree" / "train.py", "pass\n").parent
+    exp_id = _ask("create_experiment", str(write(tmp_path / "c.yaml", CONFIG)), str(tree), [])["ok"]
+    assert fake.count("sbatch", "--parsable") == 1 and len(started) == 1
+    snapshot = Path(_ask("code_snapshot", exp_id)["ok"])
+    with tarfile.open(snapshot) as tar:
+        assert "train.py" in {Path(n).name for n in tar.getnames()}
+    # A link in the snapshot's place (the experiment dir is the trials' to write) is not named.
+    snapshot.rename(snapshot.with_name("moved"))
+    snapshot.symlink_to(snapshot.with_name("moved"))
+    assert _ask("code_snapshot", exp_id)["error"] == "not_found"
