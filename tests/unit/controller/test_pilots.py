@@ -14,12 +14,21 @@ from test_step_executor import SHOW
 
 from detslurm.controller.executor import Demand, ExpRef
 from detslurm.controller.pilots import PilotPool
+from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.controller.step_executor import StepExecutor, StepRun
 from detslurm.errors import ConfigError
 from detslurm.expconf import ExperimentConfig, validate
 from detslurm.slurm.allocation import Share
 from detslurm.slurm.client import Result, SlurmClient
-from detslurm.slurm.parse import QueuedJob, experiment_tag, parse_comment, trial_comment
+from detslurm.slurm.parse import (
+    REC_END,
+    SEP,
+    SQUEUE_FIELDS,
+    QueuedJob,
+    experiment_tag,
+    parse_comment,
+    trial_comment,
+)
 from detslurm.slurm.pilot_job import (
     lease_path,
     plan_workers,
@@ -154,3 +163,42 @@ def test_surplus_goes_waiting_first_then_idle_never_busy(tmp_path: Path) -> None
     p.settle([Demand(exp, config(3), runs=1)])
     assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2", "200_1"]]
     assert not [c for c in fake.calls if c[0] == "sbatch"]
+
+
+class Queue(Slurm):
+    """Also squeue: three running workers, two of experiment 1 and one of experiment 2."""
+
+    def __init__(self, lease: Path, records: str) -> None:
+        super().__init__(lease)
+        self.records = records
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        if argv[0] == "squeue":
+            return Result(0, self.records, "")
+        return super().answer(argv, input)
+
+
+def _record(task: str, raw: int, comment: str) -> str:
+    f = [task, str(raw), task.split("_")[0], task.split("_")[1], "RUNNING", "gpu", "root", "100", "None", "g1"]
+    f += ["1", "1", "N/A", "2026-11-28T22:52:51", "2026-11-28T22:52:52", "1:00:00", "0", "det-e1-pilot", comment, "0"]
+    assert len(f) == len(SQUEUE_FIELDS)
+    return SEP.join(f) + REC_END
+
+
+def test_one_squeue_a_tick_whatever_the_workers(tmp_path: Path) -> None:
+    one, two = ExpRef(1, tmp_path / "e1"), ExpRef(2, tmp_path / "e2")
+    for e in (one, two):
+        e.dir.mkdir()
+    t1, t2 = experiment_tag(str(one.dir)), experiment_tag(str(two.dir))
+    records = _record("200_0", 201, worker_comment(1, t1)) + _record("200_1", 202, worker_comment(1, t1))
+    records += _record("300_0", 301, worker_comment(2, t2))
+    fake = Queue(lease_path(one.dir), records)
+    ex = SlurmExecutor(SlurmClient(fake, user="root"), SITE)
+    ex.steps._clock = lambda: NOW
+    for _ in range(2):  # two ticks
+        # Every worker answers as the captured job: two nodes of two GPUs, four 1-slot runs.
+        assert ex.capacity(config(2), one) == 8 and ex.capacity(config(2), two) == 4
+        ex.settle([Demand(one, config(2), runs=2), Demand(two, config(1), runs=1)])
+    assert fake.asked("squeue") == 2
+    assert fake.asked("scontrol -d show job") == 3  # each worker once, when it is first seen running
+    assert fake.asked("sbatch") == 0 and fake.asked("scancel") == 0
