@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 
 class Echo(Protocol):
-    def __call__(self, message: str, *, err: bool = False) -> None: ...
+    """click.echo's shape (controller/create.py's Echo too)."""
+
+    def __call__(self, message: str, *, nl: bool = True, err: bool = False) -> object: ...
 
 
 def log_echo(logger: str) -> Echo:

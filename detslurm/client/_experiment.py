@@ -8,6 +8,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from detslurm.cli.state_change import Verb
 from detslurm.client._checkpoint import Checkpoint, _metric_name, _sorted_checkpoints
 from detslurm.client._enums import (
     CheckpointOrderBy,
@@ -19,7 +20,7 @@ from detslurm.client._enums import (
     _descending,
     _state,
 )
-from detslurm.client._session import Edit, Verb
+from detslurm.client._session import Edit
 from detslurm.client._trial import Trial
 from detslurm.errors import NotFoundError
 

@@ -21,8 +21,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from detslurm.cli.state_change import Verb
 from detslurm.client._checkpoint import CheckpointListing
-from detslurm.client._session import ConfigArg, Edit, Session, Verb, _config_file, _context_dir
+from detslurm.client._session import ConfigArg, Edit, Session, _config_file, _context_dir
 from detslurm.errors import ConfigError, DetSlurmError, NotFoundError, StateError
 
 if TYPE_CHECKING:
