@@ -243,19 +243,6 @@ def of_experiment(app: App, exp_id: int) -> Backend:
     return cls(app)
 
 
-def stop_now(app: App, exp_id: int, *, kill: bool, trial_id: int | None = None) -> None:
-    """Reach the scheduler at once after a kill or pause, and say which jobs it canceled; a
-    failure only warns (the state change is recorded, and the daemon's next tick carries it out)."""
-    try:
-        jobs = of_experiment(app, exp_id).stop_now(exp_id, kill=kill, trial_id=trial_id)
-    except DetSlurmError as e:
-        click.echo(f"Warning: Slurm could not be told at once ({e}); the daemon will do it at its next tick", err=True)
-        return
-    if jobs:
-        what = "job" if len(jobs) == 1 else "jobs"
-        click.echo(f"Canceled Slurm {what} {', '.join(jobs)}" + ("" if kill else " (queued, not started yet)"))
-
-
 def is_mine(app: App, exp_id: int) -> bool:
     """Whether the experiment is the caller's own (only then may this process run or tick it)."""
     with app.store.read() as s:
