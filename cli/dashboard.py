@@ -27,17 +27,11 @@ def _sources(app: App, allow_actions: bool) -> Any:
         return rp_mod.pool_rows(app)
 
     def act(action: str, exp_id: int) -> None:
-        from detslurm.cli import backend as backend_mod
-        from detslurm.controller import ops
+        # The same state changes as `det e pause/activate/kill` (a kill cancels the live jobs at
+        # once); an activate is `--detach`'s: the daemon runs a Slurm experiment, nothing here waits.
+        from detslurm.cli.state_change import Verb, change_state, log_echo
 
-        if action == "pause":
-            ops.pause(app.store, exp_id, app.scope)
-        elif action == "kill":
-            ops.kill(app.store, exp_id, app.scope)
-        else:
-            ops.activate(app.store, exp_id, app.scope)
-            # As `det e activate --detach`: the daemon runs a Slurm experiment; nothing here waits.
-            backend_mod.of_experiment(app, exp_id).resume(exp_id, detach=True)
+        change_state(app, Verb(action), exp_id, detach=True, echo=log_echo("detslurm.dashboard"))
 
     return Sources(jobs=jobs, pools=pools, act=act if allow_actions else None)
 

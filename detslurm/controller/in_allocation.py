@@ -14,7 +14,7 @@ from typing import Any, Optional
 from detslurm.controller.config import stored_config
 from detslurm.controller.edit import _edit_config
 from detslurm.errors import ConfigError
-from detslurm.expconf.view import merge_config
+from detslurm.expconf.view import ConfigView, merge_config
 from detslurm.identity import Scope
 from detslurm.store import Store
 from detslurm.store.models import ExperimentState
@@ -54,10 +54,10 @@ def rebind(
     own while ``still_running`` says it runs; else as ordinary jobs."""
     with store.read() as s:
         exp = get_experiment(s, exp_id, scope)
-        paused, slurm = exp.state == ExperimentState.PAUSED, stored_config(exp).slurm
+        if exp.state != ExperimentState.PAUSED or not ConfigView(exp.config).in_allocation:
+            return None  # an active one stays where its trials run; ops.activate judges the rest
+        slurm = stored_config(exp).slurm
     held = slurm.allocation_id
-    if not (paused and slurm.in_allocation):
-        return None  # an active one stays where its trials run; ops.activate judges the rest
     if allocation:
         patch: dict[str, Any] = {"in_allocation": True, "allocation_id": allocation}
         said = f"its trials run as job steps of allocation {allocation}"

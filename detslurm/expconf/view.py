@@ -213,6 +213,11 @@ class ConfigView:
         return _typed(self.optimizations.get("average_aggregated_gradients"), bool, True)
 
     @property
+    def in_allocation(self) -> bool:
+        """``slurm.in_allocation``: the trials run as job steps of an allocation the user holds."""
+        return _typed(_section(self.raw, "slurm").get("in_allocation"), bool, False)
+
+    @property
     def experiment_seed(self) -> int:
         return _typed(_section(self.raw, "reproducibility").get("experiment_seed"), int, 0)
 
