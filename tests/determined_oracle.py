@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +58,48 @@ def record_script(
     assert r.returncode == 0, f"{work.name}: {r.stderr[-3000:]}"
     got: dict[str, Any] = json.loads((work / "out.json").read_text())
     return got
+
+
+ONEVAR = Path(__file__).resolve().parent / "fixtures/onevar_trial.py"
+
+
+def onevar_runs(spec: Any, work: Path, env: dict[str, str] | None = None, timeout: float = 600) -> tuple[Any, Any]:
+    """(Determined's output, ours) of tests/fixtures/onevar_trial.py given ``spec``, the two run
+    side by side, each in its own dir under ``work`` with its own HOME (Determined's Trainer
+    writes its off-cluster checkpoints under the user's data dir and copies the working dir
+    into each: the two must not nest)."""
+    procs = []
+    for name, python in (("determined", oracle_python()), ("detslurm", Path(sys.executable))):
+        cwd = work / f"cwd-{name}"
+        cwd.mkdir(parents=True)
+        full_env = {**os.environ, "HOME": str(work / f"home-{name}"), **(env or {})}
+        args = [str(python), str(ONEVAR), str(work / f"{name}.json"), json.dumps(spec)]
+        procs.append((name, subprocess.Popen(args, cwd=cwd, env=full_env, stderr=subprocess.PIPE, text=True)))
+    errors = {name: p.communicate(timeout=timeout)[1] for name, p in procs}
+    for name, p in procs:
+        assert p.returncode == 0, f"{name}: {errors[name][-4000:]}"
+    return tuple(json.loads((work / f"{name}.json").read_text()) for name, _ in procs)  # type: ignore[return-value]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal records, numbers to a relative 1e-6: Determined averages a window in float32,
+    detslurm in float64."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def first_difference(theirs: list[Any], ours: list[Any]) -> str:
+    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):
+        if not same(a, b):
+            return f"event {i}:\n  Determined: {a}\n  detslurm:   {b}"
+    return f"Determined recorded {len(theirs)} events, detslurm {len(ours)}"
 
 
 def surface(python: Path | str) -> Surface:

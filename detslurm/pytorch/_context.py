@@ -266,8 +266,10 @@ class PyTorchTrialContext(ReducerContext):
         return lr_scheduler
 
     def wrap_scaler(self, scaler: Any) -> Any:
-        """A torch.amp.GradScaler (CPU or CUDA): backward() scales the loss, step_optimizer()
-        steps through it, the Trainer calls update() after each batch and checkpoints it."""
+        """A torch.amp.GradScaler (CPU or CUDA), checkpointed with the trial. Used as
+        Determined documents it: the trial scales the loss (``backward(scaler.scale(loss))``),
+        unscales before clipping, passes it to ``step_optimizer(opt, scaler=scaler)`` and calls
+        ``update()``; only ``experimental.use_amp()`` does these itself."""
         if self._scaler is not None:
             raise ValueError("wrap_scaler() may be called once per trial")
         if self._apex is not None:
@@ -376,7 +378,7 @@ class PyTorchTrialContext(ReducerContext):
         if self._apex is not None:
             args = {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph}
             return self._apex.backward(loss, self.optimizers, self._current_batch_idx, **args)
-        if self._scaler is not None:
+        if self._scaler is not None and self.experimental._auto_amp:
             loss = self._scaler.scale(loss)
         loss.backward(gradient=gradient, retain_graph=retain_graph, create_graph=create_graph)  # type: ignore[no-untyped-call]
 
@@ -405,16 +407,19 @@ class PyTorchTrialContext(ReducerContext):
             for p in params():
                 if p.grad is not None:
                     p.grad.div_(self._aggregation_frequency)
-        scaler = scaler if scaler is not None else self._scaler
+        # The wrapped scaler is used unasked under use_amp() only; with wrap_scaler() the trial
+        # passes it, unscales and updates it itself (Determined's rule: doing either twice breaks).
+        auto = self.experimental._auto_amp and self._scaler is not None
+        scaler = scaler if scaler is not None else (self._scaler if auto else None)
         if clip_grads is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            if auto:
+                self._scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             clip_grads(params())
         if scaler is not None:
             scaler.step(optimizer)
-            # The Trainer calls scaler.update() after the batch only when a step went through it:
-            # update() without a step in between raises in torch.
-            self._scaler_stepped = True
+            # Under use_amp() the Trainer calls update() after the batch, only when a step went
+            # through the scaler: update() without a step in between raises in torch.
+            self._scaler_stepped = auto
         else:
             optimizer.step()
         if auto_zero_grads:

@@ -153,28 +153,52 @@ class ReducerContext:
 
 
 def scalar(v: Any) -> Any:
-    """A metric value as a plain number where it is one (tensors of one element, numpy scalars)."""
+    """A metric value as plain data: one number where it is one (tensors and numpy values of one
+    element), else the nested list of its values. A per-sample loss stays per sample, as
+    Determined keeps it (as a numpy array there; lists here, which cross the ranks' JSON
+    collectives and the event file); reductions use all of its values."""
     if isinstance(v, torch.Tensor):
-        # A metric is one number: a multi-element tensor (a per-sample loss, say) is averaged rather
-        # than refused, as Determined's Trainer does for a batch's metrics.
-        return v.detach().float().mean().item() if v.numel() != 1 else v.detach().item()
-    # numpy scalars have .item() and size 1; an array of more elements keeps its shape.
+        v = v.detach()
+        return v.item() if v.numel() == 1 else v.cpu().tolist()
     if callable(getattr(v, "item", None)) and getattr(v, "size", 2) == 1:
         return v.item()
+    # A numpy array of several values (size counts them; a list's len would not be here).
+    if callable(getattr(v, "tolist", None)) and isinstance(getattr(v, "size", None), int):
+        return v.tolist()
     return v
 
 
 def reduce_values(values: list[Any], how: Reducer) -> Any:
     nums = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
     if not nums:
-        # A metric that is never a number (a string, a list) cannot be averaged: the latest value
-        # is reported as it is.
-        return values[-1] if values else None
+        if (flat := _all_numbers(values)) is not None:
+            # Lists of numbers (a vector metric): reduced over every value of every batch, as
+            # Determined's numpy reductions of the stacked batches do.
+            nums = flat
+        else:
+            # A metric that is never a number (a string) cannot be averaged: the latest value is
+            # reported as it is.
+            return values[-1] if values else None
     if how is Reducer.AVG:
         return sum(nums) / len(nums)
     if how is Reducer.SUM:
         return sum(nums)
     return max(nums) if how is Reducer.MAX else min(nums)
+
+
+def _all_numbers(values: list[Any]) -> Optional[list[float]]:
+    """Every number in ``values``, a list of (nested) lists of numbers; None if any is not."""
+    out: list[float] = []
+    todo = list(reversed(values))
+    while todo:
+        v = todo.pop()
+        if isinstance(v, (list, tuple)):
+            todo.extend(reversed(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append(float(v))
+        else:
+            return None
+    return out or None
 
 
 def reduce_rows(

@@ -2,7 +2,8 @@
 
 A checkpoint dir holds ``state_dict.pth`` (models_state_dict, optimizers_state_dict,
 lr_schedulers_state_dict, callbacks, rng_state, scaler_state_dict when a scaler is wrapped),
-``trial_state.pkl`` (batches/epochs trained, trial id), ``load_data.json`` (how to rebuild the
+``trial_state.pkl`` (batches/epochs trained, trial id: Determined's fields, no others),
+``trainer_state.json`` (the best searcher metric so far), ``load_data.json`` (how to rebuild the
 trial) and ``metadata.json`` (written by the Core API). ``state_dict.pth`` and ``trial_state.pkl``
 are pickles: load checkpoints you (or your trials) wrote, never ones from strangers.
 """
@@ -25,6 +26,7 @@ from detslurm.pytorch._data import epoch_start_state, set_epoch_start_state
 
 STATE_FILE = "state_dict.pth"
 TRIAL_STATE_FILE = "trial_state.pkl"
+TRAINER_STATE_FILE = "trainer_state.json"  # what detslurm's Trainer keeps beside Determined's fields
 LOAD_DATA_FILE = "load_data.json"
 
 
@@ -111,6 +113,8 @@ def load_data(trial: Any, ctx: PyTorchTrialContext) -> dict[str, Any]:
         "trial_cls_spec": f"{cls.__module__}:{cls.__qualname__}",
         "is_trainer": True,
         "hparams": ctx.get_hparams(),
+        # Determined's loader reads this key (None when there is no config, as it writes).
+        "experiment_config": ctx.get_experiment_config() or None,
     }
 
 

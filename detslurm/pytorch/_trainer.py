@@ -16,6 +16,7 @@ import logging
 import pickle
 import shutil
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -29,6 +30,7 @@ from detslurm.pytorch._reducer import Reducer, reduce_rows, reduce_values, scala
 from detslurm.pytorch._state import (
     LOAD_DATA_FILE,
     STATE_FILE,
+    TRAINER_STATE_FILE,
     TRIAL_STATE_FILE,
     load_data,
     load_trial_state,
@@ -36,7 +38,7 @@ from detslurm.pytorch._state import (
     set_rng_state,
     trial_state_dict,
 )
-from detslurm.pytorch._trial import PyTorchTrial
+from detslurm.pytorch._trial import PyTorchCallback, PyTorchTrial
 from detslurm.pytorch._units import Batch, TrainUnit, total_batches
 
 log = logging.getLogger("detslurm.pytorch")
@@ -48,6 +50,14 @@ class Trainer:
         self.context = context
         self.core = context._core
         self.callbacks = trial.build_callbacks()
+        for name, cb in self.callbacks.items():
+            if type(cb).on_checkpoint_end is not PyTorchCallback.on_checkpoint_end:
+                # Determined's words and category, once per callback that still overrides it.
+                warnings.warn(
+                    f"callback {name!r}: on_checkpoint_end is deprecated, please use on_checkpoint_write_end instead",
+                    FutureWarning,
+                    stacklevel=2,
+                )
         self.batches_trained = 0
         self.epoch_idx = 0
         self._epoch_rng: Optional[dict[str, Any]] = None
@@ -518,25 +528,31 @@ class Trainer:
 
     def _write_trial_files(self, path: Path) -> None:
         """Where training is, how to load the trial again and its code (the chief's part)."""
+        # Determined's fields only: its Trainer rebuilds its state from exactly these (any other
+        # key fails there), so a user can resume our checkpoints under Determined. Off-cluster
+        # the trial id is 0, as Determined's: any other id means another trial (a warm start).
         trial_state = {
+            "trial_id": self._trial_id() or 0,
+            "last_ckpt": self.batches_trained,
+            "step_id": 0,
+            "last_val": max(self._last_val_at, 0),
             "batches_trained": self.batches_trained,
             "epochs_trained": self.batches_trained // self._bpe,
-            "epoch_idx": self.epoch_idx,
-            "trial_id": self._trial_id(),
-            "best": self._best,
         }
         with open(path / TRIAL_STATE_FILE, "wb") as f:
             pickle.dump(trial_state, f)
+        # What only this Trainer keeps: the best searcher metric so far (checkpoint_policy="best").
+        (path / TRAINER_STATE_FILE).write_text(json.dumps({"best": self._best}))
         (path / LOAD_DATA_FILE).write_text(json.dumps(load_data(self.trial, self.context)))
         if self._on_cluster():
             self._save_code(path / "code")
         for cb in self.callbacks.values():
+            # Both with the directory being written, the deprecated hook first (Determined's order).
+            cb.on_checkpoint_end(str(path))
             cb.on_checkpoint_write_end(str(path))
 
     def _checkpoint_done(self, uuid: str) -> None:
-        assert self.core is not None
         for cb in self.callbacks.values():
-            cb.on_checkpoint_end(str(self.core.checkpoint.base / uuid))
             cb.on_checkpoint_upload_end(uuid)
 
     @staticmethod
@@ -556,12 +572,20 @@ class Trainer:
         assert self.core is not None
         with self.core.checkpoint.restore_path(storage_id) as path:
             state = torch.load(path / STATE_FILE, map_location=self.context.device, weights_only=False)
-            with open(path / TRIAL_STATE_FILE, "rb") as f:
-                trial_state = pickle.load(f)
+            trial_state = self._read_trial_state(path)
         for cb in self.callbacks.values():
             cb.on_checkpoint_load_start(state)
         load_trial_state(self.context, state)
         self._resume_at(storage_id, state, trial_state)
+
+    @staticmethod
+    def _read_trial_state(path: Path) -> dict[str, Any]:
+        """Where training is in the checkpoint at ``path``: Determined's fields and ours."""
+        with open(path / TRIAL_STATE_FILE, "rb") as f:
+            trial_state: dict[str, Any] = pickle.load(f)
+        if (path / TRAINER_STATE_FILE).is_file():
+            trial_state.update(json.loads((path / TRAINER_STATE_FILE).read_text()))
+        return trial_state
 
     def _resume_at(self, storage_id: str, state: dict[str, Any], trial_state: dict[str, Any]) -> None:
         """Callbacks, RNG and where training is, from a loaded checkpoint."""
@@ -578,7 +602,7 @@ class Trainer:
             set_rng_state(rng)
         self._epoch_rng = state.get("epoch_rng_state")
         self.batches_trained = int(trial_state["batches_trained"])
-        self.epoch_idx = int(trial_state.get("epoch_idx", 0))
+        self.epoch_idx = int(trial_state.get("epoch_idx", self.batches_trained // self._bpe))
         self._best = trial_state.get("best")
         self._last_ckpt_at = self.batches_trained
         log.info("resumed from checkpoint %s at batch %d", storage_id, self.batches_trained)
@@ -591,7 +615,9 @@ def _detached(v: Any) -> Any:
     GPU the host waits for the step to finish); :func:`_to_numbers` converts a whole reporting
     window at once instead, as a careful hand-written loop does."""
     if isinstance(v, torch.Tensor):
-        return v.detach() if v.numel() == 1 else v.detach().float().mean()
+        # Several values (a per-sample loss) stay a list, as Determined keeps the array: the
+        # window's average is over all of them.
+        return v.detach() if v.numel() == 1 else scalar(v)
     return scalar(v)
 
 

@@ -9,7 +9,6 @@ import inspect
 import itertools
 import logging
 import os
-import pickle
 import socket
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -20,7 +19,7 @@ from detslurm import core
 from detslurm.core import DistributedContext, PreemptMode, get_cluster_info
 from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader
 from detslurm.pytorch._init import _seed
-from detslurm.pytorch._state import STATE_FILE, TRIAL_STATE_FILE, rng_state
+from detslurm.pytorch._state import STATE_FILE, rng_state
 from detslurm.pytorch._trainer import Trainer as _PyTorchTrainer
 from detslurm.pytorch._trainer import _detached
 from detslurm.pytorch.deepspeed._context import DeepSpeedTrialContext
@@ -135,8 +134,7 @@ class Trainer(_PyTorchTrainer):
         assert self.core is not None
         with self.core.checkpoint.restore_path(storage_id) as path:
             state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-            with open(path / TRIAL_STATE_FILE, "rb") as f:
-                trial_state = pickle.load(f)
+            trial_state = self._read_trial_state(path)
             for cb in self.callbacks.values():
                 cb.on_checkpoint_load_start(state)
             self.trial.load(self.context, path)
