@@ -46,8 +46,8 @@ class Backend(Protocol):
         """Start the new experiment and stay with it as asked; the exit code of `det e create`."""
         ...
 
-    def resume(self, exp_id: int, *, detach: bool) -> None:
-        """Carry on with an experiment that was just activated."""
+    def resume(self, exp_id: int, *, detach: bool) -> str | None:
+        """Carry on with an experiment that was just activated; a note for the user, if any."""
         ...
 
     def wait(self, exp_id: int) -> ExperimentState:
@@ -98,10 +98,11 @@ class SlurmBackend:
                 click.echo(line)
         return 0
 
-    def resume(self, exp_id: int, *, detach: bool) -> None:
+    def resume(self, exp_id: int, *, detach: bool) -> str | None:
         # Starting our daemon for someone else's experiment would run their trials as us.
         if is_mine(self.app, exp_id):  # another user's (root's --all-users) is their daemon's to run
             daemon_mod.start(self.app.settings)  # the daemon runs it; there is nothing to detach from
+        return None
 
     def wait(self, exp_id: int) -> ExperimentState:
         return slurm_mod.wait(self.app, exp_id)
@@ -178,10 +179,28 @@ class LocalBackend:
         # PAUSED counts as success: the user (or `det e pause` from another shell) asked for it.
         return 0 if state in (ExperimentState.COMPLETED, ExperimentState.PAUSED) else 1
 
-    def resume(self, exp_id: int, *, detach: bool) -> None:
-        if not detach and is_mine(self.app, exp_id):  # only the owner runs its trials
-            state = local_mod.drive(self.app, exp_id)
-            click.echo("\n".join(outcome.experiment_end(self.app, exp_id, state, trials=False)))
+    def resume(self, exp_id: int, *, detach: bool) -> str | None:
+        if not is_mine(self.app, exp_id):  # only the owner runs its trials
+            return None
+        if detach:
+            # Never ACTIVE with nothing behind it: a driver of its own, in the background.
+            from detslurm.cli import background_driver
+
+            with self.app.store.read() as s:
+                exp_dir = views.get_experiment(s, exp_id, self.app.scope).exp_dir
+            try:
+                log = background_driver.start(self.app, exp_id, exp_dir)
+            except DetSlurmError:
+                # Back to PAUSED unless another driver runs it: never ACTIVE with nothing behind it.
+                if not undriven.is_driven(exp_dir):
+                    from detslurm.controller import ops
+
+                    ops.pause(self.app.store, exp_id, self.app.scope)
+                raise
+            return f"it runs in the background; its driver's output: {log}"
+        state = local_mod.drive(self.app, exp_id)
+        click.echo("\n".join(outcome.experiment_end(self.app, exp_id, state, trials=False)))
+        return None
 
     def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
         return []  # local trials are children of the `det` driving them; its next round stops them

@@ -28,6 +28,7 @@ EXAMPLES: dict[str, str] = {
     "site init": "det site init --print",
     "site postgres-rls": "det site postgres-rls --dry-run alice bob",
     "experiment activate": "det e activate 7",
+    "experiment drive-detached": "det e drive-detached 7 --ready-fd 3  (what det e activate --detach starts)",
     "experiment archive": "det e archive 7",
     "experiment cancel": "det e cancel 7",
     "experiment config": "det e config 7 > config.yaml",

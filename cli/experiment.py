@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 import yaml
 
-from detslurm.cli import experiment_verbs, state_change
+from detslurm.cli import background_driver, experiment_verbs, state_change
 from detslurm.cli.app import App, pass_app
 from detslurm.cli.create_args import config_and_context
 from detslurm.cli.lazy import lazy_module
@@ -430,7 +430,14 @@ experiment.add_command(_state_change("kill"))
 
 @experiment.command("activate")
 @click.argument("exp_id", type=int)
-@click.option("--detach", is_flag=True, help="Only mark it active; do not run it in this process.")
+@click.option(
+    "--detach",
+    is_flag=True,
+    help=(
+        "Return at once: a Slurm experiment's daemon runs it, a local one a driver in the "
+        "background (its output in the experiment dir's driver.log)."
+    ),
+)
 @pass_app
 def activate(app: App, exp_id: int, detach: bool) -> None:
     """Activate (resume) a paused experiment; local experiments run in the foreground. This also
@@ -441,6 +448,15 @@ def activate(app: App, exp_id: int, detach: bool) -> None:
 
 
 experiment.add_command(activate, "unpause")
+
+
+@experiment.command(background_driver.COMMAND, hidden=True)
+@click.argument("exp_id", type=int)
+@click.option("--ready-fd", type=int, required=True)
+@pass_app
+def drive_detached(app: App, exp_id: int, ready_fd: int) -> None:
+    """The background driver of a local experiment activated with --detach (cli/background_driver.py)."""
+    background_driver.drive(app, exp_id, ready_fd)
 
 
 @experiment.command("wait")

@@ -56,8 +56,11 @@ else:
     ops = lazy_module("detslurm.controller.ops")
 
 
-def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> ExperimentState:
+def drive(
+    app: App, exp_id: int, follow: bool = False, quiet: bool = False, on_driving: Callable[[], None] | None = None
+) -> ExperimentState:
     """Run the experiment's trials as local processes until it ends or is paused.
+    ``on_driving`` is called once this process holds the experiment's driver lock.
 
     Raises StateError when another process drives it already (one driver per experiment), or
     when it is another user's (root's --all-users may change it, never run it: its trials would
@@ -74,6 +77,8 @@ def drive(app: App, exp_id: int, follow: bool = False, quiet: bool = False) -> E
     except filelock.Timeout:
         raise StateError(f"experiment {exp_id} is already being run by another detslurm process") from None
     try:
+        if on_driving is not None:
+            on_driving()
         return _loop(app, exp_id, follow, quiet)
     finally:
         lock.release()

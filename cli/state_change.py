@@ -105,7 +105,9 @@ def _activate(app: App, exp_id: int, *, detach: bool, echo: Echo) -> None:
     echo(f"Activated experiment {exp_id}" + (f": {where}" if where else ""))
     # Marked ACTIVE first: a local experiment is then driven in the foreground, a Slurm one by
     # the daemon this starts.
-    backend.of_experiment(app, exp_id).resume(exp_id, detach=detach)
+    note = backend.of_experiment(app, exp_id).resume(exp_id, detach=detach)
+    if note:
+        echo(f"Experiment {exp_id}: {note}")
 
 
 def _still_held(app: App, job: str) -> bool:

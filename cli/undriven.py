@@ -44,6 +44,17 @@ def driver_lock(exp_dir: str) -> filelock.FileLock:
     return filelock.FileLock(str(Path(exp_dir) / ".driver.lock"))
 
 
+def is_driven(exp_dir: str) -> bool:
+    """Whether a driver holds the experiment's lock now."""
+    lock = driver_lock(exp_dir)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
+
+
 def settle_undriven(app: App) -> None:
     """Pause each of the caller's local experiments whose driver has ended (a kill in progress
     goes on) and step it once, so that its state says what happened. Runs still checkpointing

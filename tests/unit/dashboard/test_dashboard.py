@@ -376,22 +376,3 @@ def test_assets_ship_in_the_package_and_name_no_other_host() -> None:
     for p in static.iterdir():
         assert not re.search(r"https?://|//cdn|@import|url\(", p.read_text()), p.name
     assert '"detslurm.dashboard" = ["static/*"]' in (ROOT / "pyproject.toml").read_text()
-
-
-def test_the_cli_actions_change_the_experiment(det_env: Path) -> None:
-    """`det dashboard --allow-actions` acts through the same operations as `det e pause/activate/kill`."""
-    from detslurm import settings
-    from detslurm.cli.app import App
-    from detslurm.cli.dashboard import _sources
-
-    store, exp_id = build_store(settings.load().db_url, 2, 4, det_env / "exp")
-    with store.tx() as s:
-        exp = s.get(Experiment, exp_id)
-        assert exp is not None
-        exp.state = ExperimentState.ACTIVE
-    act = _sources(App(), allow_actions=True).act
-    assert act is not None and _sources(App(), allow_actions=False).act is None
-    for action, state in (("pause", "PAUSED"), ("activate", "ACTIVE"), ("kill", "STOPPING_KILLED")):
-        act(action, exp_id)
-        with store.read() as s:
-            assert str(s.get(Experiment, exp_id).state) == state  # type: ignore[union-attr]
