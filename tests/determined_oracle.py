@@ -63,22 +63,31 @@ def record_script(
 ONEVAR = Path(__file__).resolve().parent / "fixtures/onevar_trial.py"
 
 
-def onevar_runs(spec: Any, work: Path, env: dict[str, str] | None = None, timeout: float = 600) -> tuple[Any, Any]:
-    """(Determined's output, ours) of tests/fixtures/onevar_trial.py given ``spec``, the two run
-    side by side, each in its own dir under ``work`` with its own HOME (Determined's Trainer
-    writes its off-cluster checkpoints under the user's data dir and copies the working dir
-    into each: the two must not nest)."""
-    procs = []
-    for name, python in (("determined", oracle_python()), ("detslurm", Path(sys.executable))):
-        cwd = work / f"cwd-{name}"
-        cwd.mkdir(parents=True)
-        full_env = {**os.environ, "HOME": str(work / f"home-{name}"), **(env or {})}
-        args = [str(python), str(ONEVAR), str(work / f"{name}.json"), json.dumps(spec)]
-        procs.append((name, subprocess.Popen(args, cwd=cwd, env=full_env, stderr=subprocess.PIPE, text=True)))
-    errors = {name: p.communicate(timeout=timeout)[1] for name, p in procs}
-    for name, p in procs:
-        assert p.returncode == 0, f"{name}: {errors[name][-4000:]}"
-    return tuple(json.loads((work / f"{name}.json").read_text()) for name, _ in procs)  # type: ignore[return-value]
+def onevar_start(python: Path | str, spec: Any, work: Path, name: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """tests/fixtures/onevar_trial.py given ``spec``, started by ``python`` in work/cwd-NAME;
+    it writes work/NAME.json."""
+    cwd = work / f"cwd-{name}"
+    cwd.mkdir(parents=True)
+    args = [str(python), str(ONEVAR), str(work / f"{name}.json"), json.dumps(spec)]
+    return subprocess.Popen(args, cwd=cwd, env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
+
+
+def onevar_wait(proc: subprocess.Popen[str], work: Path, name: str, timeout: float = 600) -> Any:
+    """What the run started by :func:`onevar_start` recorded."""
+    err = proc.communicate(timeout=timeout)[1]
+    assert proc.returncode == 0, f"{name}: {err[-4000:]}"
+    return json.loads((work / f"{name}.json").read_text())
+
+
+def onevar_runs(spec: Any, work: Path) -> tuple[Any, Any]:
+    """(Determined's record, ours) of tests/fixtures/onevar_trial.py given ``spec``, the two run
+    side by side, each with its own HOME (Determined's Trainer writes its off-cluster
+    checkpoints under the user's data dir and copies the working dir into each: the two must
+    not nest)."""
+    sides = (("determined", oracle_python()), ("detslurm", Path(sys.executable)))
+    procs = [(name, onevar_start(py, spec, work, name, {"HOME": str(work / f"home-{name}")})) for name, py in sides]
+    theirs, ours = (onevar_wait(p, work, name) for name, p in procs)
+    return theirs, ours
 
 
 def same(a: Any, b: Any) -> bool:

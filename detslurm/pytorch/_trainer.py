@@ -166,14 +166,17 @@ class Trainer:
         self._bpe = bpe
         self.context._epoch_len = bpe
         max_batches = self._max_batches(max_length, bpe, test_mode)
-        if latest_checkpoint:
-            # Loaded after the loaders and the length are known but before any callback runs, so
-            # on_trial_startup sees the batch count the run resumes at.
-            self._load(latest_checkpoint)
+        # Determined's order: every callback's on_trial_startup (with the batch the run resumes
+        # at), the checkpoint loaded (on_checkpoint_load_start, load_state_dict), then every
+        # on_training_start; on_trial_shutdown follows whatever happens after the startup.
+        first_batch = self._resume_position(latest_checkpoint) if latest_checkpoint else 0
         for cb in self.callbacks.values():
-            cb.on_trial_startup(self.batches_trained, latest_checkpoint)
-            cb.on_training_start()
+            cb.on_trial_startup(first_batch, latest_checkpoint)
         try:
+            if latest_checkpoint:
+                self._load(latest_checkpoint)
+            for cb in self.callbacks.values():
+                cb.on_training_start()
             if step_zero_validation and self.batches_trained == 0 and not test_mode:
                 self._validate(test_mode)
             stream = self._stream(source, data_steps)
@@ -324,8 +327,9 @@ class Trainer:
         """Report / validate / checkpoint as due; True when training must stop now."""
         ckpt_p, val_p, rep_p = periods
         b, done = self.batches_trained, self.batches_trained >= max_batches
-        validate = done or (val_p is not None and val_p.hits(b, bpe))
-        checkpoint = done or (ckpt_p is not None and ckpt_p.hits(b, bpe))
+        validate_due = val_p is not None and val_p.hits(b, bpe)
+        checkpoint_due = ckpt_p is not None and ckpt_p.hits(b, bpe)
+        validate, checkpoint = done or validate_due, done or checkpoint_due
         # Training metrics are flushed at every validation/checkpoint too: a restart resumes at
         # a checkpoint, so no reported window ever straddles one (same rows as an uninterrupted run).
         boundary = validate or checkpoint or rep_p.hits(b, bpe)
@@ -337,9 +341,15 @@ class Trainer:
             return False  # the common case: nothing due after this batch
         if boundary:
             self._report_training(pending)
-        if validate:
+        # Determined's order: the periods' validation and checkpoint, then at the end of training
+        # the final ones not already done at this batch (so a checkpoint period ending on the last
+        # batch checkpoints before the final validation).
+        if validate_due:
             self._validate(test_mode)
-        if checkpoint:
+        if checkpoint_due:
+            self._checkpoint()
+        if done:
+            self._validate(test_mode)
             self._checkpoint()
         # Preemption is checked at boundaries only (a collective on every rank: not per batch).
         requested = self.context.get_stop_requested()
@@ -578,6 +588,18 @@ class Trainer:
         load_trial_state(self.context, state)
         self._resume_at(storage_id, state, trial_state)
 
+    def _warm_start(self, trial_state: dict[str, Any]) -> bool:
+        """Whether the checkpoint is another trial's (its weights only are taken)."""
+        saved_trial = trial_state.get("trial_id")
+        return saved_trial is not None and self._trial_id() is not None and saved_trial != self._trial_id()
+
+    def _resume_position(self, storage_id: str) -> int:
+        """The batch a run resuming the checkpoint ``storage_id`` starts at."""
+        assert self.core is not None
+        with self.core.checkpoint.restore_path(storage_id) as path:
+            trial_state = self._read_trial_state(path)
+        return 0 if self._warm_start(trial_state) else int(trial_state["batches_trained"])
+
     @staticmethod
     def _read_trial_state(path: Path) -> dict[str, Any]:
         """Where training is in the checkpoint at ``path``: Determined's fields and ours."""
@@ -592,9 +614,9 @@ class Trainer:
         for k, sd in state.get("callbacks", {}).items():
             if k in self.callbacks:
                 self.callbacks[k].load_state_dict(sd)
-        saved_trial = trial_state.get("trial_id")
-        if saved_trial is not None and self._trial_id() is not None and saved_trial != self._trial_id():
+        if self._warm_start(trial_state):
             # A warm start (Continue Trial, source_trial_id): keep the weights, count from zero.
+            saved_trial = trial_state.get("trial_id")
             log.info("warm start from checkpoint %s of trial %s: training starts at batch 0", storage_id, saved_trial)
             return
         rng = state.get("rng_state")

@@ -21,7 +21,6 @@ bfloat16 here: docs/user/determined-compat.md says why; it is not compared.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -153,13 +153,22 @@ def test_grad_scaler_under_cpu_autocast(det_env: Path) -> None:
             x, y = batch
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = nn.functional.mse_loss(self.model(x).float(), y)
-            self.context.backward(loss)
-            self.context.step_optimizer(self.opt, clip_grads=lambda ps: nn.utils.clip_grad_norm_(ps, 1.0))
+            # Determined's wrap_scaler usage: the trial scales, unscales before clipping, passes
+            # the scaler to step_optimizer and updates it.
+            self.context.backward(self.scaler.scale(loss))
+
+            def clip(ps: Any) -> None:
+                self.scaler.unscale_(self.opt)
+                nn.utils.clip_grad_norm_(ps, 1.0)
+
+            self.context.step_optimizer(self.opt, clip_grads=clip, scaler=self.scaler)
+            self.scaler.update()
             return {"loss": loss}
 
     t = fit(Amp, 6)
     assert torch.isfinite(weights(t)).all() and not torch.equal(weights(t), weights(fit(Linear, 0)))
     ckpt = latest_checkpoint(det_env)
+    # growth_interval's default is 2000 steps: 6 finite steps leave the scale where it started.
     assert torch.load(ckpt / "state_dict.pth", weights_only=False)["scaler_state_dict"]["scale"] == 4.0
 
 
@@ -354,7 +363,8 @@ def test_compat_import_path_has_the_new_names() -> None:
 
 def test_batch_metrics_become_numbers_once_per_window(det_env: Path) -> None:
     """train_batch's tensors are converted at each report, all at once (no host sync per batch),
-    to the numbers .item() would give: ints stay ints, bools bools, a vector its mean."""
+    to the numbers .item() would give: ints stay ints, bools bools, a vector its list of values
+    (Determined keeps it per batch too; the window's average is over all of its values)."""
     windows: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
 
     class Spy(pytorch.PyTorchCallback):
@@ -381,5 +391,5 @@ def test_batch_metrics_become_numbers_once_per_window(det_env: Path) -> None:
     assert len(rows) == 4
     assert all(type(r["loss"]) is float and type(r["n"]) is int and r["n"] == 8 for r in rows)
     assert [r["big"] for r in rows] == [False, False, True, True] and all(type(r["big"]) is bool for r in rows)
-    assert [r["vec"] for r in rows] == [2.0, 2.5, 3.0, 3.5] and rows[0]["label"] == "plain"
+    assert [r["vec"] for r in rows] == [[1.0, 3.0], [1.0, 4.0], [1.0, 5.0], [1.0, 6.0]] and rows[0]["label"] == "plain"
     assert windows[0][0]["n"] == 8.0 and windows[1][0]["vec"] == 3.25

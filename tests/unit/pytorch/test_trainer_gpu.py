@@ -126,13 +126,16 @@ class Amp(Regress):
 
     def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
         x, y = batch
-        self.scales.append(self.scaler.get_scale())  # the Trainer's update() after each batch moved it
+        self.scales.append(self.scaler.get_scale())  # update() after each batch moved it
         loss = amp_loss(self.model, x, y)
-        self.context.backward(loss)
+        # Determined's wrap_scaler usage: the trial scales the loss, passes the scaler to
+        # step_optimizer and updates it (only use_amp() does these itself).
+        self.context.backward(self.scaler.scale(loss))
         if batch_idx in POISONED:
             poison(self.model)
         before = flat(self.model)
-        self.context.step_optimizer(self.opt)
+        self.context.step_optimizer(self.opt, scaler=self.scaler)
+        self.scaler.update()
         self.stepped.append(not torch.equal(before, flat(self.model)))
         self.losses.append(loss.item())
         return {"loss": loss}
