@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import EXAMPLES, ROOT, write
-from test_first_hour import BOOM
+from test_first_hour import BOOM, EVERY_TEN
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 CORE = EXAMPLES / "core_api"
@@ -64,3 +64,15 @@ def test_a_failing_trial_is_told_on_the_console(det: Any, tmp_path: Path) -> Non
     assert code == 1 and "RuntimeError: bad value" in out and "det trial logs 1" in out
     (row,) = json.loads(det("e", "list", "--json")[1])
     assert row["state"] == "ERROR" and row["progress"] == pytest.approx(0.3)  # not 100%
+
+
+def test_test_mode_on_slurm_says_what_was_missing(det: Any, tmp_path: Path) -> None:
+    write(tmp_path / "ctx/every_ten.py", EVERY_TEN)
+    cfg = write(
+        tmp_path / "c.yaml",
+        "entrypoint: python3 every_ten.py\nsearcher: {name: single, metric: m, max_length: {batches: 100}}\n",
+    )
+    code, out, err = det("e", "create", "--test", cfg, tmp_path / "ctx")
+    assert code == 1 and "Model definition test failed" in err, out + err
+    assert "it reported validation metrics (1). Missing: training metrics, a checkpoint." in err
+    assert "searcher.max_length {batches: 1}" in err
