@@ -116,17 +116,20 @@ class PilotPool:
         assert pilots is not None
         workers = self.workers(demand.exp)
         # A worker past its last start (its end within the signal lead) counts no more: its
-        # successor is queued while its runs checkpoint.
-        live = [w for w in workers if not w.running or self._open(w.job)]
+        # successor is queued while its runs checkpoint, and it goes once none runs in it
+        # (else it would hold its nodes idle until its time limit).
+        closed = [w for w in workers if w.running and not self._open(w.job)]
+        spent = [w.task_id for w in closed if not self.steps.busy(w.job)]
+        live = [w for w in workers if w not in closed]
         wanted = min(pilots.count, math.ceil(demand.runs / trials_per_worker(demand.config)))
         if workers or demand.runs:
             self._renew(demand.exp.dir, pilots.idle_timeout)
         if len(live) < wanted:
             self._submit(demand, wanted - len(live))
-            return []
+            return spent
         # The surplus goes: waiting workers first, then running ones with no run in them.
         idle = [w for w in live if not w.running] + [w for w in live if w.running and not self.steps.busy(w.job)]
-        return [w.task_id for w in idle[: len(live) - wanted]]
+        return spent + [w.task_id for w in idle[: len(live) - wanted]]
 
     def _open(self, job: str) -> bool:
         try:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import pytest
 from fake_runner import FakeRunner
 from test_refusals import SITE
-from test_step_executor import SHOW
+from test_step_executor import END, SHOW
 
 from detslurm.controller.executor import Demand, ExpRef
 from detslurm.controller.pilots import PilotPool
@@ -163,6 +163,20 @@ def test_surplus_goes_waiting_first_then_idle_never_busy(tmp_path: Path) -> None
     p.settle([Demand(exp, config(3), runs=1)])
     assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2", "200_1"]]
     assert not [c for c in fake.calls if c[0] == "sbatch"]
+
+
+def test_a_worker_past_its_last_start_goes_once_its_run_has_left(tmp_path: Path) -> None:
+    """Within the signal lead of its end a worker takes no run: a successor is queued at once,
+    and the worker is canceled as soon as no run is in it, not left idle until its limit."""
+    tag = experiment_tag(str(tmp_path / "exp"))
+    p, fake, exp = pool(tmp_path, [queued("200_0", 201, SlurmState.RUNNING, 1, tag)])
+    p.steps._clock = lambda: END - 30  # the site's lead is 60 s
+    p.steps._live["r"] = StepRun("201", Share(("g1",), 1, 1), "h", 1, 0.0)  # its run checkpoints
+    p.settle([Demand(exp, config(1), runs=1)])
+    assert fake.asked("sbatch") == 1 and fake.asked("scancel") == 0
+    del p.steps._live["r"]  # the run has ended; the trial waits for the successor
+    p.settle([Demand(exp, config(1), runs=1)])
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_0"]]
 
 
 class Queue(Slurm):
