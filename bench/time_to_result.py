@@ -6,13 +6,16 @@ queue):
 - ``per-trial``: today's default, each trial run its own Slurm job in the cpu pool (c1, c2);
 - ``allocation``: one allocation of the same nodes (``salloc -N2 --ntasks-per-node=2``, the
   user's one job through the queue), the search inside it (``det e create --in-allocation``);
-- ``pilots``: worker jobs of the same shape that the daemon feeds (``slurm.pilots``); not built
-  yet, so not among the default modes: ``--modes per-trial,allocation,pilots`` once it is.
+- ``pilots``: two pilot workers of two slots (``slurm.pilots``), the same 4 slots: one array
+  of two one-node worker jobs through the queue, the daemon running the trials in them as steps.
 
 Time to result is from the user's first command (``det e create``, or the ``salloc`` before it)
 to the experiment's end as the store records it. Reported: each run's time, its trial runs' own
-queue waits, and the ratios the goals name (on the busy cluster each mode against per-trial:
-<= 0.5x; on the idle one, the slowest mode against the fastest: <= 1.1x).
+queue waits, the waits of the jobs the runs were steps of (the salloc, the workers), and the
+ratios the goals name (on the busy cluster each mode against per-trial: <= 0.5x; on the idle
+one, the slowest mode against the fastest: <= 1.1x). And the daemon's Slurm commands per tick:
+a shim before each Slurm command on the daemon's PATH appends one line to the daemon's own tick
+file (DETSLURM_TICK_STATS), so each command falls in the tick that issued it.
 
     eval "$(scripts/test-cluster env .state/cluster)"
     python bench/time_to_result.py [--wait-s 30] [--repeats 1] [--conditions idle,busy] [--modes ...]
@@ -21,8 +24,10 @@ queue waits, and the ratios the goals name (on the busy cluster each mode agains
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -35,6 +40,7 @@ from typing import Any
 
 from _common import DET, ROOT, Workspace, require_cluster, save, scancel_mine
 from busy_cluster import BusyCluster, probe
+from busy_cluster import _epoch as slurm_time
 
 PARTITION, NODES, SLOTS_PER_NODE = "cpu", 2, 2  # the cpu pool of the test cluster: c1, c2
 
@@ -58,11 +64,12 @@ reproducibility:
   experiment_seed: 7
 max_restarts: 0
 """
+# Workers of the allocation's shape: one node of 2 CPUs each (--nodes=1 --cpus-per-task=2).
+PILOTS = f"slurm: {{pilots: {{count: {NODES}, slots: {SLOTS_PER_NODE}, time_limit: 60, idle_timeout: 60}}}}\n"
 END_STATES = ("COMPLETED", "ERROR", "CANCELED", "PAUSED")
-
-
-class Pending(Exception):
-    """A mode whose feature is not in this checkout yet."""
+# The Slurm commands the daemon may issue; srun (a step's start) is counted by the daemon itself.
+COUNTED = ("squeue", "sbatch", "scancel", "scontrol", "sinfo", "sacct")
+HELD_NAMES = ("ttr-allocation", "det-e1-pilot")  # the jobs the runs are steps of
 
 
 @dataclass
@@ -112,10 +119,13 @@ def allocation(ws: Workspace, ctx: Path) -> Started:
 
 
 def pilots(ws: Workspace, ctx: Path) -> Started:
-    """The slot for pilot workers: the same search with ``--config slurm.pilots.count={NODES}``
-    and ``slurm.pilots.slots={SLOTS_PER_NODE}`` (workers of the allocation's shape), timed from
-    that create, once the daemon runs trials in them."""
-    raise Pending("pilot workers: the daemon does not run trials in them yet")
+    """The same search with pilot workers of the allocation's shape, timed from its create; the
+    daemon submits the workers and ends them when the search has nothing left to run."""
+    with (ctx / "c.yaml").open("a") as f:
+        f.write(PILOTS)
+    t0 = time.time()
+    create(ws, ctx)
+    return Started(t0)
 
 
 MODES: dict[str, Callable[[Workspace, Path], Started]] = {
@@ -134,21 +144,104 @@ def outcome() -> dict[str, Any]:
 
     with open_store(settings.load().db_url).read() as s:
         exp = s.execute(select(Experiment.state, Experiment.end_time).where(Experiment.id == 1)).one()
-        trials = s.scalar(select(func.count()).select_from(Trial).where(Trial.experiment_id == 1))
+        by_state = s.execute(select(Trial.state, func.count()).group_by(Trial.state)).all()
         runs = s.execute(select(TrialRun.submit_time, TrialRun.start_time)).all()
     waits = [(start - submit).total_seconds() for submit, start in runs if start is not None]
     return {
         "state": str(getattr(exp.state, "value", exp.state)),
         "end": exp.end_time.timestamp() if exp.end_time else None,
-        "trials": trials or 0,
+        "trials": sum(n for _, n in by_state),
+        "trial_states": {str(getattr(st, "value", st)): n for st, n in by_state},
         "runs": len(runs),
         "run_wait_s_median": statistics.median(waits) if waits else None,
         "run_wait_s_max": max(waits) if waits else None,
     }
 
 
+def count_slurm_calls(ws: Workspace, ticks: Path) -> None:
+    """Put a shim before each COUNTED command on the daemon's PATH: it appends the command and
+    its parent's pid to ``ticks``, the file the daemon appends a line to at each tick's end."""
+    bindir = ws.dir / "count-shim"
+    bindir.mkdir()
+    for cmd in COUNTED:
+        real = shutil.which(cmd)
+        if real is None:
+            continue
+        line = f'{{"cmd": "{cmd}", "ppid": %d}}\\n'
+        (bindir / cmd).write_text(
+            f'#!/bin/bash\nprintf \'{line}\' "$PPID" >> {shlex.quote(str(ticks))}\nexec {shlex.quote(real)} "$@"\n'
+        )
+        (bindir / cmd).chmod(0o755)
+    ws.env["PATH"] = f"{bindir}:{ws.env['PATH']}"
+    ws.env["DETSLURM_TICK_STATS"] = str(ticks)
+
+
+def daemon_pid(ws: Workspace) -> int | None:
+    try:
+        return int(json.loads((ws.dir / "data/daemon.pid").read_text())["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def per_tick(ticks: Path, pid: int | None) -> dict[str, Any]:
+    """The daemon's Slurm commands per tick: each command line before a tick's own line (and
+    after the previous tick's) was issued by that tick; commands of other processes (the
+    create's CLI, the workers' scripts) are left out."""
+    counts: list[dict[str, int]] = []
+    calls: list[int] = []
+    current: dict[str, int] = {}
+    for raw in ticks.read_text().splitlines() if ticks.exists() else []:
+        rec = json.loads(raw)
+        if "cmd" in rec:
+            if rec["ppid"] == pid:
+                current[rec["cmd"]] = current.get(rec["cmd"], 0) + 1
+        else:
+            counts.append(current)
+            calls.append(int(rec["slurm_calls"]))
+            current = {}
+    squeues = [c.get("squeue", 0) for c in counts]
+    return {
+        "ticks": len(counts),
+        "squeue_per_tick_max": max(squeues, default=0),
+        "ticks_by_squeue_count": {str(n): squeues.count(n) for n in sorted(set(squeues))},
+        "per_tick_max": {cmd: max((c.get(cmd, 0) for c in counts), default=0) for cmd in COUNTED},
+        "totals": {cmd: sum(c.get(cmd, 0) for c in counts) for cmd in COUNTED},
+        # The daemon's own count per tick (its Slurm commands and the steps it started).
+        "slurm_calls_per_tick_max": max(calls, default=0),
+        "slurm_calls_per_tick_median": statistics.median(calls) if calls else None,
+    }
+
+
+def held_waits(since: float) -> list[float]:
+    """Queue waits (Slurm's start less submit time) of the allocation or the workers submitted
+    since ``since``: the jobs the runs were steps of."""
+    out = subprocess.run(
+        ["squeue", "-h", "-r", "--states=all", "-o", "%j|%V|%S"], capture_output=True, text=True, check=False
+    ).stdout
+    waits = []
+    for line in out.splitlines():
+        name, submit, start = line.split("|")
+        if name in HELD_NAMES and start != "N/A" and slurm_time(submit) >= int(since):
+            waits.append(slurm_time(start) - slurm_time(submit))
+    return sorted(waits)
+
+
+def first_run_start(since: float) -> float | None:
+    """Seconds from ``since`` to the first trial run's start, from the store."""
+    from sqlalchemy import func, select
+
+    from detslurm import settings
+    from detslurm.store import TrialRun, open_store
+
+    with open_store(settings.load().db_url).read() as s:
+        first = s.scalar(select(func.min(TrialRun.start_time)))
+    return first.timestamp() - since if first else None
+
+
 def run_mode(mode: str, ctx_src: Path, timeout_s: float) -> dict[str, Any]:
     ws = Workspace(f"ttr-{mode}")
+    ticks = ws.dir / "ticks.jsonl"
+    count_slurm_calls(ws, ticks)
     ws.apply()
     ctx = ws.dir / "ctx"
     shutil.copytree(ctx_src, ctx)
@@ -156,10 +249,19 @@ def run_mode(mode: str, ctx_src: Path, timeout_s: float) -> dict[str, Any]:
     try:
         started = MODES[mode](ws, ctx)
         deadline = started.t0 + timeout_s
+        pid = None
         while (r := outcome())["state"] not in END_STATES and time.time() < deadline:
+            pid = pid or daemon_pid(ws)
             time.sleep(1)
         ended = r["end"] or time.time()
-        return {"mode": mode, "time_to_result_s": ended - started.t0, **r}
+        return {
+            "mode": mode,
+            "time_to_result_s": ended - started.t0,
+            **r,
+            "first_run_start_s": first_run_start(started.t0),
+            "held_job_waits_s": held_waits(started.t0),
+            "slurm_calls": per_tick(ticks, pid or daemon_pid(ws)),
+        }
     finally:
         for job in started.held if started else []:
             subprocess.run(["scancel", job], check=False)
@@ -196,7 +298,6 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def measure(args: argparse.Namespace, ctx: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    pending: dict[str, str] = {}
     load: dict[str, Any] = {}
     for cond in args.conditions:
         busy = BusyCluster(args.wait_s) if cond == "busy" else None
@@ -208,20 +309,14 @@ def measure(args: argparse.Namespace, ctx: Path) -> tuple[list[dict[str, Any]], 
             for rep in range(args.repeats):
                 order = args.modes if rep % 2 == 0 else args.modes[::-1]  # alternated: no mode always first
                 for mode in order:
-                    if mode in pending:
-                        continue
-                    try:
-                        row = run_mode(mode, ctx, args.timeout_s)
-                    except Pending as e:
-                        pending[mode] = str(e)
-                        continue
-                    rows.append({"condition": cond, "repeat": rep, **row})
+                    row = run_mode(mode, ctx, args.timeout_s)
+                    rows.append({"condition": cond, "repeat": rep, "load_average": os.getloadavg()[0], **row})
                     print(f"{cond} {mode}: {row['time_to_result_s']:.1f} s ({row['state']})", flush=True)
         finally:
             if busy:
                 load["busy_errors"] = busy.errors[:10]
                 busy.stop()
-    return rows, {"pending": pending, **load}
+    return rows, load
 
 
 def main() -> int:
@@ -231,7 +326,7 @@ def main() -> int:
     ap.add_argument("--batch-s", type=float, default=0.25, help="each batch's sleep (40 batches at most)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--conditions", type=lambda s: s.split(","), default=["idle", "busy"])
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["per-trial", "allocation"])
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per search")
     args = ap.parse_args()
     if unknown := set(args.modes) - set(MODES):
