@@ -106,12 +106,13 @@ def test_an_allocation_canceled_mid_step_is_a_preemption_that_activate_continues
 def test_a_worker_at_its_time_limit_hands_the_trial_to_a_new_worker(
     det: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A 1-minute pilot worker and a 40 s lead: the daemon sends the trial in it the warning
-    signal 20 s in (from the worker's EndTime, not Slurm's --signal, which may come up to 60 s
+    """A 1-minute pilot worker and a 35 s lead: the daemon sends the trial in it the warning
+    signal 25 s in (from the worker's EndTime, not Slurm's --signal, which may come up to 60 s
     early), the trial checkpoints, and it goes on in a worker submitted for it, with no
-    restart spent. A trial longer than one worker's 20 s moves on as often as it needs."""
-    use_lead(tmp_path, monkeypatch, 40)
-    batches = 100  # 25 s of steps: more than one worker leaves it
+    restart spent. A trial longer than one worker's 25 s moves on as often as it needs. The
+    worker it left is canceled at once, not kept idle until its limit."""
+    use_lead(tmp_path, monkeypatch, 35)
+    batches = 120  # 30 s of steps: more than one worker leaves it
     config = write(tmp_path / "one.yaml", (CORE / "const.yaml").read_text() + pilots(1, time_limit=1))
     create(det, config, batches)
     ids = finished_whole(det, batches)
@@ -125,4 +126,6 @@ def test_a_worker_at_its_time_limit_hands_the_trial_to_a_new_worker(
     jobs = our_jobs(1)
     assert {job for _, job, _, _ in jobs} == set(workers), (jobs, ids)  # only workers, no trial job
     assert set(run_jobs(1)) == set(ids)
-    wait_for(lambda: not live(our_jobs(1)), 20, "the workers to end")
+    # Each canceled by the daemon, the one a trial left too; none kept idle until its limit.
+    wait_for(lambda: not live(our_jobs(1)), 30, "the workers to end")
+    assert {state for _, _, state, _ in our_jobs(1)} == {"CANCELLED"}, our_jobs(1)
