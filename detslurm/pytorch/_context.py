@@ -20,6 +20,17 @@ from detslurm.pytorch._reducer import ReducerContext
 log = logging.getLogger("detslurm.pytorch")
 
 
+class _DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    """DDP through which the model's own attributes stay reachable (``self.model.weight``,
+    ``self.model.encode(...)``), as through the DDP wrapper Determined's wrap_model returns."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+
 class PyTorchExperimentalContext:
     """``context.experimental``: Determined's switches for automatic mixed precision and for
     the Trainer's own handling of batches."""
@@ -222,7 +233,7 @@ class PyTorchTrialContext(ReducerContext):
         if self._use_ddp:
             # device_ids must be None for CPU modules (gloo); on GPU it pins DDP to this rank's device.
             ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            wrapped = _DistributedDataParallel(model, device_ids=ids)
             self._wrapped_models.append(wrapped)
         if self.experimental._auto_amp:
             wrapped = self.autocast_forward_pass(wrapped)
@@ -361,7 +372,7 @@ class PyTorchTrialContext(ReducerContext):
         if not self._use_ddp:
             return new
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self._wrapped_models[i] = torch.nn.parallel.DistributedDataParallel(new, device_ids=ids)
+        self._wrapped_models[i] = _DistributedDataParallel(new, device_ids=ids)
         return self._wrapped_models[i]
 
     def _should_communicate_and_update(self) -> bool:

@@ -98,6 +98,10 @@ def load_trial_state(ctx: PyTorchTrialContext, state: dict[str, Any]) -> None:
         # zip(strict=True) below would also fail, but without telling the user what to change.
         _check_counts(what, len(objs), len(saved))
         for obj, sd in zip(objs, saved, strict=True):
+            if what == "models":
+                # Determined's multi-slot checkpoints hold the DDP wrapper's keys ("module.x");
+                # the models here are the unwrapped ones.
+                torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")
             obj.load_state_dict(sd)
     if ctx._scaler is not None and "scaler_state_dict" in state:
         ctx._scaler.load_state_dict(state["scaler_state_dict"])

@@ -376,18 +376,14 @@ class Trainer:
         if not pending:
             return
         _to_numbers(pending)
-        keys = set().union(*(m.keys() for m in pending))
-        mine = {k: reduce_values([m[k] for m in pending if k in m], Reducer.AVG) for k in keys}
-        dist = self.context.distributed
-        # Each rank's window has the same number of batches: the mean of the rank means is the
-        # mean over all batches.
-        avg = reduce_rows([mine], Reducer.AVG, dist) if dist.size > 1 else mine
+        batch_metrics = _across_ranks(pending, self.context.distributed)
+        pending.clear()
+        keys = set().union(*(m.keys() for m in batch_metrics))
+        avg = {k: reduce_values([m[k] for m in batch_metrics if k in m], Reducer.AVG) for k in keys}
         avg.update(self._custom_reductions(training=True))
         # Where training is, unless the trial reported keys of those names (as Determined does).
         avg.setdefault("batches", self.batches_trained)
         avg.setdefault("epochs", self.batches_trained // self._bpe)
-        batch_metrics = list(pending)
-        pending.clear()
         if self.core is not None and self.context.is_chief():
             # Every rank takes part in the reductions above (collectives), only the chief reports:
             # the store gets one row per window, not one per rank.
@@ -515,18 +511,20 @@ class Trainer:
         if self._last_ckpt_at == self.batches_trained or self.core is None:
             return
         self._last_ckpt_at = self.batches_trained
-        state = trial_state_dict(self.context, self.callbacks)
-        state["epoch_rng_state"] = self._epoch_rng  # for plain torch loaders (see the module doc)
-        for cb in self.callbacks.values():
-            cb.on_checkpoint_save_start(state)
-        # Workers stop here: state is the same on every rank after the step (DDP), so the chief's
-        # copy is the checkpoint; the callbacks above ran on every rank, as in Determined.
-        if not self.context.is_chief():
-            return
-        with self.core.checkpoint.store_path(self._checkpoint_metadata()) as (path, uuid):
-            torch.save(state, path / STATE_FILE)
-            self._write_trial_files(path)
-        self._checkpoint_done(uuid)
+        uuid = ""
+        # State is the same on every rank after the step (DDP), so the chief's copy is the
+        # checkpoint; as in Determined, only the chief's callbacks see it saved and written, and
+        # every rank's hear of its upload.
+        if self.context.is_chief():
+            state = trial_state_dict(self.context, self.callbacks)
+            state["epoch_rng_state"] = self._epoch_rng  # for plain torch loaders (see the module doc)
+            for cb in self.callbacks.values():
+                cb.on_checkpoint_save_start(state)
+            with self.core.checkpoint.store_path(self._checkpoint_metadata()) as (path, uuid):
+                torch.save(state, path / STATE_FILE)
+                self._write_trial_files(path)
+        dist = self.context.distributed
+        self._checkpoint_done(dist.broadcast(uuid) if dist.size > 1 else uuid)
 
     def _checkpoint_metadata(self) -> dict[str, Any]:
         return {
@@ -641,6 +639,21 @@ def _detached(v: Any) -> Any:
         # window's average is over all of them.
         return v.detach() if v.numel() == 1 else scalar(v)
     return scalar(v)
+
+
+def _across_ranks(rows: list[dict[str, Any]], dist: Any) -> list[dict[str, Any]]:
+    """A window's per-batch metrics as Determined reports them: with several ranks, each batch's
+    metrics averaged over the ranks (a value of several numbers becomes the mean of all of
+    them); with one, the rank's own rows. Ranks with no rows (those of a pipeline that do not
+    report) are left out."""
+    if dist.size == 1:
+        return list(rows)
+    everyone = [r for r in dist.allgather(rows) if r]
+    batches = [[ranks[i] for ranks in everyone if i < len(ranks)] for i in range(max(map(len, everyone)))]
+    return [
+        {k: reduce_values([r[k] for r in batch if k in r], Reducer.AVG) for k in batch[0]}
+        for batch in batches
+    ]
 
 
 def _to_numbers(pending: list[dict[str, Any]]) -> None:
