@@ -169,6 +169,18 @@ class Checkpoint:
 
         Path(path).write_text(json.dumps(self.metadata, indent=2, sort_keys=True))
 
+    def __add__(self, other: object) -> str:
+        """``client.get_checkpoint(uuid) + "/code/"``, as Determined's PyTorch Trainer guide
+        writes its step "Loading Checkpoints" (under Determined a TypeError: the guide means the
+        downloaded checkpoint): the path :meth:`download` wrote, downloaded on first use, with
+        ``other`` appended."""
+        if not isinstance(other, str):
+            return NotImplemented
+        downloaded: str | None = getattr(self, "_downloaded", None)
+        if downloaded is None:
+            downloaded = self._downloaded = self.download()
+        return downloaded + other
+
     def __repr__(self) -> str:
         return f"Checkpoint(uuid={self.uuid})"
 
