@@ -650,10 +650,7 @@ def _across_ranks(rows: list[dict[str, Any]], dist: Any) -> list[dict[str, Any]]
         return list(rows)
     everyone = [r for r in dist.allgather(rows) if r]
     batches = [[ranks[i] for ranks in everyone if i < len(ranks)] for i in range(max(map(len, everyone)))]
-    return [
-        {k: reduce_values([r[k] for r in batch if k in r], Reducer.AVG) for k in batch[0]}
-        for batch in batches
-    ]
+    return [{k: reduce_values([r[k] for r in batch if k in r], Reducer.AVG) for k in batch[0]} for batch in batches]
 
 
 def _to_numbers(pending: list[dict[str, Any]]) -> None:
