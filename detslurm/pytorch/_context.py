@@ -139,6 +139,8 @@ class PyTorchTrialContext(ReducerContext):
         # Set by the Trainer before each train_batch: the optimizer steps on every
         # aggregation_frequency-th batch only (gradients accumulate in between).
         self._current_batch_idx = 0
+        # The batch Trainer.fit resumes at, set before it builds the loaders (None outside fit).
+        self._initial_batch: Optional[int] = None
         self._epoch_len = 1
         local = distributed.local_rank
         # One GPU per rank, chosen by local rank: the launchers start one process per slot on a
@@ -212,6 +214,8 @@ class PyTorchTrialContext(ReducerContext):
     def get_initial_batch(self) -> int:
         """The batch a resumed trial starts at (0 on a fresh start and off-cluster): what a
         SkipBatchSampler skips in a torch loader built from det.pytorch.samplers."""
+        if self._initial_batch is not None:
+            return self._initial_batch
         info = self._core.info if self._core else None
         return int(info.trial._steps_completed) if info is not None else 0
 

@@ -158,6 +158,11 @@ class Trainer:
         if not self._on_cluster() and checkpoint_policy == "best":
             checkpoint_policy = "all"  # no searcher metric to rank checkpoints by, locally
         self._policy = checkpoint_policy
+        # Where this run starts, before the loaders are built: a torch loader built on
+        # SkipBatchSampler(..., context.get_initial_batch()) skips exactly what the run resumes past
+        # (0 when fit is given no checkpoint, as in Determined).
+        first_batch = self._resume_position(latest_checkpoint) if latest_checkpoint else 0
+        self.context._initial_batch = first_batch
         source, data_steps = self._training_source()
         # Built before training starts, as Determined does, so a broken validation loader fails
         # at once rather than after the first training period.
@@ -169,7 +174,6 @@ class Trainer:
         # Determined's order: every callback's on_trial_startup (with the batch the run resumes
         # at), the checkpoint loaded (on_checkpoint_load_start, load_state_dict), then every
         # on_training_start; on_trial_shutdown follows whatever happens after the startup.
-        first_batch = self._resume_position(latest_checkpoint) if latest_checkpoint else 0
         for cb in self.callbacks.values():
             cb.on_trial_startup(first_batch, latest_checkpoint)
         try:
