@@ -7,7 +7,7 @@ The controller never asks which executor it has: everything it may call is decla
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -211,3 +211,15 @@ class Executor(Protocol):
         """Stop these jobs now (one call for all of them where the backend allows it)."""
 
     def signal(self, job_id: str, signum: int) -> None: ...
+
+
+def submit_each(specs: Sequence[RunSpec], start: Callable[[RunSpec], str]) -> list[str | Exception]:
+    """``submit_many`` for executors that start runs one by one: each run's job id, or the
+    error that kept it from starting (one that fails leaves the others their chance)."""
+    out: list[str | Exception] = []
+    for spec in specs:
+        try:
+            out.append(start(spec))
+        except Exception as e:  # this run did not start; the others may
+            out.append(e)
+    return out

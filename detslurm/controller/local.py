@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO
 import psutil
 
 from detslurm import settings
-from detslurm.controller.executor import Demand, ExitCause, ExpRef, JobState, JobStatus, RunSpec
+from detslurm.controller.executor import Demand, ExitCause, ExpRef, JobState, JobStatus, RunSpec, submit_each
 
 if TYPE_CHECKING:
     from detslurm.expconf import ExperimentConfig
@@ -45,13 +45,7 @@ class LocalExecutor:
         return "local-process"
 
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
-        out: list[str | Exception] = []
-        for spec in specs:
-            try:
-                out.append(self.submit(spec))
-            except Exception as e:  # this run did not start; the others may
-                out.append(e)
-        return out
+        return submit_each(specs, self.submit)
 
     def submit(self, spec: RunSpec) -> str:
         spec.run_dir.mkdir(parents=True, exist_ok=True)

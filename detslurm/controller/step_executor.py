@@ -43,6 +43,7 @@ from detslurm.controller.executor import (
     RunSpec,
     SchedulerUnavailable,
     SubmitLater,
+    submit_each,
 )
 from detslurm.controller.files import write_marker
 from detslurm.controller.local import _open_log
@@ -300,13 +301,7 @@ class StepExecutor:
         return "".join(out)
 
     def submit_many(self, specs: Sequence[RunSpec]) -> list[str | Exception]:
-        out: list[str | Exception] = []
-        for spec in specs:
-            try:
-                out.append(self._start(spec))
-            except Exception as e:  # this run did not start; the others may
-                out.append(e)
-        return out
+        return submit_each(specs, self._start)
 
     def _start(self, spec: RunSpec) -> str:
         job, alloc = self._open(spec.config)
