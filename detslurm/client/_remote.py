@@ -249,7 +249,7 @@ class RemoteSession(Session):
     def download_code(self, exp_id: int, dest: Path) -> None:
         """The login node checks the snapshot and names it; it comes back over SFTP, checked
         again here (cli/remote/transfer.py)."""
-        from detslurm.cli.remote import transfer
+        import detslurm.cli.remote.transfer as transfer
 
         transfer.fetch_file(self._connection(), str(self._call("code_snapshot", exp_id)), dest)
 
@@ -257,8 +257,8 @@ class RemoteSession(Session):
         """As `det -m ssh://... e create`: the code and the config go to the login node's upload
         cache (only the files it lacks, cli/remote/transfer.py), and the login node creates the
         experiment from them as its own `det e create` would."""
+        import detslurm.cli.remote.transfer as transfer
         from detslurm import context
-        from detslurm.cli.remote import transfer
 
         conn = self._connection()
         with tempfile.TemporaryDirectory(prefix="detslurm-sdk-") as tmp:
@@ -290,7 +290,7 @@ class RemoteSession(Session):
     def download_checkpoint(self, checkpoint: Checkpoint, dst: Path | None) -> Path:
         """The login node checks the checkpoint and names its directory; its files come back
         over SFTP, checked again here (cli/remote/transfer.py)."""
-        from detslurm.cli.remote import transfer
+        import detslurm.cli.remote.transfer as transfer
 
         answer = self._call("checkpoint_location", checkpoint.uuid)
         path, _, _, _ = transfer.fetch_checkpoint(self._connection(), str(answer), dst)
