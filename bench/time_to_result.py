@@ -212,18 +212,22 @@ def per_tick(ticks: Path, pid: int | None) -> dict[str, Any]:
     }
 
 
-def held_waits(since: float) -> list[float]:
-    """Queue waits (Slurm's start less submit time) of the allocation or the workers submitted
-    since ``since``: the jobs the runs were steps of."""
+def held_jobs(since: float) -> dict[str, Any]:
+    """The allocation or the workers submitted since ``since`` (the jobs the runs were steps
+    of): how many, and the queue waits (Slurm's start less submit time) of those that ran (a
+    worker canceled while it waited ran for 0 s)."""
     out = subprocess.run(
-        ["squeue", "-h", "-r", "--states=all", "-o", "%j|%V|%S"], capture_output=True, text=True, check=False
+        ["squeue", "-h", "-r", "--states=all", "-o", "%j|%V|%S|%M"], capture_output=True, text=True, check=False
     ).stdout
-    waits = []
+    submitted, waits = 0, []
     for line in out.splitlines():
-        name, submit, start = line.split("|")
-        if name in HELD_NAMES and start != "N/A" and slurm_time(submit) >= int(since):
+        name, submit, start, used = line.split("|")
+        if name not in HELD_NAMES or slurm_time(submit) < int(since):
+            continue
+        submitted += 1
+        if start != "N/A" and used != "0:00":
             waits.append(slurm_time(start) - slurm_time(submit))
-    return sorted(waits)
+    return {"held_jobs_submitted": submitted, "held_job_waits_s": sorted(waits)}
 
 
 def first_run_start(since: float) -> float | None:
@@ -238,7 +242,8 @@ def first_run_start(since: float) -> float | None:
     return first.timestamp() - since if first else None
 
 
-def run_mode(mode: str, ctx_src: Path, timeout_s: float) -> dict[str, Any]:
+def run_mode(mode: str, ctx_src: Path, timeout_s: float, logs: Path | None = None) -> dict[str, Any]:
+    """One search in ``mode``; the daemon's log is kept as ``logs``, when given."""
     ws = Workspace(f"ttr-{mode}")
     ticks = ws.dir / "ticks.jsonl"
     count_slurm_calls(ws, ticks)
@@ -259,12 +264,15 @@ def run_mode(mode: str, ctx_src: Path, timeout_s: float) -> dict[str, Any]:
             "time_to_result_s": ended - started.t0,
             **r,
             "first_run_start_s": first_run_start(started.t0),
-            "held_job_waits_s": held_waits(started.t0),
+            **held_jobs(started.t0),
             "slurm_calls": per_tick(ticks, pid or daemon_pid(ws)),
         }
     finally:
         for job in started.held if started else []:
             subprocess.run(["scancel", job], check=False)
+        ws.det("daemon", "stop", check=False)
+        if logs is not None and (ws.dir / "data/daemon.log").exists():
+            shutil.copy2(ws.dir / "data/daemon.log", logs)
         ws.close()
         scancel_mine()
 
@@ -309,7 +317,8 @@ def measure(args: argparse.Namespace, ctx: Path) -> tuple[list[dict[str, Any]], 
             for rep in range(args.repeats):
                 order = args.modes if rep % 2 == 0 else args.modes[::-1]  # alternated: no mode always first
                 for mode in order:
-                    row = run_mode(mode, ctx, args.timeout_s)
+                    logs = args.logs / f"{cond}-{rep}-{mode}-daemon.log" if args.logs else None
+                    row = run_mode(mode, ctx, args.timeout_s, logs)
                     rows.append({"condition": cond, "repeat": rep, "load_average": os.getloadavg()[0], **row})
                     print(f"{cond} {mode}: {row['time_to_result_s']:.1f} s ({row['state']})", flush=True)
         finally:
@@ -328,10 +337,13 @@ def main() -> int:
     ap.add_argument("--conditions", type=lambda s: s.split(","), default=["idle", "busy"])
     ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per search")
+    ap.add_argument("--logs", type=Path, help="a dir to keep each search's daemon log in")
     args = ap.parse_args()
     if unknown := set(args.modes) - set(MODES):
         sys.exit(f"--modes: unknown {sorted(unknown)}; the modes are {', '.join(MODES)}")
     require_cluster()
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     scancel_mine()
     ctx = context(args)
     try:
