@@ -79,6 +79,7 @@ class Share:
 
 def parse_allocation(job_id: str, text: str, gres_name: str = "gpu") -> Allocation:
     """``scontrol -d show job JOB`` (multi-line) -> :class:`Allocation`."""
+    text = _record_of(job_id, text)
     head = parse_key_values(" ".join(_DETAIL.sub("", text).split()))
     state = head.get("JobState", "")
     if not state:
@@ -89,6 +90,14 @@ def parse_allocation(job_id: str, text: str, gres_name: str = "gpu") -> Allocati
         gpus = sum(int(c) for name, c in _GRES_ENTRY.findall(m.group(4) or "") if name == gres_name)
         nodes += [HeldNode(name, cpus, gpus, int(m.group(3))) for name in expand_nodelist(m.group(1))]
     return Allocation(job_id, state, _time(head.get("EndTime", "")), tuple(nodes))
+
+
+def _record_of(job_id: str, text: str) -> str:
+    """Job ``job_id``'s own record. The id of an array (that of its last task, as a pilot
+    workers' array has) makes scontrol list every task of the array, each with its own JobId
+    and nodes; merged, they would be one job holding all their nodes."""
+    records = re.split(r"^(?=JobId=)", text, flags=re.MULTILINE)
+    return next((r for r in records if r.startswith(f"JobId={job_id} ")), text)
 
 
 def _count_ids(ids: str) -> int:

@@ -23,6 +23,14 @@ def test_scontrol_show_job_of_an_allocation() -> None:
     assert alloc.describe() == "2 nodes (g1, g2) with 2 GPUs and 2 CPUs each"
 
 
+def test_an_arrays_id_is_its_last_task_not_every_task() -> None:
+    # sbatch -p cpu -c2 --array=0-1 on the 22.05 test cluster, both tasks running: task 1 has
+    # the array's id (162), for which scontrol lists every task (task 0 is job 163, on c1).
+    text = (DATA / "show-job-array.txt").read_text()
+    assert parse_allocation("162", text).nodes == (HeldNode("c2", 2, 0, 0),)
+    assert parse_allocation("163", text).nodes == (HeldNode("c1", 2, 0, 0),)
+
+
 def test_node_groups_with_different_shares() -> None:
     text = (
         "JobId=7 JobName=x\n   JobState=RUNNING Reason=None\n   EndTime=Unknown Deadline=N/A\n"
