@@ -32,9 +32,14 @@ def start(app: App, exp_id: int, exp_dir: str) -> Path:
     """Start the background driver of ``exp_id``; its log. Raises StateError when it ended
     before it held the experiment's driver lock (its last log lines say why)."""
     log = Path(exp_dir) / LOG
+    try:
+        # Never through a link: anything the user's trials run could have put one there.
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise StateError(f"experiment {exp_id}: cannot open its driver's log {log}: {e.strerror}") from None
     ready_r, ready_w = os.pipe()
     try:
-        with open(log, "ab") as out:
+        with os.fdopen(fd, "ab") as out:
             proc = subprocess.Popen(
                 # sys.executable: the same detslurm (same venv) as this `det`.
                 [sys.executable, "-m", "detslurm.cli.main", "e", COMMAND, str(exp_id), "--ready-fd", str(ready_w)],

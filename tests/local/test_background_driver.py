@@ -92,3 +92,14 @@ def test_a_driver_that_fails_to_start_puts_the_experiment_back_to_paused(
     code, out, err = det("e", "activate", "--detach", str(exp_id))
     assert code == 1 and "its background driver did not start (exit code 1)" in err, out + err
     assert str(experiment(exp_id).state) == "PAUSED"
+
+
+def test_a_link_planted_as_the_drivers_log_is_not_followed(det: Any, tmp_path: Path) -> None:
+    exp_id = _paused_local(det)
+    target = tmp_path / "not-the-log"
+    target.write_text("untouched\n")
+    (Path(experiment(exp_id).exp_dir) / "driver.log").symlink_to(target)
+    code, out, err = det("e", "activate", "--detach", str(exp_id))
+    assert code == 1 and "cannot open its driver's log" in err and "Traceback" not in err, out + err
+    assert target.read_text() == "untouched\n"
+    assert str(experiment(exp_id).state) == "PAUSED"
