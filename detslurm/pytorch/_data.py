@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import BatchSampler, Dataset, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from detslurm.pytorch.samplers import SkipBatchSampler, SkipSampler
+
 log = logging.getLogger("detslurm.pytorch")
 
 # Mixes (seed, epoch) into one generator seed; any fixed odd constant keeps epochs distinct.
@@ -431,3 +433,18 @@ def to_device(data: Any, device: torch.device, warned_types: Optional[set[type]]
         warned.add(type(data))
         log.warning("to_device(): cannot move a %s to %s; it is passed on as it is", type(data).__name__, device)
     return data
+
+
+def skips_itself(loader: Any) -> bool:
+    """Whether a torch loader's samplers include one of Determined's skip samplers (anywhere in
+    a chain of batch samplers: DistributedBatchSampler(SkipBatchSampler(RepeatBatchSampler(...))))."""
+    if isinstance(getattr(loader, "sampler", None), SkipSampler):
+        return True
+    sampler = getattr(loader, "batch_sampler", None)
+    for _ in range(16):  # a guard against a sampler that names itself
+        if isinstance(sampler, (SkipBatchSampler, SkipSampler)):
+            return True
+        sampler = getattr(sampler, "batch_sampler", None)
+        if sampler is None:
+            return False
+    return False

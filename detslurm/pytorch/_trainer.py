@@ -25,7 +25,7 @@ import torch
 
 from detslurm.expconf.view import ConfigView, SearcherView
 from detslurm.pytorch._context import LRScheduler, PyTorchTrialContext
-from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader
+from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader, skips_itself
 from detslurm.pytorch._reducer import Reducer, reduce_rows, reduce_values, scalar
 from detslurm.pytorch._state import (
     LOAD_DATA_FILE,
@@ -211,7 +211,7 @@ class Trainer:
         # A loader built on Determined's skip samplers (SkipBatchSampler or SkipSampler with
         # context.get_initial_batch(), as Determined's docs teach) skips the trained batches
         # itself: skipping them here too would lose as many again.
-        if skip and _skips_itself(loader):
+        if skip and skips_itself(loader):
             skip = 0
         # A torch loader's sampler draws its order from the global RNG at the first next():
         # draw it from the epoch-start RNG state, skip what was trained, restore the current state.
@@ -635,23 +635,6 @@ class Trainer:
         self._best = trial_state.get("best")
         self._last_ckpt_at = self.batches_trained
         log.info("resumed from checkpoint %s at batch %d", storage_id, self.batches_trained)
-
-
-def _skips_itself(loader: Any) -> bool:
-    """Whether a torch loader's samplers include one of Determined's skip samplers (anywhere in
-    a chain of batch samplers: DistributedBatchSampler(SkipBatchSampler(RepeatBatchSampler(...))))."""
-    from detslurm.pytorch.samplers import SkipBatchSampler, SkipSampler
-
-    if isinstance(getattr(loader, "sampler", None), SkipSampler):
-        return True
-    sampler = getattr(loader, "batch_sampler", None)
-    for _ in range(16):  # a guard against a sampler that names itself
-        if isinstance(sampler, (SkipBatchSampler, SkipSampler)):
-            return True
-        sampler = getattr(sampler, "batch_sampler", None)
-        if sampler is None:
-            return False
-    return False
 
 
 def _detached(v: Any) -> Any:
