@@ -169,6 +169,9 @@ class Controller:
                     runs += sum(needs_run(t, set()) for t in s.scalars(runless_trials(exp_id)))
                 demands.append(Demand(ExpRef(exp_id, Path(exp.exp_dir)), config, runs))
         for exp_id, problem in self.executor.settle(demands):
+            if isinstance(problem, HoldingEnded):
+                self._holding_ended(exp_id, problem)
+                continue
             if self._pilot_problems.get(exp_id) == problem:
                 continue
             self._pilot_problems[exp_id] = problem

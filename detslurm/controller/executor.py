@@ -188,10 +188,11 @@ class Executor(Protocol):
         limit, the scheduler decides); the rest wait for a later tick. Raises
         :class:`HoldingEnded` when runs of ``config`` can never start where they go."""
 
-    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str | HoldingEnded]]:
         """After a tick: keep the places that experiments' runs need (pilot workers: submit the
-        missing, end the idle); (experiment, problem) for each that failed. An executor that
-        keeps no places does nothing."""
+        missing, end the idle); (experiment, problem) for each that failed, a HoldingEnded
+        where its runs can never start in the places kept (the experiment is paused). An
+        executor that keeps no places does nothing."""
 
     def resources_type(self) -> str:
         """``DET_RESOURCES_TYPE`` for runs of this backend."""

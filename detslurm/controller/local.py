@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, BinaryIO
 import psutil
 
 from detslurm import settings
-from detslurm.controller.executor import Demand, ExitCause, ExpRef, JobState, JobStatus, RunSpec, submit_each
+from detslurm.controller.executor import (
+    Demand,
+    ExitCause,
+    ExpRef,
+    HoldingEnded,
+    JobState,
+    JobStatus,
+    RunSpec,
+    submit_each,
+)
 
 if TYPE_CHECKING:
     from detslurm.expconf import ExperimentConfig
@@ -38,7 +47,7 @@ class LocalExecutor:
         running = sum(1 for p in self._procs.values() if p.poll() is None)
         return max(0, self.max_parallel - running)
 
-    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str | HoldingEnded]]:
         return []  # local processes need no place kept for them
 
     def resources_type(self) -> str:

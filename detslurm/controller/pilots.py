@@ -6,9 +6,10 @@ per start, restart, promotion and resume.
 Each tick, after the experiments' steps, the controller says what each experiment with pilots
 needs (a Demand: its runs running or waiting for a place). The pool reads the tick's one
 squeue (shared with the Slurm executor), submits the missing workers as one array, cancels the
-surplus (waiting workers first, then idle ones, never one a run is in) and renews the lease that
-keeps the workers' own scripts waiting (slurm/pilot_job.py). A paused or ended experiment needs
-no runs: its workers end once their trials have checkpointed and stopped.
+surplus (waiting workers first, then idle ones, never one a run is in; each once it has been
+surplus for ``idle_timeout``) and renews the lease that keeps the workers' own scripts waiting
+(slurm/pilot_job.py). A paused or ended experiment needs no runs: its workers end once their
+trials have checkpointed and stopped, with no grace.
 
 A worker that ends while a run is in it (its time limit, preemption, a node failure, a
 ``scancel``) stops that run as a held job's end does: the run is a preemption, its trial
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from detslurm.controller.executor import Demand, ExpRef, JobState, SchedulerUnavailable
+from detslurm.controller.executor import Demand, ExpRef, HoldingEnded, JobState, SchedulerUnavailable
 from detslurm.controller.slurm_status import JOB_STATE
 from detslurm.controller.step_executor import StepExecutor
 from detslurm.expconf import ExperimentConfig
@@ -68,6 +69,7 @@ class PilotPool:
         self._may_raise = may_raise_priority
         self._clock = clock
         self._renewed: dict[Path, float] = {}  # lease -> when this process last renewed it
+        self._idle_since: dict[int, dict[str, float]] = {}  # experiment -> surplus task -> since
         self.calls_sbatch = 0  # worker arrays submitted (benchmarks and tests count them)
 
     # -- the workers of one experiment ----------------------------------------------------------
@@ -91,10 +93,11 @@ class PilotPool:
         return [w.job for w in self.workers(exp) if w.running]
 
     # -- keep as many as needed ---------------------------------------------------------------
-    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str | HoldingEnded]]:
         """Submit and cancel workers for ``demands`` (one sbatch per experiment short of
-        workers, one scancel for all surplus); (experiment, problem) for what failed."""
-        problems: list[tuple[int, str]] = []
+        workers, one scancel for all surplus); (experiment, problem) for what failed, a
+        HoldingEnded where the workers can never run the experiment's trials."""
+        problems: list[tuple[int, str | HoldingEnded]] = []
         doomed: list[str] = []
         for demand in demands:
             try:
@@ -102,6 +105,8 @@ class PilotPool:
             except SchedulerUnavailable as e:
                 log.warning("pilot workers of experiment %d: Slurm unreachable: %s", demand.exp.id, e)
                 return problems
+            except HoldingEnded as e:
+                problems.append((demand.exp.id, e))
             except (SlurmCommandError, SlurmUnavailable, OSError) as e:
                 problems.append((demand.exp.id, f"pilot workers could not be submitted: {e}"))
         if doomed:
@@ -121,15 +126,50 @@ class PilotPool:
         closed = [w for w in workers if w.running and not self._open(w.job)]
         spent = [w.task_id for w in closed if not self.steps.busy(w.job)]
         live = [w for w in workers if w not in closed]
+        if demand.runs:
+            self._check_fit(demand, live)
         wanted = min(pilots.count, math.ceil(demand.runs / trials_per_worker(demand.config)))
         if workers or demand.runs:
             self._renew(demand.exp.dir, pilots.idle_timeout)
         if len(live) < wanted:
+            self._idle_since.pop(demand.exp.id, None)  # none is surplus now
             self._submit(demand, wanted - len(live))
             return spent
         # The surplus goes: waiting workers first, then running ones with no run in them.
         idle = [w for w in live if not w.running] + [w for w in live if w.running and not self.steps.busy(w.job)]
-        return spent + [w.task_id for w in idle[: len(live) - wanted]]
+        return spent + self._past_grace(demand, [w.task_id for w in idle[: len(live) - wanted]])
+
+    def _past_grace(self, demand: Demand, surplus: list[str]) -> list[str]:
+        """Those of ``surplus`` (task ids) to cancel now. While the experiment has runs, a
+        worker none of them needs is kept for ``idle_timeout``: an adaptive search's next trial
+        or promotion often comes a tick or two after a run ends, and a worker canceled then is
+        one queued again (the wait this mode exists to avoid). A paused or ended experiment
+        keeps none."""
+        pilots = demand.config.slurm.pilots
+        assert pilots is not None
+        now = self._clock()
+        # Only this tick's surplus keeps its clock: a worker needed again, or gone, starts afresh.
+        before = self._idle_since.pop(demand.exp.id, {})
+        since = {task: before.get(task, now) for task in surplus}
+        if demand.runs == 0:
+            return surplus
+        doomed = [task for task, t in since.items() if now - t >= pilots.idle_timeout]
+        self._idle_since[demand.exp.id] = {task: t for task, t in since.items() if task not in doomed}
+        return doomed
+
+    def _check_fit(self, demand: Demand, live: list[Worker]) -> None:
+        """Raise HoldingEnded when a running worker could never hold one of the experiment's
+        trials: every worker has its shape, so its runs would wait forever. That happens when
+        ``slurm.sbatch_args`` (or the site's defaults) give the workers less than the pilots
+        section asks for; the create's check sees only what is asked."""
+        for w in live:
+            alloc = self.steps.allocation(w.job) if w.running else None
+            why = self.steps.too_small(demand.config, alloc) if alloc is not None and alloc.running else None
+            if why is not None:
+                raise HoldingEnded(
+                    f"pilot worker {w.task_id} is too small: {why} (slurm.sbatch_args or the site's"
+                    " defaults give the workers less than slurm.pilots asks for)"
+                )
 
     def _open(self, job: str) -> bool:
         try:

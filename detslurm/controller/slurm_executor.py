@@ -19,6 +19,7 @@ from detslurm.controller.executor import (
     Demand,
     ExitCause,
     ExpRef,
+    HoldingEnded,
     JobState,
     JobStatus,
     RunSpec,
@@ -411,7 +412,7 @@ class SlurmExecutor:
             out.update(zip((s.identity for s in group), started, strict=True))
         return out
 
-    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str]]:
+    def settle(self, demands: Sequence[Demand]) -> list[tuple[int, str | HoldingEnded]]:
         """Keep the pilot workers the experiments need (PilotPool.settle); the tick ends here,
         so the next one reads the queue afresh."""
         try:

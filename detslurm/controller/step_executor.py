@@ -240,18 +240,26 @@ class StepExecutor:
             return [Refusal(RefusalKind.SITE_LIMIT, where, f"Slurm does not know job {job} (it has ended)")]
         if not alloc.running or not alloc.nodes:
             return [Refusal(RefusalKind.SITE_LIMIT, where, f"allocation {job} is {alloc.state}, not running")]
-        shape = self.shape(config, alloc)
-        if fits_empty(alloc, shape):
+        message = self.too_small(config, alloc)
+        if message is None:
             return []
+        shape = self.shape(config, alloc)
         kind = RefusalKind.TOO_MANY_NODES if shape.nodes > len(alloc.nodes) else RefusalKind.NODE_TOO_SMALL
+        return [Refusal(kind, f"{CONFIG}.resources.slots_per_trial", message)]
+
+    def too_small(self, config: ExperimentConfig, alloc: Allocation) -> Optional[str]:
+        """Why no run of ``config`` could ever fit running job ``alloc``, even empty (None: one
+        fits), with the numbers."""
+        shape = self.shape(config, alloc)
+        if not alloc.nodes or fits_empty(alloc, shape):
+            return None
         unit = "GPU" if uses_gpus(alloc) else "CPU"
         need = (
-            f"{shape.nodes} nodes with {shape.per_node} {unit}s each"
+            f"{shape.nodes} nodes with {shape.per_node} {unit}{'s' * (shape.per_node != 1)} each"
             if shape.nodes > 1
-            else f"{shape.slots} {unit}s on one node"
+            else f"{shape.slots} {unit}{'s' * (shape.slots != 1)} on one node"
         )
-        message = f"a trial needs {need}, but allocation {job} holds {alloc.describe()}"
-        return [Refusal(kind, f"{CONFIG}.resources.slots_per_trial", message)]
+        return f"a trial needs {need}, but allocation {alloc.job_id} holds {alloc.describe()}"
 
     # -- plan and start -------------------------------------------------------------------------
     def plan(self, spec: RunSpec, job: str, alloc: Allocation, share: Share) -> StepRequest:

@@ -245,8 +245,9 @@ class PilotsSection(Strict):
     # slots runs four 1-slot trials at once.
     slots: int | None = Field(default=None, ge=0)
     time_limit: int = Field(default=60, ge=1)  # minutes: each worker job's --time
-    # A worker whose daemon has not renewed its lease for this long, with no trial running in
-    # it, ends itself: no allocation is held idle when the daemon is gone.
+    # Seconds a worker no run needs is kept while the experiment has runs (the daemon cancels
+    # it after); and a worker whose daemon has not renewed its lease for this long, with no
+    # trial running in it, ends itself: no allocation is held idle when the daemon is gone.
     idle_timeout: int = Field(default=60, ge=10)
 
 

@@ -20,7 +20,7 @@ from test_allocation_cluster import hold
 from test_slurm_cluster import CORE, steps, trials
 
 from detslurm.slurm.parse import experiment_tag
-from detslurm.store import Experiment, TrialRun
+from detslurm.store import Experiment, ExperimentState, TrialRun
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_env")]
 
@@ -59,6 +59,13 @@ def our_jobs(exp_id: int) -> list[tuple[str, str, str, str]]:
 
 def live(jobs: list[tuple[str, str, str, str]]) -> list[str]:
     return [j for j, _, state, _ in jobs if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING")]
+
+
+def exp_state(exp_id: int) -> ExperimentState:
+    with store().tx() as s:
+        exp = s.get(Experiment, exp_id)
+        assert exp is not None
+        return exp.state
 
 
 def run_jobs(exp_id: int) -> list[str]:
@@ -150,6 +157,31 @@ def test_idle_workers_end_and_pause_activate_resubmits(det: Any, tmp_path: Path)
     assert t.state == "COMPLETED" and t.restarts == 0
     assert [s for s, _ in steps(t.id)] == list(range(1, batches + 1))
     assert len(our_jobs(1)) == 2  # the first worker, and the one activate asked for
+
+
+def test_workers_made_too_small_by_sbatch_args_pause_the_experiment(det: Any, tmp_path: Path) -> None:
+    """`slurm.sbatch_args` may give the workers less than the pilots section asks for (here one
+    CPU for a trial of two): the create's check passes (the workers' job is valid), but no trial
+    could ever start in them. The experiment is paused with the numbers, not left waiting, and
+    the workers are canceled."""
+    ctx = tmp_path / "ctx"
+    write(ctx / "report.py", REPORTER)
+    config = write(
+        tmp_path / "small.yaml",
+        "entrypoint: python3 report.py\nresources: {slots_per_trial: 2}\n"
+        "searcher: {name: single, metric: validation_loss, max_length: 1}\n"
+        "slurm: {pilots: {count: 1}, sbatch_args: ['--cpus-per-task=1']}\n",
+    )
+    code, out, err = det("e", "create", config, ctx)
+    assert code == 0, out + err
+    wait_for(lambda: exp_state(1) == ExperimentState.PAUSED, 60, "the experiment to pause")
+    code, out, err = det("trial", "logs", str(trials(1)[0].id))
+    # The only node it holds has one CPU: a trial of two slots would need two such nodes.
+    assert "pilot worker " in out and "is too small: a trial needs 2 nodes with 1 CPU each" in out, out + err
+    assert "holds 1 node" in out and "slurm.sbatch_args" in out, out
+    assert "`det e activate 1` continues it" in out + err
+    assert run_jobs(1) == []  # no run was ever started
+    wait_for(lambda: not live(our_jobs(1)), 30, "the worker to be canceled")
 
 
 @pytest.mark.security

@@ -12,7 +12,7 @@ from fake_runner import FakeRunner
 from test_refusals import SITE
 from test_step_executor import END, SHOW
 
-from detslurm.controller.executor import Demand, ExpRef
+from detslurm.controller.executor import Demand, ExpRef, HoldingEnded
 from detslurm.controller.pilots import PilotPool
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.controller.step_executor import StepExecutor, StepRun
@@ -154,13 +154,50 @@ def test_surplus_goes_waiting_first_then_idle_never_busy(tmp_path: Path) -> None
         queued("200_4", 205, SlurmState.RUNNING, 1, "0ther"),  # another store's
     ]
     p, fake, exp = pool(tmp_path, jobs)
+    now = [NOW]
+    p._clock = lambda: now[0]
     p.steps._live["r"] = StepRun("201", Share(("g1",), 1, 1), "h", 1, 0.0)  # a run in the first
     assert p.running(exp) == ["201", "202"]
-    p.settle([Demand(exp, config(3), runs=2)])
+    # One worker too many while the search goes on: kept for idle_timeout (the next trial or
+    # promotion may need it a tick later), then the waiting one goes.
+    for t in (0, 30, 59):
+        now[0] = NOW + t
+        p.settle([Demand(exp, config(3, idle_timeout=60), runs=2)])
+    assert fake.asked("scancel") == 0
+    now[0] = NOW + 60
+    p.settle([Demand(exp, config(3, idle_timeout=60), runs=2)])
     assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2"]]
-    fake.calls.clear()
-    # Paused (or ended): none needed but the one a run is still in.
-    p.settle([Demand(exp, config(3), runs=1)])
+    assert not [c for c in fake.calls if c[0] == "sbatch"]
+
+
+def test_a_surplus_worker_needed_again_starts_its_grace_afresh(tmp_path: Path) -> None:
+    tag = experiment_tag(str(tmp_path / "exp"))
+    jobs = [queued("200_0", 201, SlurmState.RUNNING, 1, tag), queued("200_1", 202, SlurmState.RUNNING, 1, tag)]
+    p, fake, exp = pool(tmp_path, jobs)
+    now = [NOW]
+    p._clock = lambda: now[0]
+    p.settle([Demand(exp, config(2, idle_timeout=60), runs=1)])  # one surplus from NOW
+    now[0] = NOW + 40
+    p.settle([Demand(exp, config(2, idle_timeout=60), runs=2)])  # a promotion: both needed
+    now[0] = NOW + 70
+    p.settle([Demand(exp, config(2, idle_timeout=60), runs=1)])  # surplus again, from NOW + 70
+    assert fake.asked("scancel") == 0
+    now[0] = NOW + 130
+    p.settle([Demand(exp, config(2, idle_timeout=60), runs=1)])
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_0"]]  # no run in either
+
+
+def test_a_paused_experiment_keeps_no_idle_worker(tmp_path: Path) -> None:
+    tag = experiment_tag(str(tmp_path / "exp"))
+    jobs = [
+        queued("200_0", 201, SlurmState.RUNNING, 1, tag),
+        queued("200_1", 202, SlurmState.RUNNING, 1, tag),
+        queued("200_2", 203, SlurmState.PENDING, 1, tag),
+    ]
+    p, fake, exp = pool(tmp_path, jobs)
+    p.steps._live["r"] = StepRun("201", Share(("g1",), 1, 1), "h", 1, 0.0)  # its run checkpoints
+    # Paused (or ended): no run needs a worker; all but the one a run is still in go at once.
+    p.settle([Demand(exp, config(3), runs=0)])
     assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_2", "200_1"]]
     assert not [c for c in fake.calls if c[0] == "sbatch"]
 
@@ -216,3 +253,27 @@ def test_one_squeue_a_tick_whatever_the_workers(tmp_path: Path) -> None:
     assert fake.asked("squeue") == 2
     assert fake.asked("scontrol -d show job") == 3  # each worker once, when it is first seen running
     assert fake.asked("sbatch") == 0 and fake.asked("scancel") == 0
+
+
+def test_a_worker_slurm_made_too_small_pauses_rather_than_waits(tmp_path: Path) -> None:
+    """A worker running with less than a trial needs (``slurm.sbatch_args`` can override what
+    the pilots section asks for): its runs would wait for room forever, so the settle says why
+    (the controller pauses the experiment with it) instead."""
+    tag = experiment_tag(str(tmp_path / "exp"))
+    p, fake, exp = pool(tmp_path, [queued("200_0", 201, SlurmState.RUNNING, 1, tag)])
+    # The captured worker holds two nodes of two GPUs; a trial of 6 slots cannot fit.
+    ((exp_id, problem),) = p.settle([Demand(exp, config(1, trial_slots=6), runs=1)])
+    assert exp_id == 1 and isinstance(problem, HoldingEnded), problem
+    assert str(problem).startswith("pilot worker 200_0 is too small: a trial needs "), problem
+    assert "but allocation 201 holds 2 nodes" in str(problem), problem
+    assert fake.asked("sbatch") == 0
+    # One that fits is no problem.
+    tag = experiment_tag(str(tmp_path / "b" / "exp"))
+    p, fake, exp = pool(tmp_path / "b", [queued("200_0", 201, SlurmState.RUNNING, 1, tag)])
+    assert p.settle([Demand(exp, config(1, trial_slots=4), runs=1)]) == []
+    assert p.running(exp) == ["201"] and fake.asked("sbatch") == 0
+    # Once paused (no runs), the too-small worker is canceled like any idle one.
+    tag = experiment_tag(str(tmp_path / "c" / "exp"))
+    p, fake, exp = pool(tmp_path / "c", [queued("200_0", 201, SlurmState.RUNNING, 1, tag)])
+    assert p.settle([Demand(exp, config(1, trial_slots=6), runs=0)]) == []
+    assert [c for c in fake.calls if c[0] == "scancel"] == [["scancel", "200_0"]]
