@@ -60,8 +60,9 @@ class Backend(Protocol):
         acted on."""
         ...
 
-    def reprioritize(self, job_ids: list[str], priority: int) -> None:
-        """Give the experiment's live jobs a new priority now (`det e set priority`)."""
+    def reprioritize(self, job_ids: list[str], priority: int, workers_of: tuple[int, str] | None = None) -> None:
+        """Give the experiment's live jobs a new priority now (`det e set priority`), and its
+        pilot workers (``workers_of``: the experiment's id and tag) those waiting in the queue."""
         ...
 
     def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:
@@ -117,16 +118,22 @@ class SlurmBackend:
             return ops.kill_jobs_now(self.app.store, exp_id, executor, self.app.scope, trial_id)
         return ops.cancel_queued_now(self.app.store, exp_id, executor, self.app.scope)
 
-    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+    def reprioritize(self, job_ids: list[str], priority: int, workers_of: tuple[int, str] | None = None) -> None:
         from detslurm.controller.step_executor import is_step
         from detslurm.queue import nice_for
+        from detslurm.slurm.pilot_job import worker_of
+        from detslurm.slurm.states import SlurmState
 
-        # Job steps of a held job have no priority of their own (the job's is the user's).
+        client = self.app.client
+        # Job steps of a held job have no priority of their own (the job's is the user's, or
+        # the pilot worker's, found below).
         job_ids = [j for j in job_ids if not is_step(j)]
+        if workers_of is not None:
+            queued = [q for q in client.squeue() if q.state == SlurmState.PENDING]
+            job_ids += [q.job_id for q in queued if worker_of(q.comment) == workers_of]
         if not job_ids:
             return
         nice = nice_for(priority)
-        client = self.app.client
         if nice < 0 and not client.may_raise_priority():
             # Slurm lets ordinary users only lower their jobs' priority (a positive nice).
             click.echo(
@@ -205,7 +212,7 @@ class LocalBackend:
     def stop_now(self, exp_id: int, *, kill: bool, trial_id: int | None = None) -> list[str]:
         return []  # local trials are children of the `det` driving them; its next round stops them
 
-    def reprioritize(self, job_ids: list[str], priority: int) -> None:
+    def reprioritize(self, job_ids: list[str], priority: int, workers_of: tuple[int, str] | None = None) -> None:
         pass  # no scheduler queue: local trials start as soon as there is room
 
     def throttle(self, job_ids: list[str], max_slots: int, slots_per_trial: int) -> list[str]:

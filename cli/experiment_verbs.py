@@ -208,8 +208,8 @@ def set_priority(app: App, exp_id: int, priority: int) -> None:
     live = edit.set_resource(app.store, exp_id, "priority", priority, app.scope)
     click.echo(f"Set `priority` of experiment {exp_id} to {priority}")
     # Only the owner's det touches the jobs: root's --all-users changes the row, not Slurm.
-    if live.mine and live.job_ids:
-        backend_mod.of_experiment(app, exp_id).reprioritize(list(live.job_ids), priority)
+    if live.mine and (live.job_ids or live.workers_of):
+        backend_mod.of_experiment(app, exp_id).reprioritize(list(live.job_ids), priority, live.workers_of)
 
 
 COMMANDS.append(set_)

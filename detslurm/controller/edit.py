@@ -84,6 +84,9 @@ class LiveJobs:
     job_ids: tuple[str, ...]
     mine: bool  # the caller owns the experiment: only then does this process touch its jobs
     slots_per_trial: int = 1
+    # (experiment id, tag) of an experiment with pilot workers: its worker jobs, which the store
+    # does not list, are found in the queue by their comment (slurm/pilot_job.py).
+    workers_of: tuple[int, str] | None = None
 
 
 def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope: Scope | None = None) -> LiveJobs:
@@ -98,7 +101,9 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
         # resubmission picks the new value up from the config anyway.
         jobs = tuple(r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id)
         slots = ConfigView(exp.config).resources.slots_per_trial or 1
-        return LiveJobs(jobs, exp.owner == os_user(), slots)
+        piloted = (exp.config.get("slurm") or {}).get("pilots") is not None
+        workers = (exp.id, experiment_tag(exp.exp_dir)) if piloted else None
+        return LiveJobs(jobs, exp.owner == os_user(), slots, workers)
 
 
 def save_priority(store: Store, exp_id: int, priority: int, *, tag: str, scope: Scope | None = None) -> bool:

@@ -58,11 +58,14 @@ from detslurm.slurm.parse import SlurmParseError, experiment_tag
 from detslurm.slurm.refusals import CONFIG, Refusal, RefusalKind
 from detslurm.slurm.render import ContainerPaths, Identity, ResourcePlan, StepRequest, plan_step
 from detslurm.slurm.site import SiteConfig
-from detslurm.slurm.states import SlurmState
+from detslurm.slurm.states import SLURM_STATES, SlurmState
 
 # How long an answer about a held job stands: its time limit may be changed (scontrol update),
 # and its end is noticed by its steps ending in between.
 ALLOCATION_TTL_S = 30.0
+# How long after its held job's end a run's shell may still write its exit record: srun returns
+# once Slurm has killed the step (KillWait, 30 s by default), and the shell writes at once.
+LATE_RECORD_S = 60.0
 
 
 def is_step(job_id: str) -> bool:
@@ -346,6 +349,11 @@ class StepExecutor:
                 continue
             record = exit_outcome(exit_record_of(run_dir))
             alive = self._alive(run)
+            if alive is None and not record.present and self._held_job_over(run):
+                # Its shell, on another host, can write nothing more: the daemon that started it
+                # ran inside the held job (an sbatch script's `det e create --in-allocation`)
+                # and ended with it, shell and all.
+                alive = False
             if alive or (alive is None and not record.present):
                 self._live[job_id] = run
                 out[job_id] = JobStatus(JobState.RUNNING)
@@ -367,10 +375,27 @@ class StepExecutor:
             job_ended = False
         if problem is not None:
             return JobStatus(JobState.EXITED, None, ExitCause.FAILED, f"unreadable exit record: {problem}")
+        if code is None and job_ended:
+            # Slurm ended the held job and its shell with it (the shell ran inside the job):
+            # the held job's end, a preemption as for a run whose shell lived to record it.
+            return JobStatus(JobState.EXITED, None, ExitCause.PREEMPTED, "its allocation ended")
         if code is None:
             return JobStatus(JobState.UNKNOWN, None, ExitCause.LOST, "its shell is gone without an exit record")
         state = SlurmState.PREEMPTED if job_ended else None
         return ended(state, code, source == IMAGE_SOURCE, stop_signalled(run_dir))
+
+    def _held_job_over(self, run: StepRun) -> bool:
+        """Whether the run's held job ended for good more than LATE_RECORD_S ago (or Slurm no
+        longer knows it)."""
+        try:
+            alloc = self.allocation(run.job)
+        except SchedulerUnavailable:
+            return False
+        if alloc is None:
+            return True
+        if not SLURM_STATES.get(alloc.state, SlurmState.UNKNOWN).is_terminal:
+            return False
+        return alloc.end_time is None or self._clock() - alloc.end_time > LATE_RECORD_S
 
     def _alive(self, run: StepRun) -> Optional[bool]:
         """Whether the run's shell still runs; None when it runs on another host (a daemon

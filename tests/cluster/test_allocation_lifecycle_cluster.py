@@ -9,6 +9,8 @@ in its salloc shell: with its SLURM_JOB_ID."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,45 @@ def test_an_allocation_canceled_mid_step_is_a_preemption_that_activate_continues
     assert code == 0 and f"its trials run as job steps of allocation {b}" in out, out + err
     ids = finished_whole(det, batches)
     assert len(ids) == 2 and ids[1].startswith(f"{b}/"), ids
+
+
+def test_a_daemon_that_ended_with_its_allocation_leaves_a_preemption(det: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`det e create --in-allocation` in an sbatch script runs the daemon inside the job, and
+    the job's end kills it and the runs' shells with it (Slurm's cgroup does; the test
+    cluster's proctrack/linuxproc would let them escape, so the test kills them as the job
+    ends). No exit record is written. The next daemon reads the run as the held job's end: a
+    preemption, no restart spent (max_restarts 0), the experiment paused; activate continues it
+    as an ordinary job, every step once."""
+    from detslurm import daemon, settings
+    from detslurm.controller.step_executor import StepRun
+
+    batches = 60
+    a = hold(1)
+    monkeypatch.setenv("SLURM_JOB_ID", a)
+    create(det, CORE / "const.yaml", batches, "--in-allocation")
+    (t,) = trials(1)
+    wait_for(lambda: len(steps(t.id)) >= 10, 60, "ten steps")
+    s = settings.load()
+    pid = daemon.running_pid(s)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    (first,) = runs(t.id)
+    step = StepRun.parse(str(first.job_id))
+    assert step is not None
+    os.kill(step.pid, signal.SIGKILL)  # the run's shell: srun goes on until the job ends
+    subprocess.run(["scancel", a], check=True)
+    wait_for(lambda: a not in squeue_ids(), 60, "the held job to end")
+    monkeypatch.delenv("SLURM_JOB_ID")
+    daemon.start(s)
+    wait_for(lambda: '"PAUSED"' in det("e", "list", "--json")[1], 120, "the experiment to pause")
+    (first,) = runs(t.id)
+    assert first.exit_code is None and first.exit_reason is not None, (first.exit_code, first.exit_reason)
+    assert "PREEMPT" in first.exit_reason.upper(), first.exit_reason
+    assert trials(1)[0].restarts == 0
+    code, out, err = det("e", "activate", "1")
+    assert code == 0 and "continue as ordinary Slurm jobs" in out, out + err
+    ids = finished_whole(det, batches)
+    assert len(ids) == 2 and "/" not in ids[1], ids
 
 
 def test_a_worker_at_its_time_limit_hands_the_trial_to_a_new_worker(

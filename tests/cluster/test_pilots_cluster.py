@@ -184,6 +184,32 @@ def test_workers_made_too_small_by_sbatch_args_pause_the_experiment(det: Any, tm
     wait_for(lambda: not live(our_jobs(1)), 30, "the worker to be canceled")
 
 
+def test_set_priority_reaches_workers_waiting_in_the_queue(det: Any, tmp_path: Path) -> None:
+    """`det e set priority` gives the experiment's pending pilot workers the new priority (their
+    nice), as it does a trial's own queued job: the store lists no worker, the queue does."""
+    from detslurm.queue import nice_for
+
+    blocker = hold(2)  # both GPU nodes whole: the worker waits
+    ctx = tmp_path / "ctx"
+    write(ctx / "report.py", REPORTER)
+    config = write(
+        tmp_path / "one.yaml",
+        "entrypoint: python3 report.py\nresources: {slots_per_trial: 1, resource_pool: gpu}\n"
+        "searcher: {name: single, metric: validation_loss, max_length: 1}\n" + pilots(1),
+    )
+    code, out, err = det("e", "create", config, ctx)
+    assert code == 0, out + err
+    wait_for(lambda: len(live(our_jobs(1))) == 1, 30, "the worker to be submitted")
+    code, out, err = det("e", "set", "priority", "1", "60")
+    assert code == 0, out + err
+    ((task, *_),) = our_jobs(1)
+    nice = subprocess.run(["squeue", "-h", "-j", task, "-o", "%y"], capture_output=True, text=True).stdout.strip()
+    assert nice == str(nice_for(60)), (task, nice)
+    subprocess.run(["scancel", blocker], check=True)
+    code, out, err = det("e", "wait", "1")
+    assert code == 0, out + err
+
+
 @pytest.mark.security
 def test_the_neighbour_cannot_start_a_step_in_a_worker(
     det: Any, tmp_path: Path, mallory: Any, slurm_cluster: Path

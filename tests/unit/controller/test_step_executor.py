@@ -12,7 +12,7 @@ import pytest
 from fake_runner import FakeRunner
 from test_refusals import SITE
 
-from detslurm.controller.executor import HoldingEnded, RunSpec
+from detslurm.controller.executor import ExitCause, HoldingEnded, JobState, RunSpec
 from detslurm.controller.in_allocation import OUTSIDE, bind
 from detslurm.controller.step_executor import StepExecutor, StepRun, is_step
 from detslurm.errors import ConfigError
@@ -129,3 +129,38 @@ def test_a_step_run_id_holds_its_placement() -> None:
     assert run.id == "9/g[1-2]/2/2/0/login1/4242@1700000000.250"
     assert is_step(run.id) and not is_step("9") and not is_step("9_3")
     assert StepRun.parse(run.id) == run and StepRun.parse("9/x") is None
+
+
+class Ended(Held):
+    """scontrol's answer about held job 9 once it has ended (canceled at its captured EndTime)."""
+
+    def answer(self, argv: list[str], input: Optional[str]) -> Result:
+        res = super().answer(argv, input)
+        return Result(res.returncode, res.stdout.replace("JobState=RUNNING", "JobState=CANCELLED"), res.stderr)
+
+
+def test_a_run_whose_shell_ended_with_its_held_job_is_a_preemption(tmp_path: Path) -> None:
+    """The daemon ran inside the held job (an sbatch script's `det e create --in-allocation`):
+    Slurm ended the job and the run's shell with it, so no exit record was written. A daemon
+    started later reads the run as the held job's end (a preemption: no restart spent), not as
+    running forever (the shell was on another host) nor as lost (this host)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    elsewhere = StepRun("9", Share(("g1",), 1, 1), "another-host", 4242, 0.0)
+    # While the job runs, a run whose shell lives on another host is running.
+    (status,) = executor(Held(), END - 3600).poll({elsewhere.id: run_dir}).values()
+    assert status.state == JobState.RUNNING
+    # Just ended: its shell may still be writing its record.
+    (status,) = executor(Ended(), END + 10).poll({elsewhere.id: run_dir}).values()
+    assert status.state == JobState.RUNNING
+    for fake, now in ((Ended(), END + 61), (Held(), END + 61)):
+        fake.gone = fake.__class__ is Held  # ended long ago, or forgotten by Slurm
+        (status,) = executor(fake, now).poll({elsewhere.id: run_dir}).values()
+        assert (status.state, status.cause, status.exit_code) == (JobState.EXITED, ExitCause.PREEMPTED, None)
+    # This host, its shell gone: the held job's end decides, not the shell's.
+    here = executor(Ended(), END + 1)
+    mine = StepRun("9", Share(("g1",), 1, 1), here.host, 2**22 + 1, 0.0)  # no such process
+    (status,) = here.poll({mine.id: run_dir}).values()
+    assert (status.state, status.cause) == (JobState.EXITED, ExitCause.PREEMPTED)
+    (status,) = executor(Held(), END - 3600).poll({mine.id: run_dir}).values()
+    assert (status.state, status.cause) == (JobState.UNKNOWN, ExitCause.LOST)  # the job runs on
