@@ -33,7 +33,12 @@ def _sources(app: App, allow_actions: bool) -> Any:
 
         change_state(app, Verb(action), exp_id, detach=True, echo=log_echo("detslurm.dashboard"))
 
-    return Sources(jobs=jobs, pools=pools, act=act if allow_actions else None)
+    def settle() -> None:
+        from detslurm.cli import undriven
+
+        undriven.settle_undriven(app)
+
+    return Sources(jobs=jobs, pools=pools, act=act if allow_actions else None, settle=settle)
 
 
 @click.command(name="dashboard")

@@ -60,6 +60,9 @@ class Sources:
     jobs: Callable[[], list[dict[str, Any]]]
     pools: Callable[[], list[dict[str, Any]]]
     act: Callable[[str, int], None] | None = None
+    # What every `det` read does first: pause the caller's local experiments whose driver has
+    # ended (cli/undriven.py), so that the page never shows one ACTIVE with nothing behind it.
+    settle: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -182,11 +185,13 @@ def _index_handler(d: Dashboard) -> Callable[[Request], Awaitable[Response]]:
 
 
 def _experiments(d: Dashboard) -> Response:
+    d.sources.settle()
     with d.store.read() as s:
         return json_response(queries.experiments(s, d.scope))
 
 
 def _experiment(d: Dashboard, exp_id: int) -> Response:
+    d.sources.settle()
     with d.store.read() as s:
         exp = views.get_experiment(s, exp_id, d.scope)
         summary = next((e for e in queries.experiments(s, d.scope) if e.id == exp_id), None)

@@ -121,6 +121,26 @@ def test_killed_foreground_leaves_nothing_running_and_reads_pause_it(det: Any) -
     _resumes_without_lost_steps(det)
 
 
+def test_the_dashboard_reads_a_killed_foreground_as_paused(det: Any) -> None:
+    """The dashboard settles an undriven experiment as a `det` read does: its first read after
+    the driver's SIGKILL shows it PAUSED, not ACTIVE with nothing behind it."""
+    from test_dashboard import get
+
+    from detslurm.cli.dashboard import _sources
+    from detslurm.dashboard.testing import running_dashboard
+
+    proc, pids = _start()
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not _alive(pids), what="the trial's processes to end after their driver's SIGKILL")
+    app = App()
+    with running_dashboard(app.store, _sources(app, allow_actions=False)) as (base, cookie):
+        code, rows = get(base, "/api/experiments", {"Cookie": cookie})
+    assert code == 200 and [r["state"] for r in rows] == ["PAUSED"], rows
+    assert [t.state for t in trials(1)] == ["PAUSED"]
+    _resumes_without_lost_steps(det)
+
+
 def test_activate_help_names_an_ended_foreground(det: Any) -> None:
     code, out, _ = det("e", "activate", "--help")
     assert code == 0 and "resumes a local experiment whose foreground ended" in " ".join(out.split())
