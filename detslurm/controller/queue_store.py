@@ -148,6 +148,9 @@ class AsOwner:
                 # own process, and one holding root's terminal could type into root's shell
                 # (TIOCSTI) or write to it.
                 start_new_session=True,
+                # Not root's umask: what it creates in the owner's store (a journal, a WAL) is
+                # the owner's alone, whatever root's shell had set.
+                umask=0o077,
                 user=pw.pw_uid,
                 group=pw.pw_gid,
                 extra_groups=os.getgrouplist(self.owner, pw.pw_gid),
