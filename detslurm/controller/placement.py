@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 from detslurm.controller.create import CreatePlan, Placement, dry_run
 from detslurm.controller.executor import RunSpec, SchedulerUnavailable
 from detslurm.controller.local import LocalExecutor
-from detslurm.controller.slurm_executor import SlurmExecutor, Submission
+from detslurm.controller.slurm_executor import SlurmExecutor
+from detslurm.controller.slurm_plan import Submission
 from detslurm.errors import ConfigError
 from detslurm.settings import Settings
 from detslurm.slurm import pilot_job

@@ -4,8 +4,9 @@ A request bigger than its pool (more nodes than the partition has, more slots th
 holds, a time limit over MaxTime, an account or QOS the partition does not allow) would sit
 PENDING forever with a reason like PartitionConfig. ``check_shape`` compares a job's shape
 with the partitions and nodes Slurm reported and returns typed refusals that carry the
-numbers and the config path to change. Pure: the executor runs the probes
-(SlurmExecutor.refusals) and ``sbatch --test-only`` for what only slurmctld can judge.
+numbers and the config path to change. Pure: the planner runs the probes
+(SlurmPlanner.refusals, controller/slurm_plan.py) and ``sbatch --test-only`` for what only
+slurmctld can judge.
 """
 
 from __future__ import annotations

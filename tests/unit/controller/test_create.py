@@ -50,7 +50,7 @@ def resource_plans(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from detslurm.slurm import render
 
     # Imported first: each module that plans holds its own name for resource_plan.
-    for planner in ("detslurm.controller.placement", "detslurm.controller.slurm_executor", "detslurm.slurm.refusals"):
+    for planner in ("detslurm.controller.placement", "detslurm.controller.slurm_plan", "detslurm.slurm.refusals"):
         importlib.import_module(planner)
 
     seen: list[str] = []

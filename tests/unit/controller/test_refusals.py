@@ -487,7 +487,7 @@ def test_the_refusal_check_plans_a_sample_of_the_runs_the_create_submits(det_env
     are the first two of the full plan, run for run, and their sbatch has the full plan's shape."""
     from detslurm import settings as settings_mod
     from detslurm.controller.create import dry_run, plan_create
-    from detslurm.controller.slurm_executor import _shape_key
+    from detslurm.controller.slurm_plan import _shape_key
     from detslurm.store import open_store
 
     ctx = tmp_path / "ctx"
