@@ -90,7 +90,7 @@ def measure_ingest(url: str, exp_id: int, trial_id: int, n: int) -> tuple[float,
     from sqlalchemy import func, select
 
     from detslurm.controller.apply import ingest_run
-    from detslurm.controller.controller import load_searcher
+    from detslurm.controller.reconcile import load_searcher
     from detslurm.protocol import Metrics, RunPaths, encode
     from detslurm.store import Experiment, Metric, Trial, TrialRun, open_store
 

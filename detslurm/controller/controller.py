@@ -1,32 +1,23 @@
 """The controller: one reconcile step ("tick") per experiment, executor-agnostic.
 
-A tick: one batched status query, event ingest (exactly once), exit decisions, experiment
-transitions, control/ops files, submissions. All truth is in the store, the experiment dirs
-and the executor, so a controller killed at any point resumes where it was."""
+A tick: one batched status query, event ingest (exactly once) and exit decisions
+(reconcile.py), experiment transitions (transitions.py), control/ops files (files.py),
+submissions and what came of them (here). All truth is in the store, the experiment dirs and
+the executor, so a controller killed at any point resumes where it was."""
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Mapping
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-from sqlalchemy import case, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from detslurm.controller.apply import Reader, ingest_run, note
-from detslurm.controller.changes import (
-    MAX_LISTED_TRIALS,
-    Changes,
-    ExperimentSnapshot,
-    Stamp,
-    TickMemory,
-    trials_to_step,
-)
+from detslurm.controller.apply import Reader, note
+from detslurm.controller.changes import MAX_LISTED_TRIALS, Changes, ExperimentSnapshot, Stamp, TickMemory
 from detslurm.controller.config import stored_config
-from detslurm.controller.decide import decide_exit, finish_trial, ops_done
 from detslurm.controller.executor import (
     Demand,
     Executor,
@@ -40,40 +31,23 @@ from detslurm.controller.executor import (
     SubmitLater,
     SubmitUnknown,
 )
-from detslurm.controller.files import prepare_runs, read_marker, sync_files, write_marker
-from detslurm.controller.gc import Doomed, collect_garbage, remove_dirs
+from detslurm.controller.files import prepare_runs, sync_files, write_marker
+from detslurm.controller.reconcile import reconcile_runs, recover
 from detslurm.controller.submit import ACTIVE_RUN, Among, needs_run, plan_runs, runless_trials
+from detslurm.controller.transitions import kill_stopping, transitions
 from detslurm.errors import DetSlurmError, StateError
 from detslurm.identity import os_user
 from detslurm.protocol import RunPaths, read_lines
-from detslurm.searcher import SearcherError, SearchMethod, build
 from detslurm.store import Store
-from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, TrialState
+from detslurm.store.models import Experiment, ExperimentState, RunState, Trial, TrialRun, utcnow
 
-__all__ = ["ACTIVE_RUN", "Controller", "current_user", "load_searcher"]
+__all__ = ["Controller", "current_user"]
 
 log = logging.getLogger("detslurm.controller")
 _EXPECTED = (DetSlurmError, SchedulerUnavailable)  # a failed tick that needs no traceback
 
-# An sbatch whose reply was lost may still be in slurmctld's hands: before concluding that it
-# never created the job, give a slow controller this long to show it in the queue.
-SUBMIT_UNKNOWN_GRACE = timedelta(seconds=60)
-
 # Runs as (primary key, job id or None, run dir).
 ActiveRuns = list[tuple[int, str | None, str]]
-
-
-def load_searcher(exp: Experiment) -> SearchMethod:
-    s = build(stored_config(exp))
-    if exp.searcher_state:
-        # A deep copy: mutating the ORM's loaded value in place would make the later
-        # assignment compare equal to it, and SQLAlchemy would skip the UPDATE.
-        s.load_state_dict(json.loads(json.dumps(exp.searcher_state)))
-    return s
-
-
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def _get(s: Session, exp_id: int) -> Experiment:
@@ -204,7 +178,7 @@ class Controller:
         changed: list[tuple[int, JobStatus | None]] = []
         marks: dict[int, tuple[JobStatus | None, Stamp]] = {}
         for pk, job, run_dir in runs:
-            status = (seen.get(job) if job else self._recover(pk)) if reachable else None
+            status = (seen.get(job) if job else recover(self.store, self.executor, pk)) if reachable else None
             # Stamped before the read: whatever is appended after it shows at the next tick.
             stamp = self.memory.stamp(pk, run_dir)
             if job and reachable and self.memory.unchanged(pk, status, stamp):
@@ -212,7 +186,7 @@ class Controller:
             changed.append((pk, status))
             if job and reachable:
                 marks[pk] = (status, stamp)
-        unfinished = self._reconcile_runs(changed)
+        unfinished = reconcile_runs(self.store, self.memory, self.reader, changed)
         for pk, (status, stamp) in marks.items():
             if pk not in unfinished:
                 self.memory.remember(pk, status, stamp)
@@ -229,9 +203,9 @@ class Controller:
         last = self.memory.snapshots.pop(exp_id, None)
         changes = now.changes_since(last if reachable and not self._full else None)
         if reachable:
-            self._kill_stopping(exp_id)  # scancel again until the job has gone
+            kill_stopping(self.store, self.executor, exp_id)  # scancel again until the job has gone
         if changes.any:
-            self._transitions(exp_id, changes.only)
+            transitions(self.store, self.memory, exp_id, changes.only)
             with self.store.read() as s:
                 sync_files(s, _get(s, exp_id), changes.only, self.memory)
         if reachable:
@@ -277,174 +251,6 @@ class Controller:
             )
             # Core rows: no ORM row processing for what is 10,000 plain tuples at scale.
             return [(pk, job, d) for pk, job, d in s.connection().execute(q)]
-
-    def _recover(self, run_pk: int) -> JobStatus | None:
-        """A run recorded without a job id: the controller died around the submit, or the
-        submission's reply was lost. Its job is looked for by identity before anything else;
-        None means "no decision yet" (the next tick's batched poll sees an adopted job)."""
-        with self.store.tx() as s:
-            run = s.get(TrialRun, run_pk)
-            assert run is not None
-            job_id = read_marker(RunPaths.from_run_dir(Path(run.run_dir)).job_id_marker)
-            if not job_id:
-                identity = (run.trial.experiment_id, run.trial_id, run.run_id)
-                try:
-                    job_id = self.executor.recover(identity, run.trial.experiment.exp_dir)
-                except SchedulerUnavailable:
-                    return None  # cannot look now: never guess, look again next tick
-            if job_id:
-                run.job_id = job_id
-                run.state = RunState.QUEUED
-                run.exit_reason = None
-                return None
-            unknown = ExitCause.parse(run.exit_reason) == ExitCause.SUBMIT_UNKNOWN
-            if unknown and _now() - _aware(run.submit_time) < SUBMIT_UNKNOWN_GRACE:
-                return None
-            run.exit_reason = None
-        return JobStatus(JobState.UNKNOWN, None, ExitCause.NEVER_STARTED)
-
-    def _reconcile_runs(self, items: list[tuple[int, JobStatus | None]]) -> set[int]:
-        """Ingest and decide for runs of one experiment in one transaction, with the searcher
-        loaded and saved once (a tick over 1000 trials would otherwise rebuild it 1000 times).
-        Returns the runs with events left to read (see ``ingest_run``)."""
-        unfinished: set[int] = set()
-        if not items:
-            return unfinished
-        with self.store.tx() as s:
-            # One query for the runs and one for their trials, not one per run.
-            pks = [pk for pk, _ in items]
-            loaded = {r.id: r for r in s.scalars(select(TrialRun).where(TrialRun.id.in_(pks)))}
-            trial_ids = {r.trial_id for r in loaded.values()}
-            trials = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(trial_ids)))}
-            exp = trials[loaded[pks[0]].trial_id].experiment
-            searcher = self.memory.take_searcher(exp, load_searcher)
-            for run_pk, status in items:
-                run = loaded[run_pk]
-                self._reconcile_one(s, exp, trials[run.trial_id], run, status, searcher, unfinished)
-            state = searcher.state_dict()
-            if state != exp.searcher_state:  # an unchanged search is not rewritten
-                exp.searcher_state = state
-            exp.progress = searcher.progress(functools.partial(_trial_work, s, exp.id))
-        self.memory.keep_searcher(exp.id, searcher, state, exp.config)  # committed
-        return unfinished
-
-    def _reconcile_one(
-        self,
-        s: Session,
-        exp: Experiment,
-        trial: Trial,
-        run: TrialRun,
-        status: JobStatus | None,
-        searcher: SearchMethod,
-        unfinished: set[int],
-    ) -> None:
-        while True:
-            try:
-                ingest_run(s, exp, trial, run, searcher, self.reader, unfinished)
-                break
-            except SearcherError as e:
-                # The search failed on one event (its offset is past it). The rest of the run's
-                # events are read now, not at a later tick: the memory notes this run's files as
-                # read once this step ends, and a run whose files and status no longer change is
-                # never read again (it would sit in STOPPING_ERROR for good). The failed searcher
-                # ignores what follows (SearchMethod.failed), so this ends.
-                _search_failed(s, exp, trial, e)
-        try:
-            if status is not None:
-                self._observe(exp, trial, run, status, s, searcher)
-        except SearcherError as e:
-            _search_failed(s, exp, trial, e)
-        if exp.test_mode and trial.runner_state != "test_done" and _tested_everything(s, trial):
-            trial.runner_state = "test_done"
-            trial.early_stopped = True  # test mode has seen enough: stop the trial
-
-    @staticmethod
-    def _observe(
-        exp: Experiment, trial: Trial, run: TrialRun, status: JobStatus, s: Session, searcher: SearchMethod
-    ) -> None:
-        if status.state in (JobState.EXITED, JobState.UNKNOWN):
-            decide_exit(s, exp, trial, run, status, searcher)
-        elif status.state == JobState.RUNNING and run.state != RunState.RUNNING:
-            run.state = RunState.RUNNING
-            run.start_time = _now()
-            if (trial.runner_state or "").startswith("queued"):
-                trial.runner_state = None
-        elif status.state == JobState.QUEUED and not exp.test_mode:
-            trial.runner_state = f"queued: {status.detail or 'waiting'}"[:64]
-
-    # -- experiment-level state -----------------------------------------------------------
-    def _kill_stopping(self, exp_id: int) -> None:
-        with self.store.tx() as s:
-            q = (
-                select(TrialRun.job_id)
-                .join(Trial)
-                .where(Trial.experiment_id == exp_id)
-                .where(TrialRun.state.in_(ACTIVE_RUN))
-                # A failing experiment's trials are killed too, as Determined kills them: asked to
-                # checkpoint, a script that ignores preemption would keep it STOPPING_ERROR for hours.
-                .where(Trial.state.in_((TrialState.STOPPING_KILLED, TrialState.STOPPING_ERROR)))
-            )
-            jobs = [j for j in s.scalars(q) if j]
-        if jobs:
-            self.executor.kill_many(jobs)  # one scancel for all of them
-
-    def _transitions(self, exp_id: int, only: frozenset[int] | None) -> None:
-        """Trial transitions for the trials in ``only`` (None: all), then the experiment's end."""
-        with self.store.tx() as s:
-            exp = _get(s, exp_id)
-            # Loaded only when a trial ends (most steps end none): at 10,000 trials its state is large.
-            searcher = _OnDemand(exp, self.memory)
-            state = exp.state
-            for t in trials_to_step(s, exp, only):
-                busy = any(r.state in ACTIVE_RUN for r in t.runs)
-                self._trial_transition(s, exp, state, t, busy, searcher)
-            s.flush()
-            if not _any_live(s, exp_id):
-                final = _FINAL.get(state)
-                if final is None and state == ExperimentState.ACTIVE and searcher().book.shut_down:
-                    final = ExperimentState.COMPLETED
-                if final is not None:
-                    exp.state = final
-                    exp.end_time = _now()
-                    # An experiment that failed or was canceled shows how far it got: its trials'
-                    # ends since the last reconcile (a kill, a stop) count as they are now.
-                    done = final == ExperimentState.COMPLETED
-                    exp.progress = 1.0 if done else searcher().progress(functools.partial(_trial_work, s, exp_id))
-            kept = searcher.loaded
-            if kept is not None:
-                exp.searcher_state = saved = kept.state_dict()
-        if kept is not None:
-            self.memory.keep_searcher(exp_id, kept, saved, exp.config)  # committed
-        doomed: list[Doomed] = []
-        with self.store.tx() as s:
-            exp = _get(s, exp_id)
-            if exp.state.is_terminal:
-                doomed = collect_garbage(s, exp)
-        remove_dirs(doomed)
-
-    @staticmethod
-    def _trial_transition(
-        s: Session, exp: Experiment, state: ExperimentState, t: Trial, busy: bool, searcher: _OnDemand
-    ) -> None:
-        ts = t.state
-        if ts.is_terminal:
-            return
-        if state in _STOPPING_TARGET:
-            target = _STOPPING_TARGET[state]
-            if busy:
-                if ts != TrialState.STOPPING_KILLED:
-                    t.state = target
-            else:
-                final = TrialState.ERROR if target == TrialState.STOPPING_ERROR else TrialState.CANCELED
-                finish_trial(s, exp, t, final, searcher(), "USER_CANCELED")
-        elif ts in (TrialState.STOPPING_KILLED, TrialState.STOPPING_CANCELED) and not busy:
-            finish_trial(s, exp, t, TrialState.CANCELED, searcher(), "USER_CANCELED", "trial killed")
-        elif state == ExperimentState.PAUSED and ts == TrialState.ACTIVE and not busy:
-            t.state = TrialState.PAUSED
-        elif state == ExperimentState.ACTIVE and ts == TrialState.PAUSED:
-            t.state = TrialState.ACTIVE
-        elif not busy and (ops_done(t) or t.early_stopped):
-            finish_trial(s, exp, t, TrialState.COMPLETED, searcher())
 
     # -- submissions ----------------------------------------------------------------------
     def plan_submission(
@@ -558,12 +364,12 @@ class Controller:
 
     def _submit_unknown(self, run_pk: int, error: Exception) -> None:
         """The submission's reply was lost: the job may exist. The run stays PENDING with no
-        job id, so the next ticks look for it by identity (``_recover``) before resubmitting."""
+        job id, so the next ticks look for it by identity (``reconcile.recover``) before resubmitting."""
         with self.store.tx() as s:
             run = s.get(TrialRun, run_pk)
             assert run is not None
             run.exit_reason = ExitCause.SUBMIT_UNKNOWN.value
-            run.submit_time = _now()
+            run.submit_time = utcnow()
             note(s, run.trial_id, f"submission not confirmed; looking for the job before retrying: {error}", "WARNING")
         log.warning("submission unconfirmed (reply lost): %s", error)
 
@@ -572,31 +378,8 @@ class Controller:
             run = s.get(TrialRun, run_pk)
             assert run is not None
             note(s, run.trial_id, f"could not start trial run {run.run_id}: {error}", "ERROR")
-        self._reconcile_runs([(run_pk, JobStatus(JobState.UNKNOWN, None, ExitCause.FAILED, "submit failed"))])
-
-
-_FINAL = {
-    ExperimentState.STOPPING_CANCELED: ExperimentState.CANCELED,
-    ExperimentState.STOPPING_KILLED: ExperimentState.CANCELED,
-    ExperimentState.STOPPING_COMPLETED: ExperimentState.COMPLETED,
-    ExperimentState.STOPPING_ERROR: ExperimentState.ERROR,
-}
-# What a stopping experiment asks of each of its live trials.
-_STOPPING_TARGET = {
-    ExperimentState.STOPPING_CANCELED: TrialState.STOPPING_CANCELED,
-    ExperimentState.STOPPING_COMPLETED: TrialState.STOPPING_CANCELED,
-    ExperimentState.STOPPING_KILLED: TrialState.STOPPING_KILLED,
-    ExperimentState.STOPPING_ERROR: TrialState.STOPPING_ERROR,
-}
-
-
-def _search_failed(s: Session, exp: Experiment, trial: Trial, error: SearcherError) -> None:
-    """The search cannot go on: the experiment errors (its trials are stopped), and says why.
-    One already stopping (a user's cancel or kill) ends as it was asked to."""
-    if not (exp.state.is_terminal or exp.state.is_stopping):
-        exp.state = ExperimentState.STOPPING_ERROR
-        exp.error_message = f"the search failed on a report of trial {trial.id}: {error}"
-    note(s, trial.id, f"searcher error: {error}", "ERROR")
+        failed = JobStatus(JobState.UNKNOWN, None, ExitCause.FAILED, "submit failed")
+        reconcile_runs(self.store, self.memory, self.reader, [(run_pk, failed)])
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -605,59 +388,12 @@ def _as_path(run_dir: str) -> Path:
     return Path(run_dir)
 
 
-def _aware(t: datetime) -> datetime:
-    # SQLite hands back naive datetimes for timezone-aware columns.
-    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
-
-
-def _tested_everything(s: Session, trial: Trial) -> bool:
-    """Test mode: one training report, one validation and one checkpoint were seen."""
-    from detslurm.store.models import Checkpoint, Metric
-
-    groups = set(s.scalars(select(Metric.group).where(Metric.trial_id == trial.id).distinct()))
-    cks = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.trial_id == trial.id))
-    return {"training", "validation"} <= groups and bool(cks)
-
-
 def _among(changes: Changes, now: ExperimentSnapshot) -> Among | None:
     """The trials a submission must look at; None: all of them."""
     only = changes.only
     if only is None or len(only) > MAX_LISTED_TRIALS:
         return None  # many changed (every trial's first run): one plain query is cheaper
     return Among(only, max(now.trials, default=0))
-
-
-class _OnDemand:
-    """The experiment's searcher, taken from the memory (or the store) on first use."""
-
-    def __init__(self, exp: Experiment, memory: TickMemory) -> None:
-        self.exp = exp
-        self.memory = memory
-        self.loaded: SearchMethod | None = None
-
-    def __call__(self) -> SearchMethod:
-        if self.loaded is None:
-            self.loaded = self.memory.take_searcher(self.exp, load_searcher)
-        return self.loaded
-
-
-def _trial_work(s: Session, exp_id: int) -> float:
-    """The experiment's trials' work so far, in trials (see SearchMethod.progress): one
-    aggregate query, no trial loaded."""
-    work = case((Trial.state == TrialState.COMPLETED, 1.0), else_=func.coalesce(Trial.progress, 0.0))
-    total = s.scalar(select(func.coalesce(func.sum(work), 0.0)).where(Trial.experiment_id == exp_id))
-    return float(total or 0.0)
-
-
-def _any_live(s: Session, exp_id: int) -> bool:
-    """Whether a trial of the experiment has not ended, or a run of it is still active: two
-    indexed queries that stop at the first row, instead of walking every trial."""
-    ended = [st for st in TrialState if st.is_terminal]
-    trial = select(Trial.id).where(Trial.experiment_id == exp_id).where(Trial.state.not_in(ended)).limit(1)
-    if s.scalar(trial) is not None:
-        return True
-    run = select(TrialRun.id).join(Trial).where(Trial.experiment_id == exp_id).where(TrialRun.state.in_(ACTIVE_RUN))
-    return s.scalar(run.limit(1)) is not None
 
 
 def current_user() -> str:

@@ -21,7 +21,7 @@ from detslurm.store.models import Experiment, Metric, MetricPoint, RunState, Tri
 
 # PENDING counts as active: a run whose submission reply was lost may exist in Slurm already,
 # and a second run beside it would train the trial twice; the controller first looks for the
-# job by its identity tag (Controller._recover).
+# job by its identity tag (reconcile.recover).
 ACTIVE_RUN = (RunState.PENDING, RunState.QUEUED, RunState.RUNNING)
 
 

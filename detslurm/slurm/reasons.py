@@ -121,7 +121,7 @@ def describe_reason(code: str | None) -> str:
     return pending_reason(code).shown()
 
 
-# The controller notes a queued run as "queued: <Slurm's reason code>" (controller.py _observe).
+# The controller notes a queued run as "queued: <Slurm's reason code>" (controller/reconcile.py, _observe).
 _QUEUED = "queued: "
 
 

@@ -278,9 +278,9 @@ def _queued_run(det_env: Path, job_id: str) -> Any:
 
 def test_pause_marks_and_cancels_queued_runs_and_the_exit_reads_as_the_pause(det: Any, det_env: Path) -> None:
     from detslurm.controller import ops
-    from detslurm.controller.controller import load_searcher
     from detslurm.controller.decide import decide_exit
     from detslurm.controller.executor import ExitCause, JobState, JobStatus
+    from detslurm.controller.reconcile import load_searcher
     from detslurm.store import Experiment, TrialRun
 
     assert det("e", "create", "--local", CORE / "const.yaml", CORE, "--paused")[0] == 0
@@ -307,9 +307,9 @@ def test_pause_marks_and_cancels_queued_runs_and_the_exit_reads_as_the_pause(det
 
 def test_a_pause_mark_gives_way_when_the_job_had_started(det: Any, det_env: Path) -> None:
     from detslurm.controller import ops
-    from detslurm.controller.controller import load_searcher
     from detslurm.controller.decide import decide_exit
     from detslurm.controller.executor import ExitCause, JobState, JobStatus
+    from detslurm.controller.reconcile import load_searcher
     from detslurm.store import Experiment, TrialRun
 
     assert det("e", "create", "--local", CORE / "const.yaml", CORE, "--paused")[0] == 0

@@ -20,7 +20,8 @@ import tick_cost
 
 from detslurm.controller import ops
 from detslurm.controller.changes import TickMemory
-from detslurm.controller.controller import Controller, load_searcher
+from detslurm.controller.controller import Controller
+from detslurm.controller.reconcile import load_searcher
 from detslurm.controller.slurm_executor import SlurmExecutor
 from detslurm.protocol import Metrics, OpCompleted, PreemptAck, RunPaths
 from detslurm.searcher import SearchMethod

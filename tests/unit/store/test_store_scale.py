@@ -15,8 +15,8 @@ from sqlalchemy.exc import OperationalError
 
 from detslurm import settings, views
 from detslurm.controller.apply import ingest_run
-from detslurm.controller.controller import load_searcher
 from detslurm.controller.create import execute_create, plan_create
+from detslurm.controller.reconcile import load_searcher
 from detslurm.protocol import ExpPaths, Metrics, Progress, encode
 from detslurm.store import Experiment, LogEntry, Metric, MetricPoint, Trial, TrialRun, open_store
 from detslurm.store.sanitize import JSON_STR_MAX, json_safe
