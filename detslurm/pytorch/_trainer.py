@@ -11,68 +11,27 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-import json
 import logging
-import pickle
-import shutil
 import time
-import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from detslurm.expconf.view import ConfigView, SearcherView
-from detslurm.pytorch._context import LRScheduler, PyTorchTrialContext
-from detslurm.pytorch._data import DataLoader, Shard, ShardedLoader, evaluation_loader, skips_itself
-from detslurm.pytorch._reducer import Reducer, reduce_rows, reduce_values, scalar
-from detslurm.pytorch._state import (
-    LOAD_DATA_FILE,
-    STATE_FILE,
-    TRAINER_STATE_FILE,
-    TRIAL_STATE_FILE,
-    load_data,
-    load_trial_state,
-    rng_state,
-    set_rng_state,
-    trial_state_dict,
-)
-from detslurm.pytorch._trial import PyTorchCallback, PyTorchTrial
+from detslurm.expconf.view import ConfigView
+from detslurm.pytorch._context import LRScheduler
+from detslurm.pytorch._data import DataLoader, ShardedLoader, skips_itself
+from detslurm.pytorch._reducer import scalar
+from detslurm.pytorch._state import rng_state, set_rng_state
+from detslurm.pytorch._trainer_metrics import _Metrics
 from detslurm.pytorch._units import Batch, TrainUnit, total_batches
 
 log = logging.getLogger("detslurm.pytorch")
 
 
-class Trainer:
-    def __init__(self, trial: PyTorchTrial, context: PyTorchTrialContext) -> None:
-        self.trial = trial
-        self.context = context
-        self.core = context._core
-        self.callbacks = trial.build_callbacks()
-        for name, cb in self.callbacks.items():
-            if type(cb).on_checkpoint_end is not PyTorchCallback.on_checkpoint_end:
-                # Determined's words and category, once per callback that still overrides it.
-                warnings.warn(
-                    f"callback {name!r}: on_checkpoint_end is deprecated, please use on_checkpoint_write_end instead",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-        self.batches_trained = 0
-        self.epoch_idx = 0
-        self._epoch_rng: Optional[dict[str, Any]] = None
-        self._profiling: dict[str, Any] = {"enabled": False}
-        self.step_timings: list[float] = []
-        self._records_timed = 0  # get_batch_length() of the timed batches (profiling only)
-        self._best: Optional[float] = None
-        self._last_ckpt_at = -1
-        self._last_val_at = -1
-        self._bpe = 1
-        self._policy = "best"
-        self._val_source: Any = None
-        # Determined accepts evaluate_batch(batch) and evaluate_batch(batch, batch_idx); the
-        # signature, read once, says which one the user wrote.
-        self._eval_takes_idx = len(inspect.signature(trial.evaluate_batch).parameters) >= 2
+class Trainer(_Metrics):
+    """Determined's ``det.pytorch.Trainer``: ``fit`` trains the trial, validating, reporting and
+    checkpointing as its periods say. Its parts are layered classes: see ``_trainer_state.py``."""
 
     def configure_profiler(
         self,
@@ -85,9 +44,6 @@ class Trainer:
         self._profiling = {"enabled": enabled, "sync": sync_timings, "begin": begin_on_batch, "end": end_after_batch}
 
     # -- configuration -------------------------------------------------------------------
-    def _on_cluster(self) -> bool:
-        return self.core is not None and self.core.info is not None
-
     def _max_batches(self, max_length: Optional[TrainUnit], bpe: int, test_mode: bool) -> int:
         if test_mode:
             return 1
@@ -102,10 +58,6 @@ class Trainer:
             max_length = TrainUnit.from_values(**ml.as_dict(), global_batch_size=gbs)
             assert max_length is not None
         return total_batches(max_length, bpe)
-
-    def _shard(self) -> Shard:
-        dist = self.context.distributed
-        return Shard(rank=dist.rank, size=dist.size)
 
     def _training_source(self) -> tuple[Any, int]:
         """(what to iterate, steps in one pass over the data) for build_training_data_loader()."""
@@ -373,304 +325,15 @@ class Trainer:
     def _should_preempt(self) -> bool:
         return bool(self.core is not None and self.core.preempt.should_preempt())
 
-    # -- reporting -----------------------------------------------------------------------
-    def _custom_reductions(self, training: bool) -> dict[str, Any]:
-        """The wrapped reducers' metrics, then every reducer reset: as in Determined, each
-        training window and each validation starts from reset reducers."""
-        out = self.context.reduce_metrics(for_training=training)
-        self.context.reset_reducers()
-        return out
-
-    def _report_training(self, pending: list[dict[str, Any]]) -> None:
-        if not pending:
-            return
-        _to_numbers(pending)
-        batch_metrics = _across_ranks(pending, self.context.distributed)
-        pending.clear()
-        keys = set().union(*(m.keys() for m in batch_metrics))
-        avg = {k: reduce_values([m[k] for m in batch_metrics if k in m], Reducer.AVG) for k in keys}
-        avg.update(self._custom_reductions(training=True))
-        # Where training is, unless the trial reported keys of those names (as Determined does).
-        avg.setdefault("batches", self.batches_trained)
-        avg.setdefault("epochs", self.batches_trained // self._bpe)
-        if self.core is not None and self.context.is_chief():
-            # Every rank takes part in the reductions above (collectives), only the chief reports:
-            # the store gets one row per window, not one per rank.
-            self.core.train.report_training_metrics(self.batches_trained, avg, batch_metrics=batch_metrics)
-            if self.step_timings:
-                t = self.step_timings
-                self.core.train.report_metrics(
-                    "profiling",
-                    self.batches_trained,
-                    {
-                        "train_batch_s_mean": sum(t) / len(t),
-                        "train_batch_s_max": max(t),
-                        "samples": len(t),
-                        "records_per_s": self._records_timed / max(sum(t), 1e-9),
-                    },
-                )
-        for cb in self.callbacks.values():
-            cb.on_training_workload_end(avg, batch_metrics)
-
-    def _evaluate(self, test_mode: bool) -> dict[str, Any]:
-        ctx = self.context
-        ctx.reset_reducers()
-        for m in ctx.models:
-            m.eval()
-        with torch.no_grad():
-            # An overridden evaluate_full_dataset wins, as in Determined: the user asked to see the
-            # whole validation set at once.
-            if self._full_dataset_defined():
-                metrics = self._evaluate_full_dataset()
-            else:
-                metrics = self._evaluate_batches(test_mode)
-        for m in ctx.models:
-            m.train()
-        metrics.update(self._custom_reductions(training=False))
-        return metrics
-
-    def _full_dataset_defined(self) -> bool:
-        return type(self.trial).evaluate_full_dataset is not PyTorchTrial.evaluate_full_dataset
-
-    def _evaluate_full_dataset(self) -> dict[str, Any]:
-        """On the chief only, over the whole (unsharded) validation data; the others get the result."""
-        dist = self.context.distributed
-        metrics: Optional[dict[str, Any]] = None
-        if dist.rank == 0:
-            loader = evaluation_loader(self._val_source, Shard(), self.context.get_trial_seed())
-            metrics = {k: scalar(v) for k, v in self.trial.evaluate_full_dataset(loader).items()}
-        result: Optional[dict[str, Any]] = dist.broadcast(metrics) if dist.size > 1 else metrics
-        assert result is not None
-        return result
-
-    def _evaluate_batches(self, test_mode: bool) -> dict[str, Any]:
-        loader = evaluation_loader(self._val_source, self._shard(), self.context.get_trial_seed())
-        # Any: the user's evaluate_batch may be the one-argument form (see __init__).
-        evaluate: Any = self.trial.evaluate_batch
-
-        def outputs() -> Iterator[Any]:
-            for i, batch in enumerate(loader):
-                if self.context.experimental._auto_to_device:
-                    batch = self.context.to_device(batch)
-                yield evaluate(batch, i) if self._eval_takes_idx else evaluate(batch)
-                if test_mode:
-                    break
-
-        return self._evaluation_metrics(outputs())
-
-    def _evaluation_metrics(self, outputs: Iterator[Any]) -> dict[str, Any]:
-        """The validation callbacks around ``outputs`` (evaluate_batch's results, drawn lazily so
-        that the batches run between the callbacks), each checked, then reduced across ranks."""
-        rows: list[dict[str, Any]] = []
-        for cb in self.callbacks.values():
-            cb.on_validation_epoch_start()
-        for out in outputs:
-            if not isinstance(out, dict):
-                raise TypeError(f"evaluate_batch() must return a dict of metrics, not {type(out).__name__}")
-            rows.append({k: scalar(v) for k, v in out.items()})
-        for cb in self.callbacks.values():
-            cb.on_validation_epoch_end(rows)
-        return reduce_rows(rows, self.trial.evaluation_reducer(), self.context.distributed)
-
-    def _validate(self, test_mode: bool) -> None:
-        # A step can be both a period boundary and the end of training: validate it once only.
-        if self._last_val_at == self.batches_trained:
-            return
-        for cb in self.callbacks.values():
-            cb.on_validation_start()
-        metrics = self._evaluate(test_mode)
-        # Callbacks see the trial's own metrics; the report adds where training is, unless the
-        # trial reported keys of those names itself (Determined's order and rule).
-        for cb in self.callbacks.values():
-            cb.on_validation_end(metrics)
-        metrics.setdefault("batches", self.batches_trained)
-        metrics.setdefault("epochs", self.batches_trained // self._bpe)
-        self._last_val_at = self.batches_trained
-        sc = ConfigView(self.context.get_experiment_config()).searcher
-        metric = sc.metric
-        # On a cluster the searcher needs this metric to decide; failing here names the cause,
-        # where a missing metric would otherwise stall or mislead the search.
-        if self._on_cluster() and metric and metric not in metrics:
-            raise RuntimeError(
-                f"the searcher metric {metric!r} is not in the validation metrics "
-                f"({', '.join(sorted(metrics))}); return it from evaluate_batch/evaluate_full_dataset"
-            )
-        if self.core is not None and self.context.is_chief():
-            self.core.train.report_validation_metrics(self.batches_trained, metrics)
-        if self._policy == "all" or (self._policy == "best" and self._is_best(metrics, sc)):
-            self._checkpoint()
-
-    def _is_best(self, metrics: dict[str, Any], sc: SearcherView) -> bool:
-        v = metrics.get(sc.metric)
-        if not isinstance(v, (int, float)):
-            return False
-        # True is Determined's default for searcher.smaller_is_better (losses).
-        sign = 1.0 if sc.smaller_is_better else -1.0
-        if self._best is None or sign * v < sign * self._best:
-            self._best = float(v)
-            return True
-        return False
-
-    # -- checkpoints ---------------------------------------------------------------------
-    def _trial_id(self) -> Optional[int]:
-        info = self.core.info if self.core is not None else None
-        return info.trial.trial_id if info is not None else None
-
-    def _checkpoint(self) -> None:
-        if self._last_ckpt_at == self.batches_trained or self.core is None:
-            return
-        self._last_ckpt_at = self.batches_trained
-        uuid = ""
-        # State is the same on every rank after the step (DDP), so the chief's copy is the
-        # checkpoint; as in Determined, only the chief's callbacks see it saved and written, and
-        # every rank's hear of its upload.
-        if self.context.is_chief():
-            state = trial_state_dict(self.context, self.callbacks)
-            state["epoch_rng_state"] = self._epoch_rng  # for plain torch loaders (see the module doc)
-            for cb in self.callbacks.values():
-                cb.on_checkpoint_save_start(state)
-            with self.core.checkpoint.store_path(self._checkpoint_metadata()) as (path, uuid):
-                torch.save(state, path / STATE_FILE)
-                self._write_trial_files(path)
-        dist = self.context.distributed
-        self._checkpoint_done(dist.broadcast(uuid) if dist.size > 1 else uuid)
-
-    def _checkpoint_metadata(self) -> dict[str, Any]:
-        return {
-            "determined_version": "detslurm",
-            "steps_completed": self.batches_trained,
-            "framework": f"torch-{torch.__version__}",
-            "format": "pickle",
-        }
-
-    def _write_trial_files(self, path: Path) -> None:
-        """Where training is, how to load the trial again and its code (the chief's part)."""
-        # Determined's fields only: its Trainer rebuilds its state from exactly these (any other
-        # key fails there), so a user can resume our checkpoints under Determined. Off-cluster
-        # the trial id is 0, as Determined's: any other id means another trial (a warm start).
-        trial_state = {
-            "trial_id": self._trial_id() or 0,
-            "last_ckpt": self.batches_trained,
-            "step_id": 0,
-            "last_val": max(self._last_val_at, 0),
-            "batches_trained": self.batches_trained,
-            "epochs_trained": self.batches_trained // self._bpe,
-        }
-        with open(path / TRIAL_STATE_FILE, "wb") as f:
-            pickle.dump(trial_state, f)
-        # What only this Trainer keeps: the best searcher metric so far (checkpoint_policy="best").
-        (path / TRAINER_STATE_FILE).write_text(json.dumps({"best": self._best}))
-        (path / LOAD_DATA_FILE).write_text(json.dumps(load_data(self.trial, self.context)))
-        if self._on_cluster():
-            self._save_code(path / "code")
-        for cb in self.callbacks.values():
-            # Both with the directory being written, the deprecated hook first (Determined's order).
-            cb.on_checkpoint_end(str(path))
-            cb.on_checkpoint_write_end(str(path))
-
-    def _checkpoint_done(self, uuid: str) -> None:
-        for cb in self.callbacks.values():
-            cb.on_checkpoint_upload_end(uuid)
-
-    @staticmethod
-    def _save_code(dest: Path) -> None:
-        """The trial's code travels with its weights (det.import_from_path loads it later).
-        Only on a trial, where the working dir is the extracted context snapshot (<= 95 MiB)."""
-        src = Path.cwd()
-        shutil.copytree(
-            src,
-            dest,
-            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".git", "checkpoints"),
-            dirs_exist_ok=True,
-            symlinks=True,
-        )
-
-    def _load(self, storage_id: str) -> None:
-        assert self.core is not None
-        with self.core.checkpoint.restore_path(storage_id) as path:
-            state = torch.load(path / STATE_FILE, map_location=self.context.device, weights_only=False)
-            trial_state = self._read_trial_state(path)
-        for cb in self.callbacks.values():
-            cb.on_checkpoint_load_start(state)
-        load_trial_state(self.context, state)
-        self._resume_at(storage_id, state, trial_state)
-
-    def _warm_start(self, trial_state: dict[str, Any]) -> bool:
-        """Whether the checkpoint is another trial's (its weights only are taken)."""
-        saved_trial = trial_state.get("trial_id")
-        return saved_trial is not None and self._trial_id() is not None and saved_trial != self._trial_id()
-
-    def _resume_position(self, storage_id: str) -> int:
-        """The batch a run resuming the checkpoint ``storage_id`` starts at."""
-        assert self.core is not None
-        with self.core.checkpoint.restore_path(storage_id) as path:
-            trial_state = self._read_trial_state(path)
-        return 0 if self._warm_start(trial_state) else int(trial_state["batches_trained"])
-
-    @staticmethod
-    def _read_trial_state(path: Path) -> dict[str, Any]:
-        """Where training is in the checkpoint at ``path``: Determined's fields and ours."""
-        with open(path / TRIAL_STATE_FILE, "rb") as f:
-            trial_state: dict[str, Any] = pickle.load(f)
-        if (path / TRAINER_STATE_FILE).is_file():
-            trial_state.update(json.loads((path / TRAINER_STATE_FILE).read_text()))
-        return trial_state
-
-    def _resume_at(self, storage_id: str, state: dict[str, Any], trial_state: dict[str, Any]) -> None:
-        """Callbacks, RNG and where training is, from a loaded checkpoint."""
-        for k, sd in state.get("callbacks", {}).items():
-            if k in self.callbacks:
-                self.callbacks[k].load_state_dict(sd)
-        if self._warm_start(trial_state):
-            # A warm start (Continue Trial, source_trial_id): keep the weights, count from zero.
-            saved_trial = trial_state.get("trial_id")
-            log.info("warm start from checkpoint %s of trial %s: training starts at batch 0", storage_id, saved_trial)
-            return
-        rng = state.get("rng_state")
-        if isinstance(rng, dict) and "cpu_rng_state" in rng:
-            set_rng_state(rng)
-        self._epoch_rng = state.get("epoch_rng_state")
-        self.batches_trained = int(trial_state["batches_trained"])
-        self.epoch_idx = int(trial_state.get("epoch_idx", self.batches_trained // self._bpe))
-        self._best = trial_state.get("best")
-        self._last_ckpt_at = self.batches_trained
-        log.info("resumed from checkpoint %s at batch %d", storage_id, self.batches_trained)
-
 
 def _detached(v: Any) -> Any:
     """A batch's metric kept where it is (a tensor stays on its device, detached from the graph).
 
     Converting each batch's loss to a Python number would cost a device sync per batch (on a
-    GPU the host waits for the step to finish); :func:`_to_numbers` converts a whole reporting
+    GPU the host waits for the step to finish); ``_trainer_metrics._to_numbers`` converts a whole reporting
     window at once instead, as a careful hand-written loop does."""
     if isinstance(v, torch.Tensor):
         # Several values (a per-sample loss) stay a list, as Determined keeps the array: the
         # window's average is over all of them.
         return v.detach() if v.numel() == 1 else scalar(v)
     return scalar(v)
-
-
-def _across_ranks(rows: list[dict[str, Any]], dist: Any) -> list[dict[str, Any]]:
-    """A window's per-batch metrics as Determined reports them: with several ranks, each batch's
-    metrics averaged over the ranks (a value of several numbers becomes the mean of all of
-    them); with one, the rank's own rows. Ranks with no rows (those of a pipeline that do not
-    report) are left out."""
-    if dist.size == 1:
-        return list(rows)
-    everyone = [r for r in dist.allgather(rows) if r]
-    batches = [[ranks[i] for ranks in everyone if i < len(ranks)] for i in range(max(map(len, everyone)))]
-    return [{k: reduce_values([r[k] for r in batch if k in r], Reducer.AVG) for k in batch[0]} for batch in batches]
-
-
-def _to_numbers(pending: list[dict[str, Any]]) -> None:
-    """Every tensor metric of the window made a plain number, in one transfer per device and
-    dtype (an integer count stays an int, as ``.item()`` would give it)."""
-    where = [(row, k) for row in pending for k, v in row.items() if isinstance(v, torch.Tensor)]
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[dict[str, Any], str]]] = {}
-    for row, k in where:
-        groups.setdefault((row[k].device, row[k].dtype), []).append((row, k))
-    for places in groups.values():
-        # reshape() only where needed: it costs a dispatch (~5 us) per value even when a no-op.
-        values = torch.stack([row[k] if row[k].dim() == 0 else row[k].reshape(()) for row, k in places]).tolist()
-        for (row, k), value in zip(places, values, strict=True):
-            row[k] = value
