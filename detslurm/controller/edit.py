@@ -100,9 +100,9 @@ def set_resource(store: Store, exp_id: int, key: str, value: int | float, scope:
         # Runs without a job id were never submitted (or their sbatch reply was lost): the
         # resubmission picks the new value up from the config anyway.
         jobs = tuple(r.job_id for t in exp.trials for r in t.runs if r.state in ACTIVE_RUN and r.job_id)
-        slots = ConfigView(exp.config).resources.slots_per_trial or 1
-        piloted = (exp.config.get("slurm") or {}).get("pilots") is not None
-        workers = (exp.id, experiment_tag(exp.exp_dir)) if piloted else None
+        view = ConfigView(exp.config)
+        slots = view.resources.slots_per_trial or 1
+        workers = (exp.id, experiment_tag(exp.exp_dir)) if view.has_pilots else None
         return LiveJobs(jobs, exp.owner == os_user(), slots, workers)
 
 

@@ -218,6 +218,11 @@ class ConfigView:
         return _typed(_section(self.raw, "slurm").get("in_allocation"), bool, False)
 
     @property
+    def has_pilots(self) -> bool:
+        """``slurm.pilots`` is set: the trials run in pilot worker jobs the daemon keeps."""
+        return isinstance(_section(self.raw, "slurm").get("pilots"), Mapping)
+
+    @property
     def experiment_seed(self) -> int:
         return _typed(_section(self.raw, "reproducibility").get("experiment_seed"), int, 0)
 
