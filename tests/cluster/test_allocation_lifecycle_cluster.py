@@ -59,15 +59,22 @@ def paused_with_checkpoint() -> None:
     assert first.preempt_acked and first.exit_code == 0, (first.exit_reason, first.exit_code)
 
 
-def test_paused_in_one_allocation_continues_as_steps_of_the_next(det: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Paused inside allocation A, activated inside a new allocation B while A still runs: the
-    trial goes on as a job step of B (not of A, not as a job of its own)."""
-    batches = 60
+def in_a_new_allocation(det: Any, monkeypatch: pytest.MonkeyPatch, batches: int) -> tuple[str, Any]:
+    """Experiment 1 created inside a new one-node allocation, its trial ten steps in: the
+    allocation's job id and the trial."""
     a = hold(1)
     monkeypatch.setenv("SLURM_JOB_ID", a)
     create(det, CORE / "const.yaml", batches, "--in-allocation")
     (t,) = trials(1)
     wait_for(lambda: len(steps(t.id)) >= 10, 60, "ten steps")
+    return a, t
+
+
+def test_paused_in_one_allocation_continues_as_steps_of_the_next(det: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused inside allocation A, activated inside a new allocation B while A still runs: the
+    trial goes on as a job step of B (not of A, not as a job of its own)."""
+    batches = 60
+    a, t = in_a_new_allocation(det, monkeypatch, batches)
     assert det("e", "pause", "1")[0] == 0
     paused_with_checkpoint()
     b = hold(1)
@@ -88,11 +95,7 @@ def test_an_allocation_canceled_mid_step_is_a_preemption_that_activate_continues
     checkpoints; the run is a preemption (no restart spent), the experiment pauses, and
     activate inside a new allocation continues the trial there from that checkpoint."""
     batches = 60
-    a = hold(1)
-    monkeypatch.setenv("SLURM_JOB_ID", a)
-    create(det, CORE / "const.yaml", batches, "--in-allocation")
-    (t,) = trials(1)
-    wait_for(lambda: len(steps(t.id)) >= 10, 60, "ten steps")
+    a, t = in_a_new_allocation(det, monkeypatch, batches)
     subprocess.run(["scancel", a], check=True)
     wait_for(lambda: '"PAUSED"' in det("e", "list", "--json")[1], 60, "the experiment to pause")
     paused_with_checkpoint()
@@ -118,11 +121,7 @@ def test_a_daemon_that_ended_with_its_allocation_leaves_a_preemption(det: Any, m
     from detslurm.controller.step_executor import StepRun
 
     batches = 60
-    a = hold(1)
-    monkeypatch.setenv("SLURM_JOB_ID", a)
-    create(det, CORE / "const.yaml", batches, "--in-allocation")
-    (t,) = trials(1)
-    wait_for(lambda: len(steps(t.id)) >= 10, 60, "ten steps")
+    a, t = in_a_new_allocation(det, monkeypatch, batches)
     s = settings.load()
     pid = daemon.running_pid(s)
     assert pid is not None

@@ -17,8 +17,17 @@ from typing import Any
 import pytest
 import sshd_harness as sh
 import yaml
-from conftest import ROOT, write
-from test_remote_ssh import _chatty_context, _context, _laptop_det, _wait_for_output, hold, laptop, servers
+from conftest import write
+from test_remote_ssh import (
+    _chatty_context,
+    _context,
+    _laptop_det,
+    _wait_for_output,
+    hold,
+    laptop,
+    on_the_cluster,
+    servers,
+)
 
 from detslurm import client
 from detslurm.client._remote import RemoteSession
@@ -219,13 +228,7 @@ def test_on_the_slurm_test_cluster_create_and_kill_over_ssh_end_the_job_at_once(
 ) -> None:
     """create_experiment over ssh:// submits the laptop's code on the cluster; kill() cancels
     its running job at once, with no daemon left to do it at a tick (as `det e kill`)."""
-    cfg_path = Path(os.environ["DETSLURM_CONFIG"])
-    cfg = json.loads(cfg_path.read_text())
-    cfg["remote"]["setup"].append(
-        f"export SLURM_CONF={slurm_cluster / 'etc/slurm.conf'} DETSLURM_SITE_CONFIG={ROOT / 'site-configs/test-cluster.yaml'}"
-        " DETSLURM_DAEMON_IDLE_EXIT_S=30"
-    )
-    cfg_path.write_text(json.dumps(cfg))
+    on_the_cluster(slurm_cluster)
     ctx = _chatty_context(tmp_path)
     config = yaml.safe_load((ctx / "const.yaml").read_text())
     config["hyperparameters"].update(sleep=0.2, hold=str(hold))  # it waits at batch 3 while hold exists

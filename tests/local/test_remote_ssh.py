@@ -267,9 +267,8 @@ def test_logs_follow_streams_and_pause_activate(det: Any, laptop: Path, tmp_path
                 p.communicate()
 
 
-@pytest.mark.slurm
-def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path, hold: Path) -> None:
-    """The ssh user drives real Slurm jobs from the laptop: its det, its daemon, its jobs."""
+def on_the_cluster(slurm_cluster: Path) -> None:
+    """The remote side's setup points at the test cluster (its slurm.conf and site config)."""
     cfg_path = Path(os.environ["DETSLURM_CONFIG"])
     cfg = json.loads(cfg_path.read_text())
     cfg["remote"]["setup"].append(
@@ -277,6 +276,12 @@ def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, 
         " DETSLURM_DAEMON_IDLE_EXIT_S=30"
     )
     cfg_path.write_text(json.dumps(cfg))
+
+
+@pytest.mark.slurm
+def test_on_the_slurm_test_cluster(det: Any, laptop: Path, slurm_cluster: Path, tmp_path: Path, hold: Path) -> None:
+    """The ssh user drives real Slurm jobs from the laptop: its det, its daemon, its jobs."""
+    on_the_cluster(slurm_cluster)
     ctx = _chatty_context(tmp_path)
     url = "ssh://hpc"
     follow: subprocess.Popen[str] | None = None

@@ -11,7 +11,6 @@ a relative 1e-6.
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from determined_oracle import oracle_python
+from determined_oracle import first_difference, oracle_python, same
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -45,25 +44,6 @@ def run(python: Path | str, spec: dict[str, Any], tmp_path: Path, name: str) -> 
     assert r.returncode == 0, f"{name}: {r.stderr[-4000:]}"
     events: list[Any] = json.loads(out.read_text())
     return events
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
-def first_difference(theirs: list[Any], ours: list[Any]) -> str:
-    for i, (a, b) in enumerate(zip(theirs, ours, strict=False)):
-        if not same(a, b):
-            return f"event {i}:\n  Determined: {a}\n  detslurm:   {b}"
-    return f"Determined recorded {len(theirs)} events, detslurm {len(ours)}"
 
 
 HPARAMS = {"global_batch_size": 8, "lr": 0.1, "shuffle_seed": 5}
